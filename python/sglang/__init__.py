@@ -1,0 +1,3 @@
+"""SGLang diffusion serving engine (the ``multimodal_gen`` part)."""
+
+__version__ = "0.1.0"

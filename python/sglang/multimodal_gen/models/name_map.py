@@ -1,0 +1,95 @@
+"""One declarative name map per model, shared by the base-weight loader and the LoRA loader.
+
+A checkpoint (diffusers layout, or the model's original layout) names modules differently from our
+implementation, which fuses some projections (q/k/v into one ``QKVParallelLinear``, gate/up into one
+``MergedColumnParallelLinear``). A :class:`NameMap` turns any known module name into
+``(our_module_name, shard_id)`` where ``shard_id`` is the key of the target layer's shard map
+(``None`` for the whole layer, ``"q"|"k"|"v"`` or an int for a fused section).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+ShardId = int | str | None
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """Rename one module-name segment sequence.
+
+    ``source`` and ``target`` are dotted module-name fragments matched on segment boundaries, e.g.
+    ``source="attention.to_q"``, ``target="attention.to_qkv"``, ``shard_id="q"``: the module
+    ``layers.3.attention.to_q`` resolves to ``("layers.3.attention.to_qkv", "q")``.
+    ``prefix_only`` rules match at the start of the name only (e.g. ``final_layer.`` ->
+    ``all_final_layer.2-1.``).
+    """
+
+    source: str
+    target: str
+    shard_id: ShardId = None
+    prefix_only: bool = False
+
+    def apply(self, name: str) -> tuple[str, ShardId] | None:
+        if self.prefix_only:
+            if name == self.source or name.startswith(self.source + "."):
+                return self.target + name[len(self.source) :], self.shard_id
+            return None
+        # match on dotted segment boundaries anywhere in the name
+        pattern = r"(^|\.)" + re.escape(self.source) + r"(?=$|\.)"
+        m = re.search(pattern, name)
+        if m is None:
+            return None
+        start = m.start() + len(m.group(1))
+        return name[:start] + self.target + name[m.end() :], self.shard_id
+
+
+class NameMap:
+    """Resolver from checkpoint module names to our module names and shard ids.
+
+    Args:
+        rules: rename rules, tried in order; the first one that matches wins. At most one
+            shard-producing rule applies to a name; the prefix rules compose with it.
+        strip_prefixes: leading prefixes that wrap the model's own names in checkpoints
+            (``"model.diffusion_model."``, ...); removed before the rules run.
+
+    ``resolve(name)`` accepts module names (no ``.weight``/``.bias`` suffix); ``resolve_param``
+    accepts parameter names and keeps the suffix.
+    """
+
+    def __init__(self, rules: Iterable[NameRule], strip_prefixes: Iterable[str] = ()):
+        self.rules = tuple(rules)
+        self.strip_prefixes = tuple(strip_prefixes)
+
+    def resolve(self, name: str) -> tuple[str, ShardId]:
+        """Map a checkpoint module name to ``(our_module_name, shard_id)``.
+
+        Names no rule touches map to themselves with ``shard_id=None``.
+        """
+        for p in self.strip_prefixes:
+            if name.startswith(p):
+                name = name[len(p) :]
+                break
+        shard_id: ShardId = None
+        for rule in self.rules:
+            out = rule.apply(name)
+            if out is None:
+                continue
+            name, sid = out
+            if sid is not None:
+                shard_id = sid
+        return name, shard_id
+
+    def resolve_param(self, param_name: str) -> tuple[str, ShardId]:
+        """Like :meth:`resolve` for a parameter name ``<module>.<param>`` (``weight``, ``bias``...)."""
+        module, _, leaf = param_name.rpartition(".")
+        if not module:
+            return param_name, None
+        mapped, shard_id = self.resolve(module)
+        return f"{mapped}.{leaf}", shard_id
+
+    def sources_of(self, our_module: str, module_names: Iterable[str]) -> list[str]:
+        """All names in ``module_names`` that resolve to ``our_module`` (used to match kohya names)."""
+        return [n for n in module_names if self.resolve(n)[0] == our_module]
