@@ -1,0 +1,351 @@
+"""Server arguments: one dataclass shared by ``sglang serve``, ``sglang generate`` and the engine.
+
+``ServerArgs`` holds everything needed to start a :class:`~sglang.multimodal_gen.runtime.DiffusionEngine`
+and the HTTP server in front of it. :meth:`ServerArgs.add_cli_args` registers the command-line flags
+on an ``argparse`` parser and :meth:`ServerArgs.from_cli_args` turns the parsed namespace back into a
+validated ``ServerArgs``. Nothing here imports torch or FastAPI, so ``sglang serve --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+MODEL_TYPES = ("diffusion",)
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEFAULT_MAX_IMAGES_PER_REQUEST = 8
+DEFAULT_MAX_INFERENCE_STEPS = 1000
+
+
+def str_to_bool(value: str | bool) -> bool:
+    """Parse ``true|false`` (also ``1|0``, ``yes|no``, ``on|off``) as used by ``--dit-cpu-offload``.
+
+    Raises:
+        argparse.ArgumentTypeError: for any other spelling (argparse reports it as a usage error).
+    """
+    if isinstance(value, bool):
+        return value
+    lowered = value.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _find_model_index(model_path: str) -> str | None:
+    """Return the path of ``model_index.json`` for a local directory or a cached Hub repo id.
+
+    Only the local file system and the local Hugging Face cache are consulted; nothing is downloaded.
+    """
+    if os.path.isdir(model_path):
+        candidate = os.path.join(model_path, "model_index.json")
+        return candidate if os.path.isfile(candidate) else None
+    if model_path.count("/") == 1 and not model_path.startswith((".", "/")):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model_path, "model_index.json")
+        except Exception:  # invalid repo id spelling, broken cache: treat as not found
+            return None
+        if isinstance(cached, str) and os.path.isfile(cached):
+            return cached
+    return None
+
+
+def detect_model_type(model_path: str | None) -> str:
+    """Detect ``--model-type`` from the model's ``model_index.json`` (diffusers pipeline layout).
+
+    Args:
+        model_path: a local directory, a Hub repo id present in the local HF cache, or ``None``
+            (the embedded default model, which is a diffusion model).
+
+    Returns:
+        ``"diffusion"``.
+
+    Raises:
+        ValueError: when no ``model_index.json`` is found or it names no diffusers pipeline; the
+            message asks for an explicit ``--model-type``.
+    """
+    if model_path is None:
+        return "diffusion"
+    index = _find_model_index(model_path)
+    if index is None:
+        raise ValueError(
+            f"cannot detect the model type of {model_path!r}: no model_index.json found "
+            "(locally or in the Hugging Face cache); pass --model-type diffusion"
+        )
+    try:
+        with open(index, encoding="utf-8") as f:
+            class_name = json.load(f).get("_class_name", "")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"cannot read {index}: {e}; pass --model-type diffusion") from e
+    if isinstance(class_name, str) and class_name.endswith("Pipeline"):
+        return "diffusion"
+    raise ValueError(
+        f"{index} names {class_name!r}, not a diffusers pipeline; supported --model-type values: "
+        f"{', '.join(MODEL_TYPES)}"
+    )
+
+
+@dataclass
+class ServerArgs:
+    """Arguments of the engine and the HTTP server.
+
+    Attributes:
+        model_path: local directory or Hub repo id already in the local HF cache; ``None`` serves
+            the embedded tiny default model.
+        model_type: ``"diffusion"``; detected from ``model_index.json`` when ``None``.
+        host, port: where uvicorn listens.
+        tp_size: tensor-parallel size (``--tp-size``, else ``--num-gpus``, else 1).
+        api_key: when set, every endpoint but ``/health`` requires ``Authorization: Bearer <key>``.
+        admin_api_key: when set, the LoRA admin endpoints require this key instead.
+        lora_paths / lora_nicknames / lora_scales: adapters loaded and activated at startup
+            (nickname defaults to the file or folder name without extension; scale to 1.0).
+        lora_dirs: allowed roots for local LoRA paths (realpath containment), passed to the engine.
+        max_queue_size: generation requests waiting or running at once; more get 503 + Retry-After.
+        max_image_size: largest allowed width or height in pixels.
+        max_images_per_request: upper bound of ``n``.
+        max_inference_steps: upper bound of ``num_inference_steps``.
+        dit_cpu_offload: keep DiT weights in host memory between runs (GPU only; no-op on CPU).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks CUDA when available.
+        dtype: ``auto|float32|float16|bfloat16``; ``None`` = ``auto`` (the engine's default).
+        served_model_name: id reported by ``/v1/models`` (default: the engine's ``model_name``).
+        log_level: Python logging level name for the server.
+        graceful_shutdown_timeout_s: how long SIGTERM waits for in-flight work.
+    """
+
+    model_path: str | None = None
+    model_type: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    lora_paths: list[str] = field(default_factory=list)
+    lora_nicknames: list[str] = field(default_factory=list)
+    lora_scales: list[float] = field(default_factory=list)
+    lora_dirs: list[str] = field(default_factory=list)
+    max_queue_size: int = 64
+    max_image_size: int = 2048
+    max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
+    max_inference_steps: int = DEFAULT_MAX_INFERENCE_STEPS
+    dit_cpu_offload: bool = False
+    device: str | None = None
+    dtype: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+    graceful_shutdown_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check ranges and pairings; fill ``model_type`` and default LoRA nicknames.
+
+        Raises:
+            ValueError: naming the flag and the allowed range or pairing.
+        """
+        if self.model_type is None:
+            self.model_type = detect_model_type(self.model_path)
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"--model-type {self.model_type!r} is not supported; choose from {MODEL_TYPES}"
+            )
+        if not 0 <= int(self.port) <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if int(self.tp_size) < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if int(self.max_queue_size) < 1:
+            raise ValueError(f"--max-queue-size must be >= 1, got {self.max_queue_size}")
+        if int(self.max_image_size) < 1:
+            raise ValueError(f"--max-image-size must be >= 1, got {self.max_image_size}")
+        if int(self.max_images_per_request) < 1:
+            raise ValueError(
+                f"max_images_per_request must be >= 1, got {self.max_images_per_request}"
+            )
+        if int(self.max_inference_steps) < 1:
+            raise ValueError(f"max_inference_steps must be >= 1, got {self.max_inference_steps}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.api_key == "":
+            raise ValueError("--api-key must not be empty")
+        if self.admin_api_key == "":
+            raise ValueError("--admin-api-key must not be empty")
+        if self.lora_nicknames and len(self.lora_nicknames) != len(self.lora_paths):
+            raise ValueError(
+                f"--lora-nickname given {len(self.lora_nicknames)} times but --lora-path "
+                f"{len(self.lora_paths)} times; give one nickname per path (or none)"
+            )
+        if not self.lora_nicknames:
+            self.lora_nicknames = [default_lora_nickname(p) for p in self.lora_paths]
+        if len(set(self.lora_nicknames)) != len(self.lora_nicknames):
+            raise ValueError(f"--lora-nickname values must be distinct, got {self.lora_nicknames}")
+        if self.lora_scales and len(self.lora_scales) not in (1, len(self.lora_paths)):
+            raise ValueError(
+                f"--lora-scale given {len(self.lora_scales)} values for {len(self.lora_paths)} "
+                "--lora-path values; give one scale, or one per path"
+            )
+        for root in self.lora_dirs:
+            if not os.path.isdir(root):
+                raise ValueError(f"--lora-dir {root!r} is not an existing directory")
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Register the engine and server flags on ``parser`` and return it."""
+        g = parser.add_argument_group("model")
+        g.add_argument(
+            "--model-path",
+            default=None,
+            help="local model directory or a Hub repo id present in the local Hugging Face "
+            "cache (no downloads); omitted: the embedded tiny default model",
+        )
+        g.add_argument(
+            "--model-type",
+            default=None,
+            choices=MODEL_TYPES,
+            help="model family; detected from model_index.json when omitted",
+        )
+        g.add_argument(
+            "--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)"
+        )
+        g.add_argument(
+            "--dtype", default=None, choices=DTYPES, help="compute dtype (default: auto)"
+        )
+        g.add_argument(
+            "--dit-cpu-offload",
+            type=str_to_bool,
+            default=False,
+            metavar="{true,false}",
+            help="keep DiT weights in host memory between denoising runs (GPU only)",
+        )
+
+        g = parser.add_argument_group("parallelism")
+        g.add_argument("--tp-size", type=int, default=None, help="tensor-parallel size")
+        g.add_argument(
+            "--num-gpus",
+            type=int,
+            default=None,
+            help="accepted as the tensor-parallel size when --tp-size is absent",
+        )
+
+        g = parser.add_argument_group("server")
+        g.add_argument("--host", default="127.0.0.1")
+        g.add_argument("--port", type=int, default=30000)
+        g.add_argument(
+            "--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)"
+        )
+        g.add_argument(
+            "--admin-api-key",
+            default=None,
+            help="separate key required by the LoRA admin endpoints (set/unset/unload/merge)",
+        )
+        g.add_argument("--max-queue-size", type=int, default=64)
+        g.add_argument(
+            "--max-image-size", type=int, default=2048, help="largest width or height (pixels)"
+        )
+        g.add_argument("--served-model-name", default=None, help="id reported by /v1/models")
+        g.add_argument("--log-level", default="info")
+
+        g = parser.add_argument_group("LoRA")
+        g.add_argument(
+            "--lora-path",
+            action="extend",
+            nargs="+",
+            default=None,
+            help="adapter(s) to load and activate at startup (file, folder or cached repo id)",
+        )
+        g.add_argument(
+            "--lora-nickname",
+            action="extend",
+            nargs="+",
+            default=None,
+            help="nickname per --lora-path (default: its file/folder name)",
+        )
+        g.add_argument(
+            "--lora-scale",
+            action="extend",
+            nargs="+",
+            type=float,
+            default=None,
+            help="strength per startup adapter (default 1.0)",
+        )
+        g.add_argument(
+            "--lora-dir",
+            action="append",
+            default=None,
+            help="allowed root for local LoRA paths (repeatable); paths outside are refused",
+        )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        """Build a validated ``ServerArgs`` from a namespace filled by :meth:`add_cli_args`.
+
+        Raises:
+            ValueError: see :meth:`validate`.
+        """
+        tp_size = args.tp_size if args.tp_size is not None else args.num_gpus
+        return cls(
+            model_path=args.model_path,
+            model_type=args.model_type,
+            host=args.host,
+            port=args.port,
+            tp_size=tp_size if tp_size is not None else 1,
+            api_key=args.api_key,
+            admin_api_key=args.admin_api_key,
+            lora_paths=list(args.lora_path or []),
+            lora_nicknames=list(args.lora_nickname or []),
+            lora_scales=list(args.lora_scale or []),
+            lora_dirs=list(args.lora_dir or []),
+            max_queue_size=args.max_queue_size,
+            max_image_size=args.max_image_size,
+            dit_cpu_offload=args.dit_cpu_offload,
+            device=args.device,
+            dtype=args.dtype,
+            served_model_name=args.served_model_name,
+            log_level=args.log_level,
+        )
+
+    @property
+    def startup_loras(self) -> list[tuple[str, str, float]]:
+        """``[(nickname, path, strength), ...]`` for the startup adapters."""
+        if not self.lora_scales:
+            scales = [1.0] * len(self.lora_paths)
+        elif len(self.lora_scales) == 1:
+            scales = self.lora_scales * len(self.lora_paths)
+        else:
+            scales = list(self.lora_scales)
+        return list(zip(self.lora_nicknames, self.lora_paths, scales))
+
+    def replace(self, **changes) -> ServerArgs:
+        """A copy with ``changes`` applied (re-validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def redacted(self) -> dict:
+        """The arguments as a dict with the API keys masked, for logging."""
+        out = dataclasses.asdict(self)
+        for key in ("api_key", "admin_api_key"):
+            if out[key] is not None:
+                out[key] = "***"
+        return out
+
+
+def default_lora_nickname(path: str) -> str:
+    """Nickname for a startup adapter given without ``--lora-nickname``: its base name.
+
+    ``/a/b/pixel.safetensors`` -> ``pixel``; ``/a/b/style_lora/`` -> ``style_lora``;
+    ``Owner/Repo`` -> ``Repo``.
+    """
+    base = os.path.basename(os.path.normpath(path))
+    if base.endswith(".safetensors"):
+        base = base[: -len(".safetensors")]
+    return base or path
