@@ -1,0 +1,57 @@
+"""Collectives over the tensor-parallel group (identities at TP size 1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sglang.multimodal_gen.distributed.parallel_state import get_tp_group, get_tp_world_size
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the TP ranks.
+
+    Args:
+        x: any shape and dtype; identical shape on every rank.
+
+    Returns:
+        The sum, same shape and dtype (a new tensor; ``x`` is not modified). ``x`` itself at TP 1.
+    """
+    if get_tp_world_size() == 1:
+        return x
+    out = x.clone()
+    dist.all_reduce(out, group=get_tp_group())
+    return out
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate ``x`` from every TP rank along ``dim``, in rank order.
+
+    Args:
+        x: ``[..., n, ...]`` with the same shape on every rank.
+        dim: the dimension to concatenate (default: last).
+
+    Returns:
+        ``[..., tp_size * n, ...]``; ``x`` itself at TP 1.
+    """
+    world = get_tp_world_size()
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=get_tp_group())
+    return torch.cat(parts, dim=dim)
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """Send a picklable object from TP rank ``src`` to every TP rank and return it.
+
+    Ranks other than ``src`` pass anything (ignored). Identity at TP 1. Used by the engine so that
+    every rank applies the same requests and LoRA changes in the same order.
+    """
+    if get_tp_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=get_tp_group())
+    return box[0]

@@ -1,0 +1,557 @@
+"""Tensor-parallel linear layers: one base class, five sharding policies.
+
+``y = x W^T + b`` with ``W`` of shape ``(output_size, input_size)``, split over the TP group
+(Megatron-LM, Shoeybi et al. 2019, section 3: column-parallel then row-parallel so an MLP or an
+attention block needs one all-reduce). Argument names follow vLLM/SGLang.
+
+:class:`ParallelLinear` owns everything the layers share:
+
+* the TP rank and size, read once at construction (or given explicitly, so that a test can build
+  the layer "as rank r of n" in one process);
+* the **shard map** (:class:`ShardSpec` per logical output shard), which drives weight creation,
+  :meth:`ParallelLinear.weight_loader`, LoRA ``A``/``B`` slicing and merge-delta slicing;
+* the forward as hooks: :meth:`parallel_input` -> :meth:`apply_gemm` with :meth:`gemm_bias`
+  -> :meth:`reduce_output` -> :meth:`package_output`, returning ``(output, output_bias)``.
+
+Subclasses override only the sharding hooks ``_output_sections`` / ``_input_section`` and, for the
+two that communicate, ``reduce_output``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.multimodal_gen.distributed import (
+    get_tp_rank,
+    get_tp_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+ShardId = int | str | None
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLinear",
+    "QKVParallelLinear",
+    "ReplicatedLinear",
+    "RowParallelLinear",
+    "ShardSpec",
+]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where one logical output shard lives, for one TP rank.
+
+    Rows ``[full_offset, full_offset + full_size)`` of the fused full weight belong to shard
+    ``shard_id``; this rank stores rows ``[src_offset, src_offset + local_size)`` of that shard's
+    full tensor at rows ``[local_offset, local_offset + local_size)`` of its local parameter.
+    """
+
+    shard_id: ShardId
+    full_offset: int
+    full_size: int
+    local_offset: int
+    local_size: int
+    src_offset: int
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    """Shape of a tensor or of a safetensors lazy slice (``PySafeSlice``)."""
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
+
+
+def _read(t: Any, rows: slice, cols: slice | None) -> torch.Tensor:
+    """``t[rows]`` or ``t[rows, cols]`` for a tensor or a lazy slice (reads only those bytes)."""
+    return t[rows] if cols is None else t[rows, cols]
+
+
+class ParallelLinear(nn.Module):
+    """Base class of the tensor-parallel linear layers.
+
+    Args:
+        input_size: full input features ``in``.
+        output_size: full output features ``out`` (sum of all shards for fused layers).
+        bias: whether the layer has a bias ``[out]``.
+        skip_bias_add: return the bias as ``output_bias`` instead of adding it, so that the
+            caller can fuse it into a later op.
+        params_dtype: dtype of the parameters (default: ``torch.get_default_dtype()``).
+        prefix: the module's dotted name in its model, used in error messages.
+        tp_rank, tp_size: explicit TP coordinates; default: read from the TP group.
+        device: where to allocate the parameters.
+
+    Parameters:
+        ``weight`` ``[out_local, in_local]`` and ``bias`` ``[out_local]`` (or ``None``), each with a
+        ``weight_loader`` attribute.
+
+    Raises:
+        ValueError: a size does not divide by ``tp_size`` (names the layer and both numbers), or
+            the flags contradict each other.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.skip_bias_add = skip_bias_add
+        self.prefix = prefix
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.tp_size = get_tp_world_size() if tp_size is None else tp_size
+        self.tp_rank = get_tp_rank() if tp_rank is None else tp_rank
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"{self._name()}: tp_rank {self.tp_rank} not in [0, {self.tp_size})")
+        self._check_flags(bias)
+
+        self.shard_map: tuple[ShardSpec, ...] = self._build_shard_map(self.tp_rank)
+        in_local, in_src = self._input_section(self.tp_rank)
+        self.input_partition: tuple[int, int] = (in_src * in_local, in_local)
+        self.input_size_per_partition = in_local
+        self.output_size_per_partition = sum(s.local_size for s in self.shard_map)
+        self.output_partition_sizes = [s.local_size for s in self.shard_map]
+
+        self.weight = nn.Parameter(
+            torch.empty(
+                self.output_size_per_partition, in_local, dtype=self.params_dtype, device=device
+            ),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(self.output_size_per_partition, dtype=self.params_dtype, device=device),
+                requires_grad=False,
+            )
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+        self._gather_index: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------- sharding hooks
+    def _output_sections(self, tp_rank: int) -> list[tuple[ShardId, int, int, int]]:
+        """``(shard_id, full_size, local_size, src_index)`` per output shard, for ``tp_rank``.
+
+        The rank holds rows ``[src_index * local_size, (src_index + 1) * local_size)`` of the shard.
+        Default: one unsplit shard.
+        """
+        return [(None, self.output_size, self.output_size, 0)]
+
+    def _input_section(self, tp_rank: int) -> tuple[int, int]:
+        """``(local_size, src_index)`` of the input dim for ``tp_rank``. Default: unsplit."""
+        return self.input_size, 0
+
+    def _check_flags(self, bias: bool) -> None:
+        """Reject contradictory constructor flags. Default: nothing to check."""
+
+    def _bias_on_this_rank(self) -> bool:
+        """Whether this rank adds the bias in its GEMM (Row adds it on one rank only)."""
+        return True
+
+    @property
+    def input_is_sliced(self) -> bool:
+        """Whether :meth:`parallel_input` takes a slice of a full input."""
+        return False
+
+    # ----------------------------------------------------------------- shard map
+    def _divide(self, numerator: int, what: str) -> int:
+        if numerator % self.tp_size != 0:
+            raise ValueError(
+                f"{self._name()}: {what} {numerator} is not divisible by tp_size {self.tp_size}"
+            )
+        return numerator // self.tp_size
+
+    def _name(self) -> str:
+        return f"{type(self).__name__}({self.prefix or '<unnamed>'})"
+
+    def _build_shard_map(self, tp_rank: int) -> tuple[ShardSpec, ...]:
+        specs, full_off, local_off = [], 0, 0
+        for shard_id, full_size, local_size, src_index in self._output_sections(tp_rank):
+            specs.append(
+                ShardSpec(
+                    shard_id, full_off, full_size, local_off, local_size, src_index * local_size
+                )
+            )
+            full_off += full_size
+            local_off += local_size
+        if full_off != self.output_size:
+            raise ValueError(
+                f"{self._name()}: shards cover {full_off} rows, output_size is {self.output_size}"
+            )
+        return tuple(specs)
+
+    @property
+    def output_shard_ids(self) -> tuple[ShardId, ...]:
+        return tuple(s.shard_id for s in self.shard_map)
+
+    def shard_spec(self, shard_id: ShardId) -> ShardSpec:
+        """The :class:`ShardSpec` of ``shard_id``.
+
+        Raises:
+            ValueError: unknown shard id (the message lists the valid ones).
+        """
+        for s in self.shard_map:
+            if s.shard_id == shard_id:
+                return s
+        if shard_id is None and len(self.shard_map) == 1:
+            return self.shard_map[0]
+        raise ValueError(
+            f"{self._name()}: unknown shard_id {shard_id!r}; valid: {list(self.output_shard_ids)}"
+        )
+
+    def _local_rows(
+        self, full: Any, shard_id: ShardId, cols: slice | None, what: str
+    ) -> torch.Tensor:
+        """This rank's rows of ``full`` (one shard's full tensor, or the fused one if ``None``).
+
+        ``full`` is a tensor or a safetensors lazy slice; only the needed rows/cols are read.
+        """
+        shape = _shape(full)
+        fused = shard_id is None and len(self.shard_map) > 1
+        specs = self.shard_map if fused else (self.shard_spec(shard_id),)
+        expected_rows = self.output_size if fused else specs[0].full_size
+        if not shape or shape[0] != expected_rows:
+            raise ValueError(
+                f"{self._name()}: {what} for shard {shard_id!r} has shape {list(shape)}, "
+                f"expected {expected_rows} rows"
+            )
+        pieces = []
+        for s in specs:
+            start = (s.full_offset if fused else 0) + s.src_offset
+            pieces.append(_read(full, slice(start, start + s.local_size), cols))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+    def shard_output_tensor(self, full: Any, shard_id: ShardId = None) -> torch.Tensor:
+        """Slice a full output-dim tensor (dim 0) to this rank's rows.
+
+        Args:
+            full: ``[full_size_of_shard, ...]`` for ``shard_id``, or ``[output_size, ...]`` with
+                ``shard_id=None`` (the fused layout: q|k|v, gate|up). E.g. a LoRA ``B`` ``[out, r]``
+                or a bias ``[out]``.
+
+        Returns:
+            ``[local_size, ...]`` (``[output_size_per_partition, ...]`` for the fused layout).
+        """
+        return self._local_rows(full, shard_id, None, "tensor")
+
+    def shard_input_tensor(self, full: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Slice a full input-dim tensor to this rank's part (identity unless the input is split).
+
+        E.g. a LoRA ``A`` ``[r, in]`` -> ``[r, in_local]`` for a row-parallel layer.
+        """
+        start, size = self.input_partition
+        if full.shape[dim] != self.input_size:
+            raise ValueError(
+                f"{self._name()}: input dim of tensor {list(full.shape)} is not {self.input_size}"
+            )
+        return full if size == self.input_size else full.narrow(dim, start, size)
+
+    # ----------------------------------------------------------------- loading
+    @torch.no_grad()
+    def weight_loader(
+        self,
+        param: nn.Parameter,
+        loaded_weight: Any,
+        shard_id: ShardId = None,
+        pre_sharded: bool = False,
+    ) -> None:
+        """Copy checkpoint data into this rank's part of ``param`` (``weight`` or ``bias``).
+
+        Args:
+            param: ``self.weight`` or ``self.bias``.
+            loaded_weight: the full tensor of shard ``shard_id`` (``[full_size, in]`` or
+                ``[full_size]``), or of the fused layer when ``shard_id`` is ``None``. A safetensors
+                lazy slice is accepted, so only this rank's rows and columns are read. With
+                ``pre_sharded=True`` it is already this rank's piece (``[local_size, in_local]``).
+            shard_id: ``None``, an int (merged columns) or ``"q"|"k"|"v"`` (QKV).
+
+        Raises:
+            ValueError: unknown shard id, or a shape that does not fit (names the layer, the shard
+                and both shapes).
+        """
+        is_weight = param is self.weight
+        if not is_weight and param is not self.bias:
+            raise ValueError(f"{self._name()}: param is neither this layer's weight nor its bias")
+        fused = shard_id is None and len(self.shard_map) > 1
+        specs = self.shard_map if fused else (self.shard_spec(shard_id),)
+        local_start = specs[0].local_offset
+        local_rows = sum(s.local_size for s in specs)
+        if pre_sharded:
+            expected = (local_rows, self.input_size_per_partition) if is_weight else (local_rows,)
+            data = loaded_weight if isinstance(loaded_weight, torch.Tensor) else loaded_weight[:]
+        else:
+            full_rows = self.output_size if fused else specs[0].full_size
+            expected_full = (full_rows, self.input_size) if is_weight else (full_rows,)
+            if _shape(loaded_weight) != expected_full:
+                raise ValueError(
+                    f"{self._name()}: {'weight' if is_weight else 'bias'} for shard {shard_id!r} "
+                    f"has shape {list(_shape(loaded_weight))}, expected {list(expected_full)}"
+                )
+            start, size = self.input_partition
+            cols = slice(start, start + size) if is_weight else None
+            data = self._local_rows(loaded_weight, shard_id, cols, "weight")
+            expected = tuple(data.shape)
+        if tuple(data.shape) != expected:
+            raise ValueError(
+                f"{self._name()}: pre-sharded tensor for shard {shard_id!r} has shape "
+                f"{list(data.shape)}, expected {list(expected)}"
+            )
+        param.data[local_start : local_start + local_rows].copy_(data)
+
+    # ----------------------------------------------------------------- forward hooks
+    def parallel_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input this rank's GEMM consumes: ``x`` or, when the layer slices its input, the
+        rank's part of the last dim (``[..., in]`` -> ``[..., in_local]``)."""
+        if not self.input_is_sliced:
+            return x
+        start, size = self.input_partition
+        return x.narrow(-1, start, size)
+
+    def gemm_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds inside its GEMM (``None`` if skipped or added elsewhere)."""
+        if self.bias is None or self.skip_bias_add or not self._bias_on_this_rank():
+            return None
+        return self.bias
+
+    def apply_gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W_local^T + bias``: ``[..., in_local]`` -> ``[..., out_local]``.
+
+        The one place a quantized layer would replace the matmul.
+        """
+        return F.linear(x, self.weight, bias)
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        """Combine the ranks' partial outputs. Default: nothing to combine."""
+        return y
+
+    def package_output(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(output, output_bias)``: the bias is returned when ``skip_bias_add``, else ``None``."""
+        return y, (self.bias if self.skip_bias_add else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` ``[..., in]`` (or ``[..., in_local]`` when the input is already parallel) ->
+        ``(output, output_bias)``; see :meth:`package_output`."""
+        y = self.apply_gemm(self.parallel_input(x), self.gemm_bias())
+        return self.package_output(self.reduce_output(y))
+
+    # ----------------------------------------------------------------- gather reorder
+    def gathered_to_full(self, y_cat: torch.Tensor) -> torch.Tensor:
+        """Reorder rank-ordered concatenated outputs ``[..., tp_size * out_local]`` into the full
+        layout ``[..., output_size]`` (needed for fused shards and replicated KV heads)."""
+        if len(self.shard_map) == 1 and self.output_size == y_cat.shape[-1]:
+            return y_cat
+        if self._gather_index is None or self._gather_index.device != y_cat.device:
+            self._gather_index = self._build_gather_index().to(y_cat.device)
+        return y_cat.index_select(-1, self._gather_index)
+
+    def _build_gather_index(self) -> torch.Tensor:
+        index = torch.empty(self.output_size, dtype=torch.long)
+        filled = torch.zeros(self.output_size, dtype=torch.bool)
+        for rank in range(self.tp_size):
+            base = rank * self.output_size_per_partition
+            for s in self._build_shard_map(rank):
+                full = torch.arange(
+                    s.full_offset + s.src_offset, s.full_offset + s.src_offset + s.local_size
+                )
+                new = ~filled[full]
+                index[full[new]] = base + s.local_offset + torch.arange(s.local_size)[new]
+                filled[full] = True
+        return index
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size}, "
+            f"local=({self.output_size_per_partition}, {self.input_size_per_partition}), "
+            f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}, prefix={self.prefix!r}"
+        )
+
+
+class ReplicatedLinear(ParallelLinear):
+    """Every rank holds the whole weight and computes the whole output; no communication."""
+
+
+class ColumnParallelLinear(ParallelLinear):
+    """Splits the output dim: rank ``r`` holds rows ``[r * out/tp, (r + 1) * out/tp)``.
+
+    Args:
+        gather_output: all-gather the outputs so every rank returns ``[..., out]``; otherwise
+            each returns its ``[..., out/tp]``.
+        (others as :class:`ParallelLinear`)
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        **kwargs,
+    ):
+        self.gather_output = gather_output
+        super().__init__(input_size, output_size, bias=bias, **kwargs)
+
+    def _output_sections(self, tp_rank):
+        return [(None, self.output_size, self._divide(self.output_size, "output_size"), tp_rank)]
+
+    def reduce_output(self, y):
+        if not self.gather_output or self.tp_size == 1:
+            return y
+        return self.gathered_to_full(tensor_model_parallel_all_gather(y, dim=-1))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused in one GEMM (e.g. gate/up).
+
+    Args:
+        output_sizes: full size of each shard; shard ids are ``0, 1, ...``. Each is split over
+            the ranks separately, so rank ``r`` holds ``[gate_r | up_r]``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = True,
+        gather_output: bool = False,
+        **kwargs,
+    ):
+        self.output_sizes = list(output_sizes)
+        super().__init__(
+            input_size, sum(self.output_sizes), bias=bias, gather_output=gather_output, **kwargs
+        )
+
+    def _output_sections(self, tp_rank):
+        return [
+            (i, size, self._divide(size, f"output_sizes[{i}]"), tp_rank)
+            for i, size in enumerate(self.output_sizes)
+        ]
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection with heads split over the ranks (shard ids ``"q"``, ``"k"``, ``"v"``).
+
+    Grouped-query attention: with ``tp_size > total_num_kv_heads`` each KV head is replicated on
+    ``tp_size / total_num_kv_heads`` ranks and rank ``r`` holds KV head ``r // replicas``.
+
+    Args:
+        hidden_size: input features.
+        head_size: features per head.
+        total_num_heads: query heads (must divide by ``tp_size``).
+        total_num_kv_heads: key/value heads (default: ``total_num_heads``); must divide by
+            ``tp_size`` or ``tp_size`` by it.
+
+    Attributes (local): ``num_heads``, ``num_kv_heads``, ``q_size``, ``kv_size``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = True,
+        gather_output: bool = False,
+        **kwargs,
+    ):
+        self.hidden_size = hidden_size
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads or total_num_heads
+        out = (self.total_num_heads + 2 * self.total_num_kv_heads) * head_size
+        super().__init__(hidden_size, out, bias=bias, gather_output=gather_output, **kwargs)
+        self.num_heads = self.total_num_heads // self.tp_size
+        self.num_kv_heads, _ = self._kv_heads()
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+
+    def _kv_heads(self) -> tuple[int, int]:
+        """``(local kv heads, replicas per kv head)``."""
+        if self.tp_size >= self.total_num_kv_heads:
+            if self.tp_size % self.total_num_kv_heads != 0:
+                raise ValueError(
+                    f"{self._name()}: tp_size {self.tp_size} is not a multiple of "
+                    f"total_num_kv_heads {self.total_num_kv_heads}"
+                )
+            return 1, self.tp_size // self.total_num_kv_heads
+        return self._divide(self.total_num_kv_heads, "total_num_kv_heads"), 1
+
+    def _output_sections(self, tp_rank):
+        q_local = self._divide(self.total_num_heads, "total_num_heads") * self.head_size
+        kv_heads, replicas = self._kv_heads()
+        kv_full = self.total_num_kv_heads * self.head_size
+        kv_local = kv_heads * self.head_size
+        kv_src = tp_rank // replicas
+        return [
+            ("q", self.total_num_heads * self.head_size, q_local, tp_rank),
+            ("k", kv_full, kv_local, kv_src),
+            ("v", kv_full, kv_local, kv_src),
+        ]
+
+
+class RowParallelLinear(ParallelLinear):
+    """Splits the input dim: rank ``r`` holds columns ``[r * in/tp, (r + 1) * in/tp)``.
+
+    Each rank's GEMM gives a partial sum; the bias is added on rank 0 only, so the all-reduce
+    adds it exactly once.
+
+    Args:
+        input_is_parallel: ``x`` is already this rank's ``[..., in/tp]`` (e.g. the output of a
+            column-parallel layer); otherwise the layer slices the full ``[..., in]``.
+        reduce_results: all-reduce the partial outputs; with ``False`` the caller reduces, which
+            is only allowed without a fused bias (it would be added on every rank... and summed).
+
+    Raises:
+        ValueError: ``reduce_results=False`` with a bias that is not ``skip_bias_add``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        reduce_results: bool = True,
+        **kwargs,
+    ):
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        super().__init__(input_size, output_size, bias=bias, **kwargs)
+
+    def _check_flags(self, bias):
+        if bias and not self.reduce_results and not self.skip_bias_add:
+            raise ValueError(
+                f"{self._name()}: reduce_results=False with a fused bias would add the bias "
+                "on every rank; use skip_bias_add=True and add it after the reduce"
+            )
+
+    def _input_section(self, tp_rank):
+        return self._divide(self.input_size, "input_size"), tp_rank
+
+    def _bias_on_this_rank(self):
+        return self.tp_rank == 0
+
+    @property
+    def input_is_sliced(self):
+        return not self.input_is_parallel
+
+    def reduce_output(self, y):
+        if not self.reduce_results or self.tp_size == 1:
+            return y
+        return tensor_model_parallel_all_reduce(y)
