@@ -1,0 +1,82 @@
+"""API-key checks for the HTTP server.
+
+With ``--api-key`` every endpoint except ``/health`` requires ``Authorization: Bearer <key>``. With
+``--admin-api-key`` the LoRA admin endpoints require that key instead (the admin key is also
+accepted on the other endpoints). Keys are compared with :func:`hmac.compare_digest` so the time
+taken does not reveal how much of a guess was right.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+#: Paths that change engine state; they take the admin key when one is configured.
+ADMIN_PATHS = frozenset(
+    {
+        "/v1/set_lora",
+        "/v1/unset_lora",
+        "/v1/unload_lora",
+        "/v1/merge_lora_weights",
+        "/v1/unmerge_lora_weights",
+    }
+)
+#: Paths open to everyone.
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (scheme case-insensitive)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _matches(token: str | None, key: str | None) -> bool:
+    if token is None or key is None:
+        return False
+    return hmac.compare_digest(token.encode("utf-8"), key.encode("utf-8"))
+
+
+class ApiKeyAuth:
+    """Decides whether a request may reach an endpoint.
+
+    Args:
+        api_key: the key of ``--api-key`` or ``None`` (no auth on ordinary endpoints).
+        admin_api_key: the key of ``--admin-api-key`` or ``None`` (admin endpoints then follow
+            ``api_key``).
+    """
+
+    def __init__(self, api_key: str | None = None, admin_api_key: str | None = None):
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
+
+    def required_for(self, path: str) -> bool:
+        """True when ``path`` needs a key under this configuration."""
+        if path in PUBLIC_PATHS:
+            return False
+        if path in ADMIN_PATHS and self.admin_api_key is not None:
+            return True
+        return self.api_key is not None
+
+    def check(self, path: str, authorization: str | None) -> str | None:
+        """Return ``None`` when allowed, else the reason for a 401."""
+        if not self.required_for(path):
+            return None
+        token = bearer_token(authorization)
+        if token is None:
+            return (
+                "missing API key: send the header 'Authorization: Bearer <key>'"
+                if not authorization
+                else "malformed Authorization header: expected 'Bearer <key>'"
+            )
+        if path in ADMIN_PATHS and self.admin_api_key is not None:
+            ok = _matches(token, self.admin_api_key)
+        else:
+            # Evaluate both comparisons so the timing does not say which key was close.
+            ok_user = _matches(token, self.api_key)
+            ok_admin = _matches(token, self.admin_api_key)
+            ok = ok_user or ok_admin
+        return None if ok else "invalid API key"

@@ -1,0 +1,342 @@
+"""The scheduler: one thread that owns the engine and runs its work in arrival order.
+
+Why one thread: the engine's methods are blocking and must be called from one thread at a time, and
+the design requires that a ``set_lora`` never changes weights under a running generation. With a
+single FIFO, both hold by construction:
+
+- a generation without its own ``lora`` runs with the global composition in force when it *starts*
+  (every admin change queued before it has been applied, none queued after it has);
+- a generation with its own ``lora`` gets exactly that composition (the engine applies and restores
+  it around the call);
+- admin changes (``set_lora``, ``unset_lora``, merge, ...) are applied between generations, in the
+  order they arrived, and the engine broadcasts them to its TP ranks in that same order.
+
+Generation requests are bounded by ``max_queue_size`` (waiting, not counting the running one); the
+next one gets :class:`~sglang.multimodal_gen.errors.QueueFullError` (HTTP 503 + ``Retry-After``).
+Admin calls are never refused for a full queue: they are cheap and an operator must be able to act
+on a busy server.
+
+When the engine dies (``EngineDeadError`` or ``engine.is_alive()`` false) every waiting request
+fails with ``EngineDeadError`` (HTTP 503) and new ones are refused at once, so nothing hangs.
+
+This module does not import FastAPI; it is plain threading and ``concurrent.futures``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang.multimodal_gen.errors import EngineDeadError, QueueFullError
+
+logger = logging.getLogger(__name__)
+
+
+class ServerShuttingDownError(EngineDeadError):
+    """The server received SIGTERM and accepts no new work (HTTP 503)."""
+
+
+@dataclass
+class _Task:
+    kind: str  # "generate" or the name of an engine method
+    args: tuple
+    kwargs: dict
+    future: Future
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+
+class SchedulerMetrics:
+    """Hooks the scheduler calls; the default does nothing. See ``entrypoints.metrics``."""
+
+    def set_queue_depth(self, depth: int) -> None:  # pragma: no cover - trivial
+        pass
+
+    def observe_generation(self, wait_s: float, run_s: float, steps: int | None) -> None:
+        pass  # pragma: no cover - trivial
+
+    def observe_admin(self, op: str, seconds: float) -> None:  # pragma: no cover - trivial
+        pass
+
+    def set_engine_alive(self, alive: bool) -> None:  # pragma: no cover - trivial
+        pass
+
+
+def _default_request_factory() -> Callable[..., Any]:
+    from sglang.multimodal_gen.runtime import GenerationRequest
+
+    return GenerationRequest
+
+
+class Scheduler:
+    """Runs engine calls on one worker thread, first come first served.
+
+    Args:
+        engine: an object with the ``DiffusionEngine`` methods (``generate``, ``set_lora``, ...,
+            ``is_alive``).
+        max_queue_size: generation requests allowed to wait (>= 1).
+        metrics: a :class:`SchedulerMetrics` (queue depth, latencies, LoRA admin times).
+        request_factory: builds the engine's request object from keyword arguments (default:
+            ``sglang.multimodal_gen.runtime.GenerationRequest``).
+        idle_check_s: how often the idle worker polls ``engine.is_alive()``.
+    """
+
+    ADMIN_METHODS = (
+        "set_lora",
+        "unset_lora",
+        "unload_lora",
+        "merge_lora_weights",
+        "unmerge_lora_weights",
+        "list_loras",
+    )
+
+    def __init__(
+        self,
+        engine: Any,
+        max_queue_size: int = 64,
+        *,
+        metrics: SchedulerMetrics | None = None,
+        request_factory: Callable[..., Any] | None = None,
+        idle_check_s: float = 0.5,
+    ):
+        if max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}")
+        self.engine = engine
+        self.max_queue_size = max_queue_size
+        self.metrics = metrics or SchedulerMetrics()
+        self._request_factory = request_factory
+        self._idle_check_s = idle_check_s
+        self._queue: deque[_Task] = deque()
+        self._cond = threading.Condition()
+        self._waiting_generations = 0
+        self._running: _Task | None = None
+        self._accepting = True
+        self._stop = False
+        self._dead_reason: str | None = None
+        self._avg_generation_s: float | None = None
+        self._started = False
+        self._thread = threading.Thread(target=self._loop, name="sglang-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the worker thread (idempotent)."""
+        if not self._started and not self._stop:
+            self._started = True
+            self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop accepting work, let queued and running work finish, then stop the thread.
+
+        Args:
+            timeout: seconds to wait for the queue to drain; what is still queued afterwards fails
+                with :class:`ServerShuttingDownError`.
+
+        Returns:
+            True when everything finished within ``timeout``.
+        """
+        with self._cond:
+            self._accepting = False
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while (self._queue or self._running is not None) and self._thread.is_alive():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cond.wait(timeout=remaining if remaining is not None else 0.5)
+            drained = not self._queue and self._running is None
+            self._fail_all_locked(ServerShuttingDownError("the server is shutting down"))
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5 if drained else 0.1)
+        return drained
+
+    # ------------------------------------------------------------------ state
+    @property
+    def queue_depth(self) -> int:
+        """Generation requests waiting (not counting the one running)."""
+        return self._waiting_generations
+
+    @property
+    def busy(self) -> bool:
+        """True while a task runs."""
+        return self._running is not None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is considered dead, or ``None``."""
+        return self._dead_reason
+
+    def engine_alive(self) -> bool:
+        """True while the worker thread runs and ``engine.is_alive()`` says so.
+
+        ``engine.is_alive()`` must be cheap and safe to call from any thread (it checks worker
+        processes; it does not touch the model). A dead engine is remembered: everything queued
+        fails with ``EngineDeadError``.
+        """
+        if self._dead_reason is not None:
+            return False
+        if self._started and not self._thread.is_alive():
+            if self._stop:
+                return True  # stopped on purpose; the engine itself may be fine
+            self._mark_dead("the scheduler thread is not running")
+            return False
+        try:
+            alive = bool(self.engine.is_alive())
+        except Exception as e:  # an engine that cannot answer is not alive
+            logger.warning("engine.is_alive() raised %r", e)
+            alive = False
+        if not alive:
+            self._mark_dead("the engine reported that it is not alive")
+        return alive
+
+    def healthy(self) -> bool:
+        """True when the engine is alive and the server accepts new work (``/health``)."""
+        return self._accepting and not self._stop and self.engine_alive()
+
+    def retry_after_s(self) -> int:
+        """A guess of when a slot frees up: the mean generation time x waiting requests, 1..60 s."""
+        avg = self._avg_generation_s or 1.0
+        return int(min(60, max(1, math.ceil(avg * max(1, self._waiting_generations)))))
+
+    # ------------------------------------------------------------------ submission
+    def _check_open(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(f"the engine is not available: {self._dead_reason}")
+        if not self._accepting or self._stop:
+            raise ServerShuttingDownError("the server is shutting down and accepts no new work")
+
+    def submit_generation(self, **request_kwargs: Any) -> Future:
+        """Queue one generation; the future resolves to the engine's list of PIL images.
+
+        Raises:
+            QueueFullError: ``max_queue_size`` requests are already waiting.
+            EngineDeadError: the engine is dead or the server is shutting down.
+        """
+        with self._cond:
+            self._check_open()
+            if self._waiting_generations >= self.max_queue_size:
+                raise QueueFullError(
+                    f"the request queue is full ({self.max_queue_size} waiting); retry later",
+                    retry_after_s=self.retry_after_s(),
+                )
+            task = _Task("generate", (), dict(request_kwargs), Future())
+            self._queue.append(task)
+            self._waiting_generations += 1
+            self.metrics.set_queue_depth(self._waiting_generations)
+            self._cond.notify_all()
+        return task.future
+
+    def submit_call(self, method: str, *args: Any, **kwargs: Any) -> Future:
+        """Queue ``engine.<method>(*args, **kwargs)`` (an admin call) behind the work before it.
+
+        Raises:
+            ValueError: ``method`` is not one of :attr:`ADMIN_METHODS`.
+            EngineDeadError: the engine is dead or the server is shutting down.
+        """
+        if method not in self.ADMIN_METHODS:
+            raise ValueError(f"unknown engine method {method!r}")
+        with self._cond:
+            self._check_open()
+            task = _Task(method, args, kwargs, Future())
+            self._queue.append(task)
+            self._cond.notify_all()
+        return task.future
+
+    # ------------------------------------------------------------------ worker
+    def _mark_dead(self, reason: str) -> None:
+        with self._cond:
+            if self._dead_reason is None:
+                self._dead_reason = reason
+                logger.error("engine marked dead: %s", reason)
+                self.metrics.set_engine_alive(False)
+            self._fail_all_locked(EngineDeadError(f"the engine is not available: {reason}"))
+            self._cond.notify_all()
+
+    def _fail_all_locked(self, exc: Exception) -> None:
+        while self._queue:
+            task = self._queue.popleft()
+            if task.kind == "generate":
+                self._waiting_generations -= 1
+            if task.future.set_running_or_notify_cancel():
+                task.future.set_exception(exc)
+        self.metrics.set_queue_depth(self._waiting_generations)
+
+    def _next_task(self) -> _Task | None:
+        with self._cond:
+            while not self._queue and not self._stop:
+                if not self._cond.wait(timeout=self._idle_check_s):
+                    break  # idle: go check the engine
+            if not self._queue:
+                return None
+            task = self._queue.popleft()
+            if task.kind == "generate":
+                self._waiting_generations -= 1
+                self.metrics.set_queue_depth(self._waiting_generations)
+            self._running = task
+            return task
+
+    def _loop(self) -> None:
+        while not self._stop:
+            task = self._next_task()
+            if task is None:
+                if self._stop:
+                    break
+                try:
+                    alive = bool(self.engine.is_alive())
+                except Exception:
+                    alive = False
+                if not alive:
+                    self._mark_dead("the engine reported that it is not alive")
+                    break
+                continue
+            try:
+                if task.future.set_running_or_notify_cancel():  # skip if the client went away
+                    self._run(task)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+            if self._dead_reason is not None:
+                break
+
+    def _run(self, task: _Task) -> None:
+        start = time.perf_counter()
+        steps = None
+        try:
+            if task.kind == "generate":
+                factory = self._request_factory or _default_request_factory()
+                request = factory(**task.kwargs)
+                steps = getattr(request, "num_inference_steps", None)
+                result = self.engine.generate(request)
+            else:
+                result = getattr(self.engine, task.kind)(*task.args, **task.kwargs)
+        except BaseException as e:  # delivered to the waiting handler, which maps it
+            task.future.set_exception(e)
+            if isinstance(e, EngineDeadError):
+                self._mark_dead(e.message)
+            else:
+                try:
+                    alive = bool(self.engine.is_alive())
+                except Exception:
+                    alive = False
+                if not alive:
+                    self._mark_dead(f"{type(e).__name__} while running {task.kind}")
+            return
+        end = time.perf_counter()
+        if task.kind == "generate":
+            run_s = end - start
+            self._avg_generation_s = (
+                run_s
+                if self._avg_generation_s is None
+                else 0.8 * self._avg_generation_s + 0.2 * run_s
+            )
+            self.metrics.observe_generation(start - task.enqueued_at, run_s, steps)
+        elif task.kind != "list_loras":
+            self.metrics.observe_admin(task.kind, end - start)
+        task.future.set_result(result)
