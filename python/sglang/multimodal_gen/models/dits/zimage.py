@@ -1,0 +1,528 @@
+"""The Z-Image DiT on our tensor-parallel layers.
+
+Same architecture and numerics as diffusers' ``ZImageTransformer2DModel`` (diffusers 0.42.1,
+``models/transformers/transformer_z_image.py``; Z-Image paper, Alibaba Tongyi-MAI 2025), text-to-
+image mode only (no Omni/SigLIP inputs). Module names equal diffusers' except two fused layers:
+``attention.to_qkv`` (``to_q``/``to_k``/``to_v``, shard ids ``"q"/"k"/"v"``) and
+``feed_forward.w13`` (``w1``/``w3``, shard ids ``0``/``1``); see ``zimage_names.py``.
+
+Data flow for one batch item (``p`` = patch size, ``pf`` = frame patch size):
+
+* caption ``[L, cap_dim]`` -> RMSNorm + Linear -> ``[L, dim]``, padded to a multiple of 32 with the
+  learned ``cap_pad_token`` (``C`` tokens), RoPE positions ``(1 + j, 0, 0)`` for ``j < C`` ->
+  ``context_refiner`` blocks (no modulation). Independent of the image and of the timestep, so the
+  pipeline computes it once per request (:meth:`ZImageTransformer.encode_captions`).
+* latent ``[C_in, F, H, W]`` -> patches ``[N, pf*p*p*C_in]`` (patch channel order ``pf, p, p, C``)
+  -> Linear -> padded to a multiple of 32 with ``x_pad_token`` (``X`` tokens); positions
+  ``(C + 1 + f, h, w)`` for real patches and ``(0, 0, 0)`` for pad tokens -> ``noise_refiner``
+  blocks (adaLN-modulated by the timestep embedding).
+* unified sequence ``[x tokens (X), caption tokens (C)]`` -> ``layers`` -> final layer
+  (LayerNorm, scale-only adaLN, Linear) -> first ``N`` tokens -> unpatchified
+  ``[C_in, F, H, W]``.
+
+Items of a batch with different lengths are right-padded and masked as keys (the mask is only
+built when lengths differ, as in the reference). Tensor parallelism: attention heads and FFN
+hidden units are split over the TP ranks (``QKVParallelLinear`` / ``MergedColumnParallelLinear``
+then ``RowParallelLinear`` with one all-reduce each); everything else is replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.multimodal_gen.configs.zimage import ZImageArchConfig
+from sglang.multimodal_gen.distributed import get_tp_world_size
+from sglang.multimodal_gen.layers.attention import sdpa_bshd
+from sglang.multimodal_gen.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglang.multimodal_gen.layers.norm import LayerNormNoAffine, RMSNorm
+from sglang.multimodal_gen.layers.rotary import MultiAxisRope, apply_rope_interleaved
+
+QK_NORM_EPS = 1e-5  # the reference hard-codes this for the q/k RMSNorm (not ``norm_eps``)
+FINAL_NORM_EPS = 1e-6
+
+
+def _tp_kwargs(prefix: str, tp_rank: int | None, tp_size: int | None, dtype) -> dict:
+    return dict(prefix=prefix, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+
+
+class ZImageAttention(nn.Module):
+    """Self-attention with fused QKV, per-head q/k RMSNorm, 3-axis RoPE, heads split over TP.
+
+    Shapes: ``x [B, S, dim]`` -> ``[B, S, dim]`` (all-reduced over TP).
+    """
+
+    def __init__(self, cfg: ZImageArchConfig, prefix: str, tp_rank=None, tp_size=None, dtype=None):
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        # The reference builds K/V with n_heads heads (its n_kv_heads is unused).
+        self.to_qkv = QKVParallelLinear(
+            cfg.dim, hd, cfg.n_heads, cfg.n_heads, bias=False,
+            **_tp_kwargs(f"{prefix}.to_qkv", tp_rank, tp_size, dtype),
+        )  # fmt: skip
+        self.num_heads = self.to_qkv.num_heads
+        self.num_kv_heads = self.to_qkv.num_kv_heads
+        self.split_sizes = [self.to_qkv.q_size, self.to_qkv.kv_size, self.to_qkv.kv_size]
+        if cfg.qk_norm:
+            self.norm_q = RMSNorm(hd, eps=QK_NORM_EPS)
+            self.norm_k = RMSNorm(hd, eps=QK_NORM_EPS)
+        else:
+            self.norm_q = self.norm_k = None
+        self.to_out = nn.ModuleList(
+            [
+                RowParallelLinear(
+                    cfg.dim,
+                    cfg.dim,
+                    bias=False,
+                    input_is_parallel=True,
+                    **_tp_kwargs(f"{prefix}.to_out.0", tp_rank, tp_size, dtype),
+                )  # fmt: skip
+            ]
+        )
+
+    def forward(self, x, cos, sin, key_mask):
+        qkv, _ = self.to_qkv(x)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.norm_q is not None:
+            q = self.norm_q(q)
+            k = self.norm_k(k)
+        q = apply_rope_interleaved(q, cos, sin)
+        k = apply_rope_interleaved(k, cos, sin)
+        out = sdpa_bshd(q, k, v.to(q.dtype), key_mask).to(q.dtype)
+        return self.to_out[0](out)[0]
+
+
+class ZImageFeedForward(nn.Module):
+    """SwiGLU FFN: ``w2(silu(w1 x) * w3 x)`` with ``w1``/``w3`` fused in ``w13``.
+
+    Shapes: ``x [..., dim]`` -> ``[..., dim]`` (all-reduced over TP); hidden ``int(dim / 3 * 8)``.
+    """
+
+    def __init__(self, cfg: ZImageArchConfig, prefix: str, tp_rank=None, tp_size=None, dtype=None):
+        super().__init__()
+        h = cfg.ffn_hidden
+        self.w13 = MergedColumnParallelLinear(
+            cfg.dim, [h, h], bias=False, **_tp_kwargs(f"{prefix}.w13", tp_rank, tp_size, dtype)
+        )
+        self.w2 = RowParallelLinear(
+            h, cfg.dim, bias=False, input_is_parallel=True,
+            **_tp_kwargs(f"{prefix}.w2", tp_rank, tp_size, dtype),
+        )  # fmt: skip
+
+    def forward(self, x):
+        gate_up, _ = self.w13(x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)[0]
+
+
+class ZImageBlock(nn.Module):
+    """Sandwich-norm transformer block with optional tanh-gated adaLN modulation.
+
+    With modulation (``adaln [B, adaln_dim]``)::
+
+        scale_a, gate_a, scale_f, gate_f = Linear(adaln)           # no activation before it
+        x = x + tanh(gate_a) * norm2(attn(norm1(x) * (1 + scale_a)))
+        x = x + tanh(gate_f) * ffn_norm2(ffn(ffn_norm1(x) * (1 + scale_f)))
+
+    Without modulation (caption refiner) the scales are 1 and the gates 1.
+    Shapes: ``x [B, S, dim]``, ``cos/sin [B, S, head_dim/2]``, ``key_mask [B, S] bool | None``.
+    """
+
+    def __init__(
+        self,
+        cfg: ZImageArchConfig,
+        modulation: bool,
+        prefix: str,
+        tp_rank=None,
+        tp_size=None,
+        dtype=None,
+    ):
+        super().__init__()
+        eps = cfg.norm_eps
+        self.attention = ZImageAttention(cfg, f"{prefix}.attention", tp_rank, tp_size, dtype)
+        self.feed_forward = ZImageFeedForward(
+            cfg, f"{prefix}.feed_forward", tp_rank, tp_size, dtype
+        )
+        self.attention_norm1 = RMSNorm(cfg.dim, eps=eps)
+        self.ffn_norm1 = RMSNorm(cfg.dim, eps=eps)
+        self.attention_norm2 = RMSNorm(cfg.dim, eps=eps)
+        self.ffn_norm2 = RMSNorm(cfg.dim, eps=eps)
+        self.modulation = modulation
+        if modulation:
+            self.adaLN_modulation = nn.ModuleList(
+                [
+                    ReplicatedLinear(
+                        cfg.adaln_dim,
+                        4 * cfg.dim,
+                        bias=True,
+                        **_tp_kwargs(f"{prefix}.adaLN_modulation.0", tp_rank, tp_size, dtype),
+                    )  # fmt: skip
+                ]
+            )
+
+    def forward(self, x, cos, sin, key_mask, adaln=None):
+        if not self.modulation:
+            x = x + self.attention_norm2(
+                self.attention(self.attention_norm1(x), cos, sin, key_mask)
+            )
+            return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
+        mod = self.adaLN_modulation[0](adaln)[0].unsqueeze(1)
+        scale_a, gate_a, scale_f, gate_f = mod.chunk(4, dim=2)
+        attn = self.attention(self.attention_norm1(x) * (1.0 + scale_a), cos, sin, key_mask)
+        x = x + gate_a.tanh() * self.attention_norm2(attn)
+        ffn = self.feed_forward(self.ffn_norm1(x) * (1.0 + scale_f))
+        return x + gate_f.tanh() * self.ffn_norm2(ffn)
+
+
+class ZImageTimestepEmbedder(nn.Module):
+    """Sinusoidal timestep features (256: cos half then sin half, period 10000) -> MLP.
+
+    Shapes: ``t [B]`` (already multiplied by ``t_scale``) -> ``[B, adaln_dim]`` in the weight dtype.
+    """
+
+    def __init__(self, cfg: ZImageArchConfig, prefix: str, tp_rank=None, tp_size=None, dtype=None):
+        super().__init__()
+        self.freq_dim = cfg.T_FREQ_DIM
+        kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+        self.mlp = nn.ModuleList(
+            [
+                ReplicatedLinear(self.freq_dim, cfg.T_MID_DIM, prefix=f"{prefix}.mlp.0", **kw),
+                nn.SiLU(),
+                ReplicatedLinear(cfg.T_MID_DIM, cfg.adaln_dim, prefix=f"{prefix}.mlp.2", **kw),
+            ]
+        )
+
+    @staticmethod
+    def sinusoid(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+        """``[B]`` -> ``[B, dim]`` fp32: ``cos(t w_k) | sin(t w_k)``, ``w_k = P^(-k / (dim/2))``."""
+        half = dim // 2
+        k = torch.arange(half, dtype=torch.float32, device=t.device)
+        w = torch.exp(k * (-math.log(max_period) / half))
+        ang = t.float()[:, None] * w[None]
+        out = torch.cat([ang.cos(), ang.sin()], dim=-1)
+        if dim % 2:
+            out = F.pad(out, (0, 1))
+        return out
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        h = self.sinusoid(t, self.freq_dim).to(self.mlp[0].weight.dtype)
+        h = self.mlp[0](h)[0]
+        return self.mlp[2](self.mlp[1](h))[0]
+
+
+class ZImageFinalLayer(nn.Module):
+    """LayerNorm (no affine, eps 1e-6) scaled by ``1 + Linear(silu(adaln))``, then Linear.
+
+    Shapes: ``x [B, S, dim]``, ``adaln [B, adaln_dim]`` -> ``[B, S, out_features]``.
+    """
+
+    def __init__(self, cfg: ZImageArchConfig, out_features: int, prefix: str, **kw):
+        super().__init__()
+        self.norm_final = LayerNormNoAffine(cfg.dim, eps=FINAL_NORM_EPS)
+        self.linear = ReplicatedLinear(cfg.dim, out_features, prefix=f"{prefix}.linear", **kw)
+        self.adaLN_modulation = nn.ModuleList(
+            [
+                nn.SiLU(),
+                ReplicatedLinear(
+                    cfg.adaln_dim, cfg.dim, prefix=f"{prefix}.adaLN_modulation.1", **kw
+                ),
+            ]
+        )
+
+    def forward(self, x, adaln):
+        scale = 1.0 + self.adaLN_modulation[1](self.adaLN_modulation[0](adaln))[0]
+        return self.linear(self.norm_final(x) * scale.unsqueeze(1))[0]
+
+
+@dataclass
+class CaptionContext:
+    """Refined caption tokens of a batch (computed once per request, reused every step).
+
+    Attributes:
+        tokens: ``[B, Cmax, dim]`` refined caption tokens (item ``i`` valid up to ``lens[i]``).
+        lens: padded (multiple of 32) caption length per item.
+        cos, sin: ``[B, Cmax, head_dim / 2]`` fp32 RoPE tables of the caption positions.
+    """
+
+    tokens: torch.Tensor
+    lens: list[int]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def select(self, index: list[int]) -> CaptionContext:
+        """The context of the items ``index`` (e.g. to repeat or reorder a batch)."""
+        idx = torch.tensor(index, device=self.tokens.device)
+        lens = [self.lens[i] for i in index]
+        m = max(lens)
+        return CaptionContext(
+            self.tokens.index_select(0, idx)[:, :m],
+            lens,
+            self.cos.index_select(0, idx)[:, :m],
+            self.sin.index_select(0, idx)[:, :m],
+        )
+
+
+def _pad_batch(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-pad ``[L_i, ...]`` tensors with zeros to ``[B, Lmax, ...]``; the ``[B, Lmax]`` bool
+    key mask is ``None`` when every length is equal."""
+    lens = [s.shape[0] for s in seqs]
+    m = max(lens)
+    if all(n == m for n in lens):
+        return torch.stack(seqs, 0), None
+    out = seqs[0].new_zeros((len(seqs), m, *seqs[0].shape[1:]))
+    mask = torch.zeros(len(seqs), m, dtype=torch.bool, device=seqs[0].device)
+    for i, s in enumerate(seqs):
+        out[i, : s.shape[0]] = s
+        mask[i, : s.shape[0]] = True
+    return out, mask
+
+
+def _round_up(n: int, m: int) -> int:
+    return n + (-n) % m
+
+
+class ZImageTransformer(nn.Module):
+    """Z-Image DiT (text-to-image), tensor-parallel.
+
+    Args:
+        cfg: architecture (``transformer/config.json``).
+        tp_rank, tp_size: explicit TP coordinates (default: the TP group's).
+        dtype: parameter dtype (default: ``torch.get_default_dtype()``).
+        device: where to allocate parameters.
+
+    Raises:
+        ValueError: ``n_heads`` (or the FFN hidden size) is not divisible by the TP size, named
+            with both numbers.
+
+    Parameters are allocated uninitialised; load them with ``models.loader``.
+    """
+
+    def __init__(
+        self,
+        cfg: ZImageArchConfig,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        tp = get_tp_world_size() if tp_size is None else tp_size
+        if cfg.n_heads % tp:
+            raise ValueError(
+                f"Z-Image: n_heads={cfg.n_heads} is not divisible by tp_size={tp}; "
+                f"use a TP size that divides {cfg.n_heads}"
+            )
+        if cfg.ffn_hidden % tp:
+            raise ValueError(
+                f"Z-Image: FFN hidden size {cfg.ffn_hidden} is not divisible by tp_size={tp}"
+            )
+        self.cfg = cfg
+        self.tp_size = tp
+        dtype = dtype or torch.get_default_dtype()
+        kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+        with torch.device(device or "cpu"):
+            x_emb, final = {}, {}
+            for p, pf in zip(cfg.all_patch_size, cfg.all_f_patch_size):
+                key = f"{p}-{pf}"
+                patch_dim = pf * p * p * cfg.in_channels
+                x_emb[key] = ReplicatedLinear(
+                    patch_dim, cfg.dim, prefix=f"all_x_embedder.{key}", **kw
+                )
+                final[key] = ZImageFinalLayer(
+                    cfg, p * p * pf * cfg.out_channels, f"all_final_layer.{key}", **kw
+                )
+            self.all_x_embedder = nn.ModuleDict(x_emb)
+            self.all_final_layer = nn.ModuleDict(final)
+            self.noise_refiner = nn.ModuleList(
+                ZImageBlock(cfg, True, f"noise_refiner.{i}", tp_rank, tp_size, dtype)
+                for i in range(cfg.n_refiner_layers)
+            )
+            self.context_refiner = nn.ModuleList(
+                ZImageBlock(cfg, False, f"context_refiner.{i}", tp_rank, tp_size, dtype)
+                for i in range(cfg.n_refiner_layers)
+            )
+            self.t_embedder = ZImageTimestepEmbedder(cfg, "t_embedder", tp_rank, tp_size, dtype)
+            self.cap_embedder = nn.ModuleList(
+                [
+                    RMSNorm(cfg.cap_feat_dim, eps=cfg.norm_eps),
+                    ReplicatedLinear(cfg.cap_feat_dim, cfg.dim, prefix="cap_embedder.1", **kw),
+                ]
+            )
+            self.x_pad_token = nn.Parameter(torch.empty(1, cfg.dim), requires_grad=False)
+            self.cap_pad_token = nn.Parameter(torch.empty(1, cfg.dim), requires_grad=False)
+            self.layers = nn.ModuleList(
+                ZImageBlock(cfg, True, f"layers.{i}", tp_rank, tp_size, dtype)
+                for i in range(cfg.n_layers)
+            )
+        self.to(dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.rope = MultiAxisRope(cfg.rope_theta, cfg.axes_dims, cfg.axes_lens)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x_pad_token.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.x_pad_token.device
+
+    # ------------------------------------------------------------------ caption side
+    def encode_captions(self, cap_feats: list[torch.Tensor]) -> CaptionContext:
+        """Embed, pad and refine the captions of a batch.
+
+        Args:
+            cap_feats: per item ``[L_i, cap_feat_dim]`` text-encoder features (any float dtype).
+
+        Returns:
+            :class:`CaptionContext` with ``B = len(cap_feats)``.
+        """
+        if not cap_feats:
+            raise ValueError("encode_captions needs at least one caption")
+        lens = [int(c.shape[0]) for c in cap_feats]
+        if min(lens) == 0:
+            raise ValueError("a caption has zero tokens")
+        norm, lin = self.cap_embedder
+        emb = lin(norm(torch.cat(cap_feats, 0)))[0]
+        seqs, cos_l, sin_l, plens = [], [], [], []
+        for e, n in zip(emb.split(lens, 0), lens):
+            c = _round_up(n, self.cfg.SEQ_MULTI_OF)
+            if c > n:
+                e = torch.cat([e, self.cap_pad_token.expand(c - n, -1)], 0)
+            pos = torch.zeros(c, 3, dtype=torch.long, device=e.device)
+            pos[:, 0] = torch.arange(1, c + 1, device=e.device)
+            cos, sin = self.rope(pos)
+            seqs.append(e)
+            cos_l.append(cos)
+            sin_l.append(sin)
+            plens.append(c)
+        x, mask = _pad_batch(seqs)
+        cos, _ = _pad_batch(cos_l)
+        sin, _ = _pad_batch(sin_l)
+        for block in self.context_refiner:
+            x = block(x, cos, sin, mask)
+        return CaptionContext(x, plens, cos, sin)
+
+    # ------------------------------------------------------------------ image side
+    def _patchify(self, img: torch.Tensor, p: int, pf: int):
+        c, f, h, w = img.shape
+        if f % pf or h % p or w % p:
+            raise ValueError(
+                f"latent of shape {list(img.shape)} is not divisible by the patch size "
+                f"(frames by {pf}, height/width by {p})"
+            )
+        ft, ht, wt = f // pf, h // p, w // p
+        tok = img.reshape(c, ft, pf, ht, p, wt, p).permute(1, 3, 5, 2, 4, 6, 0)
+        return tok.reshape(ft * ht * wt, pf * p * p * c), (ft, ht, wt)
+
+    def _unpatchify(self, tok: torch.Tensor, grid, p: int, pf: int) -> torch.Tensor:
+        ft, ht, wt = grid
+        c = self.cfg.out_channels
+        x = tok[: ft * ht * wt].reshape(ft, ht, wt, pf, p, p, c)
+        return x.permute(6, 0, 3, 1, 4, 2, 5).reshape(c, ft * pf, ht * p, wt * p)
+
+    def forward(
+        self,
+        x: list[torch.Tensor] | torch.Tensor,
+        t: torch.Tensor,
+        cap: list[torch.Tensor] | CaptionContext,
+        patch_size: int = 2,
+        f_patch_size: int = 1,
+    ) -> list[torch.Tensor]:
+        """Predict the flow for a batch of latents.
+
+        Args:
+            x: per item ``[C_in, F, H, W]`` latents (a list, or a ``[B, C_in, F, H, W]`` tensor),
+                in the model dtype. ``F`` divisible by ``f_patch_size``, ``H``/``W`` by
+                ``patch_size``.
+            t: ``[B]`` timesteps in ``[0, 1]`` (the pipeline passes ``1 - sigma``); multiplied by
+                ``t_scale`` here.
+            cap: per item ``[L_i, cap_feat_dim]`` caption features, or a precomputed
+                :class:`CaptionContext` of the same batch size.
+            patch_size, f_patch_size: one of the configured patch pairs.
+
+        Returns:
+            Per item ``[C_in, F, H, W]`` model output (the reference's sign: the pipeline negates
+            it to get the flow-matching velocity), in the model dtype.
+
+        Raises:
+            ValueError: unknown patch pair, batch-size mismatch, or a latent whose size does not
+                divide by the patch size.
+        """
+        key = f"{patch_size}-{f_patch_size}"
+        if key not in self.all_x_embedder:
+            raise ValueError(
+                f"patch pair {key!r} not in the model's {sorted(self.all_x_embedder.keys())}"
+            )
+        xs = list(x.unbind(0)) if isinstance(x, torch.Tensor) else list(x)
+        ctx = cap if isinstance(cap, CaptionContext) else self.encode_captions(list(cap))
+        bsz = len(xs)
+        if len(ctx.lens) != bsz or t.shape[0] != bsz:
+            raise ValueError(
+                f"batch mismatch: {bsz} latents, {len(ctx.lens)} captions, {t.shape[0]} timesteps"
+            )
+        dtype = xs[0].dtype
+        adaln = self.t_embedder(t * self.cfg.t_scale).to(dtype)
+
+        patches, grids, nlens = [], [], []
+        for img in xs:
+            tok, grid = self._patchify(img, patch_size, f_patch_size)
+            patches.append(tok)
+            grids.append(grid)
+            nlens.append(tok.shape[0])
+        emb = self.all_x_embedder[key](torch.cat(patches, 0))[0]
+        seqs, cos_l, sin_l, xlens = [], [], [], []
+        for i, (e, n, grid) in enumerate(zip(emb.split(nlens, 0), nlens, grids)):
+            xl = _round_up(n, self.cfg.SEQ_MULTI_OF)
+            if xl > n:
+                e = torch.cat([e, self.x_pad_token.expand(xl - n, -1)], 0)
+            pos = torch.zeros(xl, 3, dtype=torch.long, device=e.device)
+            axes = [
+                torch.arange(g, device=e.device) + off
+                for g, off in zip(grid, (ctx.lens[i] + 1, 0, 0))
+            ]
+            pos[:n] = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(n, 3)
+            cos, sin = self.rope(pos)
+            seqs.append(e)
+            cos_l.append(cos)
+            sin_l.append(sin)
+            xlens.append(xl)
+        h, mask = _pad_batch(seqs)
+        cos, _ = _pad_batch(cos_l)
+        sin, _ = _pad_batch(sin_l)
+        for block in self.noise_refiner:
+            h = block(h, cos, sin, mask, adaln)
+
+        # unified [image tokens, caption tokens] per item
+        if mask is None and all(c == ctx.lens[0] for c in ctx.lens):
+            u = torch.cat([h, ctx.tokens], 1)
+            ucos = torch.cat([cos, ctx.cos], 1)
+            usin = torch.cat([sin, ctx.sin], 1)
+            umask = None
+        else:
+            u, umask = _pad_batch(
+                [torch.cat([h[i, : xlens[i]], ctx.tokens[i, : ctx.lens[i]]]) for i in range(bsz)]
+            )
+            ucos, _ = _pad_batch(
+                [torch.cat([cos[i, : xlens[i]], ctx.cos[i, : ctx.lens[i]]]) for i in range(bsz)]
+            )
+            usin, _ = _pad_batch(
+                [torch.cat([sin[i, : xlens[i]], ctx.sin[i, : ctx.lens[i]]]) for i in range(bsz)]
+            )
+        for block in self.layers:
+            u = block(u, ucos, usin, umask, adaln)
+        out = self.all_final_layer[key](u, adaln)
+        return [self._unpatchify(out[i], grids[i], patch_size, f_patch_size) for i in range(bsz)]

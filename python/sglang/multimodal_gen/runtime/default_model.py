@@ -1,0 +1,244 @@
+"""The embedded default model: a small, seeded, random-weight Z-Image in diffusers format.
+
+``sglang generate`` / ``sglang serve`` without ``--model-path`` use it so that the commands run on
+a fresh offline machine. Its weights are random, so **its images are noise by construction**; real
+use passes ``--model-path`` to a real Z-Image-Turbo directory.
+
+Everything is built locally with the reference libraries' own classes (diffusers'
+``ZImageTransformer2DModel``, ``AutoencoderKL``, ``FlowMatchEulerDiscreteScheduler``; transformers'
+``Qwen3Model`` and a byte-level ``Qwen2Tokenizer`` made with ``tokenizers`` from the 256 byte
+symbols plus the chat special tokens) and saved with ``ZImagePipeline.save_pretrained``, so the
+directory is an ordinary diffusers model directory. It is written once under
+``$SGLANG_CACHE_DIR`` (default ``~/.cache/sglang``) and reused.
+
+The same builder, :func:`build_zimage_dir`, makes the tiny test fixtures (test/fixtures).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+# Bump when the recipe below changes, so old caches are not reused.
+DEFAULT_MODEL_VERSION = "1"
+DEFAULT_SEED = 1234
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Shapes of the embedded default model (TP 1, 2, 3 and 6 all divide its heads and FFN).
+DEFAULT_TRANSFORMER: dict[str, Any] = dict(
+    all_patch_size=[2],
+    all_f_patch_size=[1],
+    in_channels=16,
+    dim=192,
+    n_layers=2,
+    n_refiner_layers=1,
+    n_heads=6,
+    n_kv_heads=6,
+    norm_eps=1e-5,
+    qk_norm=True,
+    cap_feat_dim=64,
+    rope_theta=256.0,
+    t_scale=1000.0,
+    axes_dims=[8, 12, 12],
+    axes_lens=[1024, 512, 512],
+)
+DEFAULT_TEXT_ENCODER: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+)
+DEFAULT_VAE: dict[str, Any] = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[8, 16, 16, 16],
+    layers_per_block=1,
+    latent_channels=16,
+    norm_num_groups=8,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+# Z-Image-Turbo's scheduler config.
+DEFAULT_SCHEDULER: dict[str, Any] = dict(
+    num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False
+)
+
+
+def build_tokenizer():
+    """A byte-level BPE ``Qwen2Tokenizer`` with no merges (every UTF-8 byte is a token).
+
+    Vocabulary: the 256 byte symbols of GPT-2's byte-to-unicode map (ids 0..255), then
+    ``<|endoftext|>`` (pad/eos, id 256), ``<|im_start|>`` (257), ``<|im_end|>`` (258). Chat template:
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message plus the assistant header when
+    ``add_generation_prompt``. Deterministic, built without any download.
+    """
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    vocab = {sym: i for i, sym in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    tok.padding_side = "right"
+    return tok
+
+
+def _redraw_constant_params(module: torch.nn.Module, gen: torch.Generator, std: float) -> None:
+    """Add seeded noise to every parameter whose entries are all equal (zeros/ones init: pad
+    tokens, norm weights, biases) so every parameter influences the output."""
+    with torch.no_grad():
+        for p in module.parameters():
+            flat = p.detach().reshape(-1)
+            if flat.numel() and bool((flat == flat[0]).all()):
+                p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * std)
+
+
+def build_zimage_components(
+    transformer: dict | None = None,
+    text_encoder: dict | None = None,
+    vae: dict | None = None,
+    scheduler: dict | None = None,
+    seed: int = DEFAULT_SEED,
+    redraw_std: float = 0.1,
+):
+    """Build the five components of a Z-Image pipeline with diffusers'/transformers' classes.
+
+    Args:
+        transformer: ``ZImageTransformer2DModel`` kwargs (default: :data:`DEFAULT_TRANSFORMER`).
+            ``cap_feat_dim`` is forced to the text encoder's hidden size.
+        text_encoder: ``Qwen3Config`` kwargs (vocab size comes from the tokenizer).
+        vae: ``AutoencoderKL`` kwargs; ``latent_channels`` is forced to ``in_channels``.
+        scheduler: ``FlowMatchEulerDiscreteScheduler`` kwargs.
+        seed: seeds module init and the re-draw of constant-initialised parameters.
+        redraw_std: std of the noise added to constant-initialised parameters.
+
+    Returns:
+        ``dict(transformer, text_encoder, tokenizer, vae, scheduler)``, all fp32 on the CPU, eval mode.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    t_cfg = dict(copy.deepcopy(transformer or DEFAULT_TRANSFORMER))
+    te_cfg = dict(copy.deepcopy(text_encoder or DEFAULT_TEXT_ENCODER))
+    vae_cfg = dict(copy.deepcopy(vae or DEFAULT_VAE))
+    sch_cfg = dict(copy.deepcopy(scheduler or DEFAULT_SCHEDULER))
+
+    tok = build_tokenizer()
+    te_cfg.setdefault("vocab_size", len(tok))
+    te_cfg.setdefault("tie_word_embeddings", False)
+    te_cfg.setdefault("pad_token_id", tok.pad_token_id)
+    t_cfg["cap_feat_dim"] = te_cfg["hidden_size"]
+    vae_cfg["latent_channels"] = t_cfg.get("in_channels", 16)
+
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    te = Qwen3Model(Qwen3Config(**te_cfg)).eval()
+    _redraw_constant_params(te, gen, redraw_std)
+    torch.manual_seed(seed + 1)
+    dit = ZImageTransformer2DModel(**t_cfg).eval()
+    _redraw_constant_params(dit, gen, redraw_std)
+    with torch.no_grad():  # learned pad tokens: give them the scale of real embeddings
+        dit.x_pad_token.normal_(0.0, 1.0, generator=gen)
+        dit.cap_pad_token.normal_(0.0, 1.0, generator=gen)
+    torch.manual_seed(seed + 2)
+    ae = AutoencoderKL(**vae_cfg).eval()
+    _redraw_constant_params(ae, gen, redraw_std)
+    sch = FlowMatchEulerDiscreteScheduler(**sch_cfg)
+    return dict(transformer=dit, text_encoder=te, tokenizer=tok, vae=ae, scheduler=sch)
+
+
+def build_zimage_dir(
+    path: str | os.PathLike,
+    *,
+    transformer: dict | None = None,
+    text_encoder: dict | None = None,
+    vae: dict | None = None,
+    scheduler: dict | None = None,
+    seed: int = DEFAULT_SEED,
+    redraw_std: float = 0.1,
+    transformer_shard_size: str | int | None = None,
+) -> str:
+    """Write a diffusers-format Z-Image directory at ``path`` (see :func:`build_zimage_components`).
+
+    ``transformer_shard_size`` (e.g. ``"200KB"``) re-saves the transformer as sharded safetensors
+    with a ``diffusion_pytorch_model.safetensors.index.json``. Returns ``str(path)``.
+    """
+    from diffusers import ZImagePipeline
+
+    path = os.fspath(path)
+    comps = build_zimage_components(
+        transformer, text_encoder, vae, scheduler, seed=seed, redraw_std=redraw_std
+    )
+    pipe = ZImagePipeline(**comps)
+    pipe.save_pretrained(path, safe_serialization=True)
+    if transformer_shard_size is not None:
+        tdir = os.path.join(path, "transformer")
+        shutil.rmtree(tdir)
+        comps["transformer"].save_pretrained(
+            tdir, safe_serialization=True, max_shard_size=transformer_shard_size
+        )
+    return path
+
+
+def default_cache_dir() -> str:
+    """``$SGLANG_CACHE_DIR`` or ``$XDG_CACHE_HOME/sglang`` or ``~/.cache/sglang``."""
+    root = os.environ.get("SGLANG_CACHE_DIR")
+    if root:
+        return root
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "sglang")
+
+
+def default_model_path(cache_dir: str | None = None) -> str:
+    """Path of the embedded default model, building it on first use.
+
+    The directory is written to a temporary sibling and renamed into place, so concurrent first
+    uses cannot see a half-written model (the loser of the race discards its copy).
+    """
+    root = cache_dir or default_cache_dir()
+    final = os.path.join(root, f"default-zimage-tiny-v{DEFAULT_MODEL_VERSION}")
+    marker = os.path.join(final, "model_index.json")
+    if os.path.isfile(marker):
+        return final
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".building-", dir=root)
+    try:
+        build_zimage_dir(tmp, seed=DEFAULT_SEED)
+        with open(os.path.join(tmp, "SGLANG_DEFAULT_MODEL.json"), "w") as f:
+            json.dump(
+                {
+                    "note": "random weights: images are noise by construction",
+                    "version": DEFAULT_MODEL_VERSION,
+                    "seed": DEFAULT_SEED,
+                },
+                f,
+                indent=2,
+            )
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isfile(marker):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
