@@ -1,0 +1,277 @@
+"""Helpers for the HTTP server tests: a fake engine, a real uvicorn in a thread, small clients.
+
+:class:`FakeEngine` implements the ``DiffusionEngine`` API (SPEC "Engine") with deterministic images:
+each image is a pure function of the request fields and of the adapter composition it ran with
+(names, strengths and the content hash of each adapter's tensors). Tests compute the expected image
+with :func:`fake_reference_image` and so can tell exactly which composition a response used. LoRA
+files are read with the project's real loader (``lora.loading.load_lora_state_dict``), so path
+containment, Hub-cache lookups and their error messages are the real ones.
+
+The fake also checks the scheduler's contract: a second thread entering any engine method while
+another call runs raises ``AssertionError`` (reported as a 500 and caught by the tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError, NotFoundError
+
+try:  # the real request type once the runtime exists
+    from sglang.multimodal_gen.runtime import GenerationRequest
+except ImportError:  # pragma: no cover - before the runtime lands
+
+    @dataclasses.dataclass
+    class GenerationRequest:  # same fields as SPEC "Engine"
+        prompt: str
+        negative_prompt: str | None = None
+        height: int = 1024
+        width: int = 1024
+        num_inference_steps: int = 8
+        guidance_scale: float = 0.0
+        seed: int | None = None
+        num_images: int = 1
+        lora: list[tuple[str, float]] | None = None
+
+
+def fake_reference_image(
+    req: Any, composition: list[tuple[str, float, str]], index: int
+) -> Image.Image:
+    """The image :class:`FakeEngine` returns for ``req`` under ``composition``.
+
+    Args:
+        req: a ``GenerationRequest``.
+        composition: ``[(nickname, strength, content_hash), ...]`` in application order.
+        index: image index within the request.
+    """
+    key = json.dumps(
+        [
+            req.prompt,
+            req.negative_prompt,
+            req.height,
+            req.width,
+            req.num_inference_steps,
+            float(req.guidance_scale),
+            req.seed,
+            [[n, float(s), h] for n, s, h in composition],
+            index,
+        ]
+    )
+    digest = hashlib.sha256(key.encode()).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    pixels = rng.integers(0, 256, size=(req.height, req.width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def _content_hash(state_dict: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(state_dict):
+        h.update(k.encode())
+        h.update(state_dict[k].detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class FakeEngine:
+    """A stand-in for ``DiffusionEngine`` with the same methods and properties.
+
+    Args:
+        delay_s: seconds each ``generate`` sleeps (lets tests build up a queue).
+        lora_dirs: allowed roots for local adapter paths (``None`` = unrestricted).
+    """
+
+    model_name = "fake-zimage"
+    spatial_factor = 16
+    lora_targets = ("all", "transformer")
+
+    def __init__(self, delay_s: float = 0.0, lora_dirs: list[str] | None = None):
+        self.delay_s = delay_s
+        self.lora_dirs = lora_dirs
+        self.loaded: dict[str, tuple[str, str]] = {}  # nickname -> (path, content hash)
+        self.active: list[tuple[str, float]] = []
+        self.merged = False
+        self.alive = True
+        self.calls: list[str] = []
+        self.generate_log: list[tuple[Any, list]] = []
+        self._guard = threading.Lock()
+        self.release = threading.Event()
+        self.release.set()
+
+    # -- contract check: one thread at a time ------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self, name: str):
+        if not self._guard.acquire(blocking=False):
+            raise AssertionError(f"engine.{name} entered while another engine call runs")
+        try:
+            if not self.alive:
+                raise EngineDeadError("fake engine is dead")
+            self.calls.append(name)
+            yield
+        finally:
+            self._guard.release()
+
+    def composition_of(
+        self, names_strengths: list[tuple[str, float]]
+    ) -> list[tuple[str, float, str]]:
+        out = []
+        for name, strength in names_strengths:
+            if name not in self.loaded:
+                raise NotFoundError(f"LoRA adapter {name!r} is not loaded", param="lora")
+            out.append((name, float(strength), self.loaded[name][1]))
+        return out
+
+    # -- DiffusionEngine API ----------------------------------------------------------------
+    def generate(self, req: Any) -> list[Image.Image]:
+        with self._exclusive("generate"):
+            comp = self.composition_of(req.lora if req.lora is not None else self.active)
+            self.release.wait(timeout=30)
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            self.generate_log.append((req, comp))
+            return [fake_reference_image(req, comp, i) for i in range(req.num_images)]
+
+    def set_lora(self, lora_nickname, lora_path=None, target="all", strength=1.0, merge_mode=None):
+        from sglang.multimodal_gen.lora.loading import load_lora_state_dict
+
+        with self._exclusive("set_lora"):
+            if target not in self.lora_targets:
+                raise InvalidRequestError(f"bad target {target!r}", param="target")
+            names = [lora_nickname] if isinstance(lora_nickname, str) else list(lora_nickname)
+            if isinstance(lora_path, list):
+                paths = list(lora_path)
+            else:
+                paths = [lora_path] * len(names)
+            strengths = strength if isinstance(strength, list) else [strength] * len(names)
+            new_loaded = dict(self.loaded)
+            for name, path in zip(names, paths):
+                if path is None:
+                    if name not in new_loaded:
+                        raise NotFoundError(
+                            f"LoRA adapter {name!r} is not loaded", param="lora_nickname"
+                        )
+                    continue
+                sd, _meta = load_lora_state_dict(path, self.lora_dirs)
+                new_loaded[name] = (path, _content_hash(sd))
+            self.loaded = new_loaded  # atomic: only after every adapter loaded
+            self.active = [(n, float(s)) for n, s in zip(names, strengths)]
+            return {"active": [n for n in names]}
+
+    def unset_lora(self, target="all"):
+        with self._exclusive("unset_lora"):
+            self.active = []
+
+    def unload_lora(self, nickname):
+        with self._exclusive("unload_lora"):
+            if nickname not in self.loaded:
+                raise NotFoundError(
+                    f"LoRA adapter {nickname!r} is not loaded", param="lora_nickname"
+                )
+            del self.loaded[nickname]
+            self.active = [(n, s) for n, s in self.active if n != nickname]
+
+    def merge_lora_weights(self, target="all"):
+        with self._exclusive("merge_lora_weights"):
+            self.merged = True
+
+    def unmerge_lora_weights(self, target="all"):
+        with self._exclusive("unmerge_lora_weights"):
+            self.merged = False
+
+    def list_loras(self) -> dict:
+        with self._exclusive("list_loras"):
+            return {
+                "loaded": {n: {"path": p} for n, (p, _h) in sorted(self.loaded.items())},
+                "active": {"all": [{"name": n, "strength": s} for n, s in self.active]},
+                "merged": self.merged,
+            }
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def shutdown(self) -> None:
+        self.alive = False
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA files
+
+
+def write_lora_file(path: str, seed: int, rank: int = 4, modules: int = 2) -> str:
+    """Write a small PEFT-style LoRA safetensors file with random non-zero weights."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for i in range(modules):
+        base = f"transformer.layers.{i}.attention.to_q"
+        sd[f"{base}.lora_A.weight"] = torch.randn(rank, 32, generator=g)
+        sd[f"{base}.lora_B.weight"] = torch.randn(32, rank, generator=g)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    save_file(sd, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# server
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(engine: Any, server_args: Any = None, **app_kwargs):
+    """Serve ``create_app(engine, server_args)`` with real uvicorn on 127.0.0.1:<free port>.
+
+    Yields:
+        ``(base_url, app, uvicorn_server)``. The server stops (gracefully) when the block exits;
+        setting ``uvicorn_server.should_exit`` is what SIGTERM does.
+    """
+    import uvicorn
+    from sglang.multimodal_gen.configs.server_args import ServerArgs
+    from sglang.multimodal_gen.entrypoints.http_server import create_app
+
+    port = free_port()
+    args = (server_args or ServerArgs()).replace(host="127.0.0.1", port=port)
+    app_kwargs.setdefault("request_factory", GenerationRequest)
+    app = create_app(engine, args, **app_kwargs)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app, server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def assert_envelope(response: Any, status: int, param: str | None = "__any__") -> dict:
+    """Assert an OpenAI error envelope with ``status``; return its ``error`` object."""
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"]
+    if param != "__any__":
+        assert err["param"] == param, err
+    return err

@@ -1,0 +1,610 @@
+"""HTTP API tests on real uvicorn with a fake engine (fast; every row of server_requests.md).
+
+The fake engine (server_helpers.FakeEngine) makes each image a pure function of the request and of
+the adapter composition it ran with, so a response image tells which composition was used. LoRA
+files go through the project's real loader (path containment, Hub cache lookups).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from server_helpers import (
+    FakeEngine,
+    GenerationRequest,
+    assert_envelope,
+    fake_reference_image,
+    running_server,
+    write_lora_file,
+)
+from sglang.multimodal_gen.configs.server_args import ServerArgs
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    write_lora_file(str(root / "a.safetensors"), seed=1)
+    write_lora_file(str(root / "b.safetensors"), seed=2)
+    peft = root / "peft_c"
+    write_lora_file(str(peft / "adapter_model.safetensors"), seed=3)
+    (peft / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 4}))
+    return str(root)
+
+
+@pytest.fixture
+def engine(lora_dir):
+    return FakeEngine(lora_dirs=[lora_dir])
+
+
+@pytest.fixture
+def server(engine, lora_dir):
+    with running_server(engine, ServerArgs(lora_dirs=[lora_dir])) as (url, app, _):
+        yield url
+
+
+def decode(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def expected(engine: FakeEngine, comp_names, index=0, **fields) -> np.ndarray:
+    req = GenerationRequest(**fields)
+    comp = engine.composition_of(comp_names)
+    return np.asarray(fake_reference_image(req, comp, index))
+
+
+def gen(url, **body):
+    body.setdefault("prompt", "a red fox")
+    body.setdefault("size", "64x64")
+    body.setdefault("num_inference_steps", 2)
+    body.setdefault("seed", 7)
+    return httpx.post(f"{url}/v1/images/generations", json=body, timeout=30)
+
+
+def list_loras(url, headers=None):
+    r = httpx.get(f"{url}/v1/list_loras", headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ------------------------------------------------------------------------------ OpenAI client
+
+
+def test_openai_client_png_equals_engine_output(server, engine):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="sk-unused", max_retries=0)
+    resp = client.images.generate(
+        model="fake-zimage",
+        prompt="a lighthouse at dusk",
+        size="64x64",
+        response_format="b64_json",
+        n=2,
+        extra_body={"seed": 42, "num_inference_steps": 2, "guidance_scale": 1.5},
+    )
+    assert len(resp.data) == 2
+    raw = base64.b64decode(resp.data[0].b64_json)
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    fields = dict(
+        prompt="a lighthouse at dusk",
+        height=64,
+        width=64,
+        seed=42,
+        num_inference_steps=2,
+        guidance_scale=1.5,
+        num_images=2,
+    )
+    for i, item in enumerate(resp.data):
+        got = np.asarray(decode(item.b64_json).convert("RGB"))
+        np.testing.assert_array_equal(got, expected(engine, [], index=i, **fields))
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["fake-zimage"]
+
+
+def test_output_formats(server):
+    for fmt, magic in (("jpeg", b"\xff\xd8"), ("webp", b"RIFF")):
+        r = gen(server, output_format=fmt, output_compression=80)
+        assert r.status_code == 200, r.text
+        assert base64.b64decode(r.json()["data"][0]["b64_json"])[: len(magic)] == magic
+        assert r.json()["output_format"] == fmt
+    assert_envelope(gen(server, output_format="gif"), 400, "output_format")
+    assert_envelope(gen(server, output_compression=101), 400, "output_compression")
+
+
+# ------------------------------------------------------------------------------ S1 invalid JSON
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # backtick continuations left in the body, last field with a trailing comma
+        '{ `\n  "prompt": "three cats ...", `\n  "size": "1024x1024", `\n}',
+        # the shell ate the backticks: one line, trailing comma
+        '{ "prompt": "three cats ...",   "size": "1024x1024", }',
+    ],
+)
+def test_s1_invalid_json_400_with_line_and_column(server, engine, raw):
+    r = httpx.post(
+        f"{server}/v1/images/generations",
+        content=raw.encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    err = assert_envelope(r, 400)
+    assert err["type"] == "invalid_request_error"
+    assert err["code"] == "invalid_json"
+    msg = err["message"]
+    assert "invalid JSON" in msg and "line" in msg and "column" in msg, msg
+    if "`" in raw:
+        assert "line 1, column 3" in msg and "backtick" in msg, msg
+    else:
+        assert "trailing comma" in msg, msg
+    assert engine.calls == []
+
+
+def test_schema_errors_are_422(server, engine):
+    err = assert_envelope(gen(server, n="many"), 422, "n")
+    assert "n:" in err["message"]
+    err = assert_envelope(gen(server, num_inference_step=3), 422, "num_inference_step")
+    assert "unknown field" in err["message"]
+    r = httpx.post(f"{server}/v1/images/generations", json=["prompt"])
+    assert_envelope(r, 422)
+    r = httpx.post(f"{server}/v1/images/generations", json={"size": "64x64"})
+    assert_envelope(r, 422, "prompt")
+    assert engine.calls == []
+
+
+def test_unknown_route_and_method(server):
+    assert_envelope(httpx.get(f"{server}/v1/nope"), 404)
+    assert_envelope(httpx.get(f"{server}/v1/images/generations"), 405)
+
+
+def test_unknown_model_404(server, engine):
+    err = assert_envelope(gen(server, model="dall-e-3"), 404, "model")
+    assert "fake-zimage" in err["message"]
+    assert engine.calls == []
+
+
+# ------------------------------------------------------------------------------ S2 / S3 auth
+
+
+def test_s2_bearer_ignored_without_api_key(server):
+    r = httpx.post(
+        f"{server}/v1/images/generations",
+        json={"prompt": "x", "size": "64x64", "num_inference_steps": 1},
+        headers={"Authorization": "Bearer sk-proj-1234567890"},
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_s3_wrong_key_401_and_no_work(engine, lora_dir):
+    args = ServerArgs(api_key="other-key", lora_dirs=[lora_dir])
+    with running_server(engine, args) as (url, _, _):
+        bad = {"Authorization": "Bearer sk-proj-1234567890"}
+        for method, path in (
+            ("POST", "/v1/images/generations"),
+            ("POST", "/v1/set_lora"),
+            ("POST", "/v1/unset_lora"),
+            ("GET", "/v1/list_loras"),
+            ("GET", "/v1/models"),
+            ("GET", "/metrics"),
+        ):
+            body = {"prompt": "x", "size": "64x64"} if method == "POST" else None
+            for headers in (bad, {}, {"Authorization": "Basic b3RoZXIta2V5"}):
+                r = httpx.request(method, url + path, json=body, headers=headers)
+                err = assert_envelope(r, 401)
+                assert err["type"] in ("invalid_request_error", "authentication_error")
+                assert r.headers["www-authenticate"] == "Bearer"
+        assert engine.calls == []
+        assert httpx.get(f"{url}/health").status_code == 200
+        good = {"Authorization": "Bearer other-key"}
+        r = httpx.post(
+            f"{url}/v1/images/generations",
+            json={"prompt": "x", "size": "64x64", "num_inference_steps": 1},
+            headers=good,
+        )
+        assert r.status_code == 200
+        assert engine.calls == ["generate"]
+
+
+def test_admin_api_key(engine, lora_dir):
+    args = ServerArgs(api_key="user-key", admin_api_key="admin-key", lora_dirs=[lora_dir])
+    user = {"Authorization": "Bearer user-key"}
+    admin = {"Authorization": "Bearer admin-key"}
+    with running_server(engine, args) as (url, _, _):
+        body = {"lora_nickname": "a", "lora_path": "a.safetensors"}
+        assert_envelope(httpx.post(f"{url}/v1/set_lora", json=body, headers=user), 401)
+        assert engine.loaded == {}
+        r = httpx.post(f"{url}/v1/set_lora", json=body, headers=admin)
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "ok"
+        # list_loras and generation take either key
+        assert "a" in list_loras(url, user)["loaded"]
+        assert "a" in list_loras(url, admin)["loaded"]
+        assert_envelope(httpx.post(f"{url}/v1/unset_lora", headers=user), 401)
+        assert httpx.post(f"{url}/v1/unset_lora", headers=admin).status_code == 200
+
+
+# ------------------------------------------------------------------------------ S4 / S5 Hub ids
+
+
+def test_s4_repo_id_not_cached_4xx_nothing_changed(server, engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = httpx.post(
+        f"{server}/v1/set_lora", json={"lora_nickname": "a", "lora_path": "a.safetensors"}
+    )
+    assert r.status_code == 200
+    before = list_loras(server)
+    body = {"lora_nickname": "lora_name", "lora_path": "Owner/Some-LoRA-Repo", "target": "all"}
+    r = httpx.post(f"{server}/v1/set_lora", json=body, timeout=30)
+    assert 400 <= r.status_code < 500
+    err = assert_envelope(r, r.status_code)
+    msg = err["message"].lower()
+    assert "could not be found locally" in msg and "download" in msg, msg
+    assert list_loras(server) == before
+    assert engine.active == [("a", 1.0)]
+
+
+def test_s5_repo_id_from_local_hf_cache(server, engine, tmp_path, monkeypatch):
+    hf_home = tmp_path / "hf"
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = hf_home / "hub" / "models--Owner--Some-LoRA-Repo"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    write_lora_file(str(repo / "snapshots" / commit / "pytorch_lora_weights.safetensors"), seed=5)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    body = {"lora_nickname": "lora_name", "lora_path": "Owner/Some-LoRA-Repo", "target": "all"}
+    r = httpx.post(f"{server}/v1/set_lora", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert "lora_name" in list_loras(server)["loaded"]
+    r = gen(server)
+    assert r.status_code == 200
+    got = np.asarray(decode(r.json()["data"][0]["b64_json"]).convert("RGB"))
+    ref = expected(
+        engine, [("lora_name", 1.0)], prompt="a red fox", height=64, width=64,
+        num_inference_steps=2, seed=7,
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_lora_path_outside_lora_dir_refused(server, engine, tmp_path):
+    outside = write_lora_file(str(tmp_path / "evil.safetensors"), seed=9)
+    for path in (outside, "../" * 10 + outside.lstrip("/")):
+        r = httpx.post(f"{server}/v1/set_lora", json={"lora_nickname": "e", "lora_path": path})
+        err = assert_envelope(r, 400, "lora_path")
+        assert "outside" in err["message"]
+    assert engine.loaded == {}
+
+
+# ------------------------------------------------------------------------------ S6 / S7 values
+
+
+@pytest.mark.parametrize(
+    "size", ["64", "64x", "sixtyfour", "64x64x64", "100x100", "64x72", "4096x4096", "0x0"]
+)
+def test_s6_bad_size(server, engine, size):
+    err = assert_envelope(gen(server, size=size), 400, "size")
+    assert "WxH" in err["message"] and "16" in err["message"], err["message"]
+    assert engine.calls == []
+
+
+def test_s6_size_above_configured_max(engine):
+    with running_server(engine, ServerArgs(max_image_size=128)) as (url, _, _):
+        err = assert_envelope(gen(url, size="256x256"), 400, "size")
+        assert "128" in err["message"]
+        assert gen(url, size="128x64").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "field,value,range_text",
+    [
+        ("n", 0, "[1, 8]"),
+        ("n", 1000, "[1, 8]"),
+        ("num_inference_steps", 0, "[1, 1000]"),
+        ("num_inference_steps", 10000, "[1, 1000]"),
+        ("guidance_scale", float("nan"), ">= 0"),
+        ("guidance_scale", float("inf"), ">= 0"),
+        ("guidance_scale", -1.0, ">= 0"),
+        ("seed", -3, "[0, "),
+    ],
+)
+def test_s7_out_of_range(server, engine, field, value, range_text):
+    body = {"prompt": "x", "size": "64x64", field: value}
+    raw = json.dumps(body, allow_nan=True)  # NaN / Infinity literals, as some clients send
+    r = httpx.post(f"{server}/v1/images/generations", content=raw.encode())
+    err = assert_envelope(r, 400, field)
+    assert field in err["message"] and range_text in err["message"], err["message"]
+    assert engine.calls == []
+
+
+# ------------------------------------------------------------------------------ S8 url
+
+
+def test_s8_response_format_url_serves_the_image(engine):
+    with running_server(engine, ServerArgs(api_key="k")) as (url, _, _):
+        h = {"Authorization": "Bearer k"}
+        body = {"prompt": "x", "size": "64x64", "seed": 3, "num_inference_steps": 1}
+        r = httpx.post(
+            f"{url}/v1/images/generations", json={**body, "response_format": "url"}, headers=h
+        )
+        assert r.status_code == 200, r.text
+        image_url = r.json()["data"][0]["url"]
+        assert image_url.startswith(url + "/v1/images/files/")
+        assert httpx.get(image_url).status_code == 401  # same auth as every endpoint
+        got = httpx.get(image_url, headers=h)
+        assert got.status_code == 200 and got.headers["content-type"] == "image/png"
+        r2 = httpx.post(f"{url}/v1/images/generations", json=body, headers=h)
+        assert got.content == base64.b64decode(r2.json()["data"][0]["b64_json"])
+        assert_envelope(httpx.get(url + "/v1/images/files/nope.png", headers=h), 404)
+        err = assert_envelope(
+            httpx.post(
+                f"{url}/v1/images/generations", json={**body, "response_format": "file"}, headers=h
+            ),
+            400,
+            "response_format",
+        )
+        assert "b64_json" in err["message"]
+
+
+# ------------------------------------------------------------------------------ LoRA endpoints
+
+
+def test_lora_endpoints_and_per_request_lora(server, engine, lora_dir):
+    base = gen(server).json()["data"][0]["b64_json"]
+    r = httpx.post(
+        f"{server}/v1/set_lora", json={"lora_nickname": "a", "lora_path": "a.safetensors"}
+    )
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    with_a = gen(server).json()["data"][0]["b64_json"]
+    assert with_a != base
+    ref = expected(
+        engine, [("a", 1.0)], prompt="a red fox", height=64, width=64, num_inference_steps=2, seed=7
+    )
+    np.testing.assert_array_equal(np.asarray(decode(with_a).convert("RGB")), ref)
+    # PEFT folder, then a list of two with strengths
+    r = httpx.post(f"{server}/v1/set_lora", json={"lora_nickname": "c", "lora_path": "peft_c"})
+    assert r.status_code == 200, r.text
+    body = {
+        "lora_nickname": ["a", "b"],
+        "lora_path": [None, "b.safetensors"],
+        "strength": [0.5, 0.8],
+    }
+    r = httpx.post(f"{server}/v1/set_lora", json=body)
+    assert r.status_code == 200, r.text
+    listed = list_loras(server)
+    assert set(listed["loaded"]) == {"a", "b", "c"}
+    assert listed["active"]["all"] == [
+        {"name": "a", "strength": 0.5},
+        {"name": "b", "strength": 0.8},
+    ]
+    # per-request lora overrides the global composition, exactly
+    r = gen(server, lora={"name": "c", "scale": 0.3})
+    ref = expected(
+        engine, [("c", 0.3)], prompt="a red fox", height=64, width=64, num_inference_steps=2, seed=7
+    )
+    np.testing.assert_array_equal(
+        np.asarray(decode(r.json()["data"][0]["b64_json"]).convert("RGB")), ref
+    )
+    r = gen(server, lora=[])  # explicit: no adapter
+    assert r.json()["data"][0]["b64_json"] == base
+    # unknown per-request adapter: 404, duplicate: 400
+    assert_envelope(gen(server, lora={"name": "zzz"}), 404)
+    assert_envelope(gen(server, lora=[{"name": "a"}, {"name": "a"}]), 400, "lora")
+    # unset returns the base image exactly; adapters stay loaded
+    assert httpx.post(f"{server}/v1/unset_lora", json={"target": "all"}).status_code == 200
+    assert gen(server).json()["data"][0]["b64_json"] == base
+    assert set(list_loras(server)["loaded"]) == {"a", "b", "c"}
+    # merge / unmerge
+    assert httpx.post(f"{server}/v1/merge_lora_weights", json={}).status_code == 200
+    assert engine.merged
+    assert httpx.post(f"{server}/v1/unmerge_lora_weights").status_code == 200
+    assert not engine.merged
+    # unload one; unloading it again is a 404; set_lora with null path for it too
+    assert httpx.post(f"{server}/v1/unload_lora", json={"lora_nickname": "b"}).status_code == 200
+    assert "b" not in list_loras(server)["loaded"]
+    assert_envelope(httpx.post(f"{server}/v1/unload_lora", json={"lora_nickname": "b"}), 404)
+    assert_envelope(httpx.post(f"{server}/v1/set_lora", json={"lora_nickname": "b"}), 404)
+
+
+# ------------------------------------------------------------------------------ S9 / S10
+
+
+@pytest.mark.parametrize(
+    "body,param,needle",
+    [
+        ({"lora_nickname": ["a", "b"], "lora_path": ["a.safetensors"]}, "lora_path", "1 entries"),
+        ({"lora_nickname": ["a", "b"], "lora_path": ["a.safetensors", "b.safetensors"], "strength": [1.0]},
+         "strength", "1 entries"),
+        ({"lora_nickname": ["a", "b"], "lora_path": "a.safetensors"}, "lora_path", "single string"),
+        ({"lora_nickname": ["a", "a"], "lora_path": ["a.safetensors", "a.safetensors"]}, "lora_nickname", "twice"),
+        ({"lora_nickname": "a", "lora_path": "a.safetensors", "strength": float("nan")}, "strength", "finite"),
+        ({"lora_nickname": "a", "lora_path": "a.safetensors", "merge_mode": "fast"}, "merge_mode", "auto"),
+    ],
+)  # fmt: skip
+def test_s9_set_lora_mismatch_400_nothing_changed(server, engine, body, param, needle):
+    r = httpx.post(
+        f"{server}/v1/set_lora", json={"lora_nickname": "b", "lora_path": "b.safetensors"}
+    )
+    assert r.status_code == 200
+    before = list_loras(server)
+    r = httpx.post(f"{server}/v1/set_lora", content=json.dumps(body, allow_nan=True).encode())
+    err = assert_envelope(r, 400, param)
+    assert needle in err["message"], err["message"]
+    assert list_loras(server) == before
+    assert engine.calls.count("set_lora") == 1
+
+
+def test_s10_unknown_target_lists_valid_targets(server, engine):
+    for path, body in (
+        (
+            "/v1/set_lora",
+            {"lora_nickname": "a", "lora_path": "a.safetensors", "target": "transformer_2"},
+        ),
+        ("/v1/unset_lora", {"target": "transformer_2"}),
+        ("/v1/merge_lora_weights", {"target": "transformer_2"}),
+        ("/v1/unmerge_lora_weights", {"target": "transformer_2"}),
+    ):
+        err = assert_envelope(httpx.post(server + path, json=body), 400, "target")
+        assert "'all'" in err["message"] and "'transformer'" in err["message"], err["message"]
+    assert engine.calls == []
+
+
+# ------------------------------------------------------------------------------ S11 concurrency
+
+
+def test_s11_concurrent_generations_with_alternating_set_unset(lora_dir):
+    engine = FakeEngine(delay_s=0.01, lora_dirs=[lora_dir])
+    with running_server(engine, ServerArgs(lora_dirs=[lora_dir], max_queue_size=64)) as (url, _, _):
+        assert (
+            httpx.post(
+                f"{url}/v1/set_lora", json={"lora_nickname": "b", "lora_path": "b.safetensors"}
+            ).status_code
+            == 200
+        )
+        assert httpx.post(f"{url}/v1/unset_lora").status_code == 200
+        stop = threading.Event()
+        admin_codes = []
+
+        def admin_loop():
+            i = 0
+            while not stop.is_set():
+                if i % 2 == 0:
+                    r = httpx.post(
+                        f"{url}/v1/set_lora",
+                        json={"lora_nickname": "a", "lora_path": "a.safetensors"},
+                        timeout=30,
+                    )
+                else:
+                    r = httpx.post(f"{url}/v1/unset_lora", timeout=30)
+                admin_codes.append(r.status_code)
+                i += 1
+                time.sleep(0.005)
+
+        def one(i):
+            body = {"prompt": f"p{i}", "size": "32x32", "seed": i, "num_inference_steps": 2}
+            if i % 4 == 3:
+                body["lora"] = [{"name": "b", "scale": 0.7}]
+            r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=60)
+            return i, body, r
+
+        admin = threading.Thread(target=admin_loop)
+        admin.start()
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            results = list(pool.map(one, range(32)))
+        stop.set()
+        admin.join(timeout=30)
+        assert admin_codes and set(admin_codes) == {200}
+        seen_global = set()
+        for i, body, r in results:
+            assert r.status_code == 200, r.text
+            got = np.asarray(decode(r.json()["data"][0]["b64_json"]).convert("RGB"))
+            fields = dict(prompt=body["prompt"], height=32, width=32, seed=i, num_inference_steps=2)
+            if "lora" in body:
+                allowed = [[("b", 0.7)]]
+            else:
+                allowed = [[], [("a", 1.0)]]
+            matches = [c for c in allowed if np.array_equal(got, expected(engine, c, **fields))]
+            assert len(matches) == 1, (i, body)
+            if "lora" not in body:
+                seen_global.add(tuple(matches[0]))
+        # the engine log shows no call ever overlapped (FakeEngine asserts) and every image
+        # matches its own composition; admin changes really interleaved:
+        assert engine.calls.count("set_lora") >= 2
+
+
+# ------------------------------------------------------------------------------ S12 queue full
+
+
+def test_s12_queue_full_503_retry_after_and_keeps_serving(lora_dir):
+    engine = FakeEngine(lora_dirs=[lora_dir])
+    engine.release.clear()  # block generate until released
+    with running_server(engine, ServerArgs(max_queue_size=2)) as (url, app, _):
+        scheduler = app.state.scheduler
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            futures = [pool.submit(gen, url, seed=i) for i in range(3)]
+            deadline = time.monotonic() + 10
+            while not (scheduler.busy and scheduler.queue_depth == 2):
+                assert time.monotonic() < deadline, "queue did not fill"
+                time.sleep(0.01)
+            r = gen(url, seed=99)
+            err = assert_envelope(r, 503)
+            assert err["code"] == "queue_full"
+            assert int(r.headers["retry-after"]) >= 1
+            metrics = httpx.get(f"{url}/metrics").text
+            assert "sglang_queue_depth 2.0" in metrics
+            engine.release.set()
+            assert [f.result().status_code for f in futures] == [200, 200, 200]
+        assert gen(url, seed=100).status_code == 200
+        assert len(engine.generate_log) == 4
+
+
+# ------------------------------------------------------------------------------ health, metrics, shutdown
+
+
+def test_metrics_content(server):
+    assert gen(server).status_code == 200
+    assert gen(server, n=0).status_code == 400
+    assert (
+        httpx.post(
+            f"{server}/v1/set_lora", json={"lora_nickname": "a", "lora_path": "a.safetensors"}
+        ).status_code
+        == 200
+    )
+    text = httpx.get(f"{server}/metrics").text
+    for needle in (
+        'sglang_http_requests_total{endpoint="/v1/images/generations",status="200"} 1.0',
+        'sglang_http_requests_total{endpoint="/v1/images/generations",status="400"} 1.0',
+        "sglang_queue_depth",
+        "sglang_request_e2e_seconds_count 1.0",
+        "sglang_step_seconds_count 1.0",
+        'sglang_lora_admin_seconds_count{op="set_lora"} 1.0',
+        "sglang_engine_alive 1.0",
+    ):
+        assert needle in text, needle
+
+
+def test_dead_engine_health_503_and_requests_503(lora_dir):
+    engine = FakeEngine()
+    engine.release.clear()
+    with running_server(engine, ServerArgs()) as (url, _, _):
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            inflight = pool.submit(gen, url)
+            time.sleep(0.2)
+            engine.alive = False  # a worker died while a request runs (and never returns)
+            t0 = time.monotonic()
+            r = inflight.result(timeout=20)
+            assert_envelope(r, 503)
+            assert time.monotonic() - t0 < 10
+            engine.release.set()
+        assert_envelope(httpx.get(f"{url}/health"), 503)
+        t0 = time.monotonic()
+        assert_envelope(gen(url), 503)
+        assert time.monotonic() - t0 < 2
+        assert "sglang_engine_alive 0.0" in httpx.get(f"{url}/metrics").text
+
+
+def test_graceful_shutdown_finishes_in_flight(lora_dir):
+    engine = FakeEngine()
+    engine.release.clear()
+    with running_server(engine, ServerArgs()) as (url, app, server):
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            inflight = pool.submit(gen, url)
+            while not app.state.scheduler.busy:
+                time.sleep(0.01)
+            server.should_exit = True  # what SIGTERM does
+            time.sleep(0.3)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{url}/health", timeout=2)  # no longer accepting
+            engine.release.set()
+            r = inflight.result(timeout=20)
+            assert r.status_code == 200
+    assert len(engine.generate_log) == 1
