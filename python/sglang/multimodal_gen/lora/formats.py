@@ -1,0 +1,472 @@
+"""LoRA key formats -> one canonical form in our model's module names.
+
+Accepted spellings of one LoRA pair on module ``<m>`` (``<m>`` a diffusers name such as
+``layers.0.attention.to_q``, an original-checkpoint name such as ``layers.0.attention.qkv``, or our
+fused name ``layers.0.attention.to_qkv``):
+
+==========================  ======================================================================
+diffusers / PEFT            ``transformer.<m>.lora_A.weight``, ``.lora_B.weight`` (+ ``.lora_B.bias``)
+peft ``get_peft_model``     ``base_model.model.<m>.lora_A.weight`` (any wrapper prefix combination)
+adapter-name infix          ``<m>.lora_A.<adapter>.weight`` (e.g. ``.default.``), one adapter per file
+kohya / musubi              ``lora_unet_<m with . -> _>.lora_down.weight``, ``.lora_up.weight``,
+                            ``.alpha`` (also ``lora_transformer_``); names are un-flattened by
+                            looking the flattened name up in the model's own flattened vocabulary
+ComfyUI                     ``diffusion_model.<m>...`` with either weight naming
+dotted kohya                ``<m>.lora.down.weight`` / ``<m>.lora.up.weight``
+==========================  ======================================================================
+
+Files may mix these per module (each module keeps its own alpha). Text-encoder keys (``lora_te*``,
+``text_encoder*.``, ...) are skipped and reported in ``ignored_keys``.
+
+Refused with :class:`~sglang.multimodal_gen.errors.LoRAFormatError` naming the feature and the
+first offending key: DoRA (``dora_scale``, ``lora_magnitude_vector``), LoKr (``lokr_*``), LoHa
+(``hada_*``), embedding LoRA (``lora_embedding_*``), ``modules_to_save`` copies, full weight diffs
+(``diff``/``diff_b``), LoCon mid weights, OFT/BOFT/IA3, conv (4-D) LoRA, unknown keys. Also
+refused: keys that match none of the model's modules (with a guess of the architecture they target),
+modules of the file missing from the model, duplicate or overlapping pairs, rank/shape mismatches
+and non-finite values.
+
+LoKr is refused rather than converted: its delta ``kron(w1, w2)`` has no exact low-rank (A, B) form
+in general, and the LoRA layers only apply (A, B) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang.multimodal_gen.errors import LoRAFormatError
+from sglang.multimodal_gen.layers.lora.weights import LoRAWeights
+from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
+from sglang.multimodal_gen.lora.peft_config import AdapterConfig, config_from_sources, lora_scale
+from sglang.multimodal_gen.models.name_map import NameMap, ShardId
+
+__all__ = ["CanonicalLoRA", "convert_to_canonical", "guess_architecture"]
+
+
+@dataclass
+class CanonicalLoRA:
+    """A LoRA file converted to our module names, ready for ``BaseLayerWithLoRA.add_adapter``.
+
+    Attributes:
+        modules: ``{our_module_name: {shard_id: LoRAWeights}}``; every tensor is full (unsharded),
+            ``lora_A [r, in]``, ``lora_B [out_of_shard, r]``, in the file's dtype; ``scale`` is
+            ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), strength not included.
+        matched_modules: number of LoRA pairs in the file that were matched (a fused ``qkv`` pair
+            counts once even though it fills three shards).
+        ignored_keys: keys deliberately skipped (text-encoder keys, orphan ``.alpha`` entries).
+        source_format: the naming styles found, ``"+"``-joined (``"diffusers"``, ``"peft"``,
+            ``"kohya"``, ``"comfyui"``, ...).
+        target_guess: the model the keys appear to target (our model's name when they matched).
+        file_modules: ``{file_module_name: (our_module_name, shard_id)}`` for reporting.
+    """
+
+    modules: dict[str, dict[ShardId, LoRAWeights]]
+    matched_modules: int
+    ignored_keys: list[str]
+    source_format: str
+    target_guess: str | None = None
+    file_modules: dict[str, tuple[str, ShardId]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able report: matched modules, target layers, ignored key count, format."""
+        return {
+            "matched_modules": self.matched_modules,
+            "target_layers": len(self.modules),
+            "ignored_keys": len(self.ignored_keys),
+            "source_format": self.source_format,
+        }
+
+    def nbytes(self) -> int:
+        """Bytes held by all tensors (shared tensors counted once)."""
+        seen: dict[int, int] = {}
+        for shards in self.modules.values():
+            for w in shards.values():
+                for t in (w.lora_A, w.lora_B, w.offset):
+                    if t is not None:
+                        seen[id(t)] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# key grammar
+# ---------------------------------------------------------------------------------------------
+
+_TEXT_ENCODER_PREFIXES = (
+    "lora_te",  # lora_te_, lora_te1_, lora_te2_, lora_te3_ (kohya)
+    "text_encoder.",
+    "text_encoder_2.",
+    "text_encoder_3.",
+    "text_encoders.",
+    "te.",
+    "te1.",
+    "te2.",
+    "cond_stage_model.",
+    "conditioner.",
+)
+
+# (regex on the key, feature name) -- checked before the LoRA grammar
+_UNSUPPORTED_KEYS = (
+    (re.compile(r"\.dora_scale$"), "DoRA (dora_scale)"),
+    (re.compile(r"\.lora_magnitude_vector(\.|$)"), "DoRA (lora_magnitude_vector)"),
+    (re.compile(r"\.lokr_(w1|w2|w1_a|w1_b|w2_a|w2_b|t1|t2)$"), "LoKr (LyCORIS Kronecker product)"),
+    (re.compile(r"\.hada_(w1|w2|t1|t2)(_a|_b)?$"), "LoHa (LyCORIS Hadamard product)"),
+    (re.compile(r"\.lora_embedding_[AB](\.|$)"), "embedding LoRA (lora_embedding_A/B)"),
+    (re.compile(r"\.modules_to_save(\.|$)"), "modules_to_save (full trained module copies)"),
+    (re.compile(r"\.diff(_b)?$"), "full weight difference (diff / diff_b)"),
+    (re.compile(r"\.lora_mid\.weight$"), "LoCon/Tucker mid weight (lora_mid)"),
+    (re.compile(r"\.(oft_\w+|boft_\w+|oft_blocks|oft_diag)$"), "OFT/BOFT"),
+    (re.compile(r"\.ia3_l(\.|$)"), "IA3"),
+)
+
+_PEFT_RE = re.compile(r"^(?P<m>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.(?P<p>weight|bias)$")
+_KOHYA_RE = re.compile(r"^(?P<m>.+)\.lora_(?P<ab>down|up)\.(?P<p>weight)$")
+_KOHYA_DOT_RE = re.compile(r"^(?P<m>.+)\.lora\.(?P<ab>down|up)\.(?P<p>weight)$")
+_ALPHA_RE = re.compile(r"^(?P<m>.+)\.alpha$")
+
+_FLAT_PREFIXES = ("lora_unet_", "lora_transformer_")
+_ROLE = {"A": "A", "down": "A", "B": "B", "up": "B"}
+
+# Architecture signatures for "this file seems to target X" (G1). First pattern wins per key.
+_ARCH_SIGNATURES = (
+    ("Qwen-Image", re.compile(r"transformer_blocks[._]\d+[._](img_mlp|txt_mlp|img_mod|txt_mod)")),
+    ("Flux", re.compile(r"(double_blocks|single_blocks|single_transformer_blocks)[._]\d+")),
+    ("Stable Diffusion 3", re.compile(r"joint_blocks[._]\d+|context_block")),
+    ("Wan", re.compile(r"(^|[._])blocks[._]\d+[._](self_attn|cross_attn|ffn)")),
+    (
+        "Stable Diffusion UNet (SD 1.x/2.x/XL)",
+        re.compile(r"(down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)"),
+    ),
+    (
+        "Z-Image",
+        re.compile(r"(layers|noise_refiner|context_refiner)[._]\d+[._](attention|feed_forward)"),
+    ),
+)
+
+
+def guess_architecture(keys) -> str | None:
+    """Best guess of the model family a list of LoRA keys was trained for, or None."""
+    votes: Counter[str] = Counter()
+    for k in keys:
+        for arch, pat in _ARCH_SIGNATURES:
+            if pat.search(k):
+                votes[arch] += 1
+                break
+    return votes.most_common(1)[0][0] if votes else None
+
+
+@dataclass
+class _Pair:
+    """The pieces of one LoRA pair as found in the file."""
+
+    file_module: str  # dotted, wrapper prefixes removed
+    style: str
+    target: tuple[str, ShardId] | None
+    A: torch.Tensor | None = None
+    B: torch.Tensor | None = None
+    B_bias: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None
+    keys: dict[str, str] = field(default_factory=dict)  # role -> key
+
+
+def _strip_prefixes(name: str, spec: LoRAModelSpec, component: str) -> tuple[str, list[str]]:
+    """Remove wrapper prefixes (``base_model.model.``, ``transformer.``, ``diffusion_model.``, ...)."""
+    prefixes = ["base_model.model.", f"{component}.", "model.diffusion_model.", "diffusion_model."]
+    if spec.name_map is not None:
+        prefixes += list(spec.name_map.strip_prefixes)
+    seen: list[str] = []
+    changed = True
+    while changed:
+        changed = False
+        if name in spec.vocabulary:  # a real module name that happens to start like a prefix
+            break
+        for p in prefixes:
+            if name.startswith(p):
+                name = name[len(p) :]
+                seen.append(p)
+                changed = True
+                break
+    return name, seen
+
+
+def _style(prefixes: list[str], weight_style: str, flat: bool) -> str:
+    if flat:
+        return "kohya"
+    if "diffusion_model." in prefixes or "model.diffusion_model." in prefixes:
+        return "comfyui"
+    if "base_model.model." in prefixes:
+        return "peft"
+    return "diffusers" if weight_style == "peft" else "kohya-dotted"
+
+
+def _resolve_module(
+    raw_module: str, spec: LoRAModelSpec, component: str, weight_style: str
+) -> tuple[str, str, tuple[str, ShardId] | None]:
+    """``(dotted_file_module, style, target_or_None)`` for the module part of a key."""
+    name, prefixes = _strip_prefixes(raw_module, spec, component)
+    for p in _FLAT_PREFIXES:
+        if name.startswith(p):
+            flat = name[len(p) :].replace(".", "_")
+            dotted = spec.flat_vocabulary.get(flat)
+            if dotted is None:
+                return flat, "kohya", None
+            return dotted, "kohya", spec.vocabulary[dotted]
+    target = spec.lookup(name)
+    if target is None and "_" in name:
+        # a flattened name without the lora_unet_ prefix
+        dotted = spec.flat_vocabulary.get(name.replace(".", "_"))
+        if dotted is not None:
+            return dotted, "kohya", spec.vocabulary[dotted]
+    return name, _style(prefixes, weight_style, False), target
+
+
+def _parse(
+    state_dict: Mapping[str, torch.Tensor], spec: LoRAModelSpec, component: str
+) -> tuple[dict[str, _Pair], list[str], list[str]]:
+    """Group keys into pairs. Returns ``(pairs by file module, ignored keys, adapter names)``."""
+    pairs: dict[str, _Pair] = {}
+    ignored: list[str] = []
+    adapters: set[str] = set()
+    for key, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise LoRAFormatError(f"LoRA key {key!r} is not a tensor ({type(tensor).__name__})")
+        bare = key[len("base_model.model.") :] if key.startswith("base_model.model.") else key
+        if bare.startswith(_TEXT_ENCODER_PREFIXES):
+            ignored.append(key)
+            continue
+        for pat, feature in _UNSUPPORTED_KEYS:
+            if pat.search(key):
+                raise LoRAFormatError(
+                    f"unsupported LoRA feature: {feature}; first offending key {key!r}"
+                )
+        m = _PEFT_RE.match(key)
+        weight_style = "peft"
+        if m is None:
+            m = _KOHYA_RE.match(key) or _KOHYA_DOT_RE.match(key)
+            weight_style = "kohya"
+        if m is not None:
+            role = _ROLE[m.group("ab")]
+            if m.group("p") == "bias":
+                if role != "B":
+                    raise LoRAFormatError(f"unsupported LoRA key {key!r}: a bias on lora_A")
+                role = "B_bias"
+            if m.groupdict().get("adapter"):
+                adapters.add(m.group("adapter"))
+        else:
+            m = _ALPHA_RE.match(key)
+            if m is None:
+                raise LoRAFormatError(
+                    f"unrecognized LoRA key {key!r}: expected lora_A/lora_B, lora_down/lora_up or "
+                    ".alpha entries"
+                )
+            role = "alpha"
+        file_module, style, target = _resolve_module(m.group("m"), spec, component, weight_style)
+        pair = pairs.get(file_module)
+        if pair is None:
+            pair = pairs[file_module] = _Pair(file_module, style, target)
+        if role in pair.keys:
+            raise LoRAFormatError(
+                f"module {file_module!r} has two {role} entries: {pair.keys[role]!r} and {key!r} "
+                "(the same module in two namings)"
+            )
+        if role in ("A", "B"):
+            pair.style = style
+        pair.keys[role] = key
+        setattr(pair, role, tensor)
+    if len(adapters) > 1:
+        raise LoRAFormatError(
+            f"the file holds several PEFT adapters ({sorted(adapters)}); save one adapter per file"
+        )
+    return pairs, ignored, sorted(adapters)
+
+
+def _check_finite(t: torch.Tensor, what: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise LoRAFormatError(f"{what} contains NaN or Inf values")
+
+
+def _pair_scale(pair: _Pair, r: int, cfg: AdapterConfig) -> float:
+    """scale for one pair: ``.alpha`` tensor, else config (with patterns), else alpha = r."""
+    cfg_r, cfg_alpha = cfg.resolve(pair.file_module)
+    if cfg_r is not None and pair.alpha is None and cfg_r != r:
+        raise LoRAFormatError(
+            f"module {pair.file_module!r}: the adapter config says r={cfg_r} "
+            f"({', '.join(cfg.sources)}) but the tensors have rank {r}"
+        )
+    if pair.alpha is not None:
+        if pair.alpha.numel() != 1:
+            raise LoRAFormatError(
+                f"module {pair.file_module!r}: alpha must be a scalar, got shape "
+                f"{tuple(pair.alpha.shape)} ({pair.keys['alpha']!r})"
+            )
+        alpha = float(pair.alpha.float().item())
+        if not math.isfinite(alpha):
+            raise LoRAFormatError(f"module {pair.file_module!r}: alpha is NaN or Inf")
+    elif cfg_alpha is not None:
+        alpha = cfg_alpha
+    else:
+        alpha = float(r)
+    return lora_scale(alpha, r, cfg.use_rslora)
+
+
+def _no_match_error(
+    pairs: dict[str, _Pair], state_dict: Mapping[str, torch.Tensor], spec: LoRAModelSpec
+) -> LoRAFormatError:
+    guess = guess_architecture(state_dict.keys())
+    examples = ", ".join(
+        repr(p.keys.get("A") or next(iter(p.keys.values()))) for p in list(pairs.values())[:3]
+    )
+    seems = f"the keys seem to target {guess}" if guess else "the keys match no known architecture"
+    return LoRAFormatError(
+        f"LoRA matched 0 of {len(pairs)} modules of {spec.model_name}: {seems} (e.g. {examples})"
+    )
+
+
+def convert_to_canonical(
+    state_dict: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, Any] | None,
+    model_spec: LoRAModelSpec | set[str],
+    name_map: NameMap | None = None,
+    module_shapes: Mapping[str, Mapping[ShardId, tuple[int, int]]] | None = None,
+    *,
+    component: str = "transformer",
+) -> CanonicalLoRA:
+    """Convert a LoRA state dict of any supported format to :class:`CanonicalLoRA`.
+
+    Args:
+        state_dict: ``{key: tensor}`` as read from the file (any dtype; 2-D A/B, scalar alpha).
+        metadata: the loader's metadata (``adapter_config``, ``lora_adapter_metadata``,
+            ``safetensors_metadata``) or a raw safetensors header; ``None`` for none.
+        model_spec: the target model (:class:`LoRAModelSpec`). For the older call form
+            ``(state_dict, metadata, module_names, name_map, module_shapes)`` pass the set of names
+            here and the two others after it.
+        component: the pipeline component whose ``<component>.`` key prefix is stripped
+            (``"transformer"``).
+
+    Returns:
+        CanonicalLoRA with full tensors per (module, shard). A fused ``qkv`` pair (B of height
+        ``q+k+v``) is split exactly into the target's shards (A shared); split ``to_q/k/v`` pairs
+        land in shards ``q/k/v`` of our fused layer.
+
+    Raises:
+        LoRAFormatError: unsupported feature (names it and the first offending key); zero modules
+            matched (says which model the keys seem to target); modules not in the model; A/B
+            missing, rank mismatch, wrong ``in``/``out`` (names the module and both shapes);
+            NaN/Inf (names the module); conflicting config sources; duplicate pairs.
+    """
+    if not isinstance(model_spec, LoRAModelSpec):
+        if module_shapes is None:
+            raise TypeError("convert_to_canonical needs a LoRAModelSpec or module_shapes")
+        names = set(model_spec)
+        model_spec = LoRAModelSpec.from_shapes(
+            {n: s for n, s in module_shapes.items() if n in names}, name_map
+        )
+    spec = model_spec
+    cfg = config_from_sources(metadata, component)
+    pairs, ignored, _ = _parse(state_dict, spec, component)
+
+    weighted = {k: p for k, p in pairs.items() if p.A is not None or p.B is not None}
+    for k, p in pairs.items():
+        if k not in weighted:  # an orphan .alpha (or B bias) without weights
+            ignored.extend(p.keys.values())
+    if not weighted:
+        if ignored:
+            raise LoRAFormatError(
+                f"LoRA matched 0 modules of {spec.model_name}: the file only has "
+                f"{len(ignored)} ignored keys (text encoder / orphan alpha)"
+            )
+        raise LoRAFormatError("LoRA file holds no LoRA weights (0 modules matched)")
+
+    unmatched = [p for p in weighted.values() if p.target is None]
+    if len(unmatched) == len(weighted):
+        raise _no_match_error(weighted, state_dict, spec)
+    if unmatched:
+        names = ", ".join(repr(p.file_module) for p in unmatched[:5])
+        raise LoRAFormatError(
+            f"{len(unmatched)} of {len(weighted)} LoRA modules do not exist in {spec.model_name} "
+            f"(e.g. {names}); refusing a partial load"
+        )
+
+    modules: dict[str, dict[ShardId, LoRAWeights]] = {}
+    covered: dict[tuple[str, ShardId], str] = {}
+    styles: set[str] = set()
+    file_modules: dict[str, tuple[str, ShardId]] = {}
+    for p in weighted.values():
+        our, sid = p.target
+        label = f"{p.file_module!r} (-> {our}" + (f" shard {sid!r})" if sid is not None else ")")
+        if p.A is None or p.B is None:
+            have = p.keys.get("A") or p.keys.get("B")
+            missing = "lora_A/lora_down" if p.A is None else "lora_B/lora_up"
+            raise LoRAFormatError(f"module {label}: {missing} is missing (found {have!r})")
+        if not cfg.targets(p.file_module):
+            raise LoRAFormatError(
+                f"module {p.file_module!r} has LoRA weights but the adapter config's "
+                f"target_modules ({cfg.target_modules!r}) does not include it"
+            )
+        if p.A.dim() != 2 or p.B.dim() != 2:
+            raise LoRAFormatError(
+                f"module {label}: only linear LoRA is supported, got A {tuple(p.A.shape)} and "
+                f"B {tuple(p.B.shape)} (conv LoRA?)"
+            )
+        r = p.A.shape[0]
+        if r == 0 or p.B.shape[1] != r:
+            raise LoRAFormatError(
+                f"module {label}: lora_A {tuple(p.A.shape)} and lora_B {tuple(p.B.shape)} do not "
+                "share a rank"
+            )
+        for t, what in ((p.A, "lora_A"), (p.B, "lora_B"), (p.B_bias, "lora_B.bias")):
+            if t is not None:
+                _check_finite(t, f"module {label} {what}")
+        scale = _pair_scale(p, r, cfg)
+
+        shapes = spec.module_shapes[our]
+        shard_ids = [sid] if sid is not None else spec.shards(our)
+        for s in shard_ids:
+            if s not in shapes:
+                raise LoRAFormatError(f"module {label}: {our} has no shard {s!r}")
+            prev = covered.get((our, s))
+            if prev is not None:
+                raise LoRAFormatError(
+                    f"{our} shard {s!r} is targeted twice in the file: by {prev!r} and "
+                    f"{p.file_module!r}"
+                )
+            covered[(our, s)] = p.file_module
+        out_sizes = [shapes[s][0] for s in shard_ids]
+        in_size = shapes[shard_ids[0]][1]
+        expect_b = (sum(out_sizes), r)
+        if p.A.shape[1] != in_size or tuple(p.B.shape) != expect_b:
+            raise LoRAFormatError(
+                f"module {label}: LoRA shapes A {tuple(p.A.shape)}, B {tuple(p.B.shape)} do not fit "
+                f"the layer; expected A ({r}, {in_size}), B {expect_b}"
+            )
+        if p.B_bias is not None and tuple(p.B_bias.shape) != (expect_b[0],):
+            raise LoRAFormatError(
+                f"module {label}: lora_B.bias has shape {tuple(p.B_bias.shape)}, expected "
+                f"({expect_b[0]},)"
+            )
+        A = p.A.contiguous()
+        row = 0
+        for s, n in zip(shard_ids, out_sizes):
+            B = p.B[row : row + n].contiguous()
+            off = p.B_bias[row : row + n].contiguous() if p.B_bias is not None else None
+            modules.setdefault(our, {})[s] = LoRAWeights(
+                lora_A=A, lora_B=B, scale=scale, offset=off
+            )
+            row += n
+        styles.add(p.style)
+        file_modules[p.file_module] = (our, sid)
+
+    return CanonicalLoRA(
+        modules=modules,
+        matched_modules=len(weighted),
+        ignored_keys=ignored,
+        source_format="+".join(sorted(styles)),
+        target_guess=spec.model_name,
+        file_modules=file_modules,
+    )

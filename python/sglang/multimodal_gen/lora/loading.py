@@ -1,0 +1,249 @@
+"""Reading LoRA files from disk: safetensors only, inside the allowed roots, offline Hub cache.
+
+``load_lora_state_dict`` accepts:
+
+- a ``.safetensors`` file;
+- a folder written by diffusers' ``save_lora_weights`` / ``save_lora_adapter``
+  (``pytorch_lora_weights.safetensors``; the adapter config sits in the file's
+  ``lora_adapter_metadata`` header entry);
+- a folder written by peft's ``save_pretrained`` (``adapter_model.safetensors`` +
+  ``adapter_config.json``);
+- a folder holding exactly one ``.safetensors`` file;
+- a Hugging Face Hub repo id (``owner/name``) already present in the local Hub cache
+  (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``). Nothing is
+  downloaded.
+
+Pickle-based files (``.bin``, ``.pt``, ``.pth``, ``.ckpt``, ``.pkl``) are refused without being
+opened: unpickling runs arbitrary code. Local paths are resolved with ``os.path.realpath`` (so
+``..`` and symlinks are followed first) and must lie inside one of ``allowed_roots`` when those are
+given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError
+
+__all__ = ["load_lora_state_dict", "resolve_lora_path", "hf_hub_cache_dir"]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def resolve_lora_path(path: str | os.PathLike, allowed_roots: Iterable[str] | None = None) -> str:
+    """Resolve a local LoRA path to its real absolute path, contained in ``allowed_roots``.
+
+    A relative path is tried against each root in order (and against the working directory when
+    no roots are given). Symlinks and ``..`` are resolved before the containment check, so a link
+    pointing out of a root, ``../../etc/passwd`` or an absolute path elsewhere are all refused.
+
+    Returns:
+        The realpath of an existing file or directory.
+
+    Raises:
+        InvalidRequestError (HTTP 400): the path resolves outside every allowed root, or the
+            roots list is empty.
+        NotFoundError is not raised here; a missing path inside the roots raises
+            InvalidRequestError too, saying it does not exist.
+    """
+    raw = os.fspath(path)
+    if not raw or "\x00" in raw:
+        raise InvalidRequestError("lora_path is empty or contains a NUL byte", param="lora_path")
+    if allowed_roots is None:
+        real = os.path.realpath(os.path.expanduser(raw))
+        if not os.path.exists(real):
+            raise InvalidRequestError(f"LoRA path {raw!r} does not exist", param="lora_path")
+        return real
+    roots = [os.path.realpath(os.path.expanduser(os.fspath(r))) for r in allowed_roots]
+    if not roots:
+        raise InvalidRequestError(
+            "no LoRA directories are allowed on this server (--lora-dir)", param="lora_path"
+        )
+    expanded = os.path.expanduser(raw)
+    candidates = (
+        [expanded] if os.path.isabs(expanded) else [os.path.join(r, expanded) for r in roots]
+    )
+    outside = False
+    for cand in candidates:
+        real = os.path.realpath(cand)
+        if not any(_within(real, r) for r in roots):
+            outside = True
+            continue
+        if os.path.exists(real):
+            return real
+    if outside:
+        raise InvalidRequestError(
+            f"LoRA path {raw!r} resolves outside the allowed LoRA directories", param="lora_path"
+        )
+    raise InvalidRequestError(
+        f"LoRA path {raw!r} does not exist in the allowed LoRA directories", param="lora_path"
+    )
+
+
+def hf_hub_cache_dir() -> str:
+    """The Hub cache directory, read from the environment at call time (honours ``HF_HOME``)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return os.path.join(home, "hub")
+
+
+def _snapshot_from_cache(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    cache = hf_hub_cache_dir()
+    try:
+        return snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
+    except Exception as e:  # LocalEntryNotFoundError and friends
+        raise InvalidRequestError(
+            f"LoRA {repo_id!r} could not be found locally (not a local path, not in the Hugging "
+            f"Face cache at {cache}); downloading is not possible here. Download it beforehand "
+            f"or pass a local path. ({type(e).__name__})",
+            param="lora_path",
+        ) from None
+
+
+def _refuse_pickle(path: str) -> None:
+    if path.lower().endswith(PICKLE_SUFFIXES):
+        raise LoRAFormatError(
+            f"refusing to load {os.path.basename(path)!r}: pickle-based checkpoints "
+            f"({', '.join(PICKLE_SUFFIXES)}) can run arbitrary code; convert it to .safetensors",
+            param="lora_path",
+        )
+
+
+def _pick_file(folder: str) -> tuple[str, str]:
+    """``(weights file, kind)`` inside a LoRA folder."""
+    for name, kind in ((PEFT_WEIGHTS, "peft"), (DIFFUSERS_WEIGHTS, "diffusers")):
+        p = os.path.join(folder, name)
+        if os.path.isfile(p):
+            return p, kind
+    entries = sorted(os.listdir(folder))
+    st = [
+        e for e in entries if e.endswith(".safetensors") and os.path.isfile(os.path.join(folder, e))
+    ]
+    if len(st) == 1:
+        return os.path.join(folder, st[0]), "file"
+    if len(st) > 1:
+        raise LoRAFormatError(
+            f"LoRA folder {folder!r} holds several .safetensors files ({', '.join(st[:5])}); "
+            "pass the file itself",
+            param="lora_path",
+        )
+    pickles = [e for e in entries if e.lower().endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        _refuse_pickle(os.path.join(folder, pickles[0]))
+    raise LoRAFormatError(f"no .safetensors LoRA file in folder {folder!r}", param="lora_path")
+
+
+def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import SafetensorError, safe_open
+
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        raise LoRAFormatError(
+            f"{os.path.basename(path)!r} is not a safetensors file (a pickle/zip checkpoint "
+            "renamed?); only safetensors is read",
+            param="lora_path",
+        )
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            header = dict(f.metadata() or {})
+            sd = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LoRAFormatError(
+            f"cannot read safetensors file {os.path.basename(path)!r}: {e}", param="lora_path"
+        ) from None
+    return sd, header
+
+
+def load_lora_state_dict(
+    path_or_repo_id: str | os.PathLike, allowed_roots: Iterable[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a LoRA state dict and everything that describes it, without unpickling anything.
+
+    Args:
+        path_or_repo_id: a ``.safetensors`` file, a LoRA folder (peft / diffusers / single file), or
+            a Hub repo id present in the local Hub cache. Local paths are tried first.
+        allowed_roots: when given, local paths must resolve (realpath) inside one of these
+            directories; relative paths are taken relative to them.
+
+    Returns:
+        ``(state_dict, metadata)``: ``state_dict`` maps keys to CPU tensors in the file's dtype.
+        ``metadata`` holds ``path`` (the real file path), ``kind`` (``"file"``, ``"peft"``,
+        ``"diffusers"``), ``source`` (what the caller passed), ``identity``
+        (``"<realpath>:<size>:<mtime_ns>"``, a cheap file identity for caches),
+        ``safetensors_metadata`` (raw header ``{str: str}``), ``lora_adapter_metadata`` (decoded
+        diffusers config or ``None``) and ``adapter_config`` (``adapter_config.json`` or ``None``).
+
+    Raises:
+        LoRAFormatError: a pickle file (``.bin``/``.pt``/...), a file that is not safetensors, a
+            folder without exactly one usable ``.safetensors`` file, an unreadable
+            ``adapter_config.json``.
+        InvalidRequestError: the path is outside ``allowed_roots``; nothing found locally or in
+            the Hub cache (the message says downloading is not possible).
+    """
+    raw = os.fspath(path_or_repo_id)
+    local: str | None = None
+    try:
+        local = resolve_lora_path(raw, allowed_roots)
+    except InvalidRequestError as e:
+        looks_like_repo = _REPO_ID_RE.match(raw) is not None and ".." not in raw
+        if "outside" in str(e) or not looks_like_repo:
+            raise
+    if local is None:
+        local = _snapshot_from_cache(raw)
+
+    adapter_config = None
+    if os.path.isdir(local):
+        path, kind = _pick_file(local)
+        cfg_path = os.path.join(local, PEFT_CONFIG)
+        if os.path.isfile(cfg_path):
+            try:
+                adapter_config = json.loads(Path(cfg_path).read_text())
+            except (OSError, ValueError) as e:
+                raise LoRAFormatError(
+                    f"cannot parse {cfg_path!r}: {e}", param="lora_path"
+                ) from None
+            if not isinstance(adapter_config, dict):
+                raise LoRAFormatError(f"{cfg_path!r} is not a JSON object", param="lora_path")
+    else:
+        path, kind = local, "file"
+    _refuse_pickle(path)
+    sd, header = _read_safetensors(path)
+
+    lam = None
+    if "lora_adapter_metadata" in header:
+        try:
+            lam = json.loads(header["lora_adapter_metadata"])
+        except ValueError as e:
+            raise LoRAFormatError(f"lora_adapter_metadata is not valid JSON: {e}") from None
+    st = os.stat(path)
+    metadata = {
+        "source": raw,
+        "path": path,
+        "kind": kind,
+        "identity": f"{path}:{st.st_size}:{st.st_mtime_ns}",
+        "safetensors_metadata": header,
+        "lora_adapter_metadata": lam,
+        "adapter_config": adapter_config,
+    }
+    return sd, metadata

@@ -1,0 +1,303 @@
+"""PEFT adapter-config semantics: where ``r``/``lora_alpha`` come from and how they apply per module.
+
+A LoRA file's scale ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA) can be described in three
+places, all of which this module reads into one :class:`AdapterConfig`:
+
+- ``adapter_config.json`` next to a peft ``adapter_model.safetensors`` (peft's ``LoraConfig``);
+- the ``lora_adapter_metadata`` entry of the safetensors header, a JSON ``LoraConfig`` dict written
+  by diffusers (``save_lora_adapter`` writes it bare, a pipeline's ``save_lora_weights`` prefixes every
+  field with the component name, e.g. ``transformer.lora_alpha``);
+- plain safetensors header entries (``r``, ``lora_alpha``, ... as strings; kohya's ``ss_network_*``
+  training notes are ignored, as kohya's own loader ignores them).
+
+When two sources give different values for the same field the file is refused (a
+:class:`~sglang.multimodal_gen.errors.LoRAFormatError` naming the field and both values).
+
+Per-module resolution follows peft 0.21 (``LoraModel._create_and_replace`` with
+``peft.utils.other.get_pattern_key``): each key of ``rank_pattern`` / ``alpha_pattern`` is a regular
+expression that must match the END of the module's dotted name on a segment boundary
+(``re.match(r"(.*\\.)?(KEY)$", name)``); the first key in the pattern's order that matches wins; rank
+and alpha are looked up independently; a module no key matches uses ``r`` / ``lora_alpha``. Pattern
+keys refer to the module names as the file names them (``attention.to_q``, not our fused
+``attention.to_qkv``), so resolution happens before any renaming or fusing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang.multimodal_gen.errors import LoRAFormatError
+
+__all__ = [
+    "AdapterConfig",
+    "config_from_sources",
+    "get_pattern_key",
+    "lora_scale",
+]
+
+# Fields of peft's LoraConfig whose non-default value changes what the adapter computes in a way
+# the LoRA layers do not implement. Each maps to a predicate "is this value the harmless default".
+_UNSUPPORTED_FIELDS: dict[str, str] = {
+    "use_dora": "DoRA (use_dora=true): weight-decomposed LoRA needs a per-column magnitude rescale",
+    "modules_to_save": "modules_to_save: the adapter replaces whole modules with trained copies",
+    "fan_in_fan_out": "fan_in_fan_out=true: weights stored transposed (Conv1D layout)",
+    "layer_replication": "layer_replication: the adapter duplicates layers of the base model",
+    "target_parameters": "target_parameters: LoRA on raw parameters instead of modules",
+    "trainable_token_indices": "trainable_token_indices: trainable embedding rows",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens): token-dependent activation",
+    "use_qalora": "QA-LoRA (use_qalora=true): pooled-input LoRA",
+    "velora_config": "VeLoRA (velora_config)",
+    "kasa_config": "KaSA (kasa_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "use_bdlora": "BD-LoRA (use_bdlora)",
+    "arrow_config": "Arrow routing (arrow_config)",
+}
+
+_SUPPORTED_PEFT_TYPES = {None, "LORA"}
+
+# Fields compared across sources and kept in AdapterConfig.
+_KNOWN_FIELDS = (
+    "r",
+    "lora_alpha",
+    "use_rslora",
+    "rank_pattern",
+    "alpha_pattern",
+    "target_modules",
+    "exclude_modules",
+    "layers_to_transform",
+    "lora_bias",
+    "peft_type",
+)
+
+
+def _is_default(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {} or value == ""
+
+
+@dataclass
+class AdapterConfig:
+    """The PEFT fields that decide each module's rank and scale.
+
+    Attributes:
+        r: the default rank (``None`` when no source says; the tensors' rank is then used).
+        lora_alpha: the default alpha (``None`` when no source says; alpha then equals the rank).
+        use_rslora: scale ``alpha / sqrt(r)`` instead of ``alpha / r`` (Kalajdzievski 2023).
+        rank_pattern / alpha_pattern: ``{regex: value}``, resolved by :func:`get_pattern_key`.
+        target_modules: peft's ``target_modules`` (``None``, a regex string, ``"all-linear"`` or a
+            list of names / name suffixes).
+        exclude_modules: peft's ``exclude_modules`` (same forms).
+        layers_to_transform: when set, the target check is skipped (peft restricts by layer index).
+        sources: which sources contributed, e.g. ``["adapter_config.json"]``.
+    """
+
+    r: int | None = None
+    lora_alpha: float | None = None
+    use_rslora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    target_modules: str | list[str] | None = None
+    exclude_modules: str | list[str] | None = None
+    layers_to_transform: Any = None
+    sources: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sources
+
+    def resolve(self, module_name: str) -> tuple[int | None, float | None]:
+        """``(r, alpha)`` for one module, by peft's rules (see module docstring).
+
+        ``module_name`` is the file's own dotted module name without wrapper prefixes
+        (``layers.0.attention.to_q``). Either value is ``None`` when no source defines it.
+        """
+        r = self.r
+        if self.rank_pattern:
+            key = get_pattern_key(self.rank_pattern, module_name)
+            if key is not None:
+                r = int(self.rank_pattern[key])
+        alpha = self.lora_alpha
+        if self.alpha_pattern:
+            key = get_pattern_key(self.alpha_pattern, module_name)
+            if key is not None:
+                alpha = float(self.alpha_pattern[key])
+        return r, alpha
+
+    def targets(self, module_name: str) -> bool:
+        """Whether peft would have put a LoRA on ``module_name`` (``True`` when it cannot tell)."""
+        if _matches_module_list(self.exclude_modules, module_name):
+            return False
+        tm = self.target_modules
+        if tm is None or self.layers_to_transform not in (None, [], ""):
+            return True
+        if isinstance(tm, str):
+            if tm == "all-linear":
+                return True
+            return re.fullmatch(tm, module_name) is not None
+        return _matches_module_list(tm, module_name)
+
+
+def _matches_module_list(spec: str | list[str] | None, name: str) -> bool:
+    if not spec:
+        return False
+    if isinstance(spec, str):
+        return re.fullmatch(spec, name) is not None
+    return name in spec or any(name.endswith("." + t) for t in spec)
+
+
+def get_pattern_key(patterns: Iterable[str], module_name: str) -> str | None:
+    """The first pattern key that matches the end of ``module_name`` on a dot boundary, else None.
+
+    Same rule as peft's ``get_pattern_key``: ``re.match(rf"(.*\\.)?({key})$", module_name)``; keys are
+    regular expressions and are tried in their given order.
+    """
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return key
+    return None
+
+
+def lora_scale(alpha: float, r: int, use_rslora: bool = False) -> float:
+    """``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA. ``r`` must be positive."""
+    if r <= 0:
+        raise LoRAFormatError(f"LoRA rank must be positive, got r={r}")
+    return float(alpha) / (math.sqrt(r) if use_rslora else r)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading sources
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode(value: Any) -> Any:
+    """Safetensors header values are strings; decode JSON where it parses."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except (ValueError, TypeError):
+            return value
+    return value
+
+
+def _normalize_field(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if name == "r":
+        return int(value)
+    if name == "lora_alpha":
+        return float(value)
+    if name in ("use_rslora", "lora_bias"):
+        if isinstance(value, str):
+            return value.strip().lower() in ("1", "true", "yes")
+        return bool(value)
+    if name in ("target_modules", "exclude_modules") and isinstance(value, (list, tuple, set)):
+        return sorted(str(v) for v in value)
+    if name in ("rank_pattern", "alpha_pattern") and isinstance(value, Mapping):
+        return dict(value)
+    return value
+
+
+def _check_unsupported(source: str, cfg: Mapping[str, Any]) -> None:
+    peft_type = cfg.get("peft_type")
+    if isinstance(peft_type, str) and peft_type.upper() not in {"LORA"}:
+        raise LoRAFormatError(
+            f"{source}: peft_type={peft_type!r} is not supported; only plain LoRA adapters load "
+            "(LoHa, LoKr, IA3, OFT, ... are refused rather than loaded as something else)"
+        )
+    for key, what in _UNSUPPORTED_FIELDS.items():
+        if key in cfg and not _is_default(cfg[key]):
+            raise LoRAFormatError(f"{source}: unsupported LoRA feature {what} ({key}={cfg[key]!r})")
+
+
+def _from_diffusers_metadata(raw: Mapping[str, Any], component: str) -> dict[str, Any]:
+    """Unpack diffusers' ``lora_adapter_metadata``: bare (model-level) or ``component.`` prefixed."""
+    prefixed = [k for k in raw if "." in k and k.split(".", 1)[1] in _KNOWN_FIELDS + ("use_dora",)]
+    if not prefixed:
+        return dict(raw)
+    out = {}
+    for k, v in raw.items():
+        comp, _, fld = k.partition(".")
+        if comp == component:
+            out[fld] = v
+    return out
+
+
+def _from_safetensors_header(header: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k in _KNOWN_FIELDS + tuple(_UNSUPPORTED_FIELDS):
+        if k in header:
+            out[k] = _decode(header[k])
+    # kohya's ss_network_dim / ss_network_alpha are training notes, not loading rules: sd-scripts
+    # reads each module's own ``.alpha`` tensor (and alpha = rank without one), so they are ignored.
+    return out
+
+
+def config_from_sources(metadata: Mapping[str, Any] | None, component: str = "transformer"):
+    """Build one :class:`AdapterConfig` from the metadata returned by ``load_lora_state_dict``.
+
+    Args:
+        metadata: the loader's metadata dict. Reads ``adapter_config`` (dict, from
+            ``adapter_config.json``), ``lora_adapter_metadata`` (dict, diffusers) and
+            ``safetensors_metadata`` (the raw header ``{str: str}``). A plain header dict (no such keys)
+            is accepted as ``safetensors_metadata``.
+        component: the pipeline component whose prefixed diffusers metadata applies.
+
+    Raises:
+        LoRAFormatError: two sources disagree on a field; a source declares an unsupported feature
+            (DoRA, ``modules_to_save``, ``fan_in_fan_out``, a non-LoRA ``peft_type``, ...).
+    """
+    metadata = dict(metadata or {})
+    structured = {"adapter_config", "lora_adapter_metadata", "safetensors_metadata"}
+    if metadata and not (structured & metadata.keys()):
+        metadata = {"safetensors_metadata": metadata}
+
+    sources: list[tuple[str, dict[str, Any]]] = []
+    if metadata.get("adapter_config"):
+        sources.append(("adapter_config.json", dict(metadata["adapter_config"])))
+    header = dict(metadata.get("safetensors_metadata") or {})
+    lam = metadata.get("lora_adapter_metadata")
+    if lam is None and "lora_adapter_metadata" in header:
+        lam = _decode(header["lora_adapter_metadata"])
+    if lam:
+        if not isinstance(lam, Mapping):
+            raise LoRAFormatError(
+                "lora_adapter_metadata in the safetensors header is not a JSON object"
+            )
+        sources.append(("lora_adapter_metadata", _from_diffusers_metadata(lam, component)))
+    hdr = _from_safetensors_header(header)
+    if hdr:
+        sources.append(("safetensors metadata", hdr))
+
+    merged: dict[str, tuple[str, Any]] = {}
+    for src, cfg in sources:
+        _check_unsupported(src, cfg)
+        for fld in _KNOWN_FIELDS:
+            if fld not in cfg or cfg[fld] is None:
+                continue
+            val = _normalize_field(fld, cfg[fld])
+            if fld in merged and merged[fld][1] != val:
+                raise LoRAFormatError(
+                    f"conflicting LoRA config sources for {fld!r}: "
+                    f"{merged[fld][0]}={merged[fld][1]!r} vs {src}={val!r}"
+                )
+            merged.setdefault(fld, (src, val))
+
+    def get(name, default=None):
+        return merged[name][1] if name in merged else default
+
+    tm = get("target_modules")
+    return AdapterConfig(
+        r=get("r"),
+        lora_alpha=get("lora_alpha"),
+        use_rslora=bool(get("use_rslora", False)),
+        rank_pattern={str(k): int(v) for k, v in (get("rank_pattern") or {}).items()},
+        alpha_pattern={str(k): float(v) for k, v in (get("alpha_pattern") or {}).items()},
+        target_modules=tm,
+        exclude_modules=get("exclude_modules"),
+        layers_to_transform=get("layers_to_transform"),
+        sources=[s for s, _ in sources],
+    )
