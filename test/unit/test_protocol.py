@@ -1,0 +1,287 @@
+"""Unit tests of the HTTP protocol layer: value checks, body parsing, auth, error envelopes, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+from sglang.multimodal_gen.configs.server_args import ServerArgs, detect_model_type
+from sglang.multimodal_gen.entrypoints.auth import ApiKeyAuth, bearer_token
+from sglang.multimodal_gen.entrypoints.http_server import (
+    BodyError,
+    SchemaError,
+    parse_json_body,
+)
+from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception
+from sglang.multimodal_gen.entrypoints.protocol import (
+    ImageGenerationRequest,
+    Limits,
+    SetLoRARequest,
+    parse_size,
+    validate_generation,
+    validate_set_lora,
+)
+from sglang.multimodal_gen.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    LoRAFormatError,
+    NotFoundError,
+    QueueFullError,
+)
+
+LIMITS = Limits(spatial_factor=16, max_image_size=1024, max_images=8, max_steps=1000)
+
+
+# ------------------------------------------------------------------------------ size / values
+
+
+@pytest.mark.parametrize(
+    "size,wh", [("64x64", (64, 64)), ("1024X512", (1024, 512)), (" 32 x 48 ", (32, 48))]
+)
+def test_parse_size_ok(size, wh):
+    assert parse_size(size, LIMITS) == wh
+
+
+@pytest.mark.parametrize(
+    "size,needle",
+    [("64", "WxH"), ("x64", "WxH"), ("-64x64", "WxH"), ("65x64", "multiples of 16"),
+     ("2048x64", "maximum 1024"), ("0x64", "WxH"), ("64.0x64", "WxH")],
+)  # fmt: skip
+def test_parse_size_bad(size, needle):
+    with pytest.raises(InvalidRequestError) as e:
+        parse_size(size, LIMITS)
+    assert e.value.param == "size" and needle in e.value.message
+
+
+def test_validate_generation_translates_fields():
+    req = ImageGenerationRequest(
+        prompt="p",
+        size="128x64",
+        n=2,
+        seed=5,
+        num_inference_steps=3,
+        guidance_scale=2.0,
+        negative_prompt="blurry",
+        lora=[{"name": "a", "scale": 0.5}, {"name": "b"}],
+        output_format="JPG",
+        quality="high",
+        user="u1",
+    )
+    p = validate_generation(req, LIMITS)
+    assert p.engine_kwargs == {
+        "prompt": "p",
+        "height": 64,
+        "width": 128,
+        "num_images": 2,
+        "seed": 5,
+        "num_inference_steps": 3,
+        "guidance_scale": 2.0,
+        "negative_prompt": "blurry",
+        "lora": [("a", 0.5), ("b", 1.0)],
+    }
+    assert p.output_format == "jpeg" and p.response_format == "b64_json" and p.size == "128x64"
+    assert p.composition_key == (("a", 0.5), ("b", 1.0))
+
+
+def test_validate_generation_defaults_leave_engine_defaults():
+    p = validate_generation(ImageGenerationRequest(prompt="p"), LIMITS)
+    assert p.engine_kwargs == {"prompt": "p", "height": 1024, "width": 1024, "num_images": 1}
+    small = Limits(spatial_factor=16, max_image_size=500)
+    assert validate_generation(ImageGenerationRequest(prompt="p", size="auto"), small).size == (
+        "496x496"
+    )
+    assert (
+        validate_generation(ImageGenerationRequest(prompt="p", lora=[]), LIMITS).engine_kwargs[
+            "lora"
+        ]
+        == []
+    )
+
+
+@pytest.mark.parametrize(
+    "fields,param,needle",
+    [
+        ({"n": 0}, "n", "[1, 8]"),
+        ({"n": 9}, "n", "[1, 8]"),
+        ({"num_inference_steps": 0}, "num_inference_steps", "[1, 1000]"),
+        ({"num_inference_steps": 1001}, "num_inference_steps", "[1, 1000]"),
+        ({"guidance_scale": float("nan")}, "guidance_scale", "finite"),
+        ({"guidance_scale": -0.5}, "guidance_scale", ">= 0"),
+        ({"seed": 2**63}, "seed", "[0, "),
+        ({"response_format": "file"}, "response_format", "b64_json"),
+        ({"output_format": "gif"}, "output_format", "png"),
+        ({"output_compression": -1}, "output_compression", "[0, 100]"),
+        ({"stream": True}, "stream", "not supported"),
+        ({"lora": {"name": " "}}, "lora", "non-empty"),
+        ({"lora": {"name": "a", "scale": float("inf")}}, "lora", "finite"),
+        ({"prompt": "x" * 20001}, "prompt", "longer"),
+    ],
+)
+def test_validate_generation_errors(fields, param, needle):
+    req = ImageGenerationRequest(**{"prompt": "p", "size": "64x64", **fields})
+    with pytest.raises(InvalidRequestError) as e:
+        validate_generation(req, LIMITS)
+    assert e.value.param == param and needle in e.value.message, e.value.message
+
+
+def test_validate_set_lora():
+    targets = ("all", "transformer")
+    kw = validate_set_lora(SetLoRARequest(lora_nickname="a", lora_path="/x.safetensors"), targets)
+    assert kw == {
+        "lora_nickname": "a",
+        "lora_path": "/x.safetensors",
+        "target": "all",
+        "strength": 1.0,
+        "merge_mode": None,
+    }
+    kw = validate_set_lora(
+        SetLoRARequest(lora_nickname=["a", "b"], lora_path=[None, "b"], strength=[1, 0.5]), targets
+    )
+    assert kw["strength"] == [1.0, 0.5]
+    # one nickname in a list with a single string path is fine
+    validate_set_lora(SetLoRARequest(lora_nickname=["a"], lora_path="a"), targets)
+    for bad, param in (
+        (dict(lora_nickname=[]), "lora_nickname"),
+        (dict(lora_nickname=["a", "b"], lora_path=["a"]), "lora_path"),
+        (dict(lora_nickname=["a", "b"], strength=[1.0, 2.0, 3.0]), "strength"),
+        (dict(lora_nickname="a", target="transformer_2"), "target"),
+        (dict(lora_nickname="a", lora_path=""), "lora_path"),
+        (dict(lora_nickname="a", merge_mode="x"), "merge_mode"),
+    ):
+        with pytest.raises(InvalidRequestError) as e:
+            validate_set_lora(SetLoRARequest(**bad), targets)
+        assert e.value.param == param, (bad, e.value.message)
+
+
+# ------------------------------------------------------------------------------ body parsing
+
+
+def test_parse_json_body_errors_have_line_and_column():
+    raw = b'{\n  "prompt": "three cats",\n  "size": "1024x1024",\n}'
+    with pytest.raises(BodyError) as e:
+        parse_json_body(raw, ImageGenerationRequest)
+    assert "line 4, column 1" in e.value.message and "trailing comma" in e.value.message
+    assert e.value.status_code == 400 and e.value.code == "invalid_json"
+    with pytest.raises(BodyError, match="empty"):
+        parse_json_body(b"  ", ImageGenerationRequest)
+    with pytest.raises(BodyError, match="UTF-8"):
+        parse_json_body(b'{"prompt": "\xff"}', ImageGenerationRequest)
+    with pytest.raises(SchemaError) as e:
+        parse_json_body(b'{"prompt": "x", "n": "two"}', ImageGenerationRequest)
+    assert e.value.status_code == 422 and e.value.param == "n"
+    assert parse_json_body(b"", SetLoRARequest.__base__, allow_empty=True) is not None
+
+
+def test_parse_json_body_accepts_nan_literal_for_value_check():
+    req = parse_json_body(b'{"prompt": "x", "guidance_scale": NaN}', ImageGenerationRequest)
+    with pytest.raises(InvalidRequestError, match="guidance_scale"):
+        validate_generation(req, LIMITS)
+
+
+# ------------------------------------------------------------------------------ auth / errors
+
+
+def test_bearer_and_auth_rules():
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer  abc ") == "abc"
+    assert bearer_token("Basic abc") is None and bearer_token(None) is None
+    auth = ApiKeyAuth(api_key="k", admin_api_key="adm")
+    assert auth.check("/health", None) is None
+    assert auth.check("/v1/models", "Bearer k") is None
+    assert auth.check("/v1/models", "Bearer adm") is None
+    assert auth.check("/v1/models", "Bearer k2") == "invalid API key"
+    assert auth.check("/v1/set_lora", "Bearer k") == "invalid API key"
+    assert auth.check("/v1/set_lora", "Bearer adm") is None
+    assert "missing" in auth.check("/v1/models", None)
+    open_auth = ApiKeyAuth()
+    assert open_auth.check("/v1/set_lora", "Bearer whatever") is None
+    admin_only = ApiKeyAuth(admin_api_key="adm")
+    assert admin_only.check("/v1/models", None) is None
+    assert admin_only.check("/v1/unset_lora", None) is not None
+
+
+def test_describe_exception_maps_error_types():
+    s, body, h = describe_exception(InvalidRequestError("bad n", param="n"))
+    assert s == 400 and body["error"] == {
+        "message": "bad n",
+        "type": "invalid_request_error",
+        "param": "n",
+        "code": None,
+    }
+    assert describe_exception(LoRAFormatError("bad file"))[0] == 400
+    assert describe_exception(NotFoundError("no adapter"))[0] == 404
+    s, body, h = describe_exception(QueueFullError("full", retry_after_s=7))
+    assert s == 503 and h == {"Retry-After": "7"} and body["error"]["code"] == "queue_full"
+    s, _, h = describe_exception(EngineDeadError("dead"))
+    assert s == 503 and h["Retry-After"] == "1"
+    assert describe_exception(ValueError("v"))[0] == 400
+    assert describe_exception(FileNotFoundError("f"))[0] == 404
+    s, body, _ = describe_exception(RuntimeError("secret internals"))
+    assert s == 500 and "secret" not in body["error"]["message"]
+    assert "ref" in body["error"]["message"]
+
+
+# ------------------------------------------------------------------------------ server args / CLI
+
+
+def _parse(argv):
+    return ServerArgs.from_cli_args(
+        ServerArgs.add_cli_args(argparse.ArgumentParser()).parse_args(argv)
+    )
+
+
+def test_seed_command_line_parses(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
+    argv = f"--model-path {model} --model-type diffusion --dit-cpu-offload false --num-gpus 1 "
+    argv += "--port 8080 --host localhost"
+    a = _parse(argv.split())
+    assert (a.model_path, a.model_type, a.dit_cpu_offload, a.tp_size, a.port, a.host) == (
+        str(model), "diffusion", False, 1, 8080, "localhost"
+    )  # fmt: skip
+    assert _parse(["--model-path", str(model)]).model_type == "diffusion"  # detected
+    assert _parse(["--num-gpus", "4", "--tp-size", "2"]).tp_size == 2
+    assert _parse(["--num-gpus", "2"]).tp_size == 2
+    assert _parse(["--dit-cpu-offload", "true"]).dit_cpu_offload is True
+
+
+def test_server_args_loras_and_errors(tmp_path):
+    a = _parse(["--lora-path", "/x/pixel.safetensors", "/y/style/", "--lora-dir", str(tmp_path)])
+    assert a.startup_loras == [("pixel", "/x/pixel.safetensors", 1.0), ("style", "/y/style/", 1.0)]
+    assert a.lora_dirs == [str(tmp_path)]
+    a = _parse(["--lora-path", "p1", "p2", "--lora-nickname", "a", "b", "--lora-scale", "0.5", "1"])
+    assert a.startup_loras == [("a", "p1", 0.5), ("b", "p2", 1.0)]
+    with pytest.raises(ValueError, match="--lora-nickname"):
+        _parse(["--lora-path", "p1", "p2", "--lora-nickname", "a"])
+    with pytest.raises(ValueError, match="--lora-dir"):
+        _parse(["--lora-dir", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="--tp-size"):
+        _parse(["--tp-size", "0"])
+    with pytest.raises(ValueError, match="model_index.json"):
+        detect_model_type(str(tmp_path))
+    assert "***" in str(ServerArgs(api_key="secret").redacted()) and "secret" not in str(
+        ServerArgs(api_key="secret").redacted()
+    )
+
+
+def test_cli_help_and_bad_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.cli.main", "serve", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "--model-path" in out.stdout and "--lora-dir" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.cli.main", "serve", "--tp-size", "0"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "--tp-size must be >= 1" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.cli.main", "serve", "--dit-cpu-offload", "maybe"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "true or false" in out.stderr
