@@ -1,0 +1,426 @@
+"""``DiffusionEngine``: the blocking generation API over one model, at any TP size.
+
+TP 1 runs the :class:`~sglang.multimodal_gen.runtime.runner.ModelRunner` in the calling process.
+TP N spawns N worker processes that form one TP group (gloo on CPU, NCCL on CUDA; rank ``r`` uses
+``cuda:r``). Every call becomes a command ``(op, kwargs)`` put on rank 0's queue; rank 0
+broadcasts it (``broadcast_object``) and all ranks execute it in the same order, then gather
+their outcomes so a failure on any rank is reported; rank 0 sends the result back. While idle,
+rank 0 broadcasts a no-op every ``heartbeat_s`` so the other ranks' collectives never time out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue as queue_mod
+import secrets
+import threading
+import traceback
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from sglang.multimodal_gen import errors as errors_mod
+from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError, SGLangError
+from sglang.multimodal_gen.runtime.request import GenerationRequest
+from sglang.multimodal_gen.runtime.runner import LORA_TARGETS, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- error transport
+def _pack_error(e: BaseException) -> dict:
+    return {
+        "type": type(e).__name__,
+        "sglang": isinstance(e, SGLangError),
+        "message": getattr(e, "message", None) or str(e),
+        "param": getattr(e, "param", None),
+        "code": getattr(e, "code", None),
+        "value_error": isinstance(e, ValueError),
+        "lookup_error": isinstance(e, LookupError),
+        "traceback": traceback.format_exc(),
+    }
+
+
+def _unpack_error(d: dict, rank: int | None = None) -> BaseException:
+    cls = getattr(errors_mod, d["type"], None) if d["sglang"] else None
+    if cls is not None and issubclass(cls, SGLangError):
+        try:
+            return cls(d["message"], param=d["param"], code=d["code"])
+        except TypeError:
+            return cls(d["message"])
+    msg = d["message"] if rank is None else f"rank {rank}: {d['message']}"
+    if d["type"] == "FileNotFoundError":
+        return FileNotFoundError(msg)
+    if d["value_error"]:
+        return ValueError(msg)
+    if d["lookup_error"]:
+        return LookupError(msg)
+    return RuntimeError(f"{d['type']}: {msg}\n{d['traceback']}")
+
+
+def _first_error(errs: list) -> tuple[int, dict] | None:
+    for r, e in enumerate(errs):
+        if e is not None:
+            return r, e
+    return None
+
+
+# ---------------------------------------------------------------------- TP worker process
+def _tp_worker_main(rank, world, port, backend, runner_kwargs, cmd_q, res_q, heartbeat_s):
+    import torch.distributed as dist
+
+    from sglang.multimodal_gen.distributed import (
+        broadcast_object,
+        get_tp_group,
+        init_worker,
+        shutdown_worker,
+    )
+
+    try:
+        init_worker(rank, world, port, backend)
+    except BaseException as e:
+        res_q.put(("ready", False, (rank, _pack_error(e))))
+        return
+
+    def gather(obj):
+        out = [None] * world
+        dist.all_gather_object(out, obj, group=get_tp_group())
+        return out
+
+    try:
+        runner, err = None, None
+        try:
+            device = runner_kwargs.pop("device")
+            if torch.device(device).type == "cuda":
+                device = f"cuda:{rank}"
+            runner = ModelRunner(device=device, tp_rank=rank, tp_size=world, **runner_kwargs)
+        except BaseException as e:
+            err = _pack_error(e)
+        errs = gather(err)
+        failed = _first_error(errs)
+        if rank == 0:
+            res_q.put(("ready", failed is None, failed if failed else runner.info()))
+        if failed:
+            return
+        while True:
+            cmd = None
+            if rank == 0:
+                try:
+                    cmd = cmd_q.get(timeout=heartbeat_s)
+                except queue_mod.Empty:
+                    cmd = ("noop", {})
+            cmd = broadcast_object(cmd)
+            if cmd is None or cmd[0] == "shutdown":
+                break
+            op, kwargs = cmd
+            out, err = None, None
+            try:
+                out = runner.execute(op, kwargs)
+            except BaseException as e:
+                err = _pack_error(e)
+            failed = _first_error(gather(err))
+            if rank == 0 and op != "noop":
+                res_q.put(("result", failed is None, failed if failed else out))
+    finally:
+        shutdown_worker()
+
+
+# ---------------------------------------------------------------------- engine
+class DiffusionEngine:
+    """Load a model and serve blocking calls (one caller at a time; calls are serialized).
+
+    Args:
+        model_path: diffusers-format directory; ``None`` uses the embedded tiny default model
+            (random weights: noise images), built once under the user cache dir.
+        tp_size: tensor-parallel size (N local processes when > 1).
+        device: ``"cpu"``, ``"cuda"``...; default CUDA when available.
+        dtype: ``"auto"|"float32"|"float16"|"bfloat16"`` or a ``torch.dtype`` (auto: bf16 on
+            CUDA, fp32 on CPU).
+        lora_dirs: allowed roots for local LoRA paths.
+        generator_device: device of the seeded generator (default: the execution device type).
+        dit_cpu_offload: accepted for the CLI; not implemented (logged once when set on a GPU).
+        startup_timeout_s: how long TP workers may take to load.
+        heartbeat_s: idle period after which rank 0 pings the other ranks.
+
+    Raises:
+        ValueError / FileNotFoundError: bad model directory or TP size (e.g. ``n_heads`` not
+            divisible), with the message of the failing rank.
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        tp_size: int = 1,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        lora_dirs: Sequence[str] = (),
+        generator_device: str | None = None,
+        dit_cpu_offload: bool = False,
+        startup_timeout_s: float = 900.0,
+        heartbeat_s: float = 60.0,
+    ):
+        if model_path is None:
+            from sglang.multimodal_gen.runtime.default_model import default_model_path
+
+            model_path = default_model_path()
+            self.model_name = "sglang-default-zimage-tiny"
+        else:
+            if not os.path.isdir(model_path):
+                model_path = _resolve_hub_cache(model_path)
+            self.model_name = os.path.basename(os.path.normpath(model_path))
+        if int(tp_size) < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.model_path = model_path
+        self.tp_size = int(tp_size)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device
+        if dit_cpu_offload and torch.device(device).type == "cuda":
+            logger.warning("--dit-cpu-offload is not implemented; the DiT stays on the GPU")
+        self._lock = threading.Lock()
+        self._dead = False
+        self._closed = False
+        self._runner: ModelRunner | None = None
+        self._procs: list = []
+        runner_kwargs = dict(
+            model_path=model_path,
+            dtype=dtype,
+            lora_dirs=tuple(lora_dirs),
+            generator_device=generator_device,
+        )
+        if self.tp_size == 1:
+            self._runner = ModelRunner(device=device, **runner_kwargs)
+            self._info = self._runner.info()
+        else:
+            self._start_workers(dict(runner_kwargs, device=device), startup_timeout_s, heartbeat_s)
+
+    @classmethod
+    def from_args(cls, server_args) -> DiffusionEngine:
+        """Build from a :class:`~sglang.multimodal_gen.configs.server_args.ServerArgs`."""
+        return cls(
+            model_path=server_args.model_path,
+            tp_size=server_args.tp_size,
+            device=server_args.device,
+            dtype=server_args.dtype,
+            lora_dirs=tuple(server_args.lora_dirs),
+            dit_cpu_offload=bool(getattr(server_args, "dit_cpu_offload", False)),
+        )
+
+    # ------------------------------------------------------------------ workers
+    def _start_workers(self, runner_kwargs: dict, timeout_s: float, heartbeat_s: float) -> None:
+        import torch.multiprocessing as mp
+
+        from sglang.multimodal_gen.distributed import find_free_port
+
+        backend = "nccl" if torch.device(runner_kwargs["device"]).type == "cuda" else "gloo"
+        ctx = mp.get_context("spawn")
+        self._cmd_q = ctx.Queue()
+        self._res_q = ctx.Queue()
+        port = find_free_port()
+        self._procs = [
+            ctx.Process(
+                target=_tp_worker_main,
+                args=(
+                    r,
+                    self.tp_size,
+                    port,
+                    backend,
+                    dict(runner_kwargs),
+                    self._cmd_q,
+                    self._res_q,
+                    heartbeat_s,
+                ),
+                daemon=True,
+            )  # fmt: skip
+            for r in range(self.tp_size)
+        ]
+        for p in self._procs:
+            p.start()
+        try:
+            kind, ok, payload = self._wait_result(timeout_s)
+        except BaseException:
+            self._kill_workers()
+            raise
+        if not ok:
+            self._kill_workers()
+            rank, err = payload
+            raise _unpack_error(err, rank)
+        self._info = payload
+
+    def _wait_result(self, timeout_s: float | None = None):
+        import time
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._res_q.get(timeout=0.5)
+            except queue_mod.Empty:
+                pass
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead:
+                self._dead = True
+                # a last result may have been queued just before the exit
+                try:
+                    return self._res_q.get(timeout=0.5)
+                except queue_mod.Empty:
+                    pass
+                codes = [self._procs[r].exitcode for r in dead]
+                raise EngineDeadError(f"TP worker(s) {dead} exited (exit codes {codes})")
+            if deadline is not None and time.monotonic() > deadline:
+                self._dead = True
+                raise EngineDeadError(f"TP workers did not answer within {timeout_s} s")
+
+    def _kill_workers(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(timeout=5)
+
+    def _call(self, op: str, **kwargs) -> Any:
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError("the engine has been shut down")
+            if self._dead or not self.is_alive():
+                raise EngineDeadError("the engine's worker processes are not running")
+            if self._runner is not None:
+                return self._runner.execute(op, kwargs)
+            self._cmd_q.put((op, kwargs))
+            _, ok, payload = self._wait_result()
+            if ok:
+                return payload
+            rank, err = payload
+            raise _unpack_error(err, rank)
+
+    # ------------------------------------------------------------------ API
+    @property
+    def spatial_factor(self) -> int:
+        """Width/height must be multiples of this (VAE factor x patch size: 16 for Z-Image)."""
+        return int(self._info["spatial_factor"])
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        return LORA_TARGETS
+
+    def generate(self, req: GenerationRequest, progress: bool | None = None) -> list:
+        """Generate ``req.num_images`` images.
+
+        Returns:
+            ``list[PIL.Image.Image]`` (RGB, ``req.width`` x ``req.height``).
+
+        Raises:
+            InvalidRequestError: a bad field (``param`` names it) or an unknown adapter in
+                ``req.lora`` (``NotFoundError``); EngineDeadError: a worker died.
+        """
+        from PIL import Image
+
+        req.validate(self.spatial_factor)
+        if req.seed is None:
+            req = replace(req, seed=secrets.randbits(63))
+        arr = self._call("generate", req=req, progress=progress)
+        return [Image.fromarray(a) for a in arr]
+
+    def set_lora(
+        self,
+        lora_nickname: str | Sequence[str],
+        lora_path: str | Sequence[str | None] | None = None,
+        target: str | Sequence[str] = "all",
+        strength: float | Sequence[float] = 1.0,
+        merge_mode: str | None = None,
+    ) -> dict:
+        """Load (if ``lora_path`` given) and activate adapters; lists compose several.
+
+        Scalars broadcast over ``lora_nickname`` when it is a list. Returns the manager's
+        JSON-able summary. Raises ``InvalidRequestError``/``NotFoundError``/``LoRAFormatError``.
+        """
+        names = [lora_nickname] if isinstance(lora_nickname, str) else list(lora_nickname)
+        if not names:
+            raise InvalidRequestError(
+                "lora_nickname must name at least one adapter", "lora_nickname"
+            )
+        n = len(names)
+
+        def spread(value, what):
+            if value is None or isinstance(value, str | int | float):
+                return [value] * n
+            value = list(value)
+            if len(value) == 1:
+                return value * n
+            if len(value) != n:
+                raise InvalidRequestError(
+                    f"{what} has {len(value)} entries for {n} adapters", param=what
+                )
+            return value
+
+        return self._call(
+            "set_lora",
+            nicknames=names,
+            paths=spread(lora_path, "lora_path"),
+            targets=spread(target, "target"),
+            strengths=[float(s) for s in spread(strength, "strength")],
+            merge_mode=merge_mode,
+        )
+
+    def unset_lora(self, target: str = "all") -> Any:
+        """Deactivate the adapters of ``target`` (they stay loaded)."""
+        return self._call("unset_lora", target=target)
+
+    def unload_lora(self, nickname: str) -> Any:
+        """Free a loaded adapter (``NotFoundError`` if unknown)."""
+        return self._call("unload_lora", nickname=nickname)
+
+    def merge_lora_weights(self, target: str = "all") -> Any:
+        return self._call("merge_lora_weights", target=target)
+
+    def unmerge_lora_weights(self, target: str = "all") -> Any:
+        return self._call("unmerge_lora_weights", target=target)
+
+    def list_loras(self) -> dict:
+        return self._call("list_loras")
+
+    def is_alive(self) -> bool:
+        if self._closed or self._dead:
+            return False
+        if self._runner is not None:
+            return True
+        return all(p.is_alive() for p in self._procs)
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._procs:
+            try:
+                self._cmd_q.put(("shutdown", {}))
+            except Exception:
+                pass
+            for p in self._procs:
+                p.join(timeout=10)
+            self._kill_workers()
+        self._runner = None
+
+    def __enter__(self) -> DiffusionEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _resolve_hub_cache(model_id: str) -> str:
+    """Resolve ``owner/name`` from the local Hugging Face cache only (no download).
+
+    Raises:
+        FileNotFoundError: not a directory and not in the local cache.
+    """
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model_id, local_files_only=True)
+    except Exception as e:
+        raise FileNotFoundError(
+            f"model path {model_id!r} is not a directory and is not in the local Hugging Face "
+            "cache (nothing is downloaded)"
+        ) from e
