@@ -510,6 +510,32 @@ def build_engine(server_args: ServerArgs) -> Any:
     return DiffusionEngine.from_args(server_args)
 
 
+def _run_uvicorn(server: Any) -> None:
+    """Run uvicorn; a SIGTERM/SIGINT that ended a graceful shutdown ends the process with 0.
+
+    uvicorn re-raises the signal it caught once it has shut down, so the process would die from it;
+    with these handlers installed it is simply noted, and ``sglang serve`` exits normally.
+    """
+    import signal
+
+    got: list[int] = []
+
+    def note(signum, frame):
+        got.append(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGINT)}
+    else:
+        previous = {}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if got:
+        logger.info("stopped by signal %d after a graceful shutdown", got[-1])
+
+
 def launch_server(server_args: ServerArgs, engine: Any | None = None) -> None:
     """Start the engine (unless given), the startup adapters, then uvicorn; block until shutdown.
 
@@ -535,7 +561,7 @@ def launch_server(server_args: ServerArgs, engine: Any | None = None) -> None:
             access_log=server_args.log_level.lower() == "debug",
             timeout_graceful_shutdown=int(server_args.graceful_shutdown_timeout_s),
         )
-        uvicorn.Server(config).run()
+        _run_uvicorn(uvicorn.Server(config))
     except BaseException:
         if own_engine:
             try:

@@ -1,0 +1,88 @@
+"""SIGTERM on a real server process: stop accepting, finish the in-flight request, exit 0.
+
+The server runs ``launch_server`` (the same code path as ``sglang serve``) in a child process with
+the fake engine, so the test is about the process and signal handling, not the model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from server_helpers import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {here!r})
+    from server_helpers import FakeEngine, GenerationRequest
+    from sglang.multimodal_gen.configs.server_args import ServerArgs
+    from sglang.multimodal_gen.entrypoints import http_server
+
+    engine = FakeEngine(delay_s=2.0)
+    http_server.build_engine = lambda args: engine
+    import sglang.multimodal_gen.entrypoints.scheduler as sched
+    sched._default_request_factory = lambda: GenerationRequest
+    http_server.launch_server(ServerArgs(host="127.0.0.1", port={port}, dit_cpu_offload=True))
+    print("ENGINE_ALIVE_AFTER_EXIT", engine.alive, flush=True)
+    """
+)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server did not become healthy")
+
+
+def test_sigterm_finishes_in_flight_then_exits():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT.format(here=HERE, port=port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_healthy(url, proc)
+        body = {"prompt": "x", "size": "32x32", "num_inference_steps": 1, "seed": 1}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            inflight = pool.submit(
+                httpx.post, f"{url}/v1/images/generations", json=body, timeout=30
+            )
+            time.sleep(0.5)  # the request is running (2 s)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = False
+            try:
+                httpx.get(f"{url}/health", timeout=1)
+            except httpx.HTTPError:
+                refused = True
+            assert refused, "server still accepting after SIGTERM"
+            r = inflight.result(timeout=30)
+        assert r.status_code == 200, r.text
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert "ENGINE_ALIVE_AFTER_EXIT False" in out, out  # engine.shutdown() was called
+        assert "--dit-cpu-offload true has no effect without a GPU" in out
+        assert out.count("--dit-cpu-offload") == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
