@@ -1,0 +1,123 @@
+"""Fused compose: N adapters of different ranks run as ONE pair of GEMMs and equal the sum of the
+per-adapter references (dense ``F.linear`` and peft's LoRA ``Linear`` with several active adapters).
+
+q/k/v sections with GQA sizes (q 32 rows, k/v 8 rows) and unequal ranks compose block-diagonally.
+Merged equals unmerged. Tolerances: fp32 atol 2e-4 / rtol 1e-4 vs an fp64 reference; bf16 atol 5e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_helpers import (
+    IN,
+    build_layer,
+    dense_delta,
+    dense_reference,
+    full_weights,
+    load,
+    random_adapter,
+)
+from sglang.multimodal_gen.layers.lora import LoRAWeights, wrap_with_lora
+
+ATOL, RTOL = 2e-4, 1e-4
+RANKS = ((4,), (2, 6, 3), (8, 1, 5))
+STRENGTHS = (1.0, 0.6, -0.8)
+
+
+def _setup(kind, n, seed, dtype=torch.float32):
+    w, b = full_weights(kind, seed)
+    layer = wrap_with_lora(load(build_layer(kind, dtype=dtype), w.to(dtype), b.to(dtype)))
+    adapters = []
+    for i in range(n):
+        weights = random_adapter(kind, seed + 100 + i, ranks=RANKS[i])
+        layer.add_adapter(f"ad{i}", weights)
+        adapters.append((weights, STRENGTHS[i]))
+    layer.set_active([(f"ad{i}", STRENGTHS[i]) for i in range(n)])
+    return layer, w.to(dtype), b.to(dtype), adapters
+
+
+@pytest.mark.parametrize("kind", ["qkv", "merged", "column", "row", "replicated"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_n_adapters_equal_sum_of_references(kind, n):
+    seed = 10 * n + len(kind)
+    layer, w, b, adapters = _setup(kind, n, seed)
+    x = torch.randn(2, 7, IN, generator=torch.Generator().manual_seed(seed))
+    got = layer(x)[0]
+    # the sum of per-adapter deltas, each computed on its own
+    base = dense_reference(kind, w, b, x, [])
+    want = base + sum(dense_reference(kind, w, b, x, [a]) - base for a in adapters)
+    torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=RTOL)
+    # one pair of GEMMs of rank sum(r_i) over every shard of every adapter
+    total_r = sum(w.rank for weights, _ in adapters for w in weights.values())
+    assert layer._a_cat.shape == (total_r, IN)
+    assert layer._b_cat.shape == (layer.base_layer.output_size_per_partition, total_r)
+
+
+def test_qkv_block_diagonal_with_gqa_and_fused_key():
+    """Unequal q/k/v ranks plus one adapter keyed by the fused ``None`` shard."""
+    seed = 5
+    layer, w, b, adapters = _setup("qkv", 2, seed)
+    fused = random_adapter("qkv", seed + 50, ranks=(3,), fused=True)
+    layer.add_adapter("fused", fused)
+    layer.set_active([("ad0", 1.0), ("ad1", 0.6), ("fused", 1.5)])
+    adapters.append((fused, 1.5))
+    # block structure: adapter ad1's k block only touches k rows (32..40)
+    b_cat = layer._b_cat
+    ad0_cols = 3 * RANKS[0][0]  # ad0 has rank 4 on each of q, k, v
+    k_cols = slice(ad0_cols + RANKS[1][0], ad0_cols + RANKS[1][0] + RANKS[1][1])
+    assert torch.count_nonzero(b_cat[:32, k_cols]) == 0
+    assert torch.count_nonzero(b_cat[40:, k_cols]) == 0
+    assert torch.count_nonzero(b_cat[32:40, k_cols]) > 0
+    x = torch.randn(9, IN, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(
+        layer(x)[0].double(), dense_reference("qkv", w, b, x, adapters), atol=ATOL, rtol=RTOL
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["qkv", "merged", "row"])
+def test_merged_equals_unmerged(kind, dtype):
+    seed = 77
+    layer, w, b, adapters = _setup(kind, 3, seed, dtype)
+    x = torch.randn(6, IN, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    unmerged = layer(x)[0]
+    layer.merge()
+    merged = layer(x)[0]
+    tol = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(merged.float(), unmerged.float(), **tol)
+    want = dense_reference(kind, w.float(), b.float(), x.float(), adapters)
+    torch.testing.assert_close(merged.double(), want, **tol)
+    # merged weight = W + sum s_i c_i B_i A_i in fp32, rounded once to the weight dtype
+    dw, _ = dense_delta(kind, adapters)
+    want_w = (w.float() + dw.float()).to(dtype)
+    diff = (layer.base_layer.weight.float() - want_w.float()).abs().max().item()
+    assert diff <= (1e-6 if dtype == torch.float32 else 2**-7), diff
+
+
+def test_matches_peft_with_several_active_adapters():
+    """Same adapters through peft's LoRA ``Linear`` (``set_adapter([...])``) on an ``nn.Linear``."""
+    peft_lora = pytest.importorskip("peft.tuners.lora.layer")
+    torch.manual_seed(0)
+    out_f, ranks, alphas = 32, (4, 7, 2), (8.0, 7.0, 1.0)
+    lin = torch.nn.Linear(IN, out_f)
+    layer = wrap_with_lora(load(build_layer("replicated"), lin.weight.data, lin.bias.data))
+    from peft import LoraConfig
+
+    cfg = lambda r, a: LoraConfig(r=r, lora_alpha=a)  # noqa: E731
+    ref = peft_lora.Linear(lin, "p0", cfg(ranks[0], alphas[0]), r=ranks[0], lora_alpha=alphas[0])
+    for i, (r, alpha) in enumerate(zip(ranks, alphas)):
+        if i:
+            ref.update_layer(f"p{i}", r, lora_alpha=alpha, config=cfg(r, alpha))
+        a = torch.randn(r, IN) / IN**0.5
+        bm = torch.randn(out_f, r) / r**0.5
+        ref.lora_A[f"p{i}"].weight.data.copy_(a)
+        ref.lora_B[f"p{i}"].weight.data.copy_(bm)
+        layer.add_adapter(f"p{i}", {None: LoRAWeights(a, bm, scale=alpha / r)})
+    ref.set_adapter(["p0", "p1", "p2"])
+    layer.set_active([("p0", 1.0), ("p1", 1.0), ("p2", 1.0)])
+    x = torch.randn(3, 11, IN)
+    with torch.no_grad():
+        want = ref(x)
+    torch.testing.assert_close(layer(x)[0], want, atol=2e-5, rtol=1e-5)
+    assert layer._a_cat.shape[0] == sum(ranks)

@@ -1,0 +1,92 @@
+"""LoRA layers and ``torch.inference_mode``; the per-call runtime scale.
+
+Weights created under ``inference_mode`` are inference tensors: an in-place update outside the
+mode raises "Inplace update to inference tensor outside InferenceMode". Merge/unmerge/commit must
+work both inside and outside the mode, on layers built inside or outside it.
+Tolerances: fp32 vs fp64 reference atol 2e-4 / rtol 1e-4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from lora_helpers import IN, build_layer, dense_reference, full_weights, load, random_adapter
+from sglang.multimodal_gen.layers.lora import (
+    get_runtime_lora_scale,
+    runtime_lora_scale,
+    wrap_with_lora,
+)
+
+ATOL, RTOL = 2e-4, 1e-4
+
+
+def _build(kind, seed, build_in_inference):
+    ctx = torch.inference_mode() if build_in_inference else contextlib.nullcontext()
+    w, b = full_weights(kind, seed)
+    adapter = random_adapter(kind, seed + 1, ranks=(3, 5, 2), offset=True)
+    with ctx:
+        layer = wrap_with_lora(load(build_layer(kind), w, b))
+        layer.add_adapter("a", adapter)
+        layer.set_active([("a", 0.8)])
+    assert layer.base_layer.weight.is_inference() == build_in_inference
+    return layer, w, b, [(adapter, 0.8)]
+
+
+@pytest.mark.parametrize("kind", ["qkv", "row_full_input"])
+@pytest.mark.parametrize("build_in_inference", [True, False])
+@pytest.mark.parametrize("run_in_inference", [True, False])
+def test_merge_unmerge_any_mode(kind, build_in_inference, run_in_inference):
+    seed = 3 + int(build_in_inference) + 2 * int(run_in_inference)
+    layer, w, b, adapters = _build(kind, seed, build_in_inference)
+    original = layer.base_layer.weight.detach().clone()
+    x = torch.randn(4, IN, generator=torch.Generator().manual_seed(seed))
+    want = dense_reference(kind, w, b, x, adapters)
+    ctx = torch.inference_mode() if run_in_inference else torch.no_grad()
+    with ctx:
+        unmerged = layer(x)[0]
+        layer.merge()
+        merged = layer(x)[0]
+        layer.unmerge()
+        assert torch.equal(layer.base_layer.weight, original)
+        layer.merge()
+    torch.testing.assert_close(unmerged.double(), want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(merged.double(), want, atol=ATOL, rtol=RTOL)
+    # unmerge outside any mode, then commit in the other mode
+    layer.unmerge()
+    assert torch.equal(layer.base_layer.weight, original)
+    with torch.inference_mode() if not run_in_inference else contextlib.nullcontext():
+        layer.commit_as_base()
+    assert not layer.merged and not layer.active
+    torch.testing.assert_close(layer(x)[0].double(), want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_runtime_scale_scales_delta_and_leaves_state(merged):
+    layer, w, b, adapters = _build("merged", 21, build_in_inference=True)
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(22))
+    base = dense_reference("merged", w, b, x, [])
+    delta = dense_reference("merged", w, b, x, adapters) - base
+    if merged:
+        layer.merge()
+    weight_before = layer.base_layer.weight.detach().clone()
+    a_before, b_before = layer._a_cat.clone(), layer._b_cat.clone()
+    with torch.inference_mode():
+        for s in (0.0, 0.5, 1.0, 2.0):
+            with runtime_lora_scale(s):
+                assert get_runtime_lora_scale() == s
+                got = layer(x)[0].double()
+            torch.testing.assert_close(got, base + s * delta, atol=ATOL, rtol=RTOL)
+            if s == 0.0 and not merged:
+                # scale 0 is exactly the base layer
+                assert torch.equal(got.float(), layer.base_layer(x)[0])
+    assert get_runtime_lora_scale() == 1.0
+    assert torch.equal(layer.base_layer.weight, weight_before)
+    assert torch.equal(layer._a_cat, a_before) and torch.equal(layer._b_cat, b_before)
+    assert layer.merged == merged
+    with runtime_lora_scale(2.0), runtime_lora_scale(0.25):  # nested blocks multiply
+        torch.testing.assert_close(layer(x)[0].double(), base + 0.5 * delta, atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="finite"):
+        with runtime_lora_scale(float("nan")):
+            pass
