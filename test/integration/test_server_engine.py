@@ -1,0 +1,346 @@
+"""End-to-end HTTP tests on the real engine (tiny Z-Image, CPU) behind real uvicorn.
+
+References are the engine's own direct output for the same arguments (the engine's parity with
+diffusers is tested by the pipeline tests): a PNG over HTTP must decode to exactly the pixels
+``DiffusionEngine.generate`` returns, and an image generated under a global ``set_lora`` must equal
+the one generated with the same adapters as a per-request composition.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from server_helpers import assert_envelope, running_server
+from sglang.multimodal_gen.configs.server_args import ServerArgs
+
+runtime = pytest.importorskip("sglang.multimodal_gen.runtime")
+DiffusionEngine = runtime.DiffusionEngine
+GenerationRequest = runtime.GenerationRequest
+
+
+def _has_lora_runtime() -> bool:
+    try:
+        import sglang.multimodal_gen.lora.manager  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_lora = pytest.mark.skipif(not _has_lora_runtime(), reason="LoRA runtime not in this build")
+
+
+def tiny_model_path() -> str:
+    """The tiny fixture model when the fixtures module exists, else the embedded default."""
+    try:
+        from fixtures.tiny_models import tiny_zimage_path  # type: ignore[import-not-found]
+
+        return tiny_zimage_path()
+    except ImportError:
+        from sglang.multimodal_gen.runtime.default_model import default_model_path
+
+        return default_model_path()
+
+
+def write_zimage_lora(path: str, model_path: str, seed: int, modules=("to_q", "to_v"), peft=False):
+    """A random non-zero LoRA for the tiny Z-Image's attention projections.
+
+    ``peft=False``: one diffusers-format ``.safetensors`` file (``transformer.`` prefix) at
+    ``path``; ``peft=True``: a PEFT folder (``adapter_model.safetensors`` +
+    ``adapter_config.json`` with ``lora_alpha`` = 2 r) at ``path``.
+    """
+    cfg = json.load(open(os.path.join(model_path, "transformer", "config.json")))
+    dim, n_layers, rank = cfg["dim"], cfg["n_layers"], 4
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    prefix = "base_model.model." if peft else "transformer."
+    for i in range(n_layers):
+        for m in modules:
+            key = f"{prefix}layers.{i}.attention.{m}"
+            sd[f"{key}.lora_A.weight"] = torch.randn(rank, dim, generator=g) * 0.2
+            sd[f"{key}.lora_B.weight"] = torch.randn(dim, rank, generator=g) * 0.2
+    if peft:
+        os.makedirs(path, exist_ok=True)
+        save_file(sd, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(
+                {
+                    "peft_type": "LORA",
+                    "r": rank,
+                    "lora_alpha": 2 * rank,
+                    "target_modules": list(modules),
+                },
+                f,
+            )
+    else:
+        save_file(sd, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return tiny_model_path()
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory, model_path):
+    root = tmp_path_factory.mktemp("zloras")
+    write_zimage_lora(str(root / "a.safetensors"), model_path, seed=11)
+    write_zimage_lora(str(root / "b.safetensors"), model_path, seed=12, modules=("to_k",))
+    write_zimage_lora(
+        str(root / "peft_c"), model_path, seed=13, modules=("to_q", "to_k"), peft=True
+    )
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path, lora_dir):
+    eng = DiffusionEngine(model_path=model_path, lora_dirs=[lora_dir], device="cpu")
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine, lora_dir, model_path):
+    args = ServerArgs(model_path=model_path, lora_dirs=[lora_dir])
+    with running_server(engine, args, request_factory=GenerationRequest) as (url, app, _):
+        yield url
+
+
+def pixels(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def direct(engine, **fields) -> np.ndarray:
+    return np.asarray(engine.generate(GenerationRequest(**fields))[0].convert("RGB"))
+
+
+def post_gen(url, **body):
+    body.setdefault("prompt", "a tiny red boat")
+    body.setdefault("size", "32x32")
+    body.setdefault("num_inference_steps", 1)
+    body.setdefault("seed", 3)
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return pixels(r.json()["data"][0]["b64_json"])
+
+
+def test_openai_client_png_equals_engine_output(server, engine):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    resp = client.images.generate(
+        model=engine.model_name,
+        prompt="a watercolor fox",
+        size="64x64",
+        response_format="b64_json",
+        extra_body={"seed": 42, "num_inference_steps": 2},
+    )
+    raw = base64.b64decode(resp.data[0].b64_json)
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    ref = direct(
+        engine, prompt="a watercolor fox", height=64, width=64, seed=42, num_inference_steps=2
+    )
+    np.testing.assert_array_equal(pixels(resp.data[0].b64_json), ref)
+    assert ref.std() > 0
+
+
+def test_engine_limits_reach_the_server(server, engine):
+    assert engine.spatial_factor == 16
+    r = httpx.post(f"{server}/v1/images/generations", json={"prompt": "x", "size": "40x40"})
+    err = assert_envelope(r, 400, "size")
+    assert "multiples of 16" in err["message"]
+    r = httpx.post(f"{server}/v1/set_lora", json={"lora_nickname": "a", "target": "transformer_2"})
+    err = assert_envelope(r, 400, "target")
+    assert "'all'" in err["message"] and "'transformer'" in err["message"]
+    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == engine.model_name
+
+
+def test_s4_repo_id_not_cached_nothing_changed(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    before = httpx.get(f"{server}/v1/list_loras").json()
+    body = {"lora_nickname": "lora_name", "lora_path": "Owner/Some-LoRA-Repo", "target": "all"}
+    r = httpx.post(f"{server}/v1/set_lora", json=body, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    err = assert_envelope(r, r.status_code)
+    if _has_lora_runtime():
+        msg = err["message"].lower()
+        assert "could not be found locally" in msg and "download" in msg, msg
+    assert httpx.get(f"{server}/v1/list_loras").json() == before
+
+
+@needs_lora
+def test_s5_repo_id_from_local_hf_cache(server, engine, model_path, tmp_path, monkeypatch):
+    hf_home = tmp_path / "hf"
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    repo = hf_home / "hub" / "models--Owner--Some-LoRA-Repo"
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    write_zimage_lora(str(snap / "pytorch_lora_weights.safetensors"), model_path, seed=21)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    body = {"lora_nickname": "hub_lora", "lora_path": "Owner/Some-LoRA-Repo", "target": "all"}
+    r = httpx.post(f"{server}/v1/set_lora", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        got = post_gen(server)
+        ref = direct(
+            engine, prompt="a tiny red boat", height=32, width=32, seed=3, num_inference_steps=1,
+            lora=[("hub_lora", 1.0)],
+        )  # fmt: skip
+        np.testing.assert_array_equal(got, ref)
+    finally:
+        assert httpx.post(f"{server}/v1/unset_lora").status_code == 200
+        assert (
+            httpx.post(f"{server}/v1/unload_lora", json={"lora_nickname": "hub_lora"}).status_code
+            == 200
+        )
+
+
+@needs_lora
+def test_lora_over_http_file_peft_list_unset(server, engine):
+    base = post_gen(server)
+    gen_fields = dict(prompt="a tiny red boat", height=32, width=32, seed=3, num_inference_steps=1)
+    # 1. a single diffusers-format file
+    r = httpx.post(
+        f"{server}/v1/set_lora",
+        json={"lora_nickname": "a", "lora_path": "a.safetensors"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    with_a = post_gen(server)
+    assert not np.array_equal(with_a, base)
+    np.testing.assert_array_equal(with_a, direct(engine, **gen_fields, lora=[("a", 1.0)]))
+    # 2. a PEFT folder
+    r = httpx.post(
+        f"{server}/v1/set_lora", json={"lora_nickname": "c", "lora_path": "peft_c"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    with_c = post_gen(server)
+    assert not np.array_equal(with_c, base) and not np.array_equal(with_c, with_a)
+    np.testing.assert_array_equal(with_c, direct(engine, **gen_fields, lora=[("c", 1.0)]))
+    # 3. a list of two with strengths (a reused by nickname)
+    body = {
+        "lora_nickname": ["a", "b"],
+        "lora_path": [None, "b.safetensors"],
+        "strength": [0.5, 0.8],
+    }
+    r = httpx.post(f"{server}/v1/set_lora", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    with_ab = post_gen(server)
+    np.testing.assert_array_equal(
+        with_ab, direct(engine, **gen_fields, lora=[("a", 0.5), ("b", 0.8)])
+    )
+    listed = httpx.get(f"{server}/v1/list_loras").json()
+    text = json.dumps(listed)
+    for name in ("a", "b", "c"):
+        assert f'"{name}"' in text, listed
+    # per-request composition over HTTP
+    per_req = post_gen(server, lora={"name": "c", "scale": 1.0})
+    np.testing.assert_array_equal(per_req, with_c)
+    # unset returns the base image exactly; adapters stay loaded
+    assert httpx.post(f"{server}/v1/unset_lora", json={"target": "all"}).status_code == 200
+    np.testing.assert_array_equal(post_gen(server), base)
+    text = json.dumps(httpx.get(f"{server}/v1/list_loras").json())
+    assert '"c"' in text
+    # merge / unmerge keep the images equal up to merge rounding and back exactly
+    r = httpx.post(
+        f"{server}/v1/set_lora", json={"lora_nickname": "a", "merge_mode": "merge"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    merged = post_gen(server)
+    assert np.abs(merged.astype(int) - with_a.astype(int)).max() <= 2
+    assert httpx.post(f"{server}/v1/unmerge_lora_weights").status_code == 200
+    assert httpx.post(f"{server}/v1/unset_lora").status_code == 200
+    np.testing.assert_array_equal(post_gen(server), base)
+
+
+@needs_lora
+def test_s9_mismatch_nothing_changed(server):
+    before = httpx.get(f"{server}/v1/list_loras").json()
+    for body in (
+        {"lora_nickname": ["a", "b"], "lora_path": ["a.safetensors"]},
+        {
+            "lora_nickname": ["a", "b"],
+            "lora_path": ["a.safetensors", "b.safetensors"],
+            "strength": [1.0],
+        },
+    ):
+        assert_envelope(httpx.post(f"{server}/v1/set_lora", json=body), 400)
+    assert httpx.get(f"{server}/v1/list_loras").json() == before
+
+
+@needs_lora
+def test_s11_concurrency_real_engine(server, engine):
+    r = httpx.post(
+        f"{server}/v1/set_lora",
+        json={"lora_nickname": "b", "lora_path": "b.safetensors"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    r = httpx.post(
+        f"{server}/v1/set_lora",
+        json={"lora_nickname": "a", "lora_path": "a.safetensors"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert httpx.post(f"{server}/v1/unset_lora").status_code == 200
+    seeds = (1, 2)
+    comps = {"base": [], "a": [("a", 1.0)], "b07": [("b", 0.7)]}
+    refs = {
+        (s, k): direct(
+            engine, prompt="p", height=32, width=32, seed=s, num_inference_steps=1, lora=c
+        )
+        for s in seeds
+        for k, c in comps.items()
+    }
+    stop = threading.Event()
+    admin_codes = []
+
+    def admin_loop():
+        i = 0
+        while not stop.is_set():
+            if i % 2 == 0:
+                r = httpx.post(f"{server}/v1/set_lora", json={"lora_nickname": "a"}, timeout=60)
+            else:
+                r = httpx.post(f"{server}/v1/unset_lora", timeout=60)
+            admin_codes.append(r.status_code)
+            i += 1
+            time.sleep(0.05)
+
+    def one(i):
+        body = {"prompt": "p", "size": "32x32", "seed": seeds[i % 2], "num_inference_steps": 1}
+        if i % 4 == 3:
+            body["lora"] = [{"name": "b", "scale": 0.7}]
+        return body, httpx.post(f"{server}/v1/images/generations", json=body, timeout=300)
+
+    admin = threading.Thread(target=admin_loop)
+    admin.start()
+    try:
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            results = list(pool.map(one, range(32)))
+    finally:
+        stop.set()
+        admin.join(timeout=60)
+    assert admin_codes and set(admin_codes) == {200}
+    seen = set()
+    for body, r in results:
+        assert r.status_code == 200, r.text
+        got = pixels(r.json()["data"][0]["b64_json"])
+        allowed = ["b07"] if "lora" in body else ["base", "a"]
+        hits = [k for k in allowed if np.array_equal(got, refs[(body["seed"], k)])]
+        assert len(hits) == 1, body
+        seen.add(hits[0])
+    assert "b07" in seen
+    assert httpx.post(f"{server}/v1/unset_lora").status_code == 200
