@@ -1,0 +1,347 @@
+"""One test per row of shared/cases/lora_formats.md (Z1..Z6, G1..G7), format/loading side.
+
+Each builds the case's key pattern as a tiny safetensors file over the tiny diffusers Z-Image
+model's module list (random non-zero tensors), loads and converts it, and compares against the
+plain diffusers-format reference file built from the same tensors. The HTTP 400 mapping of G5 and
+the "weights unchanged" parts that need a model with LoRA layers belong to the server / manager
+tests; here "nothing changed" means the caller's state dict and the model weights are untouched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lora_format_helpers import (
+    SAMPLE,
+    assert_deltas_equal,
+    canonical_deltas,
+    diffusers_converted_deltas,
+    diffusers_sd,
+    kohya_name,
+    linear_shapes,
+    random_pairs,
+    reference_deltas,
+    save,
+    tiny_zimage,
+    zimage_spec,
+)
+from safetensors.torch import save_file
+from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError
+from sglang.multimodal_gen.layers.linear import QKVParallelLinear
+from sglang.multimodal_gen.lora import (
+    convert_to_canonical,
+    load_lora_state_dict,
+    resolve_lora_path,
+)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return zimage_spec()
+
+
+def _load_convert(path, spec, allowed_roots=None):
+    sd, md = load_lora_state_dict(path, allowed_roots)
+    return convert_to_canonical(sd, md, spec)
+
+
+def _reference(tmp_path, pairs, spec):
+    """Our canonical deltas of the plain diffusers-format file (the reference of every row)."""
+    canon = _load_convert(save(tmp_path, "reference.safetensors", diffusers_sd(pairs)), spec)
+    return canonical_deltas(canon, list(pairs))
+
+
+def _weights_snapshot():
+    return {k: v.clone() for k, v in tiny_zimage().state_dict().items()}
+
+
+def _assert_weights_unchanged(before):
+    after = tiny_zimage().state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_Z1_diffusers_prefix_stripped_and_every_module_loaded(tmp_path, spec):
+    names = list(linear_shapes())
+    pairs = random_pairs(names, seed=100)
+    path = save(tmp_path, "z1.safetensors", diffusers_sd(pairs))
+    canon = _load_convert(path, spec)
+    assert canon.matched_modules == len(names)
+    assert set(canon.modules) == spec.module_names
+    ref = reference_deltas(pairs)
+    assert_deltas_equal(canonical_deltas(canon, names), ref)
+    assert_deltas_equal(diffusers_converted_deltas(path), ref)
+    # output differs from base: a layer's output with the delta applied is not the base output
+    lin = dict(tiny_zimage().named_modules())["layers.0.attention.to_out.0"]
+    x = torch.randn(3, 64)
+    w = canon.modules["layers.0.attention.to_out.0"][None]
+    y_lora = F.linear(x, lin.weight + w.delta_weight(), lin.bias)
+    assert (y_lora - lin(x)).abs().max() > 1e-4
+
+
+def test_Z2_kohya_flattened_unflattened_by_module_list(tmp_path, spec):
+    names = [
+        "layers.0.attention.to_q",
+        "layers.1.attention.to_out.0",
+        "layers.0.feed_forward.w1",
+        "layers.1.adaLN_modulation.0",
+        "all_x_embedder.2-1",
+        "noise_refiner.0.adaLN_modulation.0",
+        "context_refiner.0.attention.to_k",
+        "t_embedder.mlp.2",
+    ]
+    pairs = random_pairs(names, seed=101)
+    sd, alphas = {}, {}
+    for i, (n, (a, b)) in enumerate(pairs.items()):
+        sd[kohya_name(n) + ".lora_down.weight"] = a
+        sd[kohya_name(n) + ".lora_up.weight"] = b
+        alphas[n] = float(i + 1)
+        sd[kohya_name(n) + ".alpha"] = torch.tensor(alphas[n])
+    path = save(tmp_path, "z2.safetensors", sd)
+    canon = _load_convert(path, spec)
+    assert canon.matched_modules == len(names) and canon.source_format == "kohya"
+    ref = reference_deltas(pairs, alphas)  # scale alpha / r
+    assert_deltas_equal(canonical_deltas(canon, names), ref)
+    assert_deltas_equal(diffusers_converted_deltas(path), ref)
+    # the scale is alpha / r, not folded into the tensors
+    w = canon.modules["layers.0.attention.to_qkv"]["q"]
+    assert w.scale == pytest.approx(alphas["layers.0.attention.to_q"] / 4)
+    torch.testing.assert_close(w.lora_A, pairs["layers.0.attention.to_q"][0])
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_Z3_split_qkv_lands_in_fused_sections(tmp_path, spec, tp_size):
+    names = [f"layers.{i}.attention.to_{s}" for i in (0, 1) for s in "qkv"]
+    pairs = random_pairs(names, seed=102)
+    path = save(tmp_path, "z3.safetensors", diffusers_sd(pairs, prefix="diffusion_model."))
+    canon = _load_convert(path, spec)
+    ref = _reference(tmp_path, pairs, spec)
+    assert_deltas_equal(canonical_deltas(canon, names), ref)
+    assert_deltas_equal(diffusers_converted_deltas(path), ref)
+    # each rank's rows of the fused qkv delta equal that rank's rows of the reference q|k|v stack
+    full_ref = torch.cat([ref[f"layers.0.attention.to_{s}"] for s in "qkv"])
+    qkv = canon.modules["layers.0.attention.to_qkv"]
+    for rank in range(tp_size):
+        layer = QKVParallelLinear(64, 16, 4, 4, bias=False, tp_rank=rank, tp_size=tp_size)
+        ours = torch.cat(
+            [
+                layer.shard_output_tensor(qkv[s.shard_id].delta_weight(), s.shard_id)
+                for s in layer.shard_map
+            ]
+        )
+        expected = layer.shard_output_tensor(full_ref.float(), None)
+        torch.testing.assert_close(ours, expected)
+
+
+def test_Z4_fused_qkv_original_layout_split_exactly(tmp_path, spec):
+    g = torch.Generator().manual_seed(103)
+    a, b = torch.randn(4, 64, generator=g), torch.randn(3 * 64, 4, generator=g)
+    sd = {
+        "lora_unet_layers_0_attention_qkv.lora_down.weight": a,
+        "lora_unet_layers_0_attention_qkv.lora_up.weight": b,
+        "lora_unet_layers_0_attention_qkv.alpha": torch.tensor(2.0),
+    }
+    canon = _load_convert(save(tmp_path, "z4.safetensors", sd), spec)
+    assert canon.matched_modules == 1
+    # reference: A shared, B cut in three, same alpha
+    pairs = {
+        f"layers.0.attention.to_{s}": (a, b[64 * i : 64 * (i + 1)]) for i, s in enumerate("qkv")
+    }
+    ref = reference_deltas(pairs, {n: 2.0 for n in pairs})
+    assert_deltas_equal(canonical_deltas(canon, list(pairs)), ref)
+
+
+def test_Z5_peft_adapter_infix_stripped(tmp_path, spec):
+    pairs = random_pairs(SAMPLE, seed=104)
+    sd = {}
+    for n, (a, b) in pairs.items():
+        sd[f"diffusion_model.{n}.lora_A.default.weight"] = a
+        sd[f"diffusion_model.{n}.lora_B.default.weight"] = b
+    path = save(tmp_path, "z5.safetensors", sd)
+    canon = _load_convert(path, spec)
+    assert canon.matched_modules == len(SAMPLE)
+    ref = _reference(tmp_path, pairs, spec)
+    assert_deltas_equal(canonical_deltas(canon, SAMPLE), ref)
+    assert_deltas_equal(diffusers_converted_deltas(path), ref)
+
+
+def test_Z6_lokr_clear_error_naming_first_key(tmp_path, spec):
+    """LoKr is refused (documented in docs/lora.md): the error names the feature and first key."""
+    sd = {
+        "diffusion_model.layers.0.attention.to_q.lokr_w1": torch.randn(4, 4),
+        "diffusion_model.layers.0.attention.to_q.lokr_w2": torch.randn(16, 16),
+        "diffusion_model.layers.0.attention.to_q.alpha": torch.tensor(1.0),
+    }
+    path = save(tmp_path, "z6.safetensors", sd)
+    loaded, md = load_lora_state_dict(path)
+    keys_before = list(loaded)
+    before = _weights_snapshot()
+    with pytest.raises(LoRAFormatError) as e:
+        convert_to_canonical(loaded, md, spec)
+    assert "LoKr" in str(e.value)
+    assert "diffusion_model.layers.0.attention.to_q.lokr_w1" in str(e.value)
+    assert list(loaded) == keys_before
+    _assert_weights_unchanged(before)
+
+
+def test_G1_other_architecture_zero_matched(tmp_path, spec):
+    g = torch.Generator().manual_seed(105)
+    sd = {}
+    for blk in (0, 24):
+        for m in ("cross_attn_o", "self_attn_q", "ffn_0"):
+            k = f"lora_unet_blocks_{blk}_{m}"
+            sd[k + ".lora_down.weight"] = torch.randn(4, 64, generator=g)
+            sd[k + ".lora_up.weight"] = torch.randn(64, 4, generator=g)
+            sd[k + ".alpha"] = torch.tensor(4.0)
+    before = _weights_snapshot()
+    with pytest.raises(LoRAFormatError) as e:
+        _load_convert(save(tmp_path, "g1.safetensors", sd), spec)
+    msg = str(e.value)
+    assert "matched 0 of 6 modules" in msg and "Z-Image" in msg and "Wan" in msg
+    assert len(msg) < 600  # no key dump
+    _assert_weights_unchanged(before)
+
+
+def test_G2_mixed_naming_each_with_own_alpha(tmp_path, spec):
+    pairs = random_pairs(SAMPLE, seed=106)
+    sd, alphas = {}, {}
+    for i, (n, (a, b)) in enumerate(pairs.items()):
+        if i % 2 == 0:
+            sd[f"transformer.{n}.lora_A.weight"] = a
+            sd[f"transformer.{n}.lora_B.weight"] = b
+        else:
+            sd[kohya_name(n) + ".lora_down.weight"] = a
+            sd[kohya_name(n) + ".lora_up.weight"] = b
+            alphas[n] = 0.5 * i
+            sd[kohya_name(n) + ".alpha"] = torch.tensor(alphas[n])
+    canon = _load_convert(save(tmp_path, "g2.safetensors", sd), spec)
+    assert canon.matched_modules == len(SAMPLE)
+    assert canon.source_format == "diffusers+kohya"
+    assert_deltas_equal(canonical_deltas(canon, SAMPLE), reference_deltas(pairs, alphas))
+
+
+def test_G3_text_encoder_keys_ignored_and_counted(tmp_path, spec):
+    pairs = random_pairs(SAMPLE, seed=107)
+    sd = {}
+    for n, (a, b) in pairs.items():
+        sd[kohya_name(n) + ".lora_down.weight"] = a
+        sd[kohya_name(n) + ".lora_up.weight"] = b
+    te = []
+    for i in range(3):
+        k = f"lora_te1_text_model_encoder_layers_{i}_self_attn_q_proj"
+        te += [k + ".lora_down.weight", k + ".lora_up.weight", k + ".alpha"]
+        sd[k + ".lora_down.weight"] = torch.randn(4, 32)
+        sd[k + ".lora_up.weight"] = torch.randn(32, 4)
+        sd[k + ".alpha"] = torch.tensor(4.0)
+    sd["text_encoder.encoder.layer.0.q.lora_A.weight"] = torch.randn(4, 32)
+    te.append("text_encoder.encoder.layer.0.q.lora_A.weight")
+    canon = _load_convert(save(tmp_path, "g3.safetensors", sd), spec)
+    assert sorted(canon.ignored_keys) == sorted(te)
+    assert canon.summary()["ignored_keys"] == 10
+    assert canon.matched_modules == len(SAMPLE)
+    assert_deltas_equal(canonical_deltas(canon, SAMPLE), reference_deltas(pairs))
+
+
+@pytest.mark.parametrize(
+    "name", ["lora.bin", "lora.pt", "lora.pth", "lora.ckpt", "fake.safetensors"]
+)
+def test_G4_pickle_refused_without_unpickling(tmp_path, monkeypatch, name):
+    sd = diffusers_sd(random_pairs(SAMPLE[:2], seed=108))
+    torch.save(sd, tmp_path / name)  # a real pickle, whatever the extension says
+
+    def no_torch_load(*a, **k):
+        raise AssertionError("torch.load must never be called")
+
+    monkeypatch.setattr(torch, "load", no_torch_load)
+    with pytest.raises(LoRAFormatError) as e:
+        load_lora_state_dict(tmp_path / name)
+    assert "safetensors" in str(e.value)
+    # a peft folder holding only a pickle is refused too
+    d = tmp_path / "folder"
+    d.mkdir()
+    torch.save(sd, d / "adapter_model.bin")
+    with pytest.raises(LoRAFormatError, match="pickle"):
+        load_lora_state_dict(d)
+
+
+def test_G5_paths_outside_the_lora_root_refused(tmp_path, spec):
+    root = tmp_path / "loras"
+    root.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    sd = diffusers_sd(random_pairs(SAMPLE[:2], seed=109))
+    save_file(sd, str(root / "ok.safetensors"))
+    save_file(sd, str(outside / "secret.safetensors"))
+    os.symlink(outside / "secret.safetensors", root / "link_out.safetensors")
+    os.symlink(outside, root / "dir_link")
+    roots = [str(root)]
+    for bad in (
+        "../../etc/passwd",
+        "../outside/secret.safetensors",
+        str(outside / "secret.safetensors"),
+        "link_out.safetensors",
+        "dir_link/secret.safetensors",
+        "/etc/passwd",
+    ):
+        with pytest.raises(InvalidRequestError, match="outside the allowed LoRA"):
+            resolve_lora_path(bad, roots)
+        with pytest.raises(InvalidRequestError):
+            load_lora_state_dict(bad, roots)
+    # inside: relative to the root, absolute, and via an internal symlink
+    os.symlink(root / "ok.safetensors", root / "alias.safetensors")
+    for good in ("ok.safetensors", str(root / "ok.safetensors"), "alias.safetensors"):
+        assert resolve_lora_path(good, roots) == os.path.realpath(root / "ok.safetensors")
+    canon = _load_convert("ok.safetensors", spec, allowed_roots=roots)
+    assert canon.matched_modules == 2
+    with pytest.raises(InvalidRequestError) as e:
+        resolve_lora_path("missing.safetensors", roots)
+    assert e.value.status_code == 400
+
+
+@pytest.mark.parametrize("case", ["rank", "in", "out", "fused_out"])
+def test_G6_shape_mismatch_names_module_and_shapes(tmp_path, spec, case):
+    a, b = torch.randn(4, 64), torch.randn(64, 4)
+    name = "layers.1.feed_forward.w3"
+    if case == "rank":
+        b = torch.randn(170, 3)
+    elif case == "in":
+        a = torch.randn(4, 32)
+        b = torch.randn(170, 4)
+    elif case == "out":
+        b = torch.randn(171, 4)
+    else:
+        name = "layers.1.attention.qkv"
+        b = torch.randn(190, 4)
+    if case != "fused_out" and b.shape[0] == 64:
+        b = torch.randn(170, 4)
+    sd = {f"transformer.{name}.lora_A.weight": a, f"transformer.{name}.lora_B.weight": b}
+    before = _weights_snapshot()
+    with pytest.raises(LoRAFormatError) as e:
+        _load_convert(save(tmp_path, "g6.safetensors", sd), spec)
+    msg = str(e.value)
+    assert name in msg and str(tuple(a.shape)) in msg and str(tuple(b.shape)) in msg
+    _assert_weights_unchanged(before)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["A", "B", "alpha"])
+def test_G7_non_finite_rejected_with_module_name(tmp_path, spec, bad, where):
+    pairs = random_pairs(SAMPLE[:3], seed=110)
+    sd = {}
+    for n, (a, b) in pairs.items():
+        sd[kohya_name(n) + ".lora_down.weight"] = a.clone()
+        sd[kohya_name(n) + ".lora_up.weight"] = b.clone()
+        sd[kohya_name(n) + ".alpha"] = torch.tensor(4.0)
+    target = kohya_name("layers.0.attention.to_v")
+    key = {"A": ".lora_down.weight", "B": ".lora_up.weight", "alpha": ".alpha"}[where]
+    if where == "alpha":
+        sd[target + key] = torch.tensor(bad)
+    else:
+        sd[target + key][1, 2] = bad
+    before = _weights_snapshot()
+    with pytest.raises(LoRAFormatError, match="NaN or Inf") as e:
+        _load_convert(save(tmp_path, "g7.safetensors", sd), spec)
+    assert "layers.0.attention.to_v" in str(e.value)
+    _assert_weights_unchanged(before)
