@@ -8,6 +8,7 @@ initializes ``torch.distributed`` over a free localhost TCP port, calls
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -65,7 +66,9 @@ def _worker(rank, world_size, port, backend, fn, args, queue):
     try:
         init_worker(rank, world_size, port, backend)
         result = fn(rank, *args)
-        queue.put((rank, True, result))
+        # Plain pickle copies tensor bytes; the queue's own pickler would pass shared-memory file
+        # descriptors that vanish when this process exits before the parent reads them.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException as e:  # report every failure to the parent, then exit
         queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -112,7 +115,7 @@ def launch_processes(
             except Exception as e:
                 raise RuntimeError(f"TP workers did not answer within {timeout_s} s") from e
             if ok:
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}: {value}")
                 break  # the others may now hang on a collective; stop them below
