@@ -317,7 +317,7 @@ def load_vae(component_dir: str, dtype: torch.dtype, device) -> nn.Module:
 
     _check_config_class(component_dir, "config.json", {"AutoencoderKL"})
     find_weight_files(component_dir)
-    return AutoencoderKL.from_pretrained(component_dir, torch_dtype=dtype).to(device).eval()
+    return AutoencoderKL.from_pretrained(component_dir).to(device=device, dtype=dtype).eval()
 
 
 def load_scheduler_config(component_dir: str) -> dict:

@@ -1,0 +1,30 @@
+"""Shared fixtures of the integration tests: tiny Z-Image models and LoRA files (built once per
+session with the reference libraries; see ``test/fixtures/tiny_models.py``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_TEST_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _TEST_ROOT not in sys.path:
+    sys.path.insert(0, _TEST_ROOT)
+
+from fixtures.tiny_models import build_tiny_zimage, make_lora  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage_dir(tmp_path_factory) -> str:
+    """A tiny diffusers-format Z-Image pipeline directory (sharded transformer)."""
+    return build_tiny_zimage(str(tmp_path_factory.mktemp("tiny_zimage")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage_loras(tiny_zimage_dir, tmp_path_factory) -> tuple[str, str]:
+    """Two diffusers-format LoRA folders for :func:`tiny_zimage_dir` (ranks 4 and 2)."""
+    root = tmp_path_factory.mktemp("tiny_zimage_loras")
+    a = make_lora(tiny_zimage_dir, str(root / "lora_a"), seed=11, rank=4, alpha=8.0)
+    b = make_lora(tiny_zimage_dir, str(root / "lora_b"), seed=22, rank=2, alpha=2.0)
+    return a, b
