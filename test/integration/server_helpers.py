@@ -275,3 +275,54 @@ def assert_envelope(response: Any, status: int, param: str | None = "__any__") -
     if param != "__any__":
         assert err["param"] == param, err
     return err
+
+
+# ---------------------------------------------------------------------------------------------
+# real tiny model
+
+
+def tiny_model_path() -> str:
+    """The tiny fixture model when the fixtures module exists, else the embedded default."""
+    try:
+        from fixtures.tiny_models import tiny_zimage_path  # type: ignore[import-not-found]
+
+        return tiny_zimage_path()
+    except ImportError:
+        from sglang.multimodal_gen.runtime.default_model import default_model_path
+
+        return default_model_path()
+
+
+def write_zimage_lora(path: str, model_path: str, seed: int, modules=("to_q", "to_v"), peft=False):
+    """A random non-zero LoRA for the tiny Z-Image's attention projections.
+
+    ``peft=False``: one diffusers-format ``.safetensors`` file (``transformer.`` prefix) at
+    ``path``; ``peft=True``: a PEFT folder (``adapter_model.safetensors`` +
+    ``adapter_config.json`` with ``lora_alpha`` = 2 r) at ``path``.
+    """
+    cfg = json.load(open(os.path.join(model_path, "transformer", "config.json")))
+    dim, n_layers, rank = cfg["dim"], cfg["n_layers"], 4
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    prefix = "base_model.model." if peft else "transformer."
+    for i in range(n_layers):
+        for m in modules:
+            key = f"{prefix}layers.{i}.attention.{m}"
+            sd[f"{key}.lora_A.weight"] = torch.randn(rank, dim, generator=g) * 0.2
+            sd[f"{key}.lora_B.weight"] = torch.randn(dim, rank, generator=g) * 0.2
+    if peft:
+        os.makedirs(path, exist_ok=True)
+        save_file(sd, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(
+                {
+                    "peft_type": "LORA",
+                    "r": rank,
+                    "lora_alpha": 2 * rank,
+                    "target_modules": list(modules),
+                },
+                f,
+            )
+    else:
+        save_file(sd, path)
+    return path

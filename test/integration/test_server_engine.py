@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,10 +19,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import torch
 from PIL import Image
-from safetensors.torch import save_file
-from server_helpers import assert_envelope, running_server
+from server_helpers import assert_envelope, running_server, tiny_model_path, write_zimage_lora
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 
 runtime = pytest.importorskip("sglang.multimodal_gen.runtime")
@@ -40,53 +37,6 @@ def _has_lora_runtime() -> bool:
 
 
 needs_lora = pytest.mark.skipif(not _has_lora_runtime(), reason="LoRA runtime not in this build")
-
-
-def tiny_model_path() -> str:
-    """The tiny fixture model when the fixtures module exists, else the embedded default."""
-    try:
-        from fixtures.tiny_models import tiny_zimage_path  # type: ignore[import-not-found]
-
-        return tiny_zimage_path()
-    except ImportError:
-        from sglang.multimodal_gen.runtime.default_model import default_model_path
-
-        return default_model_path()
-
-
-def write_zimage_lora(path: str, model_path: str, seed: int, modules=("to_q", "to_v"), peft=False):
-    """A random non-zero LoRA for the tiny Z-Image's attention projections.
-
-    ``peft=False``: one diffusers-format ``.safetensors`` file (``transformer.`` prefix) at
-    ``path``; ``peft=True``: a PEFT folder (``adapter_model.safetensors`` +
-    ``adapter_config.json`` with ``lora_alpha`` = 2 r) at ``path``.
-    """
-    cfg = json.load(open(os.path.join(model_path, "transformer", "config.json")))
-    dim, n_layers, rank = cfg["dim"], cfg["n_layers"], 4
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    prefix = "base_model.model." if peft else "transformer."
-    for i in range(n_layers):
-        for m in modules:
-            key = f"{prefix}layers.{i}.attention.{m}"
-            sd[f"{key}.lora_A.weight"] = torch.randn(rank, dim, generator=g) * 0.2
-            sd[f"{key}.lora_B.weight"] = torch.randn(dim, rank, generator=g) * 0.2
-    if peft:
-        os.makedirs(path, exist_ok=True)
-        save_file(sd, os.path.join(path, "adapter_model.safetensors"))
-        with open(os.path.join(path, "adapter_config.json"), "w") as f:
-            json.dump(
-                {
-                    "peft_type": "LORA",
-                    "r": rank,
-                    "lora_alpha": 2 * rank,
-                    "target_modules": list(modules),
-                },
-                f,
-            )
-    else:
-        save_file(sd, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,169 @@
+"""``sglang serve`` as a user starts it (the seed's command line), and a TP 2 server vs TP 1.
+
+The CLI test runs the console script in a child process on the tiny model, generates with the
+official ``openai`` client and compares the PNG with ``sglang generate`` (same arguments) when that
+subcommand exists, else with the engine called directly. The TP test serves a TP 2 engine (two gloo
+worker processes) and compares its images with the TP 1 engine's.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from server_helpers import free_port, running_server, tiny_model_path, write_zimage_lora
+from sglang.multimodal_gen.configs.server_args import ServerArgs
+
+runtime = pytest.importorskip("sglang.multimodal_gen.runtime")
+
+
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _sglang_cmd() -> list[str]:
+    exe = shutil.which("sglang")
+    return [exe] if exe else [sys.executable, "-m", "sglang.cli.main"]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early:\n{proc.communicate()[0]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server did not become healthy")
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def test_seed_command_line_serves_and_matches_generate(tmp_path):
+    model = tiny_model_path()
+    port = free_port()
+    cmd = (
+        _sglang_cmd()
+        + (
+            f"serve --model-path {model} --model-type diffusion --dit-cpu-offload false "
+            f"--num-gpus 1 --port {port} --host localhost"
+        ).split()
+    )
+    with_lora = _has("sglang.multimodal_gen.lora.manager")
+    if with_lora:  # a startup adapter, inside the allowed root
+        write_zimage_lora(str(tmp_path / "start.safetensors"), model, seed=31)
+        cmd += ["--lora-path", "start.safetensors", "--lora-nickname", "start"]
+        cmd += ["--lora-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://localhost:{port}"
+    try:
+        _wait_healthy(url, proc)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        extra = {"seed": 42, "num_inference_steps": 2}
+        if with_lora:
+            extra["lora"] = []  # the base model, whatever is active globally
+            text = httpx.get(f"{url}/v1/list_loras").text
+            assert '"start"' in text, text
+        resp = client.images.generate(
+            model=os.path.basename(model),
+            prompt="a small cabin in snow",
+            size="64x64",
+            response_format="b64_json",
+            extra_body=extra,
+        )
+        got = _pixels(base64.b64decode(resp.data[0].b64_json))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out, out
+
+    if _has("sglang.cli.generate"):
+        png = tmp_path / "ref.png"
+        gen = (
+            _sglang_cmd()
+            + (
+                f"generate --model-path {model} --prompt PROMPT --seed 42 --num-inference-steps 2 "
+                f"--height 64 --width 64 --guidance-scale 0 --output-path {png}"
+            ).split()
+        )
+        gen[gen.index("PROMPT")] = "a small cabin in snow"
+        done = subprocess.run(gen, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        ref = _pixels(png.read_bytes())
+    else:
+        engine = runtime.DiffusionEngine(model_path=model, device="cpu")
+        try:
+            req = runtime.GenerationRequest(
+                prompt="a small cabin in snow", height=64, width=64, seed=42, num_inference_steps=2
+            )
+            ref = np.asarray(engine.generate(req)[0].convert("RGB"))
+        finally:
+            engine.shutdown()
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_tp2_server_equals_tp1():
+    model = tiny_model_path()
+    fields = dict(prompt="two lanterns", height=32, width=32, seed=5, num_inference_steps=2)
+    tp1 = runtime.DiffusionEngine(model_path=model, device="cpu")
+    try:
+        refs = [
+            np.asarray(tp1.generate(runtime.GenerationRequest(**fields, num_images=2))[i])
+            for i in (0, 1)
+        ]
+    finally:
+        tp1.shutdown()
+    tp2 = runtime.DiffusionEngine(model_path=model, tp_size=2, device="cpu")
+    try:
+        args = ServerArgs(model_path=model, tp_size=2)
+        with running_server(tp2, args, request_factory=runtime.GenerationRequest) as (url, _, _):
+            body = {
+                "prompt": "two lanterns",
+                "size": "32x32",
+                "seed": 5,
+                "num_inference_steps": 2,
+                "n": 2,
+            }
+            r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            assert httpx.get(f"{url}/health").status_code == 200
+            for item, ref in zip(r.json()["data"], refs):
+                np.testing.assert_array_equal(_pixels(base64.b64decode(item["b64_json"])), ref)
+            # a dead TP worker: /health fails and requests get 503 instead of hanging
+            procs = getattr(tp2, "_procs", None)
+            if not procs:
+                return
+            os.kill(procs[1].pid, signal.SIGKILL)
+            procs[1].join(timeout=10)
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+            t0 = time.monotonic()
+            r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=60)
+            assert r.status_code == 503 and "error" in r.json()
+            assert time.monotonic() - t0 < 30
+    finally:
+        tp2.shutdown()
