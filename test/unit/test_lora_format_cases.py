@@ -31,6 +31,7 @@ from lora_format_helpers import (
 from safetensors.torch import save_file
 from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError
 from sglang.multimodal_gen.layers.linear import QKVParallelLinear
+from sglang.multimodal_gen.layers.lora import wrap_with_lora
 from sglang.multimodal_gen.lora import (
     convert_to_canonical,
     load_lora_state_dict,
@@ -135,6 +136,33 @@ def test_Z3_split_qkv_lands_in_fused_sections(tmp_path, spec, tp_size):
         torch.testing.assert_close(ours, expected)
 
 
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_Z3_through_our_fused_qkv_lora_layer(tmp_path, spec, tp_size):
+    """End to end on our QKV layer: every rank's output equals the dense reference's rows."""
+    names = [f"layers.0.attention.to_{s}" for s in "qkv"]
+    pairs = random_pairs(names, seed=111)
+    canon = _load_convert(
+        save(tmp_path, "z3.safetensors", diffusers_sd(pairs, prefix="diffusion_model.")), spec
+    )
+    ref = reference_deltas(pairs)
+    g = torch.Generator().manual_seed(112)
+    w_full = torch.randn(192, 64, generator=g, dtype=torch.float64) * 0.1
+    x = torch.randn(5, 64, generator=g, dtype=torch.float64)
+    delta = torch.cat([ref[n] for n in names])
+    y_ref = F.linear(x, w_full + 0.7 * delta)  # [5, 192] in q|k|v order
+    for rank in range(tp_size):
+        layer = QKVParallelLinear(
+            64, 16, 4, 4, bias=False, params_dtype=torch.float64, tp_rank=rank, tp_size=tp_size
+        )
+        layer.weight_loader(layer.weight, w_full)
+        lora = wrap_with_lora(layer)
+        lora.add_adapter("style", canon.modules["layers.0.attention.to_qkv"])
+        lora.set_active([("style", 0.7)])
+        y_local, _ = lora(x)
+        expected = layer.shard_output_tensor(y_ref.t().contiguous(), None).t()
+        torch.testing.assert_close(y_local, expected)
+
+
 def test_Z4_fused_qkv_original_layout_split_exactly(tmp_path, spec):
     g = torch.Generator().manual_seed(103)
     a, b = torch.randn(4, 64, generator=g), torch.randn(3 * 64, 4, generator=g)
@@ -222,7 +250,8 @@ def test_G2_mixed_naming_each_with_own_alpha(tmp_path, spec):
     assert_deltas_equal(canonical_deltas(canon, SAMPLE), reference_deltas(pairs, alphas))
 
 
-def test_G3_text_encoder_keys_ignored_and_counted(tmp_path, spec):
+def test_G3_text_encoder_keys_ignored_and_counted(tmp_path, spec, caplog):
+    caplog.set_level("INFO", logger="sglang.multimodal_gen.lora.formats")
     pairs = random_pairs(SAMPLE, seed=107)
     sd = {}
     for n, (a, b) in pairs.items():
@@ -240,6 +269,7 @@ def test_G3_text_encoder_keys_ignored_and_counted(tmp_path, spec):
     canon = _load_convert(save(tmp_path, "g3.safetensors", sd), spec)
     assert sorted(canon.ignored_keys) == sorted(te)
     assert canon.summary()["ignored_keys"] == 10
+    assert "10 keys ignored" in caplog.text
     assert canon.matched_modules == len(SAMPLE)
     assert_deltas_equal(canonical_deltas(canon, SAMPLE), reference_deltas(pairs))
 
@@ -295,6 +325,12 @@ def test_G5_paths_outside_the_lora_root_refused(tmp_path, spec):
         assert resolve_lora_path(good, roots) == os.path.realpath(root / "ok.safetensors")
     canon = _load_convert("ok.safetensors", spec, allowed_roots=roots)
     assert canon.matched_modules == 2
+    # a folder inside the root whose weights file is a symlink out of it
+    sneaky = root / "sneaky"
+    sneaky.mkdir()
+    os.symlink(outside / "secret.safetensors", sneaky / "adapter_model.safetensors")
+    with pytest.raises(InvalidRequestError, match="outside the allowed LoRA"):
+        load_lora_state_dict("sneaky", roots)
     with pytest.raises(InvalidRequestError) as e:
         resolve_lora_path("missing.safetensors", roots)
     assert e.value.status_code == 400

@@ -32,6 +32,7 @@ in general, and the LoRA layers only apply (A, B) pairs.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections import Counter
@@ -48,6 +49,8 @@ from sglang.multimodal_gen.lora.peft_config import AdapterConfig, config_from_so
 from sglang.multimodal_gen.models.name_map import NameMap, ShardId
 
 __all__ = ["CanonicalLoRA", "convert_to_canonical", "guess_architecture"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -462,6 +465,15 @@ def convert_to_canonical(
         styles.add(p.style)
         file_modules[p.file_module] = (our, sid)
 
+    if ignored:
+        logger.info(
+            "LoRA for %s: %d modules matched, %d keys ignored (text encoder / orphan alpha), "
+            "e.g. %s",
+            spec.model_name,
+            len(weighted),
+            len(ignored),
+            ignored[0],
+        )
     return CanonicalLoRA(
         modules=modules,
         matched_modules=len(weighted),

@@ -56,10 +56,8 @@ def resolve_lora_path(path: str | os.PathLike, allowed_roots: Iterable[str] | No
         The realpath of an existing file or directory.
 
     Raises:
-        InvalidRequestError (HTTP 400): the path resolves outside every allowed root, or the
-            roots list is empty.
-        NotFoundError is not raised here; a missing path inside the roots raises
-            InvalidRequestError too, saying it does not exist.
+        InvalidRequestError (HTTP 400): the path resolves outside every allowed root, the roots
+            list is empty, or the path does not exist (the message says which).
     """
     raw = os.fspath(path)
     if not raw or "\x00" in raw:
@@ -209,14 +207,21 @@ def load_lora_state_dict(
         looks_like_repo = _REPO_ID_RE.match(raw) is not None and ".." not in raw
         if "outside" in str(e) or not looks_like_repo:
             raise
-    if local is None:
+    from_cache = local is None
+    if from_cache:
         local = _snapshot_from_cache(raw)
+    # files picked inside a local folder must not escape the roots through a symlink either
+    roots = None if from_cache or allowed_roots is None else list(allowed_roots)
 
     adapter_config = None
     if os.path.isdir(local):
         path, kind = _pick_file(local)
+        if roots is not None:
+            path = resolve_lora_path(path, roots)
         cfg_path = os.path.join(local, PEFT_CONFIG)
         if os.path.isfile(cfg_path):
+            if roots is not None:
+                cfg_path = resolve_lora_path(cfg_path, roots)
             try:
                 adapter_config = json.loads(Path(cfg_path).read_text())
             except (OSError, ValueError) as e:
