@@ -184,6 +184,16 @@ class BaseLayerWithLoRA(nn.Module):
         """
         return lora_b
 
+    def __getattr__(self, name: str):
+        # attributes of the base layer (``q_size``, ``tp_rank``, ``shard_map``...) read through
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules")
+            if modules is None or "base_layer" not in modules or name.startswith("_"):
+                raise
+            return getattr(modules["base_layer"], name)
+
     # ------------------------------------------------------------------ properties
     @property
     def weight(self) -> torch.Tensor:
@@ -319,16 +329,22 @@ class BaseLayerWithLoRA(nn.Module):
             self._composition = [(n, s) for n, s in self._composition if n != name]
             self._refresh()
 
-    def set_active(self, composition: Sequence[tuple[str, float]]) -> None:
+    def set_active(
+        self, composition: Sequence[tuple[str, float]], cached: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Make ``composition`` ``[(name, strength), ...]`` the active adapters.
 
         Effective scale of adapter ``i`` = ``strength_i * LoRAWeights.scale``. Names not stored on
         this layer are ignored (an adapter need not touch every module). An empty composition
-        disables LoRA. The layer is not merged by this call; if it was merged it is re-merged with
-        the new composition.
+        disables LoRA. An unmerged layer stays unmerged; a merged layer is re-merged with the new
+        composition from its snapshot (``cached``: the merged weight of the new composition, as
+        for :meth:`merge`), or unmerged when the composition is empty.
+
+        Returns:
+            The new merged local weight when the layer was re-merged (as :meth:`merge`), else None.
 
         Raises:
-            ValueError: a strength that is not finite.
+            ValueError: a strength that is not finite (nothing changes); errors of :meth:`merge`.
         """
         comp = []
         for name, strength in composition:
@@ -338,15 +354,16 @@ class BaseLayerWithLoRA(nn.Module):
             if name in self._adapters:
                 comp.append((name, strength))
         self._composition = comp
-        self._refresh()
+        return self._refresh(cached)
 
-    def _refresh(self) -> None:
+    def _refresh(self, cached: torch.Tensor | None = None) -> torch.Tensor | None:
+        self._rebuild()
         if self._merged:
-            self.unmerge()
-            self._rebuild()
-            self.merge()
-        else:
-            self._rebuild()
+            if self._a_cat is None:
+                self.unmerge()
+            else:
+                return self.merge(cached=cached)
+        return None
 
     def _entries(self) -> list[tuple[float, _LocalLoRA]]:
         """``(strength * scale, local weights)`` of every active shard, strength 0 skipped."""
@@ -428,30 +445,33 @@ class BaseLayerWithLoRA(nn.Module):
                 f"(weight dtype {self.base_layer.weight.dtype}, type {type(self.base_layer.weight).__name__})"
             )
         weight = self.base_layer.weight
-        if self._merged:
-            self.unmerge()
         if cached is not None and (cached.shape != weight.shape or cached.dtype != weight.dtype):
             raise ValueError(
                 f"module {module!r}: cached merged weight {list(cached.shape)} {cached.dtype} does "
                 f"not match the weight {list(weight.shape)} {weight.dtype}"
             )
         if cached is None and self._a_cat is None:
+            if self._merged:
+                self.unmerge()
             with torch.inference_mode(False), torch.no_grad():
                 return weight.detach().clone()
         with torch.inference_mode(False), torch.no_grad():
             if cached is None:
-                merged = (weight.float() + self._delta()).to(weight.dtype)
+                # already merged: the snapshot is the base (no unmerge copy needed)
+                base = self._snapshot.to(weight.device) if self._merged else weight
+                merged = (base.float() + self._delta()).to(weight.dtype)
             else:
                 merged = cached.to(weight.device)
             if safe and not bool(torch.isfinite(merged).all()):
                 raise ValueError(
                     f"module {module!r}: merged weight contains NaN or Inf; not merged"
                 )
-            snapshot = weight.detach().to(self.snapshot_device or weight.device, copy=True)
-        self._snapshot = snapshot
+            if not self._merged:
+                device = self.snapshot_device or weight.device
+                self._snapshot = weight.detach().to(device, copy=True)
         self._write_weight(merged)
         self._merged = True
-        return merged if cached is None else cached
+        return merged
 
     def unmerge(self) -> None:
         """Restore the pre-merge weight bit-exactly (copy of the snapshot). No-op if not merged."""

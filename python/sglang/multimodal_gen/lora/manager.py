@@ -1,0 +1,806 @@
+"""The LoRA manager: the one object the pipeline and the server talk to about adapters.
+
+It owns, for one rank:
+
+* the LoRA-able layers of each *target* (``"transformer"``, ``"transformer_2"`` for two-expert
+  models): every :class:`~sglang.multimodal_gen.layers.linear.ParallelLinear` in the target module
+  is wrapped with :func:`~sglang.multimodal_gen.layers.lora.wrap_with_lora` at construction;
+* the loaded adapters by nickname (an LRU bounded by bytes; adapters of an active composition are
+  pinned), each converted once from its file to our module names and sliced onto the layers;
+* the active composition ``[(nickname, strength), ...]`` and merge mode of each target;
+* the merge cache (:class:`~sglang.multimodal_gen.lora.merge_cache.MergeCache`).
+
+Merge modes: ``"dynamic"`` (unmerged: the layers add the fused LoRA path in their forward),
+``"merge"`` (merged into the weights; every layer must be able to merge), ``"auto"`` (merge the
+layers that can, dynamic for the others).
+
+Every public operation is atomic: it validates and stages everything it can before touching a
+layer, and if anything fails after that, each touched layer is put back into its previous
+composition and merge state (unmerge restores a snapshot and re-merging is deterministic, so the
+weights are bit-identical to before). Errors are :mod:`sglang.multimodal_gen.errors` types naming the
+request field (``lora_nickname``, ``lora_path``, ``target``, ``strength``, ``merge_mode``, ``lora``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError, SGLangError
+from sglang.multimodal_gen.layers.linear import ParallelLinear
+from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA, replace_submodule, wrap_with_lora
+from sglang.multimodal_gen.lora.formats import CanonicalLoRA, convert_to_canonical
+from sglang.multimodal_gen.lora.loading import load_lora_state_dict
+from sglang.multimodal_gen.lora.merge_cache import AdapterKey, MergeCache, MergeKey
+from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
+from sglang.multimodal_gen.models.name_map import NameMap
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MERGE_MODES", "LoRAManager"]
+
+MERGE_MODES = ("auto", "merge", "dynamic")
+ALL = "all"
+
+
+@dataclass
+class _Adapter:
+    """A loaded adapter. ``uid`` is its name on the layers (unique per load, so a reload under the
+    same nickname can be staged next to the old one and swapped atomically)."""
+
+    nickname: str
+    uid: str
+    source: str
+    identity: str
+    summaries: dict[str, dict[str, Any]]  # target -> CanonicalLoRA.summary()
+    modules: dict[str, list[str]]  # target -> our module names the adapter touches
+    scales: dict[tuple[str, str], tuple]  # (target, module) -> ((shard_id, scale), ...)
+    nbytes: int = 0
+    last_used: int = 0
+
+
+@dataclass
+class _TargetState:
+    composition: list[tuple[str, float]] = field(default_factory=list)  # (nickname, strength)
+    mode: str = "auto"
+    base_version: int = 0
+    committed: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _as_list(value: Any, what: str) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+class LoRAManager:
+    """Loads, activates, merges and switches LoRA adapters on one rank's model.
+
+    Args:
+        targets: ``{target_name: module}``, e.g. ``{"transformer": dit}`` (``"transformer_2"`` for
+            the second expert of a two-expert model). ``"all"`` addresses every target.
+        name_map: the model's :class:`NameMap` (file / diffusers / original names -> ours).
+        allowed_roots: directories local LoRA paths must resolve into (``None``/empty: any path).
+        max_loaded_bytes: bound on the bytes of loaded adapters on this rank; the least recently
+            used adapters that are not active are unloaded to make room.
+        merge_cache_bytes: bound of the merge cache (0 disables it).
+        default_merge_mode: ``"auto"``, ``"merge"`` or ``"dynamic"``, used when a call gives none.
+        merge_cache_device: where merged weights are cached (default: the weights' device).
+        model_name: used in messages.
+
+    Raises:
+        ValueError: no targets, a target named ``"all"``, a bad merge mode, or a target without
+            any linear layer.
+    """
+
+    def __init__(
+        self,
+        targets: Mapping[str, nn.Module],
+        name_map: NameMap | None = None,
+        allowed_roots: Sequence[str] | None = (),
+        max_loaded_bytes: int = 8 << 30,
+        merge_cache_bytes: int = 1 << 30,
+        default_merge_mode: str = "auto",
+        merge_cache_device: str | torch.device | None = None,
+        model_name: str | None = None,
+    ):
+        if not targets:
+            raise ValueError("LoRAManager needs at least one target module")
+        if ALL in targets:
+            raise ValueError(f"{ALL!r} is reserved for 'every target'; name the targets")
+        if default_merge_mode not in MERGE_MODES:
+            raise ValueError(f"default_merge_mode must be one of {MERGE_MODES}")
+        self.name_map = name_map
+        self.allowed_roots = list(allowed_roots) if allowed_roots else None
+        self.max_loaded_bytes = int(max_loaded_bytes)
+        self.default_merge_mode = default_merge_mode
+        self.cache = MergeCache(merge_cache_bytes, merge_cache_device)
+        self._targets: dict[str, nn.Module] = dict(targets)
+        self._layers: dict[str, dict[str, BaseLayerWithLoRA]] = {}
+        self._specs: dict[str, LoRAModelSpec] = {}
+        self._state: dict[str, _TargetState] = {}
+        for tname, module in self._targets.items():
+            self._layers[tname] = self._wrap_layers(tname, module)
+            shapes = {
+                name: {
+                    s.shard_id: (s.full_size, layer.base_layer.input_size)
+                    for s in layer.base_layer.shard_map
+                }
+                for name, layer in self._layers[tname].items()
+            }
+            self._specs[tname] = LoRAModelSpec.from_shapes(
+                shapes, name_map, model_name or type(module).__name__
+            )
+            self._state[tname] = _TargetState(mode=default_merge_mode)
+        self._adapters: OrderedDict[str, _Adapter] = OrderedDict()  # LRU order, oldest first
+        self._uids = itertools.count()
+        self._clock = itertools.count(1)
+        self._request_composition: list[tuple[str, float]] | None = None
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _wrap_layers(tname: str, module: nn.Module) -> dict[str, BaseLayerWithLoRA]:
+        layers: dict[str, BaseLayerWithLoRA] = {}
+        named = list(module.named_modules())
+        wrapped_prefixes = tuple(n + "." for n, m in named if isinstance(m, BaseLayerWithLoRA))
+        for name, mod in named:
+            if not name or (wrapped_prefixes and name.startswith(wrapped_prefixes)):
+                continue
+            if isinstance(mod, BaseLayerWithLoRA):
+                layers[name] = mod
+            elif isinstance(mod, ParallelLinear):
+                layers[name] = replace_submodule(module, name, wrap_with_lora(mod))
+        if not layers:
+            raise ValueError(f"target {tname!r} has no ParallelLinear layer to put LoRA on")
+        return layers
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        """Valid ``target`` values: ``"all"`` and every target of this model."""
+        return (ALL, *self._targets)
+
+    def layers(self, target: str) -> dict[str, BaseLayerWithLoRA]:
+        """``{module_name: LoRA layer}`` of one target (not ``"all"``)."""
+        return dict(self._layers[target])
+
+    @property
+    def loaded_nicknames(self) -> list[str]:
+        return list(self._adapters)
+
+    def loaded_bytes(self) -> int:
+        return sum(a.nbytes for a in self._adapters.values())
+
+    # ------------------------------------------------------------------ validation
+    def _resolve_targets(self, target: Any, param: str = "target") -> list[str]:
+        if not isinstance(target, str):
+            raise InvalidRequestError(f"{param} must be a string, got {target!r}", param=param)
+        if target == ALL:
+            return list(self._targets)
+        if target not in self._targets:
+            raise InvalidRequestError(
+                f"unknown {param} {target!r} for this model; valid: {list(self.target_names)}",
+                param=param,
+            )
+        return [target]
+
+    def _check_mode(self, merge_mode: Any) -> str:
+        if merge_mode is None:
+            return self.default_merge_mode
+        if merge_mode not in MERGE_MODES:
+            raise InvalidRequestError(
+                f"merge_mode must be one of {list(MERGE_MODES)}, got {merge_mode!r}",
+                param="merge_mode",
+            )
+        return merge_mode
+
+    @staticmethod
+    def _check_strength(value: Any, param: str = "strength") -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequestError(f"{param} must be a number, got {value!r}", param=param)
+        value = float(value)
+        if not math.isfinite(value):
+            raise InvalidRequestError(f"{param} must be finite, got {value}", param=param)
+        return value
+
+    @staticmethod
+    def _check_nickname(value: Any, param: str = "lora_nickname") -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidRequestError(f"{param} must be a non-empty string, got {value!r}", param)
+        return value
+
+    def _get(self, nickname: str, param: str = "lora_nickname") -> _Adapter:
+        adapter = self._adapters.get(nickname)
+        if adapter is None:
+            raise NotFoundError(
+                f"LoRA adapter {nickname!r} is not loaded (loaded: {list(self._adapters)}); "
+                "pass lora_path to load it",
+                param=param,
+            )
+        return adapter
+
+    # ------------------------------------------------------------------ loading (staging)
+    def _read(self, nickname: str, path: str) -> tuple[dict[str, CanonicalLoRA], dict[str, Any]]:
+        """Read and convert a file for every target it matches. No layer is touched."""
+        if not isinstance(path, (str,)) or not path:
+            raise InvalidRequestError(
+                f"lora_path must be a non-empty string, got {path!r}", "lora_path"
+            )
+        try:
+            state_dict, metadata = load_lora_state_dict(path, self.allowed_roots)
+        except SGLangError as e:
+            if e.param is None:
+                e.param = "lora_path"
+            raise
+        converted: dict[str, CanonicalLoRA] = {}
+        errors = []
+        for tname, spec in self._specs.items():
+            try:
+                converted[tname] = convert_to_canonical(state_dict, metadata, spec, component=tname)
+            except InvalidRequestError as e:
+                errors.append(e)
+        if not converted:
+            err = errors[0]
+            if err.param is None:
+                err.param = "lora_path"
+            raise err
+        return converted, metadata
+
+    def _stage(self, nickname: str, path: str) -> tuple[_Adapter, dict[str, CanonicalLoRA]]:
+        converted, metadata = self._read(nickname, path)
+        uid = f"{nickname}#{next(self._uids)}"
+        scales = {
+            (t, m): tuple(sorted(((sid, float(w.scale)) for sid, w in shards.items()), key=repr))
+            for t, c in converted.items()
+            for m, shards in c.modules.items()
+        }
+        adapter = _Adapter(
+            nickname=nickname,
+            uid=uid,
+            source=path,
+            identity=str(metadata.get("identity") or metadata.get("path") or path),
+            summaries={t: c.summary() for t, c in converted.items()},
+            modules={t: sorted(c.modules) for t, c in converted.items()},
+            scales=scales,
+        )
+        return adapter, converted
+
+    def _install(self, adapter: _Adapter, converted: dict[str, CanonicalLoRA]) -> None:
+        """Add the staged adapter's slices to the layers (under its uid). Raises after undoing."""
+        done: list[BaseLayerWithLoRA] = []
+        try:
+            for tname, canon in converted.items():
+                layers = self._layers[tname]
+                for module, shards in canon.modules.items():
+                    layer = layers[module]
+                    layer.add_adapter(adapter.uid, shards)
+                    done.append(layer)
+        except ValueError as e:
+            for layer in done:
+                layer.remove_adapter(adapter.uid)
+            raise InvalidRequestError(f"LoRA {adapter.nickname!r}: {e}", param="lora_path") from e
+        except BaseException:
+            for layer in done:
+                layer.remove_adapter(adapter.uid)
+            raise
+        adapter.nbytes = sum(layer.adapter_nbytes(adapter.uid) for layer in done)
+
+    def _uninstall(self, adapter: _Adapter) -> None:
+        for tname, modules in adapter.modules.items():
+            for module in modules:
+                self._layers[tname][module].remove_adapter(adapter.uid)
+
+    def _touch(self, adapter: _Adapter) -> None:
+        adapter.last_used = next(self._clock)
+        self._adapters.move_to_end(adapter.nickname)
+
+    def _pinned(self, compositions: Mapping[str, list[tuple[str, float]]]) -> set[str]:
+        pinned = {n for comp in compositions.values() for n, _ in comp}
+        if self._request_composition:
+            pinned |= {n for n, _ in self._request_composition}
+        return pinned
+
+    def _check_room(self, new: list[_Adapter], replaced: set[str], pinned: set[str]) -> list[str]:
+        """Nicknames to evict so the loaded bytes fit after adding ``new``.
+
+        Raises:
+            InvalidRequestError: even after evicting every unpinned adapter it would not fit.
+        """
+        keep = {n: a for n, a in self._adapters.items() if n not in replaced}
+        total = sum(a.nbytes for a in keep.values()) + sum(a.nbytes for a in new)
+        evict = []
+        for n, a in keep.items():  # oldest first
+            if total <= self.max_loaded_bytes:
+                break
+            if n in pinned:
+                continue
+            evict.append(n)
+            total -= a.nbytes
+        if total > self.max_loaded_bytes:
+            raise InvalidRequestError(
+                f"loading would need {total} bytes of LoRA weights, over the bound of "
+                f"{self.max_loaded_bytes} bytes, with every other adapter in use",
+                param="lora_path",
+            )
+        return evict
+
+    # ------------------------------------------------------------------ applying compositions
+    def _layer_comp(self, tname: str, module: str, comp: list[tuple[str, float]]):
+        """Composition by layer uid for one layer, and its merge-cache key."""
+        by_uid, keys = [], []
+        for nickname, strength in comp:
+            adapter = self._adapters[nickname]
+            scales = adapter.scales.get((tname, module))
+            if scales is None:
+                continue
+            by_uid.append((adapter.uid, strength))
+            keys.append(AdapterKey(adapter.identity, strength, scales))
+        key = MergeKey(f"{tname}:{module}", self._state[tname].base_version, tuple(keys))
+        return by_uid, key
+
+    def _apply(
+        self, tname: str, comp: list[tuple[str, float]], mode: str, use_cache: bool = True
+    ) -> None:
+        """Put every layer of ``tname`` into ``comp`` under ``mode`` (no rollback here)."""
+        for module, layer in self._layers[tname].items():
+            by_uid, key = self._layer_comp(tname, module, comp)
+            want_merged = bool(by_uid) and (mode == "merge" or (mode == "auto" and layer.can_merge))
+            if not want_merged:
+                if layer.merged:
+                    layer.unmerge()
+                layer.set_active(by_uid)
+                continue
+            cached = self.cache.get(key) if use_cache else None
+            if layer.merged:
+                merged = layer.set_active(by_uid, cached=cached)
+            else:
+                layer.set_active(by_uid)
+                merged = layer.merge(cached=cached) if layer.active else None
+            if use_cache and cached is None and merged is not None and layer.merged:
+                self.cache.put(key, merged)
+
+    def _snapshot_state(self, tnames: list[str]):
+        return {
+            t: (
+                list(self._state[t].composition),
+                self._state[t].mode,
+                {
+                    m: (layer.active_composition, layer.merged)
+                    for m, layer in self._layers[t].items()
+                },
+            )
+            for t in tnames
+        }
+
+    def _restore(self, saved) -> None:
+        """Put layers and target states back as recorded by :meth:`_snapshot_state`."""
+        for t, (comp, mode, layer_states) in saved.items():
+            self._state[t].composition = comp
+            self._state[t].mode = mode
+            for m, (layer_comp, was_merged) in layer_states.items():
+                layer = self._layers[t][m]
+                if layer.active_composition == layer_comp and layer.merged == was_merged:
+                    continue
+                layer.unmerge()
+                layer.set_active(layer_comp)
+                if was_merged:
+                    layer.merge()
+
+    def _transaction(self, tnames: list[str]):
+        """Context manager: on an exception inside, restore the targets' layers and state."""
+        saved = self._snapshot_state(tnames)
+
+        @contextlib.contextmanager
+        def guard():
+            try:
+                yield
+            except BaseException:
+                try:
+                    self._restore(saved)
+                except Exception:  # pragma: no cover - restore must not hide the cause
+                    logger.exception("LoRA state restore failed")
+                raise
+
+        return guard()
+
+    def _check_mergeable(self, tname: str, comp: list[tuple[str, float]], mode: str) -> None:
+        if mode != "merge":
+            return
+        for module, layer in self._layers[tname].items():
+            by_uid, _ = self._layer_comp(tname, module, comp)
+            if by_uid and not layer.can_merge:
+                raise InvalidRequestError(
+                    f"merge_mode 'merge': module {module!r} of {tname!r} cannot merge LoRA "
+                    "weights; use 'auto' or 'dynamic'",
+                    param="merge_mode",
+                )
+
+    # ------------------------------------------------------------------ public API
+    def load_adapter(self, nickname: str, path: str) -> dict[str, Any]:
+        """Load (or reload from a new path) adapter ``nickname`` without activating it.
+
+        Returns:
+            The adapter's :meth:`list_loras` entry.
+
+        Raises:
+            InvalidRequestError / LoRAFormatError: bad nickname/path/file (``param`` names it).
+            NotFoundError: not found locally nor in the Hub cache (from the loader).
+        """
+        self.set_lora([nickname], [path], [ALL], [1.0], _activate=False)
+        return self._adapter_info(self._adapters[nickname])
+
+    def unload_adapter(self, nickname: str) -> dict[str, Any]:
+        """Free adapter ``nickname``; if it is active anywhere it is deactivated there first.
+
+        Raises:
+            NotFoundError: unknown nickname (``param="lora_nickname"``).
+        """
+        self._check_nickname(nickname)
+        adapter = self._get(nickname)
+        touched = [
+            t for t, s in self._state.items() if any(n == nickname for n, _ in s.composition)
+        ]
+        with self._transaction(touched):
+            for t in touched:
+                st = self._state[t]
+                new = [(n, s) for n, s in st.composition if n != nickname]
+                self._apply(t, new, st.mode)
+                st.composition = new
+        self._uninstall(adapter)
+        del self._adapters[nickname]
+        return {"status": "ok", "message": f"unloaded LoRA {nickname!r}"}
+
+    def set_lora(
+        self,
+        nicknames: str | Sequence[str],
+        paths: str | None | Sequence[str | None] = None,
+        targets: str | Sequence[str] = ALL,
+        strengths: float | Sequence[float] = 1.0,
+        merge_mode: str | None = None,
+        *,
+        _activate: bool = True,
+    ) -> dict[str, Any]:
+        """Load what is needed and make the given adapters the active composition of their targets.
+
+        Args:
+            nicknames: one nickname or a list (each at most once per target).
+            paths: per nickname a path/repo id to load, or ``None`` to use the loaded adapter. A
+                scalar or a one-element list is broadcast over ``nicknames``; otherwise the
+                lengths must match. A loaded nickname given a different file is reloaded.
+            targets: ``"all"``, ``"transformer"``, ... (broadcast like ``paths``).
+            strengths: multipliers of each adapter's ``alpha / r`` (broadcast like ``paths``).
+            merge_mode: ``"auto"``/``"merge"``/``"dynamic"`` (default: the manager's default).
+
+        Every target named (through ``"all"`` or by name) gets exactly the listed adapters for it,
+        in order; targets not named keep their composition.
+
+        Returns:
+            ``{"status": "ok", "message": ..., "active": {target: [...]}}`` (JSON-able).
+
+        Raises:
+            InvalidRequestError: bad field (``param`` names it: ``lora_nickname``, ``lora_path``,
+                ``target``, ``strength``, ``merge_mode``), list length mismatch, a duplicate
+                nickname on one target, a bad file (:class:`LoRAFormatError`), an adapter that
+                matches nothing in its target, merge impossible in ``"merge"`` mode, memory bound.
+            NotFoundError: a nickname without path that is not loaded.
+            On any error nothing changes (weights bit-identical, same adapters loaded).
+        """
+        names = [self._check_nickname(n) for n in _as_list(nicknames, "lora_nickname")]
+        if not names:
+            raise InvalidRequestError(
+                "lora_nickname must name at least one adapter", "lora_nickname"
+            )
+        n = len(names)
+
+        def spread(value, param):
+            values = _as_list(value, param)
+            if len(values) == 1:
+                return values * n
+            if len(values) != n:
+                raise InvalidRequestError(
+                    f"{param} has {len(values)} entries for {n} lora_nickname entries "
+                    "(give one value, or one per nickname)",
+                    param=param,
+                )
+            return values
+
+        path_list = spread(paths, "lora_path")
+        target_list = spread(targets, "target")
+        strength_list = [self._check_strength(s) for s in spread(strengths, "strength")]
+        mode = self._check_mode(merge_mode)
+        resolved = [self._resolve_targets(t) for t in target_list]
+
+        # new compositions of the targets named
+        new_comp: dict[str, list[tuple[str, float]]] = {}
+        for name, tnames, strength in zip(names, resolved, strength_list):
+            for t in tnames:
+                comp = new_comp.setdefault(t, [])
+                if any(x == name for x, _ in comp):
+                    raise InvalidRequestError(
+                        f"adapter {name!r} is listed twice for target {t!r}", param="lora_nickname"
+                    )
+                comp.append((name, strength))
+
+        # stage files (read + convert) before touching anything
+        staged: dict[str, tuple[_Adapter, dict[str, CanonicalLoRA]]] = {}
+        for name, path in zip(names, path_list):
+            if path is None:
+                if name not in staged:
+                    self._get(name)
+                continue
+            if not isinstance(path, str) or not path:
+                raise InvalidRequestError(
+                    f"lora_path must be a non-empty string or null, got {path!r}", "lora_path"
+                )
+            if name in staged:
+                if staged[name][0].source != path:
+                    raise InvalidRequestError(
+                        f"adapter {name!r} is given two different paths", param="lora_path"
+                    )
+                continue
+            old = self._adapters.get(name)
+            adapter, converted = self._stage(name, path)
+            if old is not None and old.identity == adapter.identity:
+                continue  # same unchanged file: reuse
+            staged[name] = (adapter, converted)
+
+        # every adapter must touch every target it is set on
+        def adapter_for(name: str) -> _Adapter:
+            return staged[name][0] if name in staged else self._adapters[name]
+
+        if _activate:
+            for t, comp in new_comp.items():
+                for name, _ in comp:
+                    if t not in adapter_for(name).modules:
+                        raise InvalidRequestError(
+                            f"adapter {name!r} matches no module of target {t!r}", param="target"
+                        )
+
+        # memory: pinned = everything active after this call
+        final_comp = {t: list(s.composition) for t, s in self._state.items()}
+        if _activate:
+            final_comp.update(new_comp)
+        for adapter, converted in staged.values():  # size of the new slices (estimate)
+            adapter.nbytes = sum(c.nbytes() for c in converted.values())
+        pinned = self._pinned(final_comp) | set(staged)
+        evict = self._check_room([a for a, _ in staged.values()], set(staged), pinned)
+
+        # install new adapters under fresh uids (old ones stay until the swap succeeds)
+        installed: list[_Adapter] = []
+        previous: dict[str, _Adapter | None] = {}
+        touched = list(new_comp) if _activate else []
+        reloaded_active = [
+            t
+            for t, s in self._state.items()
+            if any(n in staged for n, _ in s.composition) and t not in touched
+        ]
+        try:
+            for adapter, converted in staged.values():
+                self._install(adapter, converted)
+                installed.append(adapter)
+            with self._transaction(touched + reloaded_active):
+                for name, (adapter, _) in staged.items():
+                    previous[name] = self._adapters.get(name)
+                    self._adapters[name] = adapter
+                for t in touched:
+                    if mode == "merge":
+                        self._check_mergeable(t, new_comp[t], mode)
+                    self._apply(t, new_comp[t], mode)
+                    self._state[t].composition = new_comp[t]
+                    self._state[t].mode = mode
+                for t in reloaded_active:  # a reloaded adapter active elsewhere: new weights
+                    st = self._state[t]
+                    self._apply(t, st.composition, st.mode)
+        except BaseException:
+            for name, old in previous.items():
+                if old is None:
+                    self._adapters.pop(name, None)
+                else:
+                    self._adapters[name] = old
+            for adapter in installed:
+                self._uninstall(adapter)
+            raise
+        # committed: drop replaced versions and evict
+        for old in previous.values():
+            if old is not None:
+                self._uninstall(old)
+        for name in evict:
+            adapter = self._adapters.pop(name, None)
+            if adapter is not None:
+                logger.info("LoRA %r unloaded (LRU, memory bound)", name)
+                self._uninstall(adapter)
+        for t in new_comp if _activate else ():
+            for name, _ in new_comp[t]:
+                self._touch(self._adapters[name])
+        for name in staged:
+            self._touch(self._adapters[name])
+        active = {t: self._composition_json(t) for t in self._state}
+        what = ", ".join(f"{n}@{s:g}" for n, s in zip(names, strength_list))
+        return {
+            "status": "ok",
+            "message": f"LoRA set: {what} (merge_mode={mode})",
+            "active": active,
+        }
+
+    def unset_lora(self, target: str = ALL) -> dict[str, Any]:
+        """Deactivate the adapters of ``target`` (they stay loaded); weights return to the base.
+
+        Raises:
+            InvalidRequestError: unknown target (``param="target"``).
+        """
+        tnames = self._resolve_targets(target)
+        with self._transaction(tnames):
+            for t in tnames:
+                self._apply(t, [], self._state[t].mode)
+                self._state[t].composition = []
+        return {"status": "ok", "message": f"LoRA unset on {target!r}"}
+
+    def merge(self, target: str = ALL) -> dict[str, Any]:
+        """Merge the active composition of ``target`` into the weights (mode becomes ``"merge"``).
+
+        Raises:
+            InvalidRequestError: unknown target; a layer with an active adapter cannot merge.
+        """
+        tnames = self._resolve_targets(target)
+        for t in tnames:
+            self._check_mergeable(t, self._state[t].composition, "merge")
+        with self._transaction(tnames):
+            for t in tnames:
+                self._apply(t, self._state[t].composition, "merge")
+                self._state[t].mode = "merge"
+        return {"status": "ok", "message": f"LoRA merged on {target!r}"}
+
+    def unmerge(self, target: str = ALL) -> dict[str, Any]:
+        """Restore the base weights of ``target``; its adapters keep running unmerged (``"dynamic"``).
+
+        Raises:
+            InvalidRequestError: unknown target.
+        """
+        tnames = self._resolve_targets(target)
+        with self._transaction(tnames):
+            for t in tnames:
+                self._apply(t, self._state[t].composition, "dynamic")
+                self._state[t].mode = "dynamic"
+        return {"status": "ok", "message": f"LoRA unmerged on {target!r}"}
+
+    def commit_as_base(self, target: str = ALL) -> dict[str, Any]:
+        """Bake the active composition of ``target`` into its base weights.
+
+        The composition is cleared (its delta is now part of the base, which ``unset_lora`` and
+        ``unmerge`` restore from then on); cached merges of the target are dropped.
+
+        Raises:
+            InvalidRequestError: unknown target; a layer with an active adapter cannot merge.
+        """
+        tnames = self._resolve_targets(target)
+        for t in tnames:
+            self._check_mergeable(t, self._state[t].composition, "merge")
+        for t in tnames:
+            st = self._state[t]
+            if not st.composition:
+                continue
+            with self._transaction([t]):
+                self._apply(t, st.composition, "merge")
+            # past this point the layers are merged; committing only drops snapshots
+            for layer in self._layers[t].values():
+                layer.commit_as_base()
+            st.committed.extend({"nickname": n, "strength": s} for n, s in st.composition)
+            st.composition = []
+            st.base_version += 1
+            prefix = f"{t}:"
+            self.cache.invalidate(lambda k, p=prefix: k.module.startswith(p))
+        return {"status": "ok", "message": f"LoRA committed as base on {target!r}"}
+
+    @contextlib.contextmanager
+    def use_composition(
+        self, composition: Sequence[tuple[str, float]] | Sequence[Mapping[str, Any]] | None
+    ) -> Iterator[None]:
+        """Run the block with ``composition`` ``[(nickname, strength), ...]`` active on every
+        target, then restore the previous state (weights bit-identical).
+
+        ``None`` leaves the current state. A composition equal to the active one costs nothing;
+        otherwise the layers run it unmerged for the block (merged layers are unmerged for it and
+        re-merged after, from the merge cache when possible). Entries may also be
+        ``{"name": ..., "scale": ...}`` mappings.
+
+        Raises:
+            NotFoundError: an unknown nickname (``param="lora"``).
+            InvalidRequestError: a bad strength or a duplicate (``param="lora"``).
+        """
+        if composition is None:
+            yield
+            return
+        comp: list[tuple[str, float]] = []
+        for item in composition:
+            if isinstance(item, Mapping):
+                name, strength = item.get("name"), item.get("scale", 1.0)
+            else:
+                try:
+                    name, strength = item
+                except (TypeError, ValueError):
+                    raise InvalidRequestError(
+                        f"lora entries must be (name, scale), got {item!r}", param="lora"
+                    ) from None
+            self._check_nickname(name, "lora")
+            strength = self._check_strength(strength, "lora")
+            self._get(name, param="lora")
+            if any(n == name for n, _ in comp):
+                raise InvalidRequestError(f"adapter {name!r} is listed twice", param="lora")
+            comp.append((name, strength))
+        tnames = [
+            t
+            for t in self._targets
+            if [(n, s) for n, s in comp if t in self._adapters[n].modules]
+            != self._state[t].composition
+        ]
+        if not tnames:
+            yield
+            return
+        saved = self._snapshot_state(tnames)
+        self._request_composition = comp
+        try:
+            with self._transaction(tnames):
+                for t in tnames:
+                    tcomp = [(n, s) for n, s in comp if t in self._adapters[n].modules]
+                    self._apply(t, tcomp, "dynamic")
+            yield
+        finally:
+            self._request_composition = None
+            for t in tnames:
+                st = self._state[t]
+                comp_t, mode_t, _ = saved[t]
+                self._apply(t, comp_t, mode_t)
+                st.composition, st.mode = comp_t, mode_t
+            for name, _ in comp:
+                if name in self._adapters:
+                    self._touch(self._adapters[name])
+
+    # ------------------------------------------------------------------ reporting
+    def _composition_json(self, t: str) -> dict[str, Any]:
+        st = self._state[t]
+        layers = self._layers[t].values()
+        return {
+            "adapters": [{"nickname": n, "strength": s} for n, s in st.composition],
+            "merge_mode": st.mode,
+            "merged_layers": sum(1 for layer in layers if layer.merged),
+            "dynamic_layers": sum(1 for layer in layers if layer.active and not layer.merged),
+            "committed": list(st.committed),
+        }
+
+    def _adapter_info(self, a: _Adapter) -> dict[str, Any]:
+        pinned = self._pinned({t: s.composition for t, s in self._state.items()})
+        return {
+            "nickname": a.nickname,
+            "path": a.source,
+            "bytes": a.nbytes,
+            "targets": {t: dict(s) for t, s in a.summaries.items()},
+            "active_on": [
+                t for t, s in self._state.items() if any(n == a.nickname for n, _ in s.composition)
+            ],
+            "pinned": a.nickname in pinned,
+        }
+
+    def list_loras(self) -> dict[str, Any]:
+        """Plain-JSON state: loaded adapters (LRU order, oldest first), the active composition,
+        mode and merged/dynamic layer counts per target, memory and merge-cache counters."""
+        return {
+            "available": True,
+            "targets": list(self.target_names),
+            "default_merge_mode": self.default_merge_mode,
+            "loaded": [self._adapter_info(a) for a in self._adapters.values()],
+            "active": {t: self._composition_json(t) for t in self._state},
+            "memory": {
+                "loaded_bytes": self.loaded_bytes(),
+                "max_loaded_bytes": self.max_loaded_bytes,
+            },
+            "merge_cache": self.cache.stats(),
+        }
