@@ -104,13 +104,17 @@ async def run_level(base_url: str, requests: list[dict], concurrency: int, heade
 
 
 def run_direct(
-    model_path: str | None, requests: list[dict], lora: tuple[str, str] | None, lora_dir
+    model_path: str | None,
+    requests: list[dict],
+    lora: tuple[str, str] | None,
+    lora_dir: str | None,
+    device: str | None = None,
 ):
     """The same requests straight into ``DiffusionEngine.generate``, one at a time."""
     from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
 
     engine = DiffusionEngine(
-        model_path=model_path, device="cpu", lora_dirs=[lora_dir] if lora_dir else ()
+        model_path=model_path, device=device, lora_dirs=[lora_dir] if lora_dir else ()
     )
     try:
         if lora:
