@@ -374,3 +374,23 @@ def test_legacy_call_form(spec):
         diffusers_sd(pairs), {}, spec.module_names, ZIMAGE_NAME_MAP, spec.module_shapes
     )
     assert_deltas_equal(canonical_deltas(canon, SAMPLE), reference_deltas(pairs))
+
+
+def test_spec_of_our_zimage_dit_equals_diffusers_spec(spec):
+    """Our DiT (fused to_qkv / w13) and the diffusers model through the name map agree."""
+    zimage = pytest.importorskip("sglang.multimodal_gen.models.dits.zimage")
+    from sglang.multimodal_gen.configs.zimage import ZImageArchConfig
+
+    cfg = ZImageArchConfig(
+        in_channels=4,
+        dim=64,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=4,
+        n_kv_heads=4,
+        cap_feat_dim=32,
+        axes_dims=(4, 6, 6),
+        axes_lens=(32, 32, 32),
+    )
+    ours = LoRAModelSpec.from_module(zimage.ZImageTransformer(cfg), ZIMAGE_NAME_MAP, "Z-Image")
+    assert ours.module_shapes == spec.module_shapes
