@@ -1,0 +1,95 @@
+"""``sglang generate`` end to end: same PNG as the Python entry; the embedded default model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+from sglang.cli.generate import save_png
+from sglang.cli.main import main as sglang_main
+from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+
+ARGS = dict(prompt="a paper boat on a lake", seed=7, steps=2, height=32, width=48, guidance=1.5)
+
+
+def _cli_args(model_dir, out):
+    args = ["generate"]
+    if model_dir is not None:
+        args += ["--model-path", model_dir]
+    return args + [
+        "--prompt", ARGS["prompt"], "--seed", str(ARGS["seed"]),
+        "--num-inference-steps", str(ARGS["steps"]), "--height", str(ARGS["height"]),
+        "--width", str(ARGS["width"]), "--guidance-scale", str(ARGS["guidance"]),
+        "--output-path", str(out), "--no-progress",
+    ]  # fmt: skip
+
+
+def _python_entry_png(model_dir, out):
+    req = GenerationRequest(
+        prompt=ARGS["prompt"],
+        seed=ARGS["seed"],
+        num_inference_steps=ARGS["steps"],
+        height=ARGS["height"],
+        width=ARGS["width"],
+        guidance_scale=ARGS["guidance"],
+    )
+    with DiffusionEngine(model_dir) as engine:
+        save_png(engine.generate(req)[0], str(out))
+
+
+def test_cli_writes_same_png_as_python_entry(tiny_zimage_dir, tmp_path):
+    exe = shutil.which("sglang")
+    cmd = (
+        [exe]
+        if exe
+        else [
+            sys.executable,
+            "-c",
+            "import sys; from sglang.cli.main import main; sys.exit(main())",
+        ]
+    )
+    out_cli = tmp_path / "sub" / "cli.png"
+    proc = subprocess.run(
+        cmd + _cli_args(tiny_zimage_dir, out_cli), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out_py = tmp_path / "py.png"
+    _python_entry_png(tiny_zimage_dir, out_py)
+    a = np.asarray(Image.open(out_cli))
+    b = np.asarray(Image.open(out_py))
+    assert a.shape == (ARGS["height"], ARGS["width"], 3)
+    assert np.array_equal(a, b)
+    assert out_cli.read_bytes() == out_py.read_bytes()
+
+
+def test_cli_without_model_path_uses_cached_default_model(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SGLANG_CACHE_DIR", str(cache))
+    out1, out2 = tmp_path / "d1.png", tmp_path / "d2.png"
+    assert sglang_main(_cli_args(None, out1)) == 0
+    built = [d for d in os.listdir(cache) if d.startswith("default-zimage")]
+    assert len(built) == 1 and os.path.isfile(cache / built[0] / "model_index.json")
+    stamp = os.path.getmtime(cache / built[0] / "model_index.json")
+    assert sglang_main(_cli_args(None, out2)) == 0  # reuses the cache, same image
+    assert os.path.getmtime(cache / built[0] / "model_index.json") == stamp
+    assert out1.read_bytes() == out2.read_bytes()
+    assert np.asarray(Image.open(out1)).std() > 1  # noise, but an image
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--height", "40"], "height must be a positive multiple of 16"),
+        (["--lora-scale", "0.5"], "--lora-scale given without --lora-path"),
+    ],
+)
+def test_cli_bad_arguments_exit_2(tiny_zimage_dir, tmp_path, capsys, extra, message):
+    code = sglang_main(_cli_args(tiny_zimage_dir, tmp_path / "x.png") + extra)
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
