@@ -394,3 +394,17 @@ def test_spec_of_our_zimage_dit_equals_diffusers_spec(spec):
     )
     ours = LoRAModelSpec.from_module(zimage.ZImageTransformer(cfg), ZIMAGE_NAME_MAP, "Z-Image")
     assert ours.module_shapes == spec.module_shapes
+
+
+def test_two_component_file_split_by_component(spec):
+    """`transformer.` and `transformer_2.` halves of one file go to their own component."""
+    p1 = random_pairs(SAMPLE[:3], seed=13)
+    p2 = random_pairs(SAMPLE[3:5], seed=14)
+    sd = {**diffusers_sd(p1), **diffusers_sd(p2, prefix="transformer_2.")}
+    c1 = convert_to_canonical(sd, None, spec, component="transformer")
+    c2 = convert_to_canonical(sd, None, spec, component="transformer_2")
+    assert_deltas_equal(canonical_deltas(c1, SAMPLE[:3]), reference_deltas(p1))
+    assert_deltas_equal(canonical_deltas(c2, SAMPLE[3:5]), reference_deltas(p2))
+    assert len(c1.ignored_keys) == 4 and len(c2.ignored_keys) == 6
+    with pytest.raises(LoRAFormatError, match="matched 0 modules.*transformer_3"):
+        convert_to_canonical(diffusers_sd(p1), None, spec, component="transformer_3")

@@ -16,7 +16,8 @@ dotted kohya                ``<m>.lora.down.weight`` / ``<m>.lora.up.weight``
 ==========================  ======================================================================
 
 Files may mix these per module (each module keeps its own alpha). Text-encoder keys (``lora_te*``,
-``text_encoder*.``, ...) are skipped and reported in ``ignored_keys``.
+``text_encoder*.``, ...) and keys of another pipeline component (``transformer_2.`` while
+converting ``transformer``) are skipped and reported in ``ignored_keys``.
 
 Refused with :class:`~sglang.multimodal_gen.errors.LoRAFormatError` naming the feature and the
 first offending key: DoRA (``dora_scale``, ``lora_magnitude_vector``), LoKr (``lokr_*``), LoHa
@@ -63,7 +64,8 @@ class CanonicalLoRA:
             ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), strength not included.
         matched_modules: number of LoRA pairs in the file that were matched (a fused ``qkv`` pair
             counts once even though it fills three shards).
-        ignored_keys: keys deliberately skipped (text-encoder keys, orphan ``.alpha`` entries).
+        ignored_keys: keys deliberately skipped (text-encoder keys, keys of another pipeline
+            component, orphan ``.alpha`` entries).
         source_format: the naming styles found, ``"+"``-joined (``"diffusers"``, ``"peft"``,
             ``"kohya"``, ``"comfyui"``, ...).
         target_guess: the model the keys appear to target (our model's name when they matched).
@@ -132,6 +134,10 @@ _PEFT_RE = re.compile(r"^(?P<m>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.(
 _KOHYA_RE = re.compile(r"^(?P<m>.+)\.lora_(?P<ab>down|up)\.(?P<p>weight)$")
 _KOHYA_DOT_RE = re.compile(r"^(?P<m>.+)\.lora\.(?P<ab>down|up)\.(?P<p>weight)$")
 _ALPHA_RE = re.compile(r"^(?P<m>.+)\.alpha$")
+
+# ``transformer.`` / ``transformer_2.``: pipeline components of (two-expert) DiT pipelines; keys of
+# a component other than the one being converted are skipped and counted like text-encoder keys.
+_COMPONENT_RE = re.compile(r"^(transformer(?:_\d+)?)\.")
 
 _FLAT_PREFIXES = ("lora_unet_", "lora_transformer_")
 _ROLE = {"A": "A", "down": "A", "B": "B", "up": "B"}
@@ -242,6 +248,10 @@ def _parse(
         bare = key[len("base_model.model.") :] if key.startswith("base_model.model.") else key
         if bare.startswith(_TEXT_ENCODER_PREFIXES):
             ignored.append(key)
+            continue
+        m = _COMPONENT_RE.match(bare)
+        if m is not None and m.group(1) != component:
+            ignored.append(key)  # the other expert of a two-transformer model
             continue
         for pat, feature in _UNSUPPORTED_KEYS:
             if pat.search(key):
@@ -381,8 +391,9 @@ def convert_to_canonical(
     if not weighted:
         if ignored:
             raise LoRAFormatError(
-                f"LoRA matched 0 modules of {spec.model_name}: the file only has "
-                f"{len(ignored)} ignored keys (text encoder / orphan alpha)"
+                f"LoRA matched 0 modules of {spec.model_name} ({component}): the file only has "
+                f"{len(ignored)} ignored keys (text encoder, another component, orphan alpha; "
+                f"e.g. {ignored[0]!r})"
             )
         raise LoRAFormatError("LoRA file holds no LoRA weights (0 modules matched)")
 
