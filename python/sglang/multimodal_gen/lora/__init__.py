@@ -6,6 +6,8 @@ from sglang.multimodal_gen.lora.formats import (
     guess_architecture,
 )
 from sglang.multimodal_gen.lora.loading import load_lora_state_dict, resolve_lora_path
+from sglang.multimodal_gen.lora.manager import MERGE_MODES, LoRAManager
+from sglang.multimodal_gen.lora.merge_cache import AdapterKey, MergeCache, MergeKey
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
 from sglang.multimodal_gen.lora.peft_config import (
     AdapterConfig,
@@ -24,4 +26,10 @@ __all__ = [
     "guess_architecture",
     "load_lora_state_dict",
     "resolve_lora_path",
+    # adapter manager and merge cache
+    "MERGE_MODES",
+    "AdapterKey",
+    "LoRAManager",
+    "MergeCache",
+    "MergeKey",
 ]

@@ -244,10 +244,16 @@ class LoRAManager:
         converted: dict[str, CanonicalLoRA] = {}
         errors = []
         for tname, spec in self._specs.items():
-            try:
-                converted[tname] = convert_to_canonical(state_dict, metadata, spec, component=tname)
-            except InvalidRequestError as e:
-                errors.append(e)
+            # keys carry the component prefix ("transformer_2.") or, as diffusers writes files
+            # for a second expert, the first one's ("transformer.")
+            for component in dict.fromkeys((tname, "transformer")):
+                try:
+                    converted[tname] = convert_to_canonical(
+                        state_dict, metadata, spec, component=component
+                    )
+                    break
+                except InvalidRequestError as e:
+                    errors.append(e)
         if not converted:
             err = errors[0]
             if err.param is None:
