@@ -195,8 +195,49 @@ def test_Z5_peft_adapter_infix_stripped(tmp_path, spec):
     assert_deltas_equal(diffusers_converted_deltas(path), ref)
 
 
-def test_Z6_lokr_clear_error_naming_first_key(tmp_path, spec):
-    """LoKr is refused (documented in docs/lora.md): the error names the feature and first key."""
+def test_Z6_lokr_supported_as_exact_low_rank(tmp_path, spec):
+    """LoKr: delta = alpha / rank * kron(w1, w2_a @ w2_b), as an exact (A, B) (docs/lora.md)."""
+    g = torch.Generator().manual_seed(113)
+    base = "diffusion_model.layers.0.attention.to_q"
+    w1, w2a, w2b = (
+        torch.randn(4, 4, generator=g),
+        torch.randn(16, 2, generator=g),
+        torch.randn(2, 16, generator=g),
+    )
+    ff = "diffusion_model.layers.1.feed_forward.w2"
+    f1a, f1b, f2 = (
+        torch.randn(2, 1, generator=g),
+        torch.randn(1, 10, generator=g),
+        torch.randn(32, 17, generator=g),
+    )
+    sd = {
+        f"{base}.lokr_w1": w1,
+        f"{base}.lokr_w2_a": w2a,
+        f"{base}.lokr_w2_b": w2b,
+        f"{base}.alpha": torch.tensor(1.0),
+        f"{ff}.lokr_w1_a": f1a,
+        f"{ff}.lokr_w1_b": f1b,
+        f"{ff}.lokr_w2": f2,
+        f"{ff}.alpha": torch.tensor(3.0),
+    }
+    path = save(tmp_path, "z6.safetensors", sd)
+    canon = _load_convert(path, spec)
+    assert canon.matched_modules == 2 and canon.source_format == "lokr"
+    ref = {
+        "layers.0.attention.to_q": 0.5 * torch.kron(w1, w2a @ w2b).double(),
+        "layers.1.feed_forward.w2": 3.0 * torch.kron(f1a @ f1b, f2).double(),
+    }
+    assert_deltas_equal(canonical_deltas(canon, list(ref)), ref, atol=1e-5)
+    # diffusers' own LoKr conversion (alpha baked into w1) gives the same deltas
+    from diffusers import ZImagePipeline
+
+    d = ZImagePipeline.lora_state_dict(str(path))
+    t = "transformer.layers.0.attention.to_q"
+    theirs = torch.kron(d[f"{t}.lokr_w1"], d[f"{t}.lokr_w2_a"] @ d[f"{t}.lokr_w2_b"]).double()
+    torch.testing.assert_close(theirs, ref["layers.0.attention.to_q"], atol=1e-5, rtol=1e-5)
+
+
+def test_Z6_full_rank_lokr_clear_error_nothing_changed(tmp_path, spec):
     sd = {
         "diffusion_model.layers.0.attention.to_q.lokr_w1": torch.randn(4, 4),
         "diffusion_model.layers.0.attention.to_q.lokr_w2": torch.randn(16, 16),
@@ -208,10 +249,12 @@ def test_Z6_lokr_clear_error_naming_first_key(tmp_path, spec):
     before = _weights_snapshot()
     with pytest.raises(LoRAFormatError) as e:
         convert_to_canonical(loaded, md, spec)
-    assert "LoKr" in str(e.value)
-    assert "diffusion_model.layers.0.attention.to_q.lokr_w1" in str(e.value)
+    assert "LoKr" in str(e.value) and "layers.0.attention.to_q" in str(e.value)
     assert list(loaded) == keys_before
     _assert_weights_unchanged(before)
+    sd["diffusion_model.layers.0.attention.to_q.lokr_t2"] = torch.randn(2, 2, 1, 1)
+    with pytest.raises(LoRAFormatError, match="Tucker.*lokr_t2"):
+        convert_to_canonical(sd, None, spec)
 
 
 def test_G1_other_architecture_zero_matched(tmp_path, spec):

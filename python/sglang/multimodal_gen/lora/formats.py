@@ -13,6 +13,9 @@ kohya / musubi              ``lora_unet_<m with . -> _>.lora_down.weight``, ``.l
                             looking the flattened name up in the model's own flattened vocabulary
 ComfyUI                     ``diffusion_model.<m>...`` with either weight naming
 dotted kohya                ``<m>.lora.down.weight`` / ``<m>.lora.up.weight``
+LyCORIS LoKr                ``<m>.lokr_w1`` (or ``_w1_a``/``_w1_b``), ``.lokr_w2`` (or
+                            ``_w2_a``/``_w2_b``), ``.alpha``: converted to an exact low-rank
+                            (A, B) of ``kron(W1, W2)`` when one exists (see ``lora/lokr.py``)
 ==========================  ======================================================================
 
 Files may mix these per module (each module keeps its own alpha). Text-encoder keys (``lora_te*``,
@@ -20,15 +23,12 @@ Files may mix these per module (each module keeps its own alpha). Text-encoder k
 converting ``transformer``) are skipped and reported in ``ignored_keys``.
 
 Refused with :class:`~sglang.multimodal_gen.errors.LoRAFormatError` naming the feature and the
-first offending key: DoRA (``dora_scale``, ``lora_magnitude_vector``), LoKr (``lokr_*``), LoHa
-(``hada_*``), embedding LoRA (``lora_embedding_*``), ``modules_to_save`` copies, full weight diffs
-(``diff``/``diff_b``), LoCon mid weights, OFT/BOFT/IA3, conv (4-D) LoRA, unknown keys. Also
-refused: keys that match none of the model's modules (with a guess of the architecture they target),
-modules of the file missing from the model, duplicate or overlapping pairs, rank/shape mismatches
-and non-finite values.
-
-LoKr is refused rather than converted: its delta ``kron(w1, w2)`` has no exact low-rank (A, B) form
-in general, and the LoRA layers only apply (A, B) pairs.
+first offending key: DoRA (``dora_scale``, ``lora_magnitude_vector``), LoKr with a Tucker core
+(``lokr_t1/t2``) or with full-rank factors, LoHa (``hada_*``), embedding LoRA
+(``lora_embedding_*``), ``modules_to_save`` copies, full weight diffs (``diff``/``diff_b``), LoCon
+mid weights, OFT/BOFT/IA3, conv (4-D) LoRA, unknown keys. Also refused: keys that match none of the
+model's modules (with a guess of the architecture they target), modules of the file missing from
+the model, duplicate or overlapping pairs, rank/shape mismatches and non-finite values.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import torch
 
 from sglang.multimodal_gen.errors import LoRAFormatError
 from sglang.multimodal_gen.layers.lora.weights import LoRAWeights
+from sglang.multimodal_gen.lora.lokr import lokr_to_lora
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
 from sglang.multimodal_gen.lora.peft_config import AdapterConfig, config_from_sources, lora_scale
 from sglang.multimodal_gen.models.name_map import NameMap, ShardId
@@ -120,7 +121,7 @@ _TEXT_ENCODER_PREFIXES = (
 _UNSUPPORTED_KEYS = (
     (re.compile(r"\.dora_scale$"), "DoRA (dora_scale)"),
     (re.compile(r"\.lora_magnitude_vector(\.|$)"), "DoRA (lora_magnitude_vector)"),
-    (re.compile(r"\.lokr_(w1|w2|w1_a|w1_b|w2_a|w2_b|t1|t2)$"), "LoKr (LyCORIS Kronecker product)"),
+    (re.compile(r"\.lokr_t[12]$"), "LoKr with a Tucker core (lokr_t1/lokr_t2)"),
     (re.compile(r"\.hada_(w1|w2|t1|t2)(_a|_b)?$"), "LoHa (LyCORIS Hadamard product)"),
     (re.compile(r"\.lora_embedding_[AB](\.|$)"), "embedding LoRA (lora_embedding_A/B)"),
     (re.compile(r"\.modules_to_save(\.|$)"), "modules_to_save (full trained module copies)"),
@@ -134,6 +135,7 @@ _PEFT_RE = re.compile(r"^(?P<m>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.(
 _KOHYA_RE = re.compile(r"^(?P<m>.+)\.lora_(?P<ab>down|up)\.(?P<p>weight)$")
 _KOHYA_DOT_RE = re.compile(r"^(?P<m>.+)\.lora\.(?P<ab>down|up)\.(?P<p>weight)$")
 _ALPHA_RE = re.compile(r"^(?P<m>.+)\.alpha$")
+_LOKR_RE = re.compile(r"^(?P<m>.+)\.lokr_(?P<part>w1|w2|w1_a|w1_b|w2_a|w2_b)$")
 
 # ``transformer.`` / ``transformer_2.``: pipeline components of (two-expert) DiT pipelines; keys of
 # a component other than the one being converted are skipped and counted like text-encoder keys.
@@ -181,7 +183,12 @@ class _Pair:
     B: torch.Tensor | None = None
     B_bias: torch.Tensor | None = None
     alpha: torch.Tensor | None = None
+    lokr: dict[str, torch.Tensor] = field(default_factory=dict)  # "w1", "w2_a", ... -> tensor
     keys: dict[str, str] = field(default_factory=dict)  # role -> key
+
+    @property
+    def has_weights(self) -> bool:
+        return self.A is not None or self.B is not None or bool(self.lokr)
 
 
 def _strip_prefixes(name: str, spec: LoRAModelSpec, component: str) -> tuple[str, list[str]]:
@@ -232,7 +239,8 @@ def _resolve_module(
         dotted = spec.flat_vocabulary.get(name.replace(".", "_"))
         if dotted is not None:
             return dotted, "kohya", spec.vocabulary[dotted]
-    return name, _style(prefixes, weight_style, False), target
+    style = "lokr" if weight_style == "lokr" else _style(prefixes, weight_style, False)
+    return name, style, target
 
 
 def _parse(
@@ -271,12 +279,15 @@ def _parse(
                 role = "B_bias"
             if m.groupdict().get("adapter"):
                 adapters.add(m.group("adapter"))
+        elif (m := _LOKR_RE.match(key)) is not None:
+            role = "lokr_" + m.group("part")
+            weight_style = "lokr"
         else:
             m = _ALPHA_RE.match(key)
             if m is None:
                 raise LoRAFormatError(
-                    f"unrecognized LoRA key {key!r}: expected lora_A/lora_B, lora_down/lora_up or "
-                    ".alpha entries"
+                    f"unrecognized LoRA key {key!r}: expected lora_A/lora_B, lora_down/lora_up, "
+                    "lokr_* or .alpha entries"
                 )
             role = "alpha"
         file_module, style, target = _resolve_module(m.group("m"), spec, component, weight_style)
@@ -288,10 +299,13 @@ def _parse(
                 f"module {file_module!r} has two {role} entries: {pair.keys[role]!r} and {key!r} "
                 "(the same module in two namings)"
             )
-        if role in ("A", "B"):
+        if role in ("A", "B") or role.startswith("lokr_"):
             pair.style = style
         pair.keys[role] = key
-        setattr(pair, role, tensor)
+        if role.startswith("lokr_"):
+            pair.lokr[role[len("lokr_") :]] = tensor
+        else:
+            setattr(pair, role, tensor)
     if len(adapters) > 1:
         raise LoRAFormatError(
             f"the file holds several PEFT adapters ({sorted(adapters)}); save one adapter per file"
@@ -384,7 +398,7 @@ def convert_to_canonical(
     cfg = config_from_sources(metadata, component)
     pairs, ignored, _ = _parse(state_dict, spec, component)
 
-    weighted = {k: p for k, p in pairs.items() if p.A is not None or p.B is not None}
+    weighted = {k: p for k, p in pairs.items() if p.has_weights}
     for k, p in pairs.items():
         if k not in weighted:  # an orphan .alpha (or B bias) without weights
             ignored.extend(p.keys.values())
@@ -414,6 +428,14 @@ def convert_to_canonical(
     for p in weighted.values():
         our, sid = p.target
         label = f"{p.file_module!r} (-> {our}" + (f" shard {sid!r})" if sid is not None else ")")
+        if p.lokr:
+            if p.A is not None or p.B is not None or p.B_bias is not None:
+                raise LoRAFormatError(f"module {label}: both LoRA and LoKr weights in one module")
+            for part, t in p.lokr.items():
+                _check_finite(t, f"module {label} lokr_{part}")
+            if p.alpha is not None:
+                _check_finite(p.alpha, f"module {label} alpha")
+            p.A, p.B, lokr_scale = lokr_to_lora(p.lokr, p.alpha, p.file_module)
         if p.A is None or p.B is None:
             have = p.keys.get("A") or p.keys.get("B")
             missing = "lora_A/lora_down" if p.A is None else "lora_B/lora_up"
@@ -437,7 +459,7 @@ def convert_to_canonical(
         for t, what in ((p.A, "lora_A"), (p.B, "lora_B"), (p.B_bias, "lora_B.bias")):
             if t is not None:
                 _check_finite(t, f"module {label} {what}")
-        scale = _pair_scale(p, r, cfg)
+        scale = lokr_scale if p.lokr else _pair_scale(p, r, cfg)
 
         shapes = spec.module_shapes[our]
         shard_ids = [sid] if sid is not None else spec.shards(our)
