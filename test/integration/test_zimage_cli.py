@@ -93,3 +93,23 @@ def test_cli_bad_arguments_exit_2(tiny_zimage_dir, tmp_path, capsys, extra, mess
     assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_lora_flags_match_python_entry(tiny_zimage_dir, tiny_zimage_loras, tmp_path):
+    out_cli, out_py, out_base = tmp_path / "l.png", tmp_path / "lp.png", tmp_path / "b.png"
+    lora_flags = ["--lora-path", *tiny_zimage_loras, "--lora-scale", "0.7", "1.3"]
+    assert sglang_main(_cli_args(tiny_zimage_dir, out_cli) + lora_flags) == 0
+    req = GenerationRequest(
+        prompt=ARGS["prompt"],
+        seed=ARGS["seed"],
+        num_inference_steps=ARGS["steps"],
+        height=ARGS["height"],
+        width=ARGS["width"],
+        guidance_scale=ARGS["guidance"],
+    )
+    with DiffusionEngine(tiny_zimage_dir) as engine:
+        save_png(engine.generate(req)[0], str(out_base))
+        engine.set_lora(["x", "y"], list(tiny_zimage_loras), strength=[0.7, 1.3])
+        save_png(engine.generate(req)[0], str(out_py))
+    assert out_cli.read_bytes() == out_py.read_bytes()
+    assert out_cli.read_bytes() != out_base.read_bytes()

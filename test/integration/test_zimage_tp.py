@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from fixtures.tiny_models import psnr
 from sglang.multimodal_gen.distributed import get_tp_world_size, launch_processes
+from sglang.multimodal_gen.errors import NotFoundError
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
 from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
 
@@ -52,23 +55,37 @@ def test_tp2_transformer_and_image_equal_tp1(tiny_zimage_dir, tp1):
         assert psnr(image2[0], image1[0]) >= 45
 
 
-def test_engine_tp2_equals_tp1(tiny_zimage_dir):
+def _engine_images(engine, loras):
+    """Base, two LoRAs dynamic, the same merged, a per-request composition, back to base."""
     req = GenerationRequest(
         prompt="a lighthouse at dusk", height=32, width=32, num_inference_steps=2, seed=9
     )
-    e1 = DiffusionEngine(tiny_zimage_dir, tp_size=1, device="cpu")
-    img1 = np.asarray(e1.generate(req)[0])
-    e1.shutdown()
+    out = [np.asarray(engine.generate(req)[0])]
+    engine.set_lora(["a", "b"], list(loras), strength=[0.7, 1.3], merge_mode="dynamic")
+    out.append(np.asarray(engine.generate(req)[0]))
+    engine.set_lora(["a", "b"], [None, None], strength=[0.7, 1.3], merge_mode="merge")
+    out.append(np.asarray(engine.generate(req)[0]))
+    out.append(np.asarray(engine.generate(replace(req, lora=[("b", 1.3)]))[0]))
+    engine.unset_lora()
+    out.append(np.asarray(engine.generate(req)[0]))
+    return out
+
+
+def test_engine_tp2_equals_tp1_with_and_without_lora(tiny_zimage_dir, tiny_zimage_loras):
+    with DiffusionEngine(tiny_zimage_dir, tp_size=1, device="cpu") as e1:
+        ref = _engine_images(e1, tiny_zimage_loras)
     with DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu") as e2:
         assert e2.is_alive() and e2.spatial_factor == 16
-        img2 = np.asarray(e2.generate(req)[0])
-        # a second, different request through the broadcast path
-        req_b = GenerationRequest(
-            prompt="x", height=16, width=32, num_inference_steps=1, guidance_scale=1.0, seed=1
-        )
-        assert np.asarray(e2.generate(req_b)[0]).shape == (16, 32, 3)
+        got = _engine_images(e2, tiny_zimage_loras)
+        # errors raised on the ranks come back as the same error types
+        with pytest.raises(NotFoundError):
+            e2.generate(GenerationRequest(prompt="x", height=16, width=16, lora=[("zz", 1.0)]))
+        assert e2.list_loras()["active"]["transformer"]["adapters"] == []
     assert not e2.is_alive()
-    assert psnr(img2, img1) >= 45
+    assert psnr(ref[1], ref[0]) < 35  # LoRA really changes the image
+    assert np.array_equal(ref[4], ref[0])
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert psnr(a, b) >= 45, f"image {i}"
 
 
 def test_tp_size_not_dividing_heads_is_a_clear_error(tiny_zimage_dir):

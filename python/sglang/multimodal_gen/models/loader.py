@@ -317,7 +317,10 @@ def load_vae(component_dir: str, dtype: torch.dtype, device) -> nn.Module:
 
     _check_config_class(component_dir, "config.json", {"AutoencoderKL"})
     find_weight_files(component_dir)
-    return AutoencoderKL.from_pretrained(component_dir).to(device=device, dtype=dtype).eval()
+    vae = AutoencoderKL.from_pretrained(component_dir)
+    if vae.dtype != dtype:
+        vae = vae.to(dtype=dtype)
+    return vae.to(device).eval()
 
 
 def load_scheduler_config(component_dir: str) -> dict:
