@@ -249,6 +249,27 @@ def test_seed_command_line_parses(tmp_path):
     assert _parse(["--dit-cpu-offload", "true"]).dit_cpu_offload is True
 
 
+def test_model_type_detected_from_hub_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with pytest.raises(ValueError, match="no model_index.json"):
+        detect_model_type("Owner/Some-Model")
+    repo = tmp_path / "hf" / "hub" / "models--Owner--Some-Model"
+    commit = "fedcba9876543210fedcba9876543210fedcba98"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "model_index.json").write_text(
+        json.dumps({"_class_name": "ZImagePipeline"})
+    )
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    assert detect_model_type("Owner/Some-Model") == "diffusion"
+    (repo / "snapshots" / commit / "model_index.json").write_text(
+        json.dumps({"_class_name": "LlamaForCausalLM"})
+    )
+    with pytest.raises(ValueError, match="not a diffusers pipeline"):
+        detect_model_type("Owner/Some-Model")
+
+
 def test_server_args_loras_and_errors(tmp_path):
     a = _parse(["--lora-path", "/x/pixel.safetensors", "/y/style/", "--lora-dir", str(tmp_path)])
     assert a.startup_loras == [("pixel", "/x/pixel.safetensors", 1.0), ("style", "/y/style/", 1.0)]

@@ -39,6 +39,20 @@ def str_to_bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
+def hf_hub_cache_dir() -> str:
+    """The Hugging Face Hub cache folder, read from the environment at call time.
+
+    ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub`` (default
+    ``~/.cache/huggingface/hub``), as ``huggingface_hub`` resolves it.
+    """
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return os.path.join(home, "hub")
+
+
 def _find_model_index(model_path: str) -> str | None:
     """Return the path of ``model_index.json`` for a local directory or a cached Hub repo id.
 
@@ -51,7 +65,9 @@ def _find_model_index(model_path: str) -> str | None:
         try:
             from huggingface_hub import try_to_load_from_cache
 
-            cached = try_to_load_from_cache(model_path, "model_index.json")
+            cached = try_to_load_from_cache(
+                model_path, "model_index.json", cache_dir=hf_hub_cache_dir()
+            )
         except Exception:  # invalid repo id spelling, broken cache: treat as not found
             return None
         if isinstance(cached, str) and os.path.isfile(cached):
