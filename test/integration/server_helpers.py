@@ -134,6 +134,8 @@ class FakeEngine:
     # -- DiffusionEngine API ----------------------------------------------------------------
     def generate(self, req: Any) -> list[Image.Image]:
         with self._exclusive("generate"):
+            if req.prompt == "raise internal error":
+                raise RuntimeError("secret internal detail /opt/model.py line 3")
             comp = self.composition_of(req.lora if req.lora is not None else self.active)
             self.release.wait(timeout=30)
             if self.delay_s:

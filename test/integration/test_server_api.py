@@ -160,6 +160,15 @@ def test_schema_errors_are_422(server, engine):
     assert engine.calls == []
 
 
+def test_engine_failure_is_500_without_internals_and_server_continues(server, engine, caplog):
+    r = gen(server, prompt="raise internal error")
+    err = assert_envelope(r, 500)
+    assert "secret" not in r.text and "/opt/model.py" not in r.text
+    assert "ref " in err["message"]
+    assert gen(server).status_code == 200
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
 def test_unknown_route_and_method(server):
     assert_envelope(httpx.get(f"{server}/v1/nope"), 404)
     assert_envelope(httpx.get(f"{server}/v1/images/generations"), 405)
