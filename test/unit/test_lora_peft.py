@@ -296,3 +296,27 @@ def test_config_from_raw_safetensors_header(tmp_path, spec):
     assert cfg.lora_alpha == 2.0 and cfg.use_rslora
     c = convert_to_canonical(loaded, md, spec)
     assert c.modules["layers.0.attention.to_qkv"]["q"].scale == pytest.approx(1.0)  # 2 / sqrt(4)
+
+
+@pytest.mark.filterwarnings("ignore:.*invalid shape")  # peft mistakes the 1-D bias for a shard
+def test_peft_lora_bias_becomes_scaled_offset(tmp_path, spec):
+    """lora_bias=True: peft adds scale * (B A x + b_B); our offset is b_B, scaled like the delta."""
+    model = get_peft_model(
+        _fresh_model(), LoraConfig(target_modules=["to_k", "w2"], r=4, lora_alpha=6, lora_bias=True)
+    )
+    _randomize(model, seed=29)
+    model.save_pretrained(str(tmp_path))
+    canon = convert_to_canonical(*load_lora_state_dict(tmp_path), spec)
+    x = torch.randn(3, 64)
+    for name, mod in model.named_modules():
+        if not isinstance(mod, LoraLayer) or not name.endswith("layers.0.attention.to_k"):
+            continue
+        with torch.no_grad():
+            peft_delta = mod(x) - mod.get_base_layer()(x)
+        w = canon.modules["layers.0.attention.to_qkv"]["k"]
+        ours = w.scale * ((x @ w.lora_A.t()) @ w.lora_B.t() + w.offset)
+        assert w.offset is not None and w.offset.abs().max() > 0
+        torch.testing.assert_close(ours, peft_delta, atol=1e-6, rtol=1e-5)
+        break
+    else:
+        raise AssertionError("peft did not wrap to_k")
