@@ -174,68 +174,73 @@ def _expected_shards(module: nn.Module, leaf: str) -> tuple:
     return ids
 
 
-def load_safetensors_into(
+def _iter_safetensors(files: list[str]):
+    """``(source, name, lazy_slice)`` for every tensor of ``files`` (one file open at a time)."""
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield path, key, f.get_slice(key)
+
+
+def load_tensors_into(
     model: nn.Module,
-    component_dir: str,
+    tensors,
     name_map: NameMap | None = None,
     strict: bool = True,
-) -> dict[str, int]:
-    """Fill ``model``'s parameters from the safetensors in ``component_dir``.
+    where: str = "checkpoint",
+) -> int:
+    """Fill ``model``'s parameters from ``(source, name, tensor_or_lazy_slice)`` triples.
 
-    Each checkpoint tensor name is resolved with ``name_map.resolve_param`` to ``(our parameter,
-    shard_id)``; parameters with a ``weight_loader`` receive a lazy slice (only this rank's part
-    is read), the others are copied whole after a shape check.
+    Each name is resolved with ``name_map.resolve_param`` to ``(our parameter, shard_id)``;
+    parameters with a ``weight_loader`` receive the tensor (a lazy slice is read only where this
+    rank needs it), the others are copied whole after a shape check.
 
     Args:
         model: the module to fill (parameters may be uninitialised).
-        component_dir: e.g. ``<model>/transformer``.
+        tensors: iterable of ``(source, name, tensor)``; ``source`` (a file path) is used in errors.
         name_map: checkpoint -> our names (``None``: identity).
         strict: unknown tensors and parameters left unloaded are errors.
+        where: names the checkpoint in the "missing tensors" error.
 
     Returns:
-        ``{"tensors": n_read, "files": n_files}``.
+        The number of tensors loaded.
 
     Raises:
-        ModelLoadError: an unknown tensor, a shape mismatch, or a missing tensor, naming the file
-            and tensor (and the layer / shard for fused layers).
-        FileNotFoundError: see :func:`find_weight_files`.
+        ModelLoadError: an unknown tensor, a shape mismatch, a tensor loaded twice or a missing
+            tensor, naming the source and tensor (and the shard for fused layers).
     """
-    files, _ = find_weight_files(component_dir)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: dict[str, set] = defaultdict(set)
     n = 0
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                ours, shard_id = name_map.resolve_param(key) if name_map else (key, None)
-                param = params.get(ours)
-                if param is None:
-                    if strict:
-                        raise ModelLoadError(
-                            f"{path}: tensor {key!r} (-> {ours!r}) matches no parameter of "
-                            f"{type(model).__name__}"
-                        )
-                    continue
-                lazy = f.get_slice(key)
-                loader = getattr(param, "weight_loader", None)
-                try:
-                    if loader is not None:
-                        loader(param, lazy, shard_id)
-                    else:
-                        if shard_id is not None:
-                            raise ValueError(f"parameter {ours!r} has no shard {shard_id!r}")
-                        _default_param_loader(param, lazy)
-                except ValueError as e:
-                    raise ModelLoadError(
-                        f"{path}: cannot load tensor {key!r} into {ours!r}"
-                        + (f" (shard {shard_id!r})" if shard_id is not None else "")
-                        + f": {e}"
-                    ) from e
-                if shard_id in loaded[ours] or (None in loaded[ours]):
-                    raise ModelLoadError(f"{path}: tensor {key!r} loads {ours!r} a second time")
-                loaded[ours].add(shard_id)
-                n += 1
+    for source, key, tensor in tensors:
+        ours, shard_id = name_map.resolve_param(key) if name_map else (key, None)
+        param = params.get(ours)
+        if param is None:
+            if strict:
+                raise ModelLoadError(
+                    f"{source}: tensor {key!r} (-> {ours!r}) matches no parameter of "
+                    f"{type(model).__name__}"
+                )
+            continue
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(param, tensor, shard_id)
+            else:
+                if shard_id is not None:
+                    raise ValueError(f"parameter {ours!r} has no shard {shard_id!r}")
+                _default_param_loader(param, tensor)
+        except ValueError as e:
+            raise ModelLoadError(
+                f"{source}: cannot load tensor {key!r} into {ours!r}"
+                + (f" (shard {shard_id!r})" if shard_id is not None else "")
+                + f": {e}"
+            ) from e
+        if shard_id in loaded[ours] or (None in loaded[ours]):
+            raise ModelLoadError(f"{source}: tensor {key!r} loads {ours!r} a second time")
+        loaded[ours].add(shard_id)
+        n += 1
     if strict:
         missing = []
         for name in params:
@@ -250,9 +255,53 @@ def load_safetensors_into(
         if missing:
             more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
             raise ModelLoadError(
-                f"{component_dir}: checkpoint lacks tensors for: {', '.join(missing[:10])}{more}"
+                f"{where}: checkpoint lacks tensors for: {', '.join(missing[:10])}{more}"
             )
+    return n
+
+
+def load_safetensors_into(
+    model: nn.Module,
+    component_dir: str,
+    name_map: NameMap | None = None,
+    strict: bool = True,
+) -> dict[str, int]:
+    """Fill ``model`` from the safetensors in ``component_dir`` (see :func:`load_tensors_into`;
+    tensors are opened lazily, so a TP rank reads only its slices).
+
+    Returns:
+        ``{"tensors": n_read, "files": n_files}``.
+
+    Raises:
+        ModelLoadError: see :func:`load_tensors_into`; FileNotFoundError: see
+            :func:`find_weight_files`.
+    """
+    files, _ = find_weight_files(component_dir)
+    n = load_tensors_into(model, _iter_safetensors(files), name_map, strict, where=component_dir)
     return {"tensors": n, "files": len(files)}
+
+
+def zimage_from_diffusers_module(
+    reference: nn.Module,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+) -> ZImageTransformer:
+    """Our DiT with the weights of an in-memory diffusers ``ZImageTransformer2DModel``
+    (benchmarks and tests; same name map and weight loaders as file loading)."""
+    cfg = ZImageArchConfig.from_dict(dict(reference.config))
+    p = next(reference.parameters())
+    model = ZImageTransformer(
+        cfg,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dtype=dtype or p.dtype,
+        device=device or p.device,
+    )
+    items = (("<module>", k, v.detach()) for k, v in reference.state_dict().items())
+    load_tensors_into(model, items, ZIMAGE_NAME_MAP, where="<module>")
+    return model.eval()
 
 
 def load_zimage_transformer(

@@ -1,0 +1,206 @@
+"""End-to-end Z-Image benchmark: our pipeline vs diffusers' ``ZImagePipeline``, same weights.
+
+Both pipelines share one text encoder, tokenizer, VAE and scheduler config; our DiT is loaded from
+the diffusers DiT's state dict through the same name map and weight loaders as file loading. Runs
+are interleaved (ours, diffusers, diffusers, ours, ...) after one warm-up each; we report the
+median over ``--repeats`` runs of the end-to-end time (prompt encoding + denoising + VAE decode)
+and of the per-step DiT forward time (timed with forward hooks, CUDA-synchronized on GPU), plus
+the PSNR between the two images as a sanity check.
+
+Configs:
+    cpu (default): DiT dim 768, 8 layers, 12 heads, 256x256, 8 steps, fp32; a small Qwen3 text
+        encoder and a reduced Flux-style VAE (random weights).
+    --gpu: the real Z-Image-Turbo shapes: DiT dim 3840, 30 layers, 30 heads; Qwen3-4B-shaped text
+        encoder; Flux VAE; 1024x1024, 8 steps, bf16, random weights (built on the GPU).
+
+Usage:
+    python benchmarks/bench_e2e.py [--gpu] [--repeats 5] [--steps 8] [--size 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+CPU_CFG = dict(
+    transformer=dict(
+        all_patch_size=[2], all_f_patch_size=[1], in_channels=16, dim=768, n_layers=8,
+        n_refiner_layers=2, n_heads=12, n_kv_heads=12, norm_eps=1e-5, qk_norm=True,
+        rope_theta=256.0, t_scale=1000.0, axes_dims=[16, 24, 24], axes_lens=[1024, 512, 512],
+    ),
+    text_encoder=dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+    ),
+    vae=dict(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[32, 64, 64, 64],
+        layers_per_block=1, latent_channels=16, norm_num_groups=32, scaling_factor=0.3611,
+        shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+    ),
+    size=256, steps=8, dtype=torch.float32, device="cpu",
+)  # fmt: skip
+
+GPU_CFG = dict(
+    transformer=dict(
+        all_patch_size=[2], all_f_patch_size=[1], in_channels=16, dim=3840, n_layers=30,
+        n_refiner_layers=2, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True,
+        rope_theta=256.0, t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512],
+    ),
+    text_encoder=dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+    ),
+    vae=dict(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],
+        layers_per_block=2, latent_channels=16, norm_num_groups=32, scaling_factor=0.3611,
+        shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+    ),
+    size=1024, steps=8, dtype=torch.bfloat16, device="cuda",
+)  # fmt: skip
+
+
+def build(cfg):
+    """(ours, reference) pipelines sharing everything but the DiT implementation."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        ZImagePipeline,
+        ZImageTransformer2DModel,
+    )
+    from sglang.multimodal_gen.models.loader import zimage_from_diffusers_module
+    from sglang.multimodal_gen.pipelines.zimage import ZImageComponents
+    from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline as OurPipeline
+    from sglang.multimodal_gen.runtime.default_model import DEFAULT_SCHEDULER, build_tokenizer
+    from transformers import Qwen3Config, Qwen3Model
+
+    dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    with torch.device(dev):
+        te_cfg = dict(cfg["text_encoder"], vocab_size=len(tok), tie_word_embeddings=False)
+        te = Qwen3Model(Qwen3Config(**te_cfg)).to(dtype).eval()
+        t_cfg = dict(cfg["transformer"], cap_feat_dim=te_cfg["hidden_size"])
+        dit = ZImageTransformer2DModel(**t_cfg).to(dtype).eval()
+        with torch.no_grad():
+            dit.x_pad_token.normal_()
+            dit.cap_pad_token.normal_()
+        vae = AutoencoderKL(**cfg["vae"]).to(dtype).eval()
+    sched = FlowMatchEulerDiscreteScheduler(**DEFAULT_SCHEDULER)
+    ref = ZImagePipeline(scheduler=sched, vae=vae, text_encoder=te, tokenizer=tok, transformer=dit)
+    ref.set_progress_bar_config(disable=True)
+    ours_dit = zimage_from_diffusers_module(dit, dtype=dtype, device=dev)
+    ours = OurPipeline(ZImageComponents(ours_dit, te, tok, vae, dict(sched.config)), device=dev)
+    return ours, ref
+
+
+class StepTimer:
+    """Times every forward of a module (synchronizing CUDA around it)."""
+
+    def __init__(self, module, cuda: bool):
+        self.times: list[float] = []
+        self.cuda = cuda
+        module.register_forward_pre_hook(self._pre)
+        module.register_forward_hook(self._post)
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _pre(self, *_):
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def _post(self, *_):
+        self._sync()
+        self.times.append(time.perf_counter() - self._t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="real Z-Image-Turbo shapes on CUDA, bf16")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--size", type=int, default=None, help="image height = width")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = ap.parse_args(argv)
+    cfg = dict(GPU_CFG if args.gpu else CPU_CFG)
+    if args.gpu and not torch.cuda.is_available():
+        print("--gpu needs CUDA", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    steps = args.steps or cfg["steps"]
+    size = args.size or cfg["size"]
+    cuda = cfg["device"] == "cuda"
+
+    t0 = time.perf_counter()
+    ours, ref = build(cfg)
+    print(f"built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    timers = {
+        "ours": StepTimer(ours.transformer, cuda),
+        "diffusers": StepTimer(ref.transformer, cuda),
+    }
+    gen_dev = cfg["device"]
+    kw = dict(height=size, width=size, num_inference_steps=steps, guidance_scale=0.0)
+
+    def run(name):
+        g = torch.Generator(gen_dev).manual_seed(0)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        if name == "ours":
+            img = ours("a benchmark prompt", generator=g, output_type="np", progress=False, **kw)[0]
+        else:
+            img = ref("a benchmark prompt", generator=g, output_type="np", **kw).images[0]
+            img = (img * 255).round().astype("uint8")
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, img
+
+    with torch.inference_mode():
+        run("ours")
+        run("diffusers")
+        for t in timers.values():
+            t.times.clear()
+        e2e = {"ours": [], "diffusers": []}
+        images = {}
+        for i in range(args.repeats):
+            order = ("ours", "diffusers") if i % 2 == 0 else ("diffusers", "ours")
+            for name in order:
+                dt, images[name] = run(name)
+                e2e[name].append(dt)
+                print(f"  run {i} {name}: {dt:.3f}s", file=sys.stderr)
+
+    a, b = images["ours"].astype(np.float64), images["diffusers"].astype(np.float64)
+    mse = float(np.mean((a - b) ** 2))
+    psnr = float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
+    step = {k: statistics.median(v.times) for k, v in timers.items()}
+    total = {k: statistics.median(v) for k, v in e2e.items()}
+    t = cfg["transformer"]
+    label = (
+        f"{'GPU' if cuda else 'CPU'} dim {t['dim']}, {t['n_layers']} layers, {size}x{size}, "
+        f"{steps} steps, {str(cfg['dtype']).replace('torch.', '')}"
+    )
+    print(f"\nconfig: {label}; median of {args.repeats} interleaved runs; image PSNR {psnr:.1f} dB")
+    print("| metric | ours | diffusers | ours/diffusers |")
+    print("|---|---|---|---|")
+    print(
+        f"| DiT step (ms) | {step['ours'] * 1e3:.1f} | {step['diffusers'] * 1e3:.1f} "
+        f"| {step['ours'] / step['diffusers']:.3f} |"
+    )
+    print(
+        f"| end to end (s) | {total['ours']:.3f} | {total['diffusers']:.3f} "
+        f"| {total['ours'] / total['diffusers']:.3f} |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
