@@ -299,6 +299,7 @@ def test_config_from_raw_safetensors_header(tmp_path, spec):
 
 
 @pytest.mark.filterwarnings("ignore:.*invalid shape")  # peft mistakes the 1-D bias for a shard
+@pytest.mark.filterwarnings("ignore:.*lora_bias=True. was passed")
 def test_peft_lora_bias_becomes_scaled_offset(tmp_path, spec):
     """lora_bias=True: peft adds scale * (B A x + b_B); our offset is b_B, scaled like the delta."""
     model = get_peft_model(

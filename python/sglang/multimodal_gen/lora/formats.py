@@ -355,6 +355,98 @@ def _no_match_error(
     )
 
 
+def _label(p: _Pair) -> str:
+    our, sid = p.target
+    return f"{p.file_module!r} (-> {our}" + (f" shard {sid!r})" if sid is not None else ")")
+
+
+def _pair_weights(p: _Pair, cfg: AdapterConfig) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Validated ``(A [r, in], B [out, r], scale)`` of one file module (LoKr converted first)."""
+    label = _label(p)
+    a, b = p.A, p.B
+    if p.lokr:
+        if a is not None or b is not None or p.B_bias is not None:
+            raise LoRAFormatError(f"module {label}: both LoRA and LoKr weights in one module")
+        for part, t in p.lokr.items():
+            _check_finite(t, f"module {label} lokr_{part}")
+        if p.alpha is not None:
+            _check_finite(p.alpha, f"module {label} alpha")
+        a, b, lokr_scale = lokr_to_lora(p.lokr, p.alpha, p.file_module)
+    if a is None or b is None:
+        have = p.keys.get("A") or p.keys.get("B")
+        missing = "lora_A/lora_down" if a is None else "lora_B/lora_up"
+        raise LoRAFormatError(f"module {label}: {missing} is missing (found {have!r})")
+    if not cfg.targets(p.file_module):
+        raise LoRAFormatError(
+            f"module {p.file_module!r} has LoRA weights but the adapter config's "
+            f"target_modules ({cfg.target_modules!r}) does not include it"
+        )
+    if a.dim() != 2 or b.dim() != 2:
+        raise LoRAFormatError(
+            f"module {label}: only linear LoRA is supported, got A {tuple(a.shape)} and "
+            f"B {tuple(b.shape)} (conv LoRA?)"
+        )
+    r = a.shape[0]
+    if r == 0 or b.shape[1] != r:
+        raise LoRAFormatError(
+            f"module {label}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not "
+            "share a rank"
+        )
+    for t, what in ((a, "lora_A"), (b, "lora_B"), (p.B_bias, "lora_B.bias")):
+        if t is not None:
+            _check_finite(t, f"module {label} {what}")
+    scale = lokr_scale if p.lokr else _pair_scale(p, r, cfg)
+    return a, b, scale
+
+
+def _place(
+    p: _Pair,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    spec: LoRAModelSpec,
+    modules: dict[str, dict[ShardId, LoRAWeights]],
+    covered: dict[tuple[str, ShardId], str],
+) -> None:
+    """Check one pair against its target's shapes and store it per shard (fused B split by rows)."""
+    our, sid = p.target
+    label = _label(p)
+    shapes = spec.module_shapes[our]
+    shard_ids = [sid] if sid is not None else spec.shards(our)
+    for s in shard_ids:
+        if s not in shapes:
+            raise LoRAFormatError(f"module {label}: {our} has no shard {s!r}")
+        prev = covered.get((our, s))
+        if prev is not None:
+            raise LoRAFormatError(
+                f"{our} shard {s!r} is targeted twice in the file: by {prev!r} and "
+                f"{p.file_module!r}"
+            )
+        covered[(our, s)] = p.file_module
+    out_sizes = [shapes[s][0] for s in shard_ids]
+    in_size = shapes[shard_ids[0]][1]
+    r = a.shape[0]
+    expect_b = (sum(out_sizes), r)
+    if a.shape[1] != in_size or tuple(b.shape) != expect_b:
+        raise LoRAFormatError(
+            f"module {label}: LoRA shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit "
+            f"the layer; expected A ({r}, {in_size}), B {expect_b}"
+        )
+    if p.B_bias is not None and tuple(p.B_bias.shape) != (expect_b[0],):
+        raise LoRAFormatError(
+            f"module {label}: lora_B.bias has shape {tuple(p.B_bias.shape)}, expected "
+            f"({expect_b[0]},)"
+        )
+    a = a.contiguous()
+    row = 0
+    for s, n in zip(shard_ids, out_sizes):
+        off = p.B_bias[row : row + n].contiguous() if p.B_bias is not None else None
+        modules.setdefault(our, {})[s] = LoRAWeights(
+            lora_A=a, lora_B=b[row : row + n].contiguous(), scale=scale, offset=off
+        )
+        row += n
+
+
 def convert_to_canonical(
     state_dict: Mapping[str, torch.Tensor],
     metadata: Mapping[str, Any] | None,
@@ -423,80 +515,9 @@ def convert_to_canonical(
 
     modules: dict[str, dict[ShardId, LoRAWeights]] = {}
     covered: dict[tuple[str, ShardId], str] = {}
-    styles: set[str] = set()
-    file_modules: dict[str, tuple[str, ShardId]] = {}
     for p in weighted.values():
-        our, sid = p.target
-        label = f"{p.file_module!r} (-> {our}" + (f" shard {sid!r})" if sid is not None else ")")
-        if p.lokr:
-            if p.A is not None or p.B is not None or p.B_bias is not None:
-                raise LoRAFormatError(f"module {label}: both LoRA and LoKr weights in one module")
-            for part, t in p.lokr.items():
-                _check_finite(t, f"module {label} lokr_{part}")
-            if p.alpha is not None:
-                _check_finite(p.alpha, f"module {label} alpha")
-            p.A, p.B, lokr_scale = lokr_to_lora(p.lokr, p.alpha, p.file_module)
-        if p.A is None or p.B is None:
-            have = p.keys.get("A") or p.keys.get("B")
-            missing = "lora_A/lora_down" if p.A is None else "lora_B/lora_up"
-            raise LoRAFormatError(f"module {label}: {missing} is missing (found {have!r})")
-        if not cfg.targets(p.file_module):
-            raise LoRAFormatError(
-                f"module {p.file_module!r} has LoRA weights but the adapter config's "
-                f"target_modules ({cfg.target_modules!r}) does not include it"
-            )
-        if p.A.dim() != 2 or p.B.dim() != 2:
-            raise LoRAFormatError(
-                f"module {label}: only linear LoRA is supported, got A {tuple(p.A.shape)} and "
-                f"B {tuple(p.B.shape)} (conv LoRA?)"
-            )
-        r = p.A.shape[0]
-        if r == 0 or p.B.shape[1] != r:
-            raise LoRAFormatError(
-                f"module {label}: lora_A {tuple(p.A.shape)} and lora_B {tuple(p.B.shape)} do not "
-                "share a rank"
-            )
-        for t, what in ((p.A, "lora_A"), (p.B, "lora_B"), (p.B_bias, "lora_B.bias")):
-            if t is not None:
-                _check_finite(t, f"module {label} {what}")
-        scale = lokr_scale if p.lokr else _pair_scale(p, r, cfg)
-
-        shapes = spec.module_shapes[our]
-        shard_ids = [sid] if sid is not None else spec.shards(our)
-        for s in shard_ids:
-            if s not in shapes:
-                raise LoRAFormatError(f"module {label}: {our} has no shard {s!r}")
-            prev = covered.get((our, s))
-            if prev is not None:
-                raise LoRAFormatError(
-                    f"{our} shard {s!r} is targeted twice in the file: by {prev!r} and "
-                    f"{p.file_module!r}"
-                )
-            covered[(our, s)] = p.file_module
-        out_sizes = [shapes[s][0] for s in shard_ids]
-        in_size = shapes[shard_ids[0]][1]
-        expect_b = (sum(out_sizes), r)
-        if p.A.shape[1] != in_size or tuple(p.B.shape) != expect_b:
-            raise LoRAFormatError(
-                f"module {label}: LoRA shapes A {tuple(p.A.shape)}, B {tuple(p.B.shape)} do not fit "
-                f"the layer; expected A ({r}, {in_size}), B {expect_b}"
-            )
-        if p.B_bias is not None and tuple(p.B_bias.shape) != (expect_b[0],):
-            raise LoRAFormatError(
-                f"module {label}: lora_B.bias has shape {tuple(p.B_bias.shape)}, expected "
-                f"({expect_b[0]},)"
-            )
-        A = p.A.contiguous()
-        row = 0
-        for s, n in zip(shard_ids, out_sizes):
-            B = p.B[row : row + n].contiguous()
-            off = p.B_bias[row : row + n].contiguous() if p.B_bias is not None else None
-            modules.setdefault(our, {})[s] = LoRAWeights(
-                lora_A=A, lora_B=B, scale=scale, offset=off
-            )
-            row += n
-        styles.add(p.style)
-        file_modules[p.file_module] = (our, sid)
+        a, b, scale = _pair_weights(p, cfg)
+        _place(p, a, b, scale, spec, modules, covered)
 
     if ignored:
         logger.info(
@@ -511,7 +532,7 @@ def convert_to_canonical(
         modules=modules,
         matched_modules=len(weighted),
         ignored_keys=ignored,
-        source_format="+".join(sorted(styles)),
+        source_format="+".join(sorted({p.style for p in weighted.values()})),
         target_guess=spec.model_name,
-        file_modules=file_modules,
+        file_modules={p.file_module: p.target for p in weighted.values()},
     )
