@@ -176,3 +176,19 @@ def test_missing_local_path(tmp_path, monkeypatch):
         load_lora_state_dict("missing.safetensors")
     with pytest.raises(InvalidRequestError, match="does not exist"):
         load_lora_state_dict("./dir/../missing.safetensors")
+
+
+def test_hub_repo_id_with_file(tmp_path, monkeypatch, sd):
+    """`owner/name/file.safetensors` picks one file of a cached snapshot holding several."""
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    snap = _fake_hub_cache(tmp_path / "hf" / "hub", "someone/many-epochs", sd)
+    (snap / "epochs").mkdir()
+    save_file({k: v * 3 for k, v in sd.items()}, str(snap / "epochs" / "e10.safetensors"))
+    save_file({k: v * 5 for k, v in sd.items()}, str(snap / "epochs" / "e20.safetensors"))
+    loaded, md = load_lora_state_dict("someone/many-epochs/epochs/e20.safetensors")
+    _assert_same(loaded, {k: v * 5 for k, v in sd.items()})
+    with pytest.raises(InvalidRequestError, match="not in the cached snapshot"):
+        load_lora_state_dict("someone/many-epochs/epochs/e30.safetensors")
+    with pytest.raises(InvalidRequestError):
+        load_lora_state_dict("someone/many-epochs/../../x.safetensors")

@@ -9,7 +9,8 @@
 - a folder written by peft's ``save_pretrained`` (``adapter_model.safetensors`` +
   ``adapter_config.json``);
 - a folder holding exactly one ``.safetensors`` file;
-- a Hugging Face Hub repo id (``owner/name``) already present in the local Hub cache
+- a Hugging Face Hub repo id (``owner/name``, or ``owner/name/file.safetensors`` for one file of
+  it) already present in the local Hub cache
   (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``). Nothing is
   downloaded.
 
@@ -38,7 +39,11 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"
-_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+# ``owner/name`` optionally followed by ``/path/in/repo.safetensors``
+_REPO_ID_RE = re.compile(
+    r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*)"
+    r"(?:/(?P<file>[A-Za-z0-9_.\-/]+\.safetensors))?$"
+)
 
 
 def _within(path: str, root: str) -> bool:
@@ -180,7 +185,8 @@ def load_lora_state_dict(
 
     Args:
         path_or_repo_id: a ``.safetensors`` file, a LoRA folder (peft / diffusers / single file), or
-            a Hub repo id present in the local Hub cache. Local paths are tried first.
+            a Hub repo id (``owner/name[/file.safetensors]``) present in the local Hub cache.
+            Local paths are tried first.
         allowed_roots: when given, local paths must resolve (realpath) inside one of these
             directories; relative paths are taken relative to them.
 
@@ -204,12 +210,21 @@ def load_lora_state_dict(
     try:
         local = resolve_lora_path(raw, allowed_roots)
     except InvalidRequestError as e:
-        looks_like_repo = _REPO_ID_RE.match(raw) is not None and ".." not in raw
-        if "outside" in str(e) or not looks_like_repo:
+        repo_match = _REPO_ID_RE.match(raw)
+        if "outside" in str(e) or repo_match is None or ".." in raw or "//" in raw:
             raise
     from_cache = local is None
     if from_cache:
-        local = _snapshot_from_cache(raw)
+        local = _snapshot_from_cache(repo_match.group("repo"))
+        if repo_match.group("file"):
+            # cache files are symlinks into ../../blobs, so containment is checked on the name
+            local = os.path.join(local, repo_match.group("file"))
+            if not os.path.isfile(local):
+                raise InvalidRequestError(
+                    f"{repo_match.group('file')!r} is not in the cached snapshot of "
+                    f"{repo_match.group('repo')!r}; downloading is not possible here",
+                    param="lora_path",
+                )
     # files picked inside a local folder must not escape the roots through a symlink either
     roots = None if from_cache or allowed_roots is None else list(allowed_roots)
 
