@@ -33,7 +33,7 @@ import torch
 
 from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError
 
-__all__ = ["load_lora_state_dict", "resolve_lora_path", "hf_hub_cache_dir"]
+__all__ = ["OutsideLoRARootsError", "hf_hub_cache_dir", "load_lora_state_dict", "resolve_lora_path"]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -44,6 +44,10 @@ _REPO_ID_RE = re.compile(
     r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*)"
     r"(?:/(?P<file>[A-Za-z0-9_.\-/]+\.safetensors))?$"
 )
+
+
+class OutsideLoRARootsError(InvalidRequestError):
+    """A LoRA path resolves outside every allowed LoRA directory (HTTP 400)."""
 
 
 def _within(path: str, root: str) -> bool:
@@ -61,8 +65,9 @@ def resolve_lora_path(path: str | os.PathLike, allowed_roots: Iterable[str] | No
         The realpath of an existing file or directory.
 
     Raises:
-        InvalidRequestError (HTTP 400): the path resolves outside every allowed root, the roots
-            list is empty, or the path does not exist (the message says which).
+        OutsideLoRARootsError (an InvalidRequestError, HTTP 400): the path resolves outside
+            every allowed root.
+        InvalidRequestError: the roots list is empty, or the path does not exist.
     """
     raw = os.fspath(path)
     if not raw or "\x00" in raw:
@@ -90,7 +95,7 @@ def resolve_lora_path(path: str | os.PathLike, allowed_roots: Iterable[str] | No
         if os.path.exists(real):
             return real
     if outside:
-        raise InvalidRequestError(
+        raise OutsideLoRARootsError(
             f"LoRA path {raw!r} resolves outside the allowed LoRA directories", param="lora_path"
         )
     raise InvalidRequestError(
@@ -211,7 +216,7 @@ def load_lora_state_dict(
         local = resolve_lora_path(raw, allowed_roots)
     except InvalidRequestError as e:
         repo_match = _REPO_ID_RE.match(raw)
-        if "outside" in str(e) or repo_match is None or ".." in raw or "//" in raw:
+        if isinstance(e, OutsideLoRARootsError) or repo_match is None or ".." in raw or "//" in raw:
             raise
     from_cache = local is None
     if from_cache:
