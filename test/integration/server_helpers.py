@@ -283,18 +283,6 @@ def assert_envelope(response: Any, status: int, param: str | None = "__any__") -
 # real tiny model
 
 
-def tiny_model_path() -> str:
-    """The tiny fixture model when the fixtures module exists, else the embedded default."""
-    try:
-        from fixtures.tiny_models import tiny_zimage_path  # type: ignore[import-not-found]
-
-        return tiny_zimage_path()
-    except ImportError:
-        from sglang.multimodal_gen.runtime.default_model import default_model_path
-
-        return default_model_path()
-
-
 def write_zimage_lora(path: str, model_path: str, seed: int, modules=("to_q", "to_v"), peft=False):
     """A random non-zero LoRA for the tiny Z-Image's attention projections.
 

@@ -3,7 +3,8 @@
 The CLI test runs the console script in a child process on the tiny model, generates with the
 official ``openai`` client and compares the PNG with ``sglang generate`` (same arguments) when that
 subcommand exists, else with the engine called directly. The TP test serves a TP 2 engine (two gloo
-worker processes) and compares its images with the TP 1 engine's.
+worker processes): its images equal the TP 2 engine's direct output exactly and the TP 1 engine's
+up to summation order (max 2 levels of 255, PSNR >= 45 dB).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from fixtures.tiny_models import psnr
 from PIL import Image
-from server_helpers import free_port, running_server, tiny_model_path, write_zimage_lora
+from server_helpers import free_port, running_server, write_zimage_lora
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 
 runtime = pytest.importorskip("sglang.multimodal_gen.runtime")
@@ -59,8 +61,8 @@ def _pixels(png: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
-def test_seed_command_line_serves_and_matches_generate(tmp_path):
-    model = tiny_model_path()
+def test_seed_command_line_serves_and_matches_generate(tmp_path, tiny_zimage_dir):
+    model = tiny_zimage_dir
     port = free_port()
     cmd = (
         _sglang_cmd()
@@ -127,8 +129,8 @@ def test_seed_command_line_serves_and_matches_generate(tmp_path):
     np.testing.assert_array_equal(got, ref)
 
 
-def test_tp2_server_equals_tp1():
-    model = tiny_model_path()
+def test_tp2_server_equals_tp1(tiny_zimage_dir):
+    model = tiny_zimage_dir
     fields = dict(prompt="two lanterns", height=32, width=32, seed=5, num_inference_steps=2)
     tp1 = runtime.DiffusionEngine(model_path=model, device="cpu")
     try:
@@ -152,8 +154,15 @@ def test_tp2_server_equals_tp1():
             r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
             assert r.status_code == 200, r.text
             assert httpx.get(f"{url}/health").status_code == 200
-            for item, ref in zip(r.json()["data"], refs):
-                np.testing.assert_array_equal(_pixels(base64.b64decode(item["b64_json"])), ref)
+            got = [_pixels(base64.b64decode(item["b64_json"])) for item in r.json()["data"]]
+            # exactly what the TP 2 engine returns when called directly ...
+            tp2_direct = tp2.generate(runtime.GenerationRequest(**fields, num_images=2))
+            for g, d in zip(got, tp2_direct):
+                np.testing.assert_array_equal(g, np.asarray(d))
+            # ... and TP 1's images up to the all-reduce's summation order (a level of 255)
+            for g, ref in zip(got, refs):
+                assert np.abs(g.astype(int) - ref.astype(int)).max() <= 2
+                assert psnr(g, ref) >= 45
             # a dead TP worker: /health fails and requests get 503 instead of hanging
             procs = getattr(tp2, "_procs", None)
             if not procs:
