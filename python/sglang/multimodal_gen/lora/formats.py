@@ -37,7 +37,7 @@ import logging
 import math
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,7 +161,7 @@ _ARCH_SIGNATURES = (
 )
 
 
-def guess_architecture(keys) -> str | None:
+def guess_architecture(keys: Iterable[str]) -> str | None:
     """Best guess of the model family a list of LoRA keys was trained for, or None."""
     votes: Counter[str] = Counter()
     for k in keys:

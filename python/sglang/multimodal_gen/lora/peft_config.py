@@ -236,7 +236,9 @@ def _from_safetensors_header(header: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def config_from_sources(metadata: Mapping[str, Any] | None, component: str = "transformer"):
+def config_from_sources(
+    metadata: Mapping[str, Any] | None, component: str = "transformer"
+) -> AdapterConfig:
     """Build one :class:`AdapterConfig` from the metadata returned by ``load_lora_state_dict``.
 
     Args:
