@@ -1,0 +1,245 @@
+"""Adapter switching cost: our LoRAManager vs diffusers' LoRA API on the same model and files.
+
+Model: a Z-Image transformer with real layer shapes (dim 3840, 30 heads, FFN 10240) and
+``--blocks`` main blocks (no refiner blocks), random weights, built once in diffusers
+(``ZImageTransformer2DModel``) and copied into ours (``zimage_from_diffusers_module``). Two LoRA
+files in diffusers format (rank ``--rank`` on to_q/k/v, to_out.0, w1/w2/w3 of every block).
+
+Timed operations (median of ``--repeats``):
+
+=====================  =============================================  =============================
+operation              ours (merge mode)                              diffusers
+=====================  =============================================  =============================
+cold set               ``set_lora("a", path)``: read+convert+merge   ``load_lora_weights`` +
+                                                                      ``fuse_lora``
+load only              ``load_adapter("b", path)``                    ``load_lora_weights``
+warm switch            ``set_lora("b")``, merge cache cleared          ``unfuse_lora`` +
+                                                                      ``set_adapters`` + ``fuse_lora``
+cache hit              ``set_lora("a")`` after it was merged once      (same as warm switch)
+dynamic switch         ``set_lora("b", merge_mode="dynamic")``         ``set_adapters`` (unfused)
+unset                  ``unset_lora()`` (snapshot restore)             ``unfuse_lora`` +
+                                                                      ``disable_lora``
+=====================  =============================================  =============================
+
+A correctness check compares one merged weight of both sides. Memory: with ``--blocks 4`` in bf16
+the two models, our pre-merge snapshot and two cached compositions stay under 12 GB.
+
+Usage::
+
+    python benchmarks/bench_lora_switch.py --blocks 4               # CPU
+    python benchmarks/bench_lora_switch.py --blocks 8 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def median_of(fn, device, repeats, before=None) -> float:
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        times.append(timed(fn, device))
+    return statistics.median(times)
+
+
+def write_lora(path, model, rank, seed, dtype):
+    """A diffusers-format LoRA file on every attention/FFN linear of ``model``'s main blocks."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear) or not name.startswith("layers."):
+            continue
+        if not any(s in name for s in ("attention.to_", "feed_forward.w")):
+            continue
+        a = torch.randn(rank, mod.in_features, generator=g) / mod.in_features**0.5
+        b = torch.randn(mod.out_features, rank, generator=g) * 0.01
+        sd[f"transformer.{name}.lora_A.weight"] = a.to(dtype)
+        sd[f"transformer.{name}.lora_B.weight"] = b.to(dtype)
+    save_file(sd, path)
+    return len(sd) // 2
+
+
+def run_ours(ours, paths, tmp, args, device):
+    """Time our manager; returns (rows, merged to_q weight of block 0, unset bit-exact?, stats)."""
+    from sglang.multimodal_gen.lora.manager import LoRAManager
+    from sglang.multimodal_gen.models.dits.zimage_names import ZIMAGE_NAME_MAP
+
+    rows = {}
+    mgr = LoRAManager(
+        {"transformer": ours}, ZIMAGE_NAME_MAP, allowed_roots=[tmp], merge_cache_bytes=16 << 30
+    )
+    base_bits = {k: v.clone() for k, v in ours.state_dict().items() if k.endswith("weight")}
+    rows["cold set (load + merge)"] = timed(lambda: mgr.set_lora("a", paths["a"]), device)
+    rows["load only"] = timed(lambda: mgr.load_adapter("b", paths["b"]), device)
+    # warm switch, merge cache cleared each time: a -> b recomputes every merged weight
+    mgr.set_lora("a")
+
+    rows["warm switch (merge)"] = median_of(
+        lambda: mgr.set_lora("b"), device, args.repeats, before=_prep(mgr, "a")
+    )
+    # cache hit: both compositions merged once -> switching is a copy per layer
+    mgr.set_lora("a")
+    mgr.set_lora("b")
+    rows["cache hit (switch back)"] = median_of(
+        lambda: mgr.set_lora("a"), device, args.repeats, before=lambda: mgr.set_lora("b")
+    )
+    rows["dynamic switch"] = median_of(
+        lambda: mgr.set_lora("b", merge_mode="dynamic"),
+        device,
+        args.repeats,
+        before=lambda: mgr.set_lora("a", merge_mode="dynamic"),
+    )
+    rows["unset"] = median_of(
+        lambda: mgr.unset_lora(), device, args.repeats, before=lambda: mgr.set_lora("a")
+    )
+    unchanged = all(torch.equal(ours.state_dict()[k], v) for k, v in base_bits.items())
+    stats = mgr.cache.stats()
+    mgr.set_lora("a", merge_mode="merge")
+    qkv = ours.state_dict()["layers.0.attention.to_qkv.base_layer.weight"]
+    ours_w = qkv[: args.dim].float().clone()
+    mgr.unset_lora()
+    return rows, ours_w, unchanged, stats
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--dim", type=int, default=3840)
+    p.add_argument("--heads", type=int, default=30)
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32", "fp16"))
+    p.add_argument("--skip-diffusers", action="store_true")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
+    torch.set_grad_enabled(False)
+
+    from diffusers import ZImagePipeline, ZImageTransformer2DModel
+    from sglang.multimodal_gen.models.loader import zimage_from_diffusers_module
+
+    head_dim = args.dim // args.heads
+    axes = [head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8]
+    t0 = time.perf_counter()
+    ref = ZImageTransformer2DModel(
+        dim=args.dim,
+        n_layers=args.blocks,
+        n_refiner_layers=0,
+        n_heads=args.heads,
+        n_kv_heads=args.heads,
+        axes_dims=axes,
+    ).to(device=device, dtype=dtype)
+    ours = zimage_from_diffusers_module(ref, dtype=dtype, device=device)
+    n_params = sum(p.numel() for p in ref.parameters())
+    print(
+        f"model: {args.blocks} blocks of dim {args.dim}, {n_params / 1e9:.2f} B params "
+        f"({n_params * ref.dtype.itemsize / 2**30:.2f} GiB), {dtype}, {device}; "
+        f"built in {time.perf_counter() - t0:.1f} s; LoRA rank {args.rank}"
+    )
+
+    tmp = tempfile.mkdtemp(prefix="bench_lora_switch_")
+    paths = {}
+    for i, name in enumerate(("a", "b")):
+        paths[name] = os.path.join(tmp, f"{name}.safetensors")
+        n_mod = write_lora(paths[name], ref, args.rank, i, dtype)
+    size = os.path.getsize(paths["a"]) / 2**20
+    print(f"LoRA files: {n_mod} modules, {size:.1f} MiB each")
+    ours_times, ours_w, unchanged, stats = run_ours(ours, paths, tmp, args, device)
+    del ours
+    gc.collect()
+    rows = {k: [v] for k, v in ours_times.items()}
+
+    # ------------------------------------------------------------------ diffusers
+    if not args.skip_diffusers:
+        pipe = ZImagePipeline(
+            scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=ref
+        )
+        rows["cold set (load + merge)"].append(
+            timed(
+                lambda: (
+                    pipe.load_lora_weights(paths["a"], adapter_name="a"),
+                    pipe.fuse_lora(adapter_names=["a"]),
+                ),
+                device,
+            )
+        )
+        ref_w = ref.layers[0].attention.to_q.base_layer.weight.float().clone()
+        rows["load only"].append(
+            timed(lambda: pipe.load_lora_weights(paths["b"], adapter_name="b"), device)
+        )
+
+        def d_switch(to):
+            pipe.unfuse_lora()
+            pipe.set_adapters([to])
+            pipe.fuse_lora(adapter_names=[to])
+
+        rows["warm switch (merge)"].append(
+            median_of(lambda: d_switch("b"), device, args.repeats, before=lambda: d_switch("a"))
+        )
+        rows["cache hit (switch back)"].append(
+            median_of(lambda: d_switch("a"), device, args.repeats, before=lambda: d_switch("b"))
+        )
+        pipe.unfuse_lora()
+
+        def d_set(to):
+            pipe.set_adapters([to])
+
+        rows["dynamic switch"].append(
+            median_of(lambda: d_set("b"), device, args.repeats, before=lambda: d_set("a"))
+        )
+
+        def d_unset():
+            pipe.unfuse_lora()
+            pipe.disable_lora()
+
+        def d_prep():
+            pipe.enable_lora()
+            d_switch("a")
+
+        rows["unset"].append(median_of(d_unset, device, args.repeats, before=d_prep))
+        diff = (ours_w - ref_w).abs().max().item()
+        print(f"merged layers.0 to_q: max |ours - diffusers| = {diff:.3g} ({dtype})")
+
+    print(f"weights bit-identical to the start after unset: {unchanged}; merge cache: {stats}")
+    print()
+    print(f"{'operation':<26} {'ours ms':>10} {'diffusers ms':>13} {'speedup':>8}")
+    print("-" * 60)
+    for name, vals in rows.items():
+        d = f"{vals[1]:13.1f} {vals[1] / vals[0]:7.1f}x" if len(vals) > 1 else ""
+        print(f"{name:<26} {vals[0]:10.1f} {d}")
+
+
+def _prep(mgr, name):
+    def before():
+        mgr.set_lora(name)
+        mgr.cache.clear()
+
+    return before
+
+
+if __name__ == "__main__":
+    main()
