@@ -61,13 +61,29 @@ def _pixels(png: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
+def _fake_hub_cache(hf_home, repo_id: str, model_dir: str) -> None:
+    """Lay ``model_dir`` out as a cached snapshot of ``repo_id`` under ``hf_home/hub``."""
+    owner, name = repo_id.split("/")
+    repo = hf_home / "hub" / f"models--{owner}--{name}"
+    commit = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c"
+    shutil.copytree(model_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
 def test_seed_command_line_serves_and_matches_generate(tmp_path, tiny_zimage_dir):
+    """The seed's command line, verbatim, with ``M`` a Hub id present only in the local cache
+    (``HF_HOME`` points at a fresh cache; a local directory takes the same path once resolved)."""
     model = tiny_zimage_dir
+    repo_id = "Tiny-Owner/Tiny-ZImage"
+    _fake_hub_cache(tmp_path / "hf", repo_id, model)
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    env.pop("HF_HUB_CACHE", None)
     port = free_port()
     cmd = (
         _sglang_cmd()
         + (
-            f"serve --model-path {model} --model-type diffusion --dit-cpu-offload false "
+            f"serve --model-path {repo_id} --model-type diffusion --dit-cpu-offload false "
             f"--num-gpus 1 --port {port} --host localhost"
         ).split()
     )
@@ -76,7 +92,9 @@ def test_seed_command_line_serves_and_matches_generate(tmp_path, tiny_zimage_dir
         write_zimage_lora(str(tmp_path / "start.safetensors"), model, seed=31)
         cmd += ["--lora-path", "start.safetensors", "--lora-nickname", "start"]
         cmd += ["--lora-dir", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     url = f"http://localhost:{port}"
     try:
         _wait_healthy(url, proc)
@@ -87,7 +105,7 @@ def test_seed_command_line_serves_and_matches_generate(tmp_path, tiny_zimage_dir
             text = httpx.get(f"{url}/v1/list_loras").text
             assert '"start"' in text, text
         resp = client.images.generate(
-            model=os.path.basename(model),
+            model=repo_id,
             prompt="a small cabin in snow",
             size="64x64",
             response_format="b64_json",
