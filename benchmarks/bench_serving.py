@@ -68,6 +68,7 @@ async def run_level(base_url: str, requests: list[dict], concurrency: int, heade
         queue.put_nowait(r)
     latencies: list[float] = []
     lora_lat: list[float] = []
+    base_lat: list[float] = []
     errors: dict[int, int] = {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
@@ -83,8 +84,7 @@ async def run_level(base_url: str, requests: list[dict], concurrency: int, heade
                 dt = time.perf_counter() - t0
                 if resp.status_code == 200:
                     latencies.append(dt)
-                    if "lora" in body:
-                        lora_lat.append(dt)
+                    (lora_lat if "lora" in body else base_lat).append(dt)
                 else:
                     errors[resp.status_code] = errors.get(resp.status_code, 0) + 1
 
@@ -99,6 +99,7 @@ async def run_level(base_url: str, requests: list[dict], concurrency: int, heade
         "images_per_s": len(latencies) / wall,
         "p50_s": percentile(latencies, 50) if latencies else float("nan"),
         "p99_s": percentile(latencies, 99) if latencies else float("nan"),
+        "base_p50_s": percentile(base_lat, 50) if base_lat else float("nan"),
         "lora_p50_s": percentile(lora_lat, 50) if lora_lat else float("nan"),
         "wall_s": wall,
     }
@@ -126,6 +127,7 @@ def run_direct(
             GenerationRequest(prompt="warmup", width=w, height=h, num_inference_steps=1)
         )
         lat: list[float] = []
+        kinds: list[bool] = []  # True: the request had a per-request LoRA
         wall = 0.0
 
         def loop() -> None:
@@ -142,6 +144,7 @@ def run_direct(
                 t0 = time.perf_counter()
                 engine.generate(req)
                 lat.append(time.perf_counter() - t0)
+                kinds.append(comp is not None)
             wall = time.perf_counter() - t_start
 
         # Run on a worker thread, as the server's scheduler does: on a busy CPU, torch's
@@ -151,10 +154,14 @@ def run_direct(
         worker.join()
     finally:
         engine.shutdown()
+    base = [t for t, k in zip(lat, kinds) if not k]
+    with_lora = [t for t, k in zip(lat, kinds) if k]
     return {
         "images_per_s": len(lat) / wall,
         "p50_s": percentile(lat, 50),
         "p99_s": percentile(lat, 99),
+        "base_p50_s": percentile(base, 50) if base else float("nan"),
+        "lora_p50_s": percentile(with_lora, 50) if with_lora else float("nan"),
     }
 
 
@@ -288,16 +295,20 @@ def main(argv: list[str] | None = None) -> int:
     mix = f"{args.lora_fraction:.0%} per-request LoRA" if lora_name else "no LoRA (runtime absent)"
     print(f"\nmodel {os.path.basename(model_path)}, {args.size}, {args.steps} steps, "
           f"{args.num_requests} requests per level, mix: {mix}\n")  # fmt: skip
-    print("| path | clients | images/s | p50 (s) | p99 (s) | LoRA p50 (s) | errors |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| path | clients | images/s | p50 (s) | p99 (s) | base p50 (s) | LoRA p50 (s) | errors |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| HTTP | {r['concurrency']} | {r['images_per_s']:.2f} | {r['p50_s']:.3f} | "
-            f"{r['p99_s']:.3f} | {r['lora_p50_s']:.3f} | {sum(r['errors'].values())} |"
+            f"{r['p99_s']:.3f} | {r['base_p50_s']:.3f} | {r['lora_p50_s']:.3f} | "
+            f"{sum(r['errors'].values())} |"
         )
     if direct:
         print(f"| direct engine | 1 | {direct['images_per_s']:.2f} | {direct['p50_s']:.3f} | "
-              f"{direct['p99_s']:.3f} | - | 0 |")  # fmt: skip
+              f"{direct['p99_s']:.3f} | {direct['base_p50_s']:.3f} | "
+              f"{direct['lora_p50_s']:.3f} | 0 |")  # fmt: skip
         c1 = next((r for r in results if r["concurrency"] == 1), None)
         if c1:
             over = c1["p50_s"] - direct["p50_s"]
