@@ -121,3 +121,30 @@ def test_matches_peft_with_several_active_adapters():
         want = ref(x)
     torch.testing.assert_close(layer(x)[0], want, atol=2e-5, rtol=1e-5)
     assert layer._a_cat.shape[0] == sum(ranks)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["qkv", "merged", "row_full_input"])
+def test_cuda_bf16_unmerged_and_merged_match_reference(kind):
+    """The same fused compose on a GPU in bf16 (tolerance atol 6e-2 / rtol 3e-2 vs fp64)."""
+    seed = 31
+    w, b = full_weights(kind, seed)
+    base = load(build_layer(kind, dtype=torch.bfloat16, device="cuda"), w.bfloat16(), b.bfloat16())
+    layer = wrap_with_lora(base)
+    adapters = []
+    for i in range(3):
+        weights = random_adapter(kind, seed + i, ranks=RANKS[i], offset=True, dtype=torch.bfloat16)
+        layer.add_adapter(f"a{i}", weights)
+        adapters.append((weights, STRENGTHS[i]))
+    layer.set_active([(f"a{i}", STRENGTHS[i]) for i in range(3)])
+    x = torch.randn(4, 64, IN, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    want = dense_reference(kind, w.bfloat16().float(), b.bfloat16().float(), x.float(), adapters)
+    tol = dict(atol=6e-2, rtol=3e-2)
+    original = base.weight.clone()
+    with torch.inference_mode():
+        got = layer(x.cuda())[0]
+        torch.testing.assert_close(got.cpu().double(), want, **tol)
+        layer.merge()
+        torch.testing.assert_close(layer(x.cuda())[0].cpu().double(), want, **tol)
+    layer.unmerge()
+    assert torch.equal(base.weight, original)

@@ -481,7 +481,8 @@ def _tp_rank_fn(rank, files):
 
 
 def test_manager_under_tensor_parallel_gloo(files):
-    results = launch_processes(_tp_rank_fn, 2, args=({k: files[k] for k in ("root", "a", "c")},))
+    picked = {k: files[k] for k in ("root", "a", "c")}
+    results = launch_processes(_tp_rank_fn, 2, args=(picked,), backend="gloo")  # CPU model
     x = _x(6)
     want = reference_output(x, [(files["a"][1], 0.9), (files["c"][1], -0.4)])
     base = reference_output(x, [])
