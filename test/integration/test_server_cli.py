@@ -104,6 +104,7 @@ def test_seed_command_line_serves_and_matches_generate(tmp_path, tiny_zimage_dir
             extra["lora"] = []  # the base model, whatever is active globally
             text = httpx.get(f"{url}/v1/list_loras").text
             assert '"start"' in text, text
+        assert [m.id for m in client.models.list().data] == [repo_id]
         resp = client.images.generate(
             model=repo_id,
             prompt="a small cabin in snow",

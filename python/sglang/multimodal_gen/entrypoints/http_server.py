@@ -274,7 +274,12 @@ def create_app(
         max_steps=args.max_inference_steps,
     )
     lora_targets = tuple(engine.lora_targets)
-    model_id = args.served_model_name or str(engine.model_name)
+    if args.served_model_name:
+        model_id = args.served_model_name
+    elif args.model_path and not os.path.isdir(args.model_path):
+        model_id = args.model_path  # a Hub id: nicer than its snapshot folder's hash
+    else:
+        model_id = str(engine.model_name)
     model_aliases = {model_id, str(engine.model_name)}
     if args.model_path:
         model_aliases |= {args.model_path, os.path.basename(os.path.normpath(args.model_path))}
