@@ -181,6 +181,23 @@ def test_parse_json_body_accepts_nan_literal_for_value_check():
         validate_generation(req, LIMITS)
 
 
+def test_encode_image_quality_follows_output_compression():
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from sglang.multimodal_gen.entrypoints.http_server import encode_image
+
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    png = encode_image(img, "png", None)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), np.asarray(img))
+    for fmt in ("jpeg", "webp"):
+        small, large = encode_image(img, fmt, 0), encode_image(img, fmt, 100)
+        assert len(small) < len(large)
+        assert Image.open(io.BytesIO(small)).format == fmt.upper()
+
+
 # ------------------------------------------------------------------------------ auth / errors
 
 

@@ -146,16 +146,17 @@ def parse_json_body(raw: bytes, model: type[BaseModel], *, allow_empty: bool = F
 def encode_image(image: Any, output_format: str, compression: int | None) -> bytes:
     """Encode a PIL image as PNG (lossless, ``compression`` ignored), JPEG or WebP.
 
-    ``compression`` is the OpenAI ``output_compression`` in [0, 100], used as the JPEG/WebP quality
-    (default 95).
+    ``compression`` is the OpenAI ``output_compression`` in [0, 100]; like OpenAI's (default 100 =
+    best), it is used as the JPEG/WebP quality (default 95 here).
     """
     buf = io.BytesIO()
+    quality = 95 if compression is None else int(compression)
     if output_format == "png":
         image.save(buf, format="PNG")
     elif output_format == "jpeg":
-        image.convert("RGB").save(buf, format="JPEG", quality=compression or 95)
+        image.convert("RGB").save(buf, format="JPEG", quality=quality)
     else:
-        image.save(buf, format="WEBP", quality=95 if compression is None else compression)
+        image.save(buf, format="WEBP", quality=quality)
     return buf.getvalue()
 
 
