@@ -87,3 +87,23 @@ def test_sigterm_finishes_in_flight_then_exits():
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_serve_startup_failure_is_one_clear_line(monkeypatch, capsys, tmp_path):
+    """A startup adapter that cannot be loaded stops ``sglang serve`` with exit code 1 and the
+    loader's message, not a traceback; the engine is shut down."""
+    from server_helpers import FakeEngine
+    from sglang.cli.main import main
+    from sglang.multimodal_gen.entrypoints import http_server
+
+    engine = FakeEngine(lora_dirs=[str(tmp_path)])
+    monkeypatch.setattr(http_server, "build_engine", lambda args: engine)
+    rc = main(
+        ["serve", "--port", str(free_port()), "--lora-path", "missing.safetensors",
+         "--lora-dir", str(tmp_path)]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith("sglang serve: error: ") and "missing.safetensors" in err, err
+    assert "Traceback" not in err
+    assert not engine.alive  # shut down

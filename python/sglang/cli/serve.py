@@ -26,7 +26,8 @@ def run_serve(args: argparse.Namespace) -> int:
     """Validate the flags, start the engine and the HTTP server; block until shutdown.
 
     Returns:
-        0 after a clean shutdown, 2 for invalid flags (the message goes to stderr).
+        0 after a clean shutdown, 2 for invalid flags, 1 when the model or a startup adapter
+        cannot be loaded (the message goes to stderr).
     """
     try:
         server_args = ServerArgs.from_cli_args(args)
@@ -34,6 +35,13 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"sglang serve: error: {e}", file=sys.stderr)
         return 2
     from sglang.multimodal_gen.entrypoints.http_server import launch_server
+    from sglang.multimodal_gen.errors import SGLangError
 
-    launch_server(server_args)
+    try:
+        launch_server(server_args)
+    except (SGLangError, ValueError, FileNotFoundError) as e:
+        # A model or startup adapter that cannot be used: one clear line, no traceback.
+        message = getattr(e, "message", None) or str(e)
+        print(f"sglang serve: error: {message}", file=sys.stderr)
+        return 1
     return 0

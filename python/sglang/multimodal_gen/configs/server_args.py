@@ -269,7 +269,9 @@ class ServerArgs:
             "--max-image-size", type=int, default=2048, help="largest width or height (pixels)"
         )
         g.add_argument("--served-model-name", default=None, help="id reported by /v1/models")
-        g.add_argument("--log-level", default="info")
+        g.add_argument(
+            "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
+        )
 
         g = parser.add_argument_group("LoRA")
         g.add_argument(
