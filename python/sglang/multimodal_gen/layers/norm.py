@@ -8,6 +8,7 @@ fp32), cast to the weight's dtype when that is half precision, then multiplied b
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -34,14 +35,20 @@ class RMSNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        inv = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps)
-        y = x * inv
-        if self.weight is None:
-            return y.to(in_dtype)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            y = y.to(self.weight.dtype)
-        return y * self.weight
+        w = self.weight
+        shape = (self.dim,)
+        # Fused kernels where they give the reference's exact rounding: one rounding to x.dtype
+        # (no weight, or fp32), then the half-precision weight product as the reference does.
+        if w is None:
+            return F.rms_norm(x, shape, None, self.eps)
+        if x.dtype == w.dtype:
+            if w.dtype in (torch.float16, torch.bfloat16):
+                return F.rms_norm(x, shape, None, self.eps) * w
+            return F.rms_norm(x, shape, w, self.eps)
+        y = x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps)
+        if w.dtype in (torch.float16, torch.bfloat16):
+            y = y.to(w.dtype)
+        return y * w
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, affine={self.weight is not None}"

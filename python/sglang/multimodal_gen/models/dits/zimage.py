@@ -90,7 +90,7 @@ class ZImageAttention(nn.Module):
             ]
         )
 
-    def forward(self, x, cos, sin, key_mask):
+    def forward(self, x, cis, key_mask):
         qkv, _ = self.to_qkv(x)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
@@ -99,8 +99,8 @@ class ZImageAttention(nn.Module):
         if self.norm_q is not None:
             q = self.norm_q(q)
             k = self.norm_k(k)
-        q = apply_rope_interleaved(q, cos, sin)
-        k = apply_rope_interleaved(k, cos, sin)
+        q = apply_rope_interleaved(q, cis)
+        k = apply_rope_interleaved(k, cis)
         out = sdpa_bshd(q, k, v.to(q.dtype), key_mask).to(q.dtype)
         return self.to_out[0](out)[0]
 
@@ -138,7 +138,7 @@ class ZImageBlock(nn.Module):
         x = x + tanh(gate_f) * ffn_norm2(ffn(ffn_norm1(x) * (1 + scale_f)))
 
     Without modulation (caption refiner) the scales are 1 and the gates 1.
-    Shapes: ``x [B, S, dim]``, ``cos/sin [B, S, head_dim/2]``, ``key_mask [B, S] bool | None``.
+    Shapes: ``x [B, S, dim]``, ``cis [B, S, head_dim/2]`` complex64, ``key_mask [B, S] bool | None``.
     """
 
     def __init__(
@@ -173,15 +173,13 @@ class ZImageBlock(nn.Module):
                 ]
             )
 
-    def forward(self, x, cos, sin, key_mask, adaln=None):
+    def forward(self, x, cis, key_mask, adaln=None):
         if not self.modulation:
-            x = x + self.attention_norm2(
-                self.attention(self.attention_norm1(x), cos, sin, key_mask)
-            )
+            x = x + self.attention_norm2(self.attention(self.attention_norm1(x), cis, key_mask))
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
         mod = self.adaLN_modulation[0](adaln)[0].unsqueeze(1)
         scale_a, gate_a, scale_f, gate_f = mod.chunk(4, dim=2)
-        attn = self.attention(self.attention_norm1(x) * (1.0 + scale_a), cos, sin, key_mask)
+        attn = self.attention(self.attention_norm1(x) * (1.0 + scale_a), cis, key_mask)
         x = x + gate_a.tanh() * self.attention_norm2(attn)
         ffn = self.feed_forward(self.ffn_norm1(x) * (1.0 + scale_f))
         return x + gate_f.tanh() * self.ffn_norm2(ffn)
@@ -254,13 +252,12 @@ class CaptionContext:
     Attributes:
         tokens: ``[B, Cmax, dim]`` refined caption tokens (item ``i`` valid up to ``lens[i]``).
         lens: padded (multiple of 32) caption length per item.
-        cos, sin: ``[B, Cmax, head_dim / 2]`` fp32 RoPE tables of the caption positions.
+        cis: ``[B, Cmax, head_dim / 2]`` complex64 RoPE rotations of the caption positions.
     """
 
     tokens: torch.Tensor
     lens: list[int]
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cis: torch.Tensor
 
     def select(self, index: list[int]) -> CaptionContext:
         """The context of the items ``index`` (e.g. to repeat or reorder a batch)."""
@@ -270,8 +267,7 @@ class CaptionContext:
         return CaptionContext(
             self.tokens.index_select(0, idx)[:, :m],
             lens,
-            self.cos.index_select(0, idx)[:, :m],
-            self.sin.index_select(0, idx)[:, :m],
+            self.cis.index_select(0, idx)[:, :m],
         )
 
 
@@ -397,24 +393,21 @@ class ZImageTransformer(nn.Module):
             raise ValueError("a caption has zero tokens")
         norm, lin = self.cap_embedder
         emb = lin(norm(torch.cat(cap_feats, 0)))[0]
-        seqs, cos_l, sin_l, plens = [], [], [], []
+        seqs, cis_l, plens = [], [], []
         for e, n in zip(emb.split(lens, 0), lens):
             c = _round_up(n, self.cfg.SEQ_MULTI_OF)
             if c > n:
                 e = torch.cat([e, self.cap_pad_token.expand(c - n, -1)], 0)
             pos = torch.zeros(c, 3, dtype=torch.long, device=e.device)
             pos[:, 0] = torch.arange(1, c + 1, device=e.device)
-            cos, sin = self.rope(pos)
             seqs.append(e)
-            cos_l.append(cos)
-            sin_l.append(sin)
+            cis_l.append(self.rope(pos))
             plens.append(c)
         x, mask = _pad_batch(seqs)
-        cos, _ = _pad_batch(cos_l)
-        sin, _ = _pad_batch(sin_l)
+        cis, _ = _pad_batch(cis_l)
         for block in self.context_refiner:
-            x = block(x, cos, sin, mask)
-        return CaptionContext(x, plens, cos, sin)
+            x = block(x, cis, mask)
+        return CaptionContext(x, plens, cis)
 
     # ------------------------------------------------------------------ image side
     def _patchify(self, img: torch.Tensor, p: int, pf: int):
@@ -484,7 +477,7 @@ class ZImageTransformer(nn.Module):
             grids.append(grid)
             nlens.append(tok.shape[0])
         emb = self.all_x_embedder[key](torch.cat(patches, 0))[0]
-        seqs, cos_l, sin_l, xlens = [], [], [], []
+        seqs, cis_l, xlens = [], [], []
         for i, (e, n, grid) in enumerate(zip(emb.split(nlens, 0), nlens, grids)):
             xl = _round_up(n, self.cfg.SEQ_MULTI_OF)
             if xl > n:
@@ -495,34 +488,27 @@ class ZImageTransformer(nn.Module):
                 for g, off in zip(grid, (ctx.lens[i] + 1, 0, 0))
             ]
             pos[:n] = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(n, 3)
-            cos, sin = self.rope(pos)
             seqs.append(e)
-            cos_l.append(cos)
-            sin_l.append(sin)
+            cis_l.append(self.rope(pos))
             xlens.append(xl)
         h, mask = _pad_batch(seqs)
-        cos, _ = _pad_batch(cos_l)
-        sin, _ = _pad_batch(sin_l)
+        cis, _ = _pad_batch(cis_l)
         for block in self.noise_refiner:
-            h = block(h, cos, sin, mask, adaln)
+            h = block(h, cis, mask, adaln)
 
         # unified [image tokens, caption tokens] per item
         if mask is None and all(c == ctx.lens[0] for c in ctx.lens):
             u = torch.cat([h, ctx.tokens], 1)
-            ucos = torch.cat([cos, ctx.cos], 1)
-            usin = torch.cat([sin, ctx.sin], 1)
+            ucis = torch.cat([cis, ctx.cis], 1)
             umask = None
         else:
             u, umask = _pad_batch(
                 [torch.cat([h[i, : xlens[i]], ctx.tokens[i, : ctx.lens[i]]]) for i in range(bsz)]
             )
-            ucos, _ = _pad_batch(
-                [torch.cat([cos[i, : xlens[i]], ctx.cos[i, : ctx.lens[i]]]) for i in range(bsz)]
-            )
-            usin, _ = _pad_batch(
-                [torch.cat([sin[i, : xlens[i]], ctx.sin[i, : ctx.lens[i]]]) for i in range(bsz)]
+            ucis, _ = _pad_batch(
+                [torch.cat([cis[i, : xlens[i]], ctx.cis[i, : ctx.lens[i]]]) for i in range(bsz)]
             )
         for block in self.layers:
-            u = block(u, ucos, usin, umask, adaln)
+            u = block(u, ucis, umask, adaln)
         out = self.all_final_layer[key](u, adaln)
         return [self._unpatchify(out[i], grids[i], patch_size, f_patch_size) for i in range(bsz)]
