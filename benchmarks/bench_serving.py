@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,9 +60,36 @@ def build_requests(n: int, size: str, steps: int, lora_name: str | None, lora_fr
     return out
 
 
-async def run_level(base_url: str, requests: list[dict], concurrency: int, headers: dict) -> dict:
-    """Send ``requests`` with ``concurrency`` workers; return the measured numbers."""
+def scrape_engine_time(base_url: str, headers: dict) -> tuple[float, float, float]:
+    """``(generation_seconds_sum, queue_wait_seconds_sum, count)`` from the server's /metrics."""
+    import re
+
     import httpx
+
+    text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=60).text
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    return (
+        value("sglang_generation_seconds_sum"),
+        value("sglang_queue_wait_seconds_sum"),
+        value("sglang_generation_seconds_count"),
+    )
+
+
+async def run_level(base_url: str, requests: list[dict], concurrency: int, headers: dict) -> dict:
+    """Send ``requests`` with ``concurrency`` workers; return the measured numbers.
+
+    ``overhead_ms`` is the mean client latency minus the mean time the server reports for the
+    same requests inside the engine and in its queue (``/metrics``): the cost of the HTTP path
+    (parsing, scheduling hand-off, PNG encoding, base64, transfer, client decode), measured at
+    the same moment as the latency itself, so other load on the machine affects both alike.
+    """
+    import httpx
+
+    gen0, wait0, n0 = await asyncio.to_thread(scrape_engine_time, base_url, headers)
 
     queue: asyncio.Queue = asyncio.Queue()
     for r in requests:
@@ -102,6 +130,24 @@ async def run_level(base_url: str, requests: list[dict], concurrency: int, heade
         "base_p50_s": percentile(base_lat, 50) if base_lat else float("nan"),
         "lora_p50_s": percentile(lora_lat, 50) if lora_lat else float("nan"),
         "wall_s": wall,
+        **_overhead(
+            latencies,
+            (gen0, wait0, n0),
+            await asyncio.to_thread(scrape_engine_time, base_url, headers),
+        ),
+    }
+
+
+def _overhead(latencies: list[float], before: tuple, after: tuple) -> dict:
+    count = after[2] - before[2]
+    if not latencies or count <= 0:
+        return {"engine_mean_s": float("nan"), "overhead_ms": float("nan")}
+    engine_mean = (after[0] - before[0]) / count
+    wait_mean = (after[1] - before[1]) / count
+    client_mean = sum(latencies) / len(latencies)
+    return {
+        "engine_mean_s": engine_mean,
+        "overhead_ms": (client_mean - engine_mean - wait_mean) * 1000,
     }
 
 
@@ -160,6 +206,7 @@ def run_direct(
         "images_per_s": len(lat) / wall,
         "p50_s": percentile(lat, 50),
         "p99_s": percentile(lat, 99),
+        "mean_s": statistics.fmean(lat),
         "base_p50_s": percentile(base, 50) if base else float("nan"),
         "lora_p50_s": percentile(with_lora, 50) if with_lora else float("nan"),
     }
@@ -296,24 +343,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmodel {os.path.basename(model_path)}, {args.size}, {args.steps} steps, "
           f"{args.num_requests} requests per level, mix: {mix}\n")  # fmt: skip
     print(
-        "| path | clients | images/s | p50 (s) | p99 (s) | base p50 (s) | LoRA p50 (s) | errors |"
+        "| path | clients | images/s | p50 (s) | p99 (s) | base p50 (s) | LoRA p50 (s) "
+        "| engine mean (s) | HTTP overhead (ms) | errors |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| HTTP | {r['concurrency']} | {r['images_per_s']:.2f} | {r['p50_s']:.3f} | "
             f"{r['p99_s']:.3f} | {r['base_p50_s']:.3f} | {r['lora_p50_s']:.3f} | "
-            f"{sum(r['errors'].values())} |"
+            f"{r['engine_mean_s']:.3f} | {r['overhead_ms']:.1f} | {sum(r['errors'].values())} |"
         )
     if direct:
         print(f"| direct engine | 1 | {direct['images_per_s']:.2f} | {direct['p50_s']:.3f} | "
               f"{direct['p99_s']:.3f} | {direct['base_p50_s']:.3f} | "
-              f"{direct['lora_p50_s']:.3f} | 0 |")  # fmt: skip
+              f"{direct['lora_p50_s']:.3f} | {direct['mean_s']:.3f} | - | 0 |")  # fmt: skip
         c1 = next((r for r in results if r["concurrency"] == 1), None)
         if c1:
             over = c1["p50_s"] - direct["p50_s"]
-            print(f"\nHTTP overhead at 1 client: {over * 1000:+.1f} ms per request (p50), "
-                  f"{over / direct['p50_s']:+.1%} of the engine time")  # fmt: skip
+            print(f"\nserver p50 at 1 client minus direct p50 (separate runs): {over * 1000:+.1f} ms "
+                  f"({over / direct['p50_s']:+.1%}); HTTP overhead measured against the server's "
+                  f"own engine time: {c1['overhead_ms']:.1f} ms per request")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"http": results, "direct": direct}, f, indent=2)
