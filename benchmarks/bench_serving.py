@@ -2,9 +2,10 @@
 
 For each concurrency level (default 1, 4, 16) the benchmark sends a fixed mix of requests
 (``--lora-fraction`` of them carry a per-request ``lora``, the rest use the base model), and
-reports images/s, p50/p99 latency and errors. It then calls the engine directly (same requests,
-one at a time, in this process) and reports the HTTP path's overhead: server p50 at concurrency 1
-minus the direct p50.
+reports images/s, p50/p99 latency (all, base-only, LoRA-only), the server's own mean engine time
+for those requests (scraped from ``/metrics``) and the HTTP overhead = mean client latency - engine
+time - queue wait. It then calls the engine directly (same requests, one at a time, on a worker
+thread of this process) as the no-HTTP baseline.
 
 Usage::
 
