@@ -404,14 +404,18 @@ class BaseLayerWithLoRA(nn.Module):
         self._offset = None if offset is None else offset.to(dtype)
 
     # ------------------------------------------------------------------ merge
-    def _delta(self) -> torch.Tensor:
-        """``sum_i s_i c_i B_i A_i`` in fp32, ``[out_local, in_local]``."""
-        weight = self.base_layer.weight
-        delta = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    def _merged_weight(self, base: torch.Tensor) -> torch.Tensor:
+        """``base + sum_i s_i c_i B_i A_i`` accumulated in one fp32 buffer, rounded once.
+
+        One fp32 ``[out_local, in_local]`` buffer and the rounded result are the only large
+        allocations (the pairs are accumulated in place with ``addmm_``).
+        """
+        acc = torch.empty(base.shape, dtype=torch.float32, device=base.device)
+        acc.copy_(base)
         for eff, w in self._entries():
-            rows = delta[w.row_start : w.row_start + w.rows]
+            rows = acc[w.row_start : w.row_start + w.rows]
             rows.addmm_(w.lora_B.float(), w.lora_A.float(), alpha=eff)
-        return delta
+        return acc.to(base.dtype)
 
     def _write_weight(self, value: torch.Tensor) -> None:
         # inference_mode allows in-place updates of both inference and normal tensors
@@ -459,7 +463,7 @@ class BaseLayerWithLoRA(nn.Module):
             if cached is None:
                 # already merged: the snapshot is the base (no unmerge copy needed)
                 base = self._snapshot.to(weight.device) if self._merged else weight
-                merged = (base.float() + self._delta()).to(weight.dtype)
+                merged = self._merged_weight(base)
             else:
                 merged = cached.to(weight.device)
             if safe and not bool(torch.isfinite(merged).all()):
