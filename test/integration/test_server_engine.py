@@ -253,6 +253,17 @@ def test_lora_over_http_file_peft_list_unset(server, engine, model_path, tiny_zi
 
 
 @needs_lora
+def test_lora_dir_containment_reaches_the_engine(server, tmp_path, model_path):
+    outside = write_zimage_lora(str(tmp_path / "outside.safetensors"), model_path, seed=41)
+    before = httpx.get(f"{server}/v1/list_loras").json()
+    for path in (outside, "../../../../../../../../" + outside.lstrip("/")):
+        body = {"lora_nickname": "evil", "lora_path": path}
+        err = assert_envelope(httpx.post(f"{server}/v1/set_lora", json=body, timeout=60), 400)
+        assert err["param"] == "lora_path" and "outside" in err["message"], err
+    assert httpx.get(f"{server}/v1/list_loras").json() == before
+
+
+@needs_lora
 def test_s9_mismatch_nothing_changed(server):
     before = httpx.get(f"{server}/v1/list_loras").json()
     for body in (
