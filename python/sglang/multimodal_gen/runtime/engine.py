@@ -141,7 +141,8 @@ class DiffusionEngine:
             CUDA, fp32 on CPU).
         lora_dirs: allowed roots for local LoRA paths.
         generator_device: device of the seeded generator (default: the execution device type).
-        dit_cpu_offload: accepted for the CLI; not implemented (logged once when set on a GPU).
+        dit_cpu_offload: on CUDA keep the DiT weights in pinned host memory between calls
+            (moved to the GPU for each call); ignored, with one log line, without a GPU.
         startup_timeout_s: how long TP workers may take to load.
         heartbeat_s: idle period after which rank 0 pings the other ranks.
 
@@ -177,8 +178,8 @@ class DiffusionEngine:
         self.tp_size = int(tp_size)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = device
-        if dit_cpu_offload and torch.device(device).type == "cuda":
-            logger.warning("--dit-cpu-offload is not implemented; the DiT stays on the GPU")
+        if dit_cpu_offload and torch.device(device).type != "cuda":
+            logger.info("dit_cpu_offload has no effect without a GPU; ignored")
         self._lock = threading.Lock()
         self._dead = False
         self._closed = False
@@ -189,6 +190,7 @@ class DiffusionEngine:
             dtype=dtype,
             lora_dirs=tuple(lora_dirs),
             generator_device=generator_device,
+            dit_cpu_offload=bool(dit_cpu_offload),
         )
         if self.tp_size == 1:
             self._runner = ModelRunner(device=device, **runner_kwargs)

@@ -55,6 +55,52 @@ def build_lora_manager(transformer: torch.nn.Module, lora_dirs: Sequence[str] = 
     )
 
 
+class DiTOffloader:
+    """Keeps a module's parameters in pinned host memory between commands (``--dit-cpu-offload``).
+
+    :meth:`onload` moves every parameter to the execution device; :meth:`offload` points it back
+    at its host buffer, copying the device values into that buffer first when the command may
+    have changed them (LoRA merge/unmerge/commit). Only parameters move: small LoRA tensors and
+    merge snapshots stay where the LoRA runtime put them (on the device).
+    """
+
+    def __init__(self, module: torch.nn.Module, device: torch.device):
+        self.module = module
+        self.device = device
+        self.params = [p for p in module.parameters()]
+        self.host = []
+        for p in self.params:
+            buf = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
+            buf.copy_(p.data)
+            self.host.append(buf)
+        self.on_device = True
+        self.offload(dirty=False)
+
+    def onload(self) -> None:
+        if self.on_device:
+            return
+        for p, buf in zip(self.params, self.host):
+            p.data = buf.to(self.device, non_blocking=True)
+        torch.cuda.synchronize(self.device)
+        self.on_device = True
+
+    def offload(self, dirty: bool) -> None:
+        if not self.on_device:
+            return
+        for p, buf in zip(self.params, self.host):
+            if dirty:
+                buf.copy_(p.data, non_blocking=True)
+        if dirty:
+            torch.cuda.synchronize(self.device)
+        for p, buf in zip(self.params, self.host):
+            p.data = buf
+        self.on_device = False
+
+
+# Commands after which the DiT weights are unchanged (a per-request composition restores them).
+_READ_ONLY_OPS = ("generate", "list_loras", "noop")
+
+
 class ModelRunner:
     """Pipeline + LoRA manager of one rank.
 
@@ -66,6 +112,8 @@ class ModelRunner:
         lora_dirs: allowed roots for local LoRA paths.
         generator_device: device of the seeded ``torch.Generator`` (default: the execution
             device's type, as in diffusers' examples; ``"cpu"`` reproduces a CPU-seeded run).
+        dit_cpu_offload: on CUDA, keep the DiT weights in pinned host memory between commands
+            (:class:`DiTOffloader`); ignored on other devices.
     """
 
     def __init__(
@@ -77,6 +125,7 @@ class ModelRunner:
         tp_size: int = 1,
         lora_dirs: Sequence[str] = (),
         generator_device: str | None = None,
+        dit_cpu_offload: bool = False,
     ):
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -91,6 +140,9 @@ class ModelRunner:
         )
         self.generator_device = generator_device or self.device.type
         self.lora_manager = build_lora_manager(self.pipeline.transformer, lora_dirs)
+        self.offloader = None
+        if dit_cpu_offload and self.device.type == "cuda":
+            self.offloader = DiTOffloader(self.pipeline.transformer, self.device)
 
     @property
     def spatial_factor(self) -> int:
@@ -109,7 +161,13 @@ class ModelRunner:
         fn = getattr(self, f"cmd_{op}", None)
         if fn is None:
             raise ValueError(f"unknown engine command {op!r}")
-        return fn(**kwargs)
+        if self.offloader is None or op == "noop":
+            return fn(**kwargs)
+        self.offloader.onload()
+        try:
+            return fn(**kwargs)
+        finally:
+            self.offloader.offload(dirty=op not in _READ_ONLY_OPS)
 
     def _manager(self):
         if self.lora_manager is None:
