@@ -76,3 +76,20 @@ def test_cached_merge_restores_exact_bytes():
     assert torch.equal(layer.base_layer.weight, merged_a_bits)
     # the cached tensor was not written through
     assert torch.equal(cache.get(_key(module="qkv")), merged_a_bits)
+
+
+def test_merge_results_do_not_alias_a_shared_buffer():
+    """Two fp32 layers merged one after the other: the first result is unchanged (safe to cache)."""
+    layers = []
+    for seed in (5, 6):
+        w, b = full_weights("column", seed)
+        layer = wrap_with_lora(load(build_layer("column"), w, b))
+        layer.add_adapter("a", random_adapter("column", seed + 10))
+        layer.set_active([("a", 1.0)])
+        layers.append(layer)
+    first = layers[0].merge()
+    first_bits = first.clone()
+    layers[1].merge()
+    assert torch.equal(first, first_bits)
+    assert torch.equal(first, layers[0].base_layer.weight)
+    assert first.data_ptr() != layers[0].base_layer.weight.data_ptr()

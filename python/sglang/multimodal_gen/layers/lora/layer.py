@@ -57,6 +57,7 @@ __all__ = [
     "ReplicatedLinearWithLoRA",
     "RowParallelLinearWithLoRA",
     "get_runtime_lora_scale",
+    "release_merge_workspace",
     "replace_submodule",
     "runtime_lora_scale",
     "wrap_with_lora",
@@ -95,6 +96,30 @@ def runtime_lora_scale(scale: float) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------- helpers
+_WORKSPACE: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_workspace(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """A reusable fp32 buffer of ``shape`` (grow-only, one per device).
+
+    Merges run one layer at a time (not thread-safe: one merging thread per process); reusing
+    one buffer avoids allocating (and, on the CPU,
+    page-faulting in) a fresh ``[out, in]`` fp32 tensor for every layer of every switch.
+    """
+    numel = math.prod(shape)
+    buf = _WORKSPACE.get(device)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+        _WORKSPACE[device] = buf
+    return buf[:numel].view(shape)
+
+
+def release_merge_workspace() -> None:
+    """Free the fp32 merge buffers (they are re-created by the next merge)."""
+    _WORKSPACE.clear()
+
+
 @dataclass
 class _LocalLoRA:
     """This rank's slices of one shard of one adapter (dtype as given, device of the weight)."""
@@ -410,12 +435,12 @@ class BaseLayerWithLoRA(nn.Module):
         One fp32 ``[out_local, in_local]`` buffer and the rounded result are the only large
         allocations (the pairs are accumulated in place with ``addmm_``).
         """
-        acc = torch.empty(base.shape, dtype=torch.float32, device=base.device)
+        acc = _merge_workspace(base.shape, base.device)
         acc.copy_(base)
         for eff, w in self._entries():
             rows = acc[w.row_start : w.row_start + w.rows]
             rows.addmm_(w.lora_B.float(), w.lora_A.float(), alpha=eff)
-        return acc.to(base.dtype)
+        return acc.to(base.dtype, copy=True)  # never hand out the workspace itself
 
     def _write_weight(self, value: torch.Tensor) -> None:
         # inference_mode allows in-place updates of both inference and normal tensors
