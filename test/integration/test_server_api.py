@@ -566,6 +566,36 @@ def test_s12_queue_full_503_retry_after_and_keeps_serving(lora_dir):
 # ------------------------------------------------------------------------------ health, metrics, shutdown
 
 
+def test_disconnected_client_queued_request_is_dropped():
+    engine = FakeEngine()
+    engine.release.clear()
+    with running_server(engine, ServerArgs()) as (url, app, _):
+        scheduler = app.state.scheduler
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            try:
+                first = pool.submit(gen, url, seed=1)
+                while not scheduler.busy:
+                    time.sleep(0.01)
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(
+                        f"{url}/v1/images/generations",
+                        json={"prompt": "gone", "size": "32x32", "num_inference_steps": 1},
+                        timeout=0.5,
+                    )
+                deadline = time.monotonic() + 10
+                while scheduler.queue_depth:  # dropped from the queue once noticed
+                    assert time.monotonic() < deadline, "queued request of a gone client kept"
+                    time.sleep(0.05)
+            finally:
+                engine.release.set()
+            assert first.result().status_code == 200
+        assert gen(url, seed=2).status_code == 200
+        prompts = [req.prompt for req, _ in engine.generate_log]
+        assert "gone" not in prompts and len(prompts) == 2
+        text = httpx.get(f"{url}/metrics").text
+        assert 'endpoint="/v1/images/generations",status="499"' in text
+
+
 def test_metrics_content(server):
     assert gen(server).status_code == 200
     assert gen(server, n=0).status_code == 400

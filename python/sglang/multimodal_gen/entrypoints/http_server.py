@@ -64,7 +64,12 @@ from sglang.multimodal_gen.entrypoints.protocol import (
     validate_target,
 )
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
-from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError, NotFoundError
+from sglang.multimodal_gen.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    NotFoundError,
+    SGLangError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,13 @@ _MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 class BodyError(InvalidRequestError):
     """The body is not a JSON document (HTTP 400, ``code="invalid_json"``)."""
+
+
+class ClientGoneError(SGLangError):
+    """The client closed the connection before its answer was ready (status 499, not sent)."""
+
+    status_code = 499
+    error_type = "client_closed_request"
 
 
 class SchemaError(InvalidRequestError):
@@ -241,6 +253,49 @@ def _endpoint_label(path: str) -> str:
     return "other"
 
 
+class _AuthAndCount:
+    """ASGI middleware: API-key check before anything else, then count the request by status.
+
+    A plain ASGI class rather than ``@app.middleware("http")``, so the handlers receive the
+    server's own ``receive`` and can notice a client disconnecting (``request.is_disconnected``).
+    """
+
+    def __init__(self, app: Any, auth: ApiKeyAuth, metrics: ServerMetrics):
+        self.app = app
+        self.auth = auth
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        authorization = None
+        for key, value in scope.get("headers", ()):
+            if key == b"authorization":
+                authorization = value.decode("latin-1")
+                break
+        status = 500
+        try:
+            reason = self.auth.check(path, authorization)
+            if reason is not None:
+                status = 401
+                body = error_body(reason, 401, param=None, code="invalid_api_key")
+                response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+
+            async def send_and_note(message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                await send(message)
+
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.observe_request(_endpoint_label(path), status)
+
+
 def create_app(
     engine: Any,
     server_args: ServerArgs | None = None,
@@ -309,17 +364,7 @@ def create_app(
     app.state.images = images
 
     # ------------------------------------------------------------------ middleware / handlers
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        path = request.url.path
-        reason = auth.check(path, request.headers.get("authorization"))
-        if reason is not None:
-            body = error_body(reason, 401, param=None, code="invalid_api_key")
-            response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
-        else:
-            response = await call_next(request)
-        metrics.observe_request(_endpoint_label(path), response.status_code)
-        return response
+    app.add_middleware(_AuthAndCount, auth=auth, metrics=metrics)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -337,21 +382,34 @@ def create_app(
         return JSONResponse(error_body(f"invalid request: {exc.errors()[:3]}", 422), 422)
 
     # ------------------------------------------------------------------ helpers
-    async def wait_for(future) -> Any:
-        """Await a scheduler future; 503 instead of hanging if the engine dies meanwhile."""
+    async def wait_for(future, request: Request | None = None) -> Any:
+        """Await a scheduler future.
+
+        503 instead of hanging if the engine dies meanwhile. With ``request`` (generations), a
+        client that disconnects while its work still waits in the queue has it dropped.
+        """
         afut = asyncio.wrap_future(future)
+        next_alive_check = time.monotonic() + 1.0
         try:
             while True:
-                done, _ = await asyncio.wait({afut}, timeout=1.0)
+                done, _ = await asyncio.wait({afut}, timeout=0.25)
                 if done:
                     return afut.result()
-                if not await run_in_threadpool(scheduler.engine_alive):
-                    future.cancel()
-                    raise EngineDeadError(
-                        f"the engine is not available: {scheduler.dead_reason or 'not alive'}"
+                if request is not None and await request.is_disconnected():
+                    dropped = future.cancel()  # False once it runs: the result is discarded
+                    raise ClientGoneError(
+                        "the client disconnected"
+                        + ("; its queued request was dropped" if dropped else "")
                     )
+                if time.monotonic() >= next_alive_check:
+                    next_alive_check = time.monotonic() + 1.0
+                    if not await run_in_threadpool(scheduler.engine_alive):
+                        future.cancel()
+                        raise EngineDeadError(
+                            f"the engine is not available: {scheduler.dead_reason or 'not alive'}"
+                        )
         except asyncio.CancelledError:
-            future.cancel()  # client gone: drop the work if it has not started
+            future.cancel()  # the handler itself was cancelled: drop the work if not started
             raise
 
     def check_model(model: str | None) -> None:
@@ -372,7 +430,7 @@ def create_app(
         req = parse_json_body(await request.body(), ImageGenerationRequest)
         check_model(req.model)
         params = validate_generation(req, limits)
-        pil_images = await wait_for(scheduler.submit_generation(**params.engine_kwargs))
+        pil_images = await wait_for(scheduler.submit_generation(**params.engine_kwargs), request)
 
         def encode_all() -> list[bytes]:
             return [

@@ -230,7 +230,20 @@ class Scheduler:
             self._waiting_generations += 1
             self.metrics.set_queue_depth(self._waiting_generations)
             self._cond.notify_all()
+        task.future.add_done_callback(lambda fut: self._forget_if_cancelled(task))
         return task.future
+
+    def _forget_if_cancelled(self, task: _Task) -> None:
+        """A generation cancelled while waiting leaves the queue at once (frees its slot)."""
+        if not task.future.cancelled():
+            return
+        with self._cond:
+            try:
+                self._queue.remove(task)
+            except ValueError:
+                return  # already taken by the worker (which skips it) or failed
+            self._waiting_generations -= 1
+            self.metrics.set_queue_depth(self._waiting_generations)
 
     def submit_call(self, method: str, *args: Any, **kwargs: Any) -> Future:
         """Queue ``engine.<method>(*args, **kwargs)`` (an admin call) behind the work before it.
