@@ -534,22 +534,6 @@ def _configure_logging(level: str) -> None:
     )
 
 
-def _note_cpu_offload(server_args: ServerArgs) -> None:
-    if not server_args.dit_cpu_offload:
-        return
-    try:
-        import torch
-
-        has_gpu = torch.cuda.is_available()
-    except Exception:
-        has_gpu = False
-    device = server_args.device or ("cuda" if has_gpu else "cpu")
-    if not has_gpu or device.startswith("cpu"):
-        logger.info(
-            "--dit-cpu-offload true has no effect without a GPU (weights already in host memory)"
-        )
-
-
 def load_startup_loras(engine: Any, server_args: ServerArgs) -> None:
     """Load and activate the ``--lora-path`` adapters (before the server accepts requests).
 
@@ -610,7 +594,6 @@ def launch_server(server_args: ServerArgs, engine: Any | None = None) -> None:
 
     _configure_logging(server_args.log_level)
     logger.info("server args: %s", server_args.redacted())
-    _note_cpu_offload(server_args)
     own_engine = engine is None
     if engine is None:
         engine = build_engine(server_args)
