@@ -86,6 +86,7 @@ class ZImageComponents:
     tokenizer: object
     vae: torch.nn.Module | None
     scheduler_config: dict
+    vae_scale_factor: int | None = None  # needed when ``vae`` is None (TP ranks > 0)
 
 
 class ZImagePipeline:
@@ -107,14 +108,10 @@ class ZImagePipeline:
         self.vae = components.vae
         self.scheduler_config = dict(components.scheduler_config)
         self.device = torch.device(device)
-        blocks = self.scheduler_config.get("_vae_block_out_channels")
         if self.vae is not None:
-            blocks = list(self.vae.config.block_out_channels)
-            self.vae_config = {
-                "scaling_factor": self.vae.config.scaling_factor,
-                "shift_factor": self.vae.config.shift_factor,
-            }
-        self.vae_scale_factor = 2 ** (len(blocks) - 1) if blocks else 8
+            self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        else:
+            self.vae_scale_factor = components.vae_scale_factor or 8
         self.spatial_factor = self.vae_scale_factor * 2
 
     @classmethod
@@ -143,15 +140,14 @@ class ZImagePipeline:
         )
         sched = loader.load_scheduler_config(j("scheduler"))
         vae = loader.load_vae(j("vae"), dtype, device) if load_vae else None
-        if vae is None:
-            vcfg = loader.read_json(os.path.join(j("vae"), "config.json"))
-            sched["_vae_block_out_channels"] = vcfg.get("block_out_channels", [0] * 4)
+        vcfg = loader.read_json(os.path.join(j("vae"), "config.json"))
         comps = ZImageComponents(
             transformer=transformer,
             text_encoder=loader.load_text_encoder(j("text_encoder"), dtype, device),
             tokenizer=loader.load_tokenizer(j("tokenizer")),
             vae=vae,
             scheduler_config=sched,
+            vae_scale_factor=2 ** (len(vcfg.get("block_out_channels", [0] * 4)) - 1),
         )
         return cls(comps, device=device)
 
@@ -277,9 +273,7 @@ class ZImagePipeline:
             sc.get("base_shift", 0.5),
             sc.get("max_shift", 1.15),
         )
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            {k: v for k, v in sc.items() if not k.startswith("_vae")}
-        )
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(sc)
         scheduler.set_timesteps(
             sigmas=default_sigmas(num_inference_steps), device=self.device, mu=mu
         )
@@ -323,10 +317,8 @@ class ZImagePipeline:
             return latents
         if self.vae is None:
             return None
-        z = (
-            latents.to(self.vae.dtype) / self.vae.config.scaling_factor
-            + self.vae.config.shift_factor
-        )
+        shift = self.vae.config.shift_factor or 0.0
+        z = latents.to(self.vae.dtype) / self.vae.config.scaling_factor + shift
         images = latents_to_uint8(self.vae.decode(z, return_dict=False)[0])
         if output_type == "np":
             return images
