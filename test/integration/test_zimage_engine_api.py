@@ -1,0 +1,70 @@
+"""DiffusionEngine API: request validation, error types across TP ranks, a dying worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError
+from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+
+
+@pytest.mark.parametrize(
+    "field,value,param",
+    [
+        ("height", 40, "height"),
+        ("width", 0, "width"),
+        ("num_inference_steps", 0, "num_inference_steps"),
+        ("guidance_scale", float("nan"), "guidance_scale"),
+        ("seed", -1, "seed"),
+        ("num_images", 0, "n"),
+        ("lora", [("a", 1.0), ("a", 2.0)], "lora"),
+        ("lora", [("a", float("inf"))], "lora"),
+        ("prompt", None, "prompt"),
+    ],
+)
+def test_request_validation_names_the_field(field, value, param):
+    req = GenerationRequest(prompt="x", height=32, width=32)
+    setattr(req, field, value)
+    with pytest.raises(InvalidRequestError) as e:
+        req.validate(16)
+    assert e.value.param == param and e.value.status_code == 400
+
+
+def test_seedless_requests_differ_and_shutdown_is_final(tiny_zimage_dir):
+    engine = DiffusionEngine(tiny_zimage_dir)
+    req = GenerationRequest(prompt="x", height=16, width=16, num_inference_steps=1)
+    a, b = (np.asarray(engine.generate(req)[0]) for _ in range(2))
+    assert not np.array_equal(a, b)  # a fresh seed per request
+    images = engine.generate(GenerationRequest(prompt="x", height=16, width=32, num_images=2))
+    assert [im.size for im in images] == [(32, 16), (32, 16)]
+    engine.shutdown()
+    assert not engine.is_alive()
+    with pytest.raises(EngineDeadError):
+        engine.generate(req)
+
+
+def test_dead_tp_worker_makes_engine_dead(tiny_zimage_dir):
+    engine = DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu")
+    try:
+        assert engine.is_alive()
+        os.kill(engine._procs[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while engine._procs[1].is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.is_alive()
+        with pytest.raises(EngineDeadError):
+            engine.generate(GenerationRequest(prompt="x", height=16, width=16, seed=1))
+    finally:
+        engine.shutdown()
+    assert all(not p.is_alive() for p in engine._procs)
+
+
+def test_bad_model_path_and_tp_errors(tiny_zimage_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+        DiffusionEngine(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match=r"rank 0: .*n_heads=2 is not divisible by tp_size=3"):
+        DiffusionEngine(tiny_zimage_dir, tp_size=3, device="cpu")
