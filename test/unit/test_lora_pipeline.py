@@ -403,6 +403,13 @@ def test_use_composition_per_request(files):
         torch.testing.assert_close(_out(model, x), want, atol=ATOL, rtol=RTOL)
     assert_params_equal(model, before)
     assert mgr.list_loras()["active"]["transformer"]["merged_layers"] == 8
+    # an extra adapter on one layer: only that layer runs unmerged for the request
+    mgr.load_adapter("attn", files["attn"][0])
+    with mgr.use_composition([("a", 1.0), ("attn", 2.0)]):
+        assert mgr.list_loras()["active"]["transformer"]["merged_layers"] == 7
+        want = reference_output(x, [(files["a"][1], 1.0), (files["attn"][1], 2.0)])
+        torch.testing.assert_close(_out(model, x), want, atol=ATOL, rtol=RTOL)
+    assert_params_equal(model, before)
     with mgr.use_composition([{"name": "a", "scale": 1.0}]):  # same as active: no change
         assert_params_equal(model, before)
     with mgr.use_composition([]):  # LoRA off for this request

@@ -356,10 +356,23 @@ class LoRAManager:
     def _apply(
         self, tname: str, comp: list[tuple[str, float]], mode: str, use_cache: bool = True
     ) -> None:
-        """Put every layer of ``tname`` into ``comp`` under ``mode`` (no rollback here)."""
+        """Put every layer of ``tname`` into ``comp`` under ``mode`` (no rollback here).
+
+        ``mode="request"`` (per-request compositions): layers whose composition does not change
+        keep their merge state, the others run unmerged. A layer already in the wanted
+        composition and merge state is not touched.
+        """
         for module, layer in self._layers[tname].items():
             by_uid, key = self._layer_comp(tname, module, comp)
-            want_merged = bool(by_uid) and (mode == "merge" or (mode == "auto" and layer.can_merge))
+            same = layer.active_composition == by_uid
+            if mode == "request":
+                want_merged = layer.merged and same
+            else:
+                want_merged = bool(by_uid) and (
+                    mode == "merge" or (mode == "auto" and layer.can_merge)
+                )
+            if same and layer.merged == want_merged:
+                continue
             if not want_merged:
                 if layer.merged:
                     layer.unmerge()
@@ -713,9 +726,10 @@ class LoRAManager:
         """Run the block with ``composition`` ``[(nickname, strength), ...]`` active on every
         target, then restore the previous state (weights bit-identical).
 
-        ``None`` leaves the current state. A composition equal to the active one costs nothing;
-        otherwise the layers run it unmerged for the block (merged layers are unmerged for it and
-        re-merged after, from the merge cache when possible). Entries may also be
+        ``None`` leaves the current state. Layers whose composition is unchanged (all of them when
+        it equals the active one) keep their state and cost nothing; the others run the request's
+        composition unmerged for the block (merged ones are unmerged for it and re-merged after,
+        from the merge cache when possible). Entries may also be
         ``{"name": ..., "scale": ...}`` mappings.
 
         Raises:
@@ -757,7 +771,7 @@ class LoRAManager:
             with self._transaction(tnames):
                 for t in tnames:
                     tcomp = [(n, s) for n, s in comp if t in self._adapters[n].modules]
-                    self._apply(t, tcomp, "dynamic")
+                    self._apply(t, tcomp, "request")
             yield
         finally:
             self._request_composition = None
