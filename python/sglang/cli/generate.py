@@ -90,11 +90,24 @@ def save_png(image, path: str) -> None:
     image.save(path, format="PNG")
 
 
+def _quiet_library_progress_bars() -> None:
+    """Hide transformers'/diffusers' weight-loading bars (our denoising bar stays)."""
+    try:
+        import diffusers.utils.logging as dlog
+        import transformers.utils.logging as tlog
+
+        tlog.disable_progress_bar()
+        dlog.disable_progress_bar()
+    except Exception:  # a missing or changed helper only costs some console noise
+        pass
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``sglang generate`` with parsed ``args``; returns the exit code."""
     from sglang.multimodal_gen.errors import EngineDeadError, SGLangError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _quiet_library_progress_bars()
     try:
         loras = lora_pairs(args.lora_path, args.lora_scale)
     except ValueError as e:

@@ -366,9 +366,12 @@ def load_vae(component_dir: str, dtype: torch.dtype, device) -> nn.Module:
 
     _check_config_class(component_dir, "config.json", {"AutoencoderKL"})
     find_weight_files(component_dir)
-    vae = AutoencoderKL.from_pretrained(component_dir)
-    if vae.dtype != dtype:
-        vae = vae.to(dtype=dtype)
+    import diffusers
+    from packaging.version import Version
+
+    # diffusers >= 0.42 takes ``dtype`` (``torch_dtype`` is deprecated there)
+    key = "dtype" if Version(diffusers.__version__) >= Version("0.42") else "torch_dtype"
+    vae = AutoencoderKL.from_pretrained(component_dir, **{key: dtype})
     return vae.to(device).eval()
 
 
