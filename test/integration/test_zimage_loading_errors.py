@@ -147,3 +147,27 @@ def test_pickle_weights_refused(model_copy):
     torch.save({"x": torch.zeros(1)}, tdir / "diffusion_pytorch_model.bin")
     with pytest.raises(ModelLoadError, match="only pickle weights found; safetensors are required"):
         load_zimage_transformer(str(tdir))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_loads_its_slices(tiny_zimage_dir, rank):
+    """Loaded "as rank r of 2" (no process group), each fused/sharded parameter holds exactly
+    that rank's rows (columns for row-parallel) of the diffusers tensors."""
+    from diffusers import ZImageTransformer2DModel
+
+    tdir = os.path.join(tiny_zimage_dir, "transformer")
+    ref = dict(ZImageTransformer2DModel.from_pretrained(tdir).state_dict())
+    ours = load_zimage_transformer(tdir, tp_rank=rank, tp_size=2)
+    blk = "layers.1"
+    half = lambda t, dim=0: t.chunk(2, dim=dim)[rank]  # noqa: E731
+    qkv = torch.cat([half(ref[f"{blk}.attention.to_{n}.weight"]) for n in "qkv"])
+    w13 = torch.cat([half(ref[f"{blk}.feed_forward.w{n}.weight"]) for n in (1, 3)])
+    layer = ours.layers[1]
+    assert torch.equal(layer.attention.to_qkv.weight, qkv)
+    assert torch.equal(layer.feed_forward.w13.weight, w13)
+    assert torch.equal(
+        layer.attention.to_out[0].weight, half(ref[f"{blk}.attention.to_out.0.weight"], 1)
+    )
+    assert torch.equal(layer.feed_forward.w2.weight, half(ref[f"{blk}.feed_forward.w2.weight"], 1))
+    assert torch.equal(ours.x_pad_token, ref["x_pad_token"])  # replicated
+    assert torch.equal(layer.adaLN_modulation[0].weight, ref[f"{blk}.adaLN_modulation.0.weight"])

@@ -138,7 +138,9 @@ class ModelRunner:
             tp_size=tp_size,
             load_vae=(tp_rank == 0),
         )
-        self.generator_device = generator_device or self.device.type
+        self.generator_device = generator_device or (
+            str(self.device) if self.device.type == "cuda" else self.device.type
+        )
         self.lora_manager = build_lora_manager(self.pipeline.transformer, lora_dirs)
         self.offloader = None
         if dit_cpu_offload and self.device.type == "cuda":
