@@ -516,3 +516,14 @@ def test_constructor_wraps_every_parallel_linear(files):
         LoRAManager({"all": model})
     with pytest.raises(ValueError):
         LoRAManager({"transformer": nn.Sequential(nn.Linear(2, 2))})
+
+
+def test_snapshot_and_cache_devices_are_configurable(files):
+    model = build_model()
+    start = params(model)
+    mgr = _manager(model, files, snapshot_device="cpu", merge_cache_device="cpu")
+    mgr.set_lora("a", files["a"][0], merge_mode="merge")
+    layer = mgr.layers("transformer")["layers.0.feed_forward.w13"]
+    assert layer.merged and layer._snapshot.device.type == "cpu"
+    mgr.unset_lora()
+    assert_params_equal(model, start)

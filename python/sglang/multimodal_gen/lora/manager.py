@@ -96,6 +96,9 @@ class LoRAManager:
         default_merge_mode: ``"auto"``, ``"merge"`` or ``"dynamic"``, used when a call gives none.
         merge_cache_device: where merged weights are cached (default: the weights' device).
         model_name: used in messages.
+        snapshot_device: where merged layers keep their pre-merge weights (default: the weights'
+            device; ``"cpu"`` keeps accelerator memory at one model copy, e.g. with DiT offload,
+            at the price of a host-to-device copy per unmerge).
 
     Raises:
         ValueError: no targets, a target named ``"all"``, a bad merge mode, or a target without
@@ -112,6 +115,7 @@ class LoRAManager:
         default_merge_mode: str = "auto",
         merge_cache_device: str | torch.device | None = None,
         model_name: str | None = None,
+        snapshot_device: str | torch.device | None = None,
     ):
         if not targets:
             raise ValueError("LoRAManager needs at least one target module")
@@ -130,6 +134,9 @@ class LoRAManager:
         self._state: dict[str, _TargetState] = {}
         for tname, module in self._targets.items():
             self._layers[tname] = self._wrap_layers(tname, module)
+            if snapshot_device is not None:
+                for layer in self._layers[tname].values():
+                    layer.snapshot_device = torch.device(snapshot_device)
             shapes = {
                 name: {
                     s.shard_id: (s.full_size, layer.base_layer.input_size)
