@@ -113,7 +113,7 @@ def _reference(seed):
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_real_collectives_match_f_linear(tp_size):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    results = launch_processes(_rank_fn, tp_size, args=(seed,))
+    results = launch_processes(_rank_fn, tp_size, args=(seed,), backend="gloo")
     ref = _reference(seed)
     for rank, out in enumerate(results):
         for key, expected in ref.items():
@@ -137,7 +137,7 @@ def _boom(rank):
 
 def test_launch_reports_worker_failure():
     with pytest.raises(RuntimeError, match="worker one failed on purpose"):
-        launch_processes(_boom, 2, timeout_s=120)
+        launch_processes(_boom, 2, backend="gloo", timeout_s=120)
 
 
 def test_without_initialization_everything_is_tp1():
