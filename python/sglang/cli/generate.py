@@ -29,13 +29,20 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--prompt", required=True, help="text prompt")
     parser.add_argument("--negative-prompt", default=None, help="used when guidance > 0")
     parser.add_argument("--seed", type=int, default=None, help="seed (default: random, printed)")
-    parser.add_argument("--num-inference-steps", type=int, default=8)
-    parser.add_argument("--height", type=int, default=1024)
-    parser.add_argument("--width", type=int, default=1024)
     parser.add_argument(
-        "--guidance-scale", type=float, default=0.0, help="CFG weight; 0 disables CFG"
+        "--num-inference-steps", type=int, default=8, help="denoising steps (default: 8)"
     )
-    parser.add_argument("--output-path", default="output.png", help="PNG file to write")
+    parser.add_argument("--height", type=int, default=1024, help="pixels (default: 1024)")
+    parser.add_argument("--width", type=int, default=1024, help="pixels (default: 1024)")
+    parser.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=0.0,
+        help="CFG weight; 0 disables CFG (default: 0)",
+    )
+    parser.add_argument(
+        "--output-path", default="output.png", help="PNG file to write (default: output.png)"
+    )
     parser.add_argument(
         "--lora-path", nargs="+", action="extend", default=None, help="LoRA file(s)/folder(s)"
     )
@@ -90,24 +97,14 @@ def save_png(image, path: str) -> None:
     image.save(path, format="PNG")
 
 
-def _quiet_library_progress_bars() -> None:
-    """Hide transformers'/diffusers' weight-loading bars (our denoising bar stays)."""
-    try:
-        import diffusers.utils.logging as dlog
-        import transformers.utils.logging as tlog
-
-        tlog.disable_progress_bar()
-        dlog.disable_progress_bar()
-    except Exception:  # a missing or changed helper only costs some console noise
-        pass
-
-
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``sglang generate`` with parsed ``args``; returns the exit code."""
     from sglang.multimodal_gen.errors import EngineDeadError, SGLangError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _quiet_library_progress_bars()
+    from sglang.multimodal_gen.runtime.engine import quiet_library_progress_bars
+
+    quiet_library_progress_bars()
     try:
         loras = lora_pairs(args.lora_path, args.lora_scale)
     except ValueError as e:

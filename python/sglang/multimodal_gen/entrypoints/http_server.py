@@ -430,6 +430,9 @@ def create_app(
         req = parse_json_body(await request.body(), ImageGenerationRequest)
         check_model(req.model)
         params = validate_generation(req, limits)
+        if params.engine_kwargs.get("seed") is None:
+            # drawn here so the response can report it and the image can be reproduced
+            params.engine_kwargs["seed"] = secrets.randbits(63)
         pil_images = await wait_for(scheduler.submit_generation(**params.engine_kwargs), request)
 
         def encode_all() -> list[bytes]:

@@ -69,6 +69,18 @@ def _first_error(errs: list) -> tuple[int, dict] | None:
 
 
 # ---------------------------------------------------------------------- TP worker process
+def quiet_library_progress_bars() -> None:
+    """Hide transformers'/diffusers' weight-loading bars (our denoising bar stays)."""
+    try:
+        import diffusers.utils.logging as dlog
+        import transformers.utils.logging as tlog
+
+        tlog.disable_progress_bar()
+        dlog.disable_progress_bar()
+    except Exception:  # a missing or changed helper only costs some console noise
+        pass
+
+
 def _tp_worker_main(rank, world, port, backend, runner_kwargs, cmd_q, res_q, heartbeat_s):
     import torch.distributed as dist
 
@@ -79,6 +91,8 @@ def _tp_worker_main(rank, world, port, backend, runner_kwargs, cmd_q, res_q, hea
         shutdown_worker,
     )
 
+    # N workers would each print the same loading bars; the parent reports progress instead
+    quiet_library_progress_bars()
     try:
         init_worker(rank, world, port, backend)
     except BaseException as e:
