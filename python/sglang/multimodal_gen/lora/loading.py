@@ -22,6 +22,7 @@ given.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -161,26 +162,33 @@ def _pick_file(folder: str) -> tuple[str, str]:
     raise LoRAFormatError(f"no .safetensors LoRA file in folder {folder!r}", param="lora_path")
 
 
-def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import SafetensorError, safe_open
+def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    """Read a safetensors file once: ``(tensors, header metadata, content digest)``.
+
+    The digest (BLAKE2b-128 of the file's bytes) identifies the content for the merge cache and
+    adapter reuse: a file rewritten in place with the same size and mtime still gets a new one.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load as load_bytes
 
     with open(path, "rb") as f:
-        head = f.read(9)
-    if len(head) < 9 or head[8:9] != b"{":
+        data = f.read()
+    if len(data) < 9 or data[8:9] != b"{":
         raise LoRAFormatError(
             f"{os.path.basename(path)!r} is not a safetensors file (a pickle/zip checkpoint "
             "renamed?); only safetensors is read",
             param="lora_path",
         )
     try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            header = dict(f.metadata() or {})
-            sd = {k: f.get_tensor(k) for k in f.keys()}
+        # safetensors layout: u64 little-endian header length, then the JSON header
+        n = int.from_bytes(data[:8], "little")
+        header = dict(json.loads(data[8 : 8 + n]).get("__metadata__") or {})
+        sd = load_bytes(data)
     except (SafetensorError, OSError, ValueError) as e:
         raise LoRAFormatError(
             f"cannot read safetensors file {os.path.basename(path)!r}: {e}", param="lora_path"
         ) from None
-    return sd, header
+    return sd, header, hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def load_lora_state_dict(
@@ -199,7 +207,8 @@ def load_lora_state_dict(
         ``(state_dict, metadata)``: ``state_dict`` maps keys to CPU tensors in the file's dtype.
         ``metadata`` holds ``path`` (the real file path), ``kind`` (``"file"``, ``"peft"``,
         ``"diffusers"``), ``source`` (what the caller passed), ``identity``
-        (``"<realpath>:<size>:<mtime_ns>"``, a cheap file identity for caches),
+        (``"<content digest>:<config digest>"``: equal exactly when the tensors, metadata and
+        adapter config are; the merge cache and adapter reuse key on it),
         ``safetensors_metadata`` (raw header ``{str: str}``), ``lora_adapter_metadata`` (decoded
         diffusers config or ``None``) and ``adapter_config`` (``adapter_config.json`` or ``None``).
 
@@ -253,7 +262,7 @@ def load_lora_state_dict(
     else:
         path, kind = local, "file"
     _refuse_pickle(path)
-    sd, header = _read_safetensors(path)
+    sd, header, digest = _read_safetensors(path)
 
     lam = None
     if "lora_adapter_metadata" in header:
@@ -261,12 +270,15 @@ def load_lora_state_dict(
             lam = json.loads(header["lora_adapter_metadata"])
         except ValueError as e:
             raise LoRAFormatError(f"lora_adapter_metadata is not valid JSON: {e}") from None
-    st = os.stat(path)
+    # the config changes the deltas (alpha, rsLoRA, patterns) as much as the tensors do
+    config_digest = hashlib.blake2b(
+        json.dumps(adapter_config, sort_keys=True, default=str).encode(), digest_size=8
+    ).hexdigest()
     metadata = {
         "source": raw,
         "path": path,
         "kind": kind,
-        "identity": f"{path}:{st.st_size}:{st.st_mtime_ns}",
+        "identity": f"{digest}:{config_digest}",
         "safetensors_metadata": header,
         "lora_adapter_metadata": lam,
         "adapter_config": adapter_config,

@@ -705,11 +705,23 @@ class LoRAManager:
         ``unmerge`` restore from then on); cached merges of the target are dropped.
 
         Raises:
-            InvalidRequestError: unknown target; a layer with an active adapter cannot merge.
+            InvalidRequestError: unknown target; a layer with an active adapter cannot merge; an
+                active adapter carries an output offset for a layer without a bias to fold it
+                into. All checks run before any weight changes, so a refusal changes nothing.
         """
         tnames = self._resolve_targets(target)
         for t in tnames:
-            self._check_mergeable(t, self._state[t].composition, "merge")
+            comp = self._state[t].composition
+            self._check_mergeable(t, comp, "merge")
+            for module, layer in self._layers[t].items():
+                by_uid, _ = self._layer_comp(t, module, comp)
+                if layer.base_layer.bias is None and layer.has_offsets([u for u, _ in by_uid]):
+                    raise InvalidRequestError(
+                        f"commit_as_base: an active adapter has an output offset (LoRA bias) on "
+                        f"module {module!r} of {t!r}, which has no bias to fold it into; keep it "
+                        "merged or dynamic instead",
+                        param="target",
+                    )
         for t in tnames:
             st = self._state[t]
             if not st.composition:

@@ -22,7 +22,7 @@ class AdapterKey:
     """One active adapter as seen by one module.
 
     Attributes:
-        identity: the adapter file's identity (``"<realpath>:<size>:<mtime_ns>"``), so reloading
+        identity: the adapter content identity (``"<content digest>:<config digest>"``), so reloading
             the same unchanged file under any nickname hits, and an edited file misses.
         strength: the user's strength.
         scales: ``((shard_id, scale), ...)`` of the adapter on this module (``scale`` is

@@ -261,6 +261,10 @@ class BaseLayerWithLoRA(nn.Module):
             and not getattr(self.base_layer, "lora_merge_unsupported", False)
         )
 
+    def has_offsets(self, names: Sequence[str]) -> bool:
+        """Whether any of the stored adapters ``names`` carries an output offset on this layer."""
+        return any(w.offset is not None for n in names for w in self._adapters.get(n, {}).values())
+
     def adapter_nbytes(self, name: str) -> int:
         """Bytes this rank stores for adapter ``name`` (0 if absent)."""
         return sum(w.nbytes for w in self._adapters.get(name, {}).values())
