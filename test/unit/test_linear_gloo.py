@@ -60,6 +60,11 @@ def _rank_fn(rank, seed):
     out["column_gather"] = col(w["x"])[0]
     col_local = load(ColumnParallelLinear(48, 32, gather_output=False), w["col_w"], w["col_b"])
     out["column_local"] = col_local(w["x"])[0]
+    col_skip = load(
+        ColumnParallelLinear(48, 32, gather_output=True, skip_bias_add=True), w["col_w"], w["col_b"]
+    )
+    y, ob = col_skip(w["x"])
+    out["column_gather_skip_bias"] = y + ob
     merged = load(
         MergedColumnParallelLinear(48, [32, 32], gather_output=True), w["merged_w"], w["merged_b"]
     )
@@ -100,6 +105,7 @@ def _reference(seed):
     row_ref = lin(w["x"], w["row_w"], w["row_b"])
     return {
         "column_gather": lin(w["x"], w["col_w"], w["col_b"]),
+        "column_gather_skip_bias": lin(w["x"], w["col_w"], w["col_b"]),
         "merged_gather": lin(w["x"], w["merged_w"], w["merged_b"]),
         "qkv_gather": lin(w["x"], w["qkv_w"], w["qkv_b"]),
         "row_full_input": row_ref,

@@ -11,19 +11,18 @@ from sglang.multimodal_gen.distributed.parallel_state import get_tp_group, get_t
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the TP ranks.
+    """Sum ``x`` over the TP ranks, in place (as vLLM/SGLang do: no copy of the output).
 
     Args:
-        x: any shape and dtype; identical shape on every rank.
+        x: any shape and dtype; identical shape on every rank; overwritten with the sum.
 
     Returns:
-        The sum, same shape and dtype (a new tensor; ``x`` is not modified). ``x`` itself at TP 1.
+        ``x`` (holding the sum at TP > 1; untouched at TP 1).
     """
     if get_tp_world_size() == 1:
         return x
-    out = x.clone()
-    dist.all_reduce(out, group=get_tp_group())
-    return out
+    dist.all_reduce(x, group=get_tp_group())
+    return x
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -415,6 +415,12 @@ class ColumnParallelLinear(ParallelLinear):
             return y
         return self.gathered_to_full(tensor_model_parallel_all_gather(y, dim=-1))
 
+    def package_output(self, y):
+        # a gathered output is full width, so the returned bias must be too
+        if self.skip_bias_add and self.bias is not None and self.gather_output:
+            return y, self.reduce_output(self.bias)
+        return super().package_output(y)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input fused in one GEMM (e.g. gate/up).
