@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from sglang.multimodal_gen.errors import LoRAFormatError
-from sglang.multimodal_gen.layers.lora.weights import LoRAWeights
+from sglang.multimodal_gen.layers.lora.weights import LoRAWeights, all_finite
 from sglang.multimodal_gen.lora.lokr import lokr_to_lora
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
 from sglang.multimodal_gen.lora.peft_config import AdapterConfig, config_from_sources, lora_scale
@@ -314,7 +314,7 @@ def _parse(
 
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    if not all_finite(t):
         raise LoRAFormatError(f"{what} contains NaN or Inf values")
 
 

@@ -47,7 +47,7 @@ from sglang.multimodal_gen.layers.linear import (
     RowParallelLinear,
     ShardId,
 )
-from sglang.multimodal_gen.layers.lora.weights import LoRAWeights
+from sglang.multimodal_gen.layers.lora.weights import LoRAWeights, all_finite
 
 __all__ = [
     "BaseLayerWithLoRA",
@@ -154,9 +154,7 @@ def _own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _check_finite(t: torch.Tensor, what: str, module: str) -> None:
-    # max |t| is NaN/Inf iff some element is; one reduction, ~10x faster than isfinite().all()
-    # on bf16 CPU tensors
-    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.abs().amax())):
+    if not all_finite(t):
         raise ValueError(f"LoRA {what} for module {module!r} contains NaN or Inf")
 
 
@@ -497,7 +495,7 @@ class BaseLayerWithLoRA(nn.Module):
                 merged = self._merged_weight(base)
             else:
                 merged = cached.to(weight.device)
-            if safe and not bool(torch.isfinite(merged.abs().amax())):
+            if safe and not all_finite(merged):
                 raise ValueError(
                     f"module {module!r}: merged weight contains NaN or Inf; not merged"
                 )
