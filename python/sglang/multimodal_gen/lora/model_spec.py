@@ -11,7 +11,6 @@ un-flattening never guesses where underscores were dots.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -136,18 +135,9 @@ class LoRAModelSpec:
             nxt = []
             for name in frontier:
                 for rule in self.name_map.rules:
-                    if rule.prefix_only:
-                        if name == rule.target or name.startswith(rule.target + "."):
-                            cand = rule.source + name[len(rule.target) :]
-                        else:
-                            continue
-                    else:
-                        pat = r"(^|\.)" + re.escape(rule.target) + r"(?=$|\.)"
-                        m = re.search(pat, name)
-                        if m is None:
-                            continue
-                        start = m.start() + len(m.group(1))
-                        cand = name[:start] + rule.source + name[m.end() :]
+                    cand = rule.invert(name)
+                    if cand is None:
+                        continue
                     if cand not in seen:
                         seen.add(cand)
                         nxt.append(cand)

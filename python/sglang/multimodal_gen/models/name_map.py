@@ -32,18 +32,28 @@ class NameRule:
     shard_id: ShardId = None
     prefix_only: bool = False
 
-    def apply(self, name: str) -> tuple[str, ShardId] | None:
-        if self.prefix_only:
-            if name == self.source or name.startswith(self.source + "."):
-                return self.target + name[len(self.source) :], self.shard_id
+    @staticmethod
+    def _rename(name: str, old: str, new: str, prefix_only: bool) -> str | None:
+        """``name`` with the segment sequence ``old`` replaced by ``new``, or ``None``."""
+        if prefix_only:
+            if name == old or name.startswith(old + "."):
+                return new + name[len(old) :]
             return None
         # match on dotted segment boundaries anywhere in the name
-        pattern = r"(^|\.)" + re.escape(self.source) + r"(?=$|\.)"
-        m = re.search(pattern, name)
+        m = re.search(r"(^|\.)" + re.escape(old) + r"(?=$|\.)", name)
         if m is None:
             return None
         start = m.start() + len(m.group(1))
-        return name[:start] + self.target + name[m.end() :], self.shard_id
+        return name[:start] + new + name[m.end() :]
+
+    def apply(self, name: str) -> tuple[str, ShardId] | None:
+        """``(renamed, shard_id)`` if this rule matches ``name``, else ``None``."""
+        out = self._rename(name, self.source, self.target, self.prefix_only)
+        return None if out is None else (out, self.shard_id)
+
+    def invert(self, name: str) -> str | None:
+        """The source-side spelling of an already renamed ``name`` (``None`` if no match)."""
+        return self._rename(name, self.target, self.source, self.prefix_only)
 
 
 class NameMap:
@@ -89,7 +99,3 @@ class NameMap:
             return param_name, None
         mapped, shard_id = self.resolve(module)
         return f"{mapped}.{leaf}", shard_id
-
-    def sources_of(self, our_module: str, module_names: Iterable[str]) -> list[str]:
-        """All names in ``module_names`` that resolve to ``our_module`` (used to match kohya names)."""
-        return [n for n in module_names if self.resolve(n)[0] == our_module]
