@@ -50,8 +50,8 @@ def test_n_adapters_equal_sum_of_references(kind, n):
     torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=RTOL)
     # one pair of GEMMs of rank sum(r_i) over every shard of every adapter
     total_r = sum(w.rank for weights, _ in adapters for w in weights.values())
-    assert layer._a_cat.shape == (total_r, IN)
-    assert layer._b_cat.shape == (layer.base_layer.output_size_per_partition, total_r)
+    assert layer.compiled_lora()[0].shape == (total_r, IN)
+    assert layer.compiled_lora()[1].shape == (layer.base_layer.output_size_per_partition, total_r)
 
 
 def test_qkv_block_diagonal_with_gqa_and_fused_key():
@@ -63,7 +63,7 @@ def test_qkv_block_diagonal_with_gqa_and_fused_key():
     layer.set_active([("ad0", 1.0), ("ad1", 0.6), ("fused", 1.5)])
     adapters.append((fused, 1.5))
     # block structure: adapter ad1's k block only touches k rows (32..40)
-    b_cat = layer._b_cat
+    b_cat = layer.compiled_lora()[1]
     ad0_cols = 3 * RANKS[0][0]  # ad0 has rank 4 on each of q, k, v
     k_cols = slice(ad0_cols + RANKS[1][0], ad0_cols + RANKS[1][0] + RANKS[1][1])
     assert torch.count_nonzero(b_cat[:32, k_cols]) == 0
@@ -120,7 +120,7 @@ def test_matches_peft_with_several_active_adapters():
     with torch.no_grad():
         want = ref(x)
     torch.testing.assert_close(layer(x)[0], want, atol=2e-5, rtol=1e-5)
-    assert layer._a_cat.shape[0] == sum(ranks)
+    assert layer.compiled_lora()[0].shape[0] == sum(ranks)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -71,7 +71,7 @@ def test_runtime_scale_scales_delta_and_leaves_state(merged):
     if merged:
         layer.merge()
     weight_before = layer.base_layer.weight.detach().clone()
-    a_before, b_before = layer._a_cat.clone(), layer._b_cat.clone()
+    a_before, b_before = layer.compiled_lora()[0].clone(), layer.compiled_lora()[1].clone()
     with torch.inference_mode():
         for s in (0.0, 0.5, 1.0, 2.0):
             with runtime_lora_scale(s):
@@ -83,7 +83,9 @@ def test_runtime_scale_scales_delta_and_leaves_state(merged):
                 assert torch.equal(got.float(), layer.base_layer(x)[0])
     assert get_runtime_lora_scale() == 1.0
     assert torch.equal(layer.base_layer.weight, weight_before)
-    assert torch.equal(layer._a_cat, a_before) and torch.equal(layer._b_cat, b_before)
+    assert torch.equal(layer.compiled_lora()[0], a_before) and torch.equal(
+        layer.compiled_lora()[1], b_before
+    )
     assert layer.merged == merged
     with runtime_lora_scale(2.0), runtime_lora_scale(0.25):  # nested blocks multiply
         torch.testing.assert_close(layer(x)[0].double(), base + 0.5 * delta, atol=ATOL, rtol=RTOL)

@@ -190,7 +190,11 @@ class BaseLayerWithLoRA(nn.Module):
         self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
         self._adapters: dict[str, dict[ShardId, _LocalLoRA]] = {}
         self._composition: list[tuple[str, float]] = []
-        # compiled state of the active composition (rebuilt by _rebuild)
+        # compiled state of the active composition: built on first use by an unmerged forward
+        # (_ensure_compiled), so switches in merge mode never pay for it
+        self._any_active = False  # some active adapter has a non-zero strength here
+        self._any_offset = False  # ... and one of them carries an output offset
+        self._dirty = False
         self._a_cat: torch.Tensor | None = None  # [R, in_local], weight dtype
         self._b_cat: torch.Tensor | None = None  # [out_local, R], weight dtype, scales folded in
         self._offset: torch.Tensor | None = None  # [out_local], weight dtype, scales folded in
@@ -242,7 +246,7 @@ class BaseLayerWithLoRA(nn.Module):
     @property
     def active(self) -> bool:
         """Whether an adapter contributes to the output (in either mode)."""
-        return self._a_cat is not None or self._offset is not None
+        return self._any_active
 
     @property
     def merged(self) -> bool:
@@ -388,7 +392,7 @@ class BaseLayerWithLoRA(nn.Module):
     def _refresh(self, cached: torch.Tensor | None = None) -> torch.Tensor | None:
         self._rebuild()
         if self._merged:
-            if self._a_cat is None:
+            if not self._any_active:
                 self.unmerge()
             else:
                 return self.merge(cached=cached)
@@ -405,7 +409,25 @@ class BaseLayerWithLoRA(nn.Module):
         return out
 
     def _rebuild(self) -> None:
+        """Note that the active composition changed; the compiled form is rebuilt when needed."""
+        entries = self._entries()
+        self._any_active = bool(entries)
+        self._any_offset = any(w.offset is not None for _, w in entries)
+        self._a_cat = self._b_cat = self._offset = None
+        self._dirty = self._any_active
+
+    def compiled_lora(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The fused form of the active composition: ``(A_cat [R, in_local], B_cat [out_local, R]
+        with strength * scale folded in, offset sum [out_local])``, weight dtype; ``None`` parts
+        when nothing is active / no offsets. Built on first use after a change."""
+        self._ensure_compiled()
+        return self._a_cat, self._b_cat, self._offset
+
+    def _ensure_compiled(self) -> None:
         """Compile the active composition into ``A_cat``, block ``B_cat`` and the offset sum."""
+        if not self._dirty:
+            return
+        self._dirty = False
         entries = self._entries()
         weight = self.base_layer.weight
         dtype, device = weight.dtype, weight.device
@@ -483,7 +505,7 @@ class BaseLayerWithLoRA(nn.Module):
                 f"module {module!r}: cached merged weight {list(cached.shape)} {cached.dtype} does "
                 f"not match the weight {list(weight.shape)} {weight.dtype}"
             )
-        if cached is None and self._a_cat is None:
+        if cached is None and not self._any_active:
             if self._merged:
                 self.unmerge()
             with torch.inference_mode(False), torch.no_grad():
@@ -528,6 +550,7 @@ class BaseLayerWithLoRA(nn.Module):
         """
         if not self.active:
             return
+        self._ensure_compiled()
         if self._offset is not None and self.base_layer.bias is None:
             raise ValueError(
                 f"module {self.prefix!r}: cannot commit LoRA output offsets to a layer without bias"
@@ -551,12 +574,13 @@ class BaseLayerWithLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Same contract as ``base_layer.forward``: ``x`` -> ``(output, output_bias)``."""
-        if self._a_cat is None and self._offset is None:
+        if not self._any_active:
             return self.base_layer(x)
         s = _RUNTIME_SCALE
         coef = s - 1.0 if self._merged else s
-        if self._merged and coef == 0.0 and self._offset is None:
+        if self._merged and coef == 0.0 and not self._any_offset:
             return self.base_layer(x)
+        self._ensure_compiled()
         base = self.base_layer
         x_local = base.parallel_input(x)
         y = base.apply_gemm(x_local, base.gemm_bias())
