@@ -14,7 +14,6 @@ another call runs raises ``AssertionError`` (reported as a 500 and caught by the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -27,23 +26,8 @@ import numpy as np
 import torch
 from PIL import Image
 from safetensors.torch import save_file
-from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError, NotFoundError
-
-try:  # the real request type once the runtime exists
-    from sglang.multimodal_gen.runtime import GenerationRequest
-except ImportError:  # pragma: no cover - before the runtime lands
-
-    @dataclasses.dataclass
-    class GenerationRequest:  # same fields as SPEC "Engine"
-        prompt: str
-        negative_prompt: str | None = None
-        height: int = 1024
-        width: int = 1024
-        num_inference_steps: int = 8
-        guidance_scale: float = 0.0
-        seed: int | None = None
-        num_images: int = 1
-        lora: list[tuple[str, float]] | None = None
+from sglang.multimodal_gen.errors import EngineDeadError, NotFoundError
+from sglang.multimodal_gen.runtime import GenerationRequest
 
 
 def fake_reference_image(
@@ -143,18 +127,24 @@ class FakeEngine:
             self.generate_log.append((req, comp))
             return [fake_reference_image(req, comp, i) for i in range(req.num_images)]
 
-    def set_lora(self, lora_nickname, lora_path=None, target="all", strength=1.0, merge_mode=None):
+    def set_lora(
+        self,
+        lora_nickname,
+        lora_path=None,
+        target="all",
+        strength=1.0,
+        merge_mode=None,
+        trusted=False,
+    ):
         from sglang.multimodal_gen.lora.loading import load_lora_state_dict
+        from sglang.multimodal_gen.lora.requests import normalize_set_lora
 
         with self._exclusive("set_lora"):
-            if target not in self.lora_targets:
-                raise InvalidRequestError(f"bad target {target!r}", param="target")
-            names = [lora_nickname] if isinstance(lora_nickname, str) else list(lora_nickname)
-            if isinstance(lora_path, list):
-                paths = list(lora_path)
-            else:
-                paths = [lora_path] * len(names)
-            strengths = strength if isinstance(strength, list) else [strength] * len(names)
+            args = normalize_set_lora(
+                lora_nickname, lora_path, target, strength, merge_mode,
+                valid_targets=self.lora_targets,
+            )  # fmt: skip
+            names, paths, strengths = args.nicknames, args.paths, args.strengths
             new_loaded = dict(self.loaded)
             for name, path in zip(names, paths):
                 if path is None:
@@ -163,7 +153,7 @@ class FakeEngine:
                             f"LoRA adapter {name!r} is not loaded", param="lora_nickname"
                         )
                     continue
-                sd, _meta = load_lora_state_dict(path, self.lora_dirs)
+                sd, _meta = load_lora_state_dict(path, None if trusted else self.lora_dirs)
                 new_loaded[name] = (path, _content_hash(sd))
             self.loaded = new_loaded  # atomic: only after every adapter loaded
             self.active = [(n, float(s)) for n, s in zip(names, strengths)]

@@ -429,10 +429,10 @@ def test_lora_endpoints_and_per_request_lora(server, engine, lora_dir):
 @pytest.mark.parametrize(
     "body,param,needle",
     [
-        ({"lora_nickname": ["a", "b"], "lora_path": ["a.safetensors"]}, "lora_path", "1 entries"),
-        ({"lora_nickname": ["a", "b"], "lora_path": ["a.safetensors", "b.safetensors"], "strength": [1.0]},
-         "strength", "1 entries"),
-        ({"lora_nickname": ["a", "b"], "lora_path": "a.safetensors"}, "lora_path", "single string"),
+        ({"lora_nickname": ["a", "b"], "lora_path": ["a.safetensors"] * 3}, "lora_path", "3 entries"),
+        ({"lora_nickname": ["a", "b"], "lora_path": ["a.safetensors", "b.safetensors"], "strength": [1.0, 2.0, 3.0]},
+         "strength", "lora_nickname has 2"),
+        ({"lora_nickname": ["a", "b"], "lora_path": []}, "lora_path", "0 entries"),
         ({"lora_nickname": ["a", "a"], "lora_path": ["a.safetensors", "a.safetensors"]}, "lora_nickname", "twice"),
         ({"lora_nickname": "a", "lora_path": "a.safetensors", "strength": float("nan")}, "strength", "finite"),
         ({"lora_nickname": "a", "lora_path": "a.safetensors", "merge_mode": "fast"}, "merge_mode", "auto"),

@@ -266,19 +266,23 @@ def test_lora_dir_containment_reaches_the_engine(server, tmp_path, model_path):
 @needs_lora
 def test_s9_mismatch_nothing_changed(server):
     before = httpx.get(f"{server}/v1/list_loras").json()
-    for body in (
-        {"lora_nickname": ["a", "b"], "lora_path": ["a.safetensors"]},
-        {
-            "lora_nickname": ["a", "b"],
-            "lora_path": ["a.safetensors", "b.safetensors"],
-            "strength": [1.0],
-        },
+    # one value (or a one-element list) applies to every nickname; other lengths must match
+    for body, param in (
+        ({"lora_nickname": ["a", "b"], "lora_path": ["a.safetensors"] * 3}, "lora_path"),
+        (
+            {
+                "lora_nickname": ["a", "b"],
+                "lora_path": ["a.safetensors", "b.safetensors"],
+                "strength": [1.0, 0.5, 0.2],
+            },
+            "strength",
+        ),
     ):
-        assert_envelope(httpx.post(f"{server}/v1/set_lora", json=body), 400)
+        err = assert_envelope(httpx.post(f"{server}/v1/set_lora", json=body), 400, param)
+        assert "3 entries" in err["message"] and "lora_nickname has 2" in err["message"], err
     assert httpx.get(f"{server}/v1/list_loras").json() == before
 
 
-@needs_lora
 def test_s11_concurrency_real_engine(server, engine):
     r = httpx.post(
         f"{server}/v1/set_lora",

@@ -131,29 +131,38 @@ def test_validate_set_lora():
     targets = ("all", "transformer")
     kw = validate_set_lora(SetLoRARequest(lora_nickname="a", lora_path="/x.safetensors"), targets)
     assert kw == {
-        "lora_nickname": "a",
-        "lora_path": "/x.safetensors",
-        "target": "all",
-        "strength": 1.0,
+        "lora_nickname": ["a"],
+        "lora_path": ["/x.safetensors"],
+        "target": ["all"],
+        "strength": [1.0],
         "merge_mode": None,
     }
     kw = validate_set_lora(
         SetLoRARequest(lora_nickname=["a", "b"], lora_path=[None, "b"], strength=[1, 0.5]), targets
     )
     assert kw["strength"] == [1.0, 0.5]
-    # one nickname in a list with a single string path is fine
+    # a scalar or a one-element list applies to every nickname
+    kw = validate_set_lora(
+        SetLoRARequest(lora_nickname=["a", "b"], lora_path="p", strength=[0.5]), targets
+    )
+    assert kw["lora_path"] == ["p", "p"] and kw["strength"] == [0.5, 0.5]
+    kw = validate_set_lora(SetLoRARequest(lora_nickname=["a", "b"], lora_path=["p"]), targets)
+    assert kw["lora_path"] == ["p", "p"]
     validate_set_lora(SetLoRARequest(lora_nickname=["a"], lora_path="a"), targets)
-    for bad, param in (
-        (dict(lora_nickname=[]), "lora_nickname"),
-        (dict(lora_nickname=["a", "b"], lora_path=["a"]), "lora_path"),
-        (dict(lora_nickname=["a", "b"], strength=[1.0, 2.0, 3.0]), "strength"),
-        (dict(lora_nickname="a", target="transformer_2"), "target"),
-        (dict(lora_nickname="a", lora_path=""), "lora_path"),
-        (dict(lora_nickname="a", merge_mode="x"), "merge_mode"),
+    for bad, param, needle in (
+        (dict(lora_nickname=[]), "lora_nickname", "at least one"),
+        (dict(lora_nickname=["a", "b"], lora_path=["a", "b", "c"]), "lora_path", "3 entries"),
+        (dict(lora_nickname=["a", "b"], strength=[1.0, 2.0, 3.0]), "strength", "has 2"),
+        (dict(lora_nickname=["a", "a"]), "lora_nickname", "twice"),
+        (dict(lora_nickname=["a", "a"], lora_path=["p", "q"]), "lora_path", "two different"),
+        (dict(lora_nickname="a", target="transformer_2"), "target", "'transformer'"),
+        (dict(lora_nickname="a", lora_path=""), "lora_path", "non-empty"),
+        (dict(lora_nickname="a", merge_mode="x"), "merge_mode", "'auto'"),
     ):
         with pytest.raises(InvalidRequestError) as e:
             validate_set_lora(SetLoRARequest(**bad), targets)
         assert e.value.param == param, (bad, e.value.message)
+        assert needle in e.value.message, (bad, e.value.message)
 
 
 # ------------------------------------------------------------------------------ body parsing

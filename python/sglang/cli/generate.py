@@ -17,6 +17,8 @@ import logging
 import os
 import sys
 
+from sglang.multimodal_gen.lora.requests import MERGE_MODES
+
 
 def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the ``generate`` flags on ``parser`` and return it."""
@@ -57,7 +59,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument(
         "--lora-merge-mode",
         default=None,
-        choices=("auto", "merge", "dynamic"),
+        choices=MERGE_MODES,
         help="how adapters are applied (default: the LoRA manager's)",
     )
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel processes")

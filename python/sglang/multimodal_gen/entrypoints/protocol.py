@@ -6,6 +6,8 @@ Two levels of checking, mirroring the status codes of the design:
   unknown field is sent (a misspelt ``num_inference_step`` must not be silently ignored);
 - *values* (:func:`validate_generation`, :func:`validate_set_lora`, HTTP 400): the type is right but
   the value is outside its range; each error names the field in ``param`` and states the range.
+  The LoRA rules (``set_lora`` list pairing, per-request ``lora``) are those of
+  :mod:`sglang.multimodal_gen.lora.requests`, which the engine and the LoRA manager apply too.
 
 OpenAI fields we accept but do not act on (``quality``, ``style``, ``background``, ``moderation``)
 are declared so that the official client's requests validate. Nothing here imports FastAPI.
@@ -21,10 +23,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from sglang.multimodal_gen.errors import InvalidRequestError
+from sglang.multimodal_gen.lora.requests import (
+    check_target,
+    normalize_set_lora,
+    validate_composition,
+)
 
 RESPONSE_FORMATS = ("b64_json", "url")
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
-MERGE_MODES = ("auto", "merge", "dynamic")
 DEFAULT_SIZE = "1024x1024"
 MAX_PROMPT_CHARS = 20000
 MAX_SEED = 2**63 - 1
@@ -73,8 +79,9 @@ class SetLoRARequest(_Strict):
     """Body of ``POST /v1/set_lora``.
 
     ``lora_nickname`` and ``lora_path`` are a name or a list; ``lora_path`` ``null`` (or a ``null``
-    entry) reuses an adapter already loaded under that nickname. ``strength`` is one float for all
-    or one per nickname.
+    entry) reuses an adapter already loaded under that nickname. ``lora_path`` and ``strength``
+    given as a scalar or a one-element list apply to every nickname; otherwise they need one entry
+    per nickname (:func:`~sglang.multimodal_gen.lora.requests.normalize_set_lora`).
     """
 
     lora_nickname: str | list[str]
@@ -232,30 +239,6 @@ def _finite(value: float, param: str, low: float | None = None) -> float:
     return float(value)
 
 
-def normalize_lora_composition(lora: LoRASpec | list[LoRASpec] | None) -> list[tuple[str, float]]:
-    """Turn the request's ``lora`` field into ``[(name, scale), ...]``.
-
-    Raises:
-        InvalidRequestError: ``param="lora"`` for an empty name, a repeated name or a non-finite
-            scale.
-    """
-    if lora is None:
-        return []
-    items = [lora] if isinstance(lora, LoRASpec) else list(lora)
-    out: list[tuple[str, float]] = []
-    seen: set[str] = set()
-    for i, spec in enumerate(items):
-        if not spec.name.strip():
-            raise _bad(f"lora[{i}].name must be a non-empty adapter nickname", "lora")
-        if spec.name in seen:
-            raise _bad(f"lora names the adapter {spec.name!r} more than once", "lora")
-        if not math.isfinite(spec.scale):
-            raise _bad(f"lora[{i}].scale must be a finite number, got {spec.scale}", "lora")
-        seen.add(spec.name)
-        out.append((spec.name, float(spec.scale)))
-    return out
-
-
 def validate_generation(req: ImageGenerationRequest, limits: Limits) -> GenerationParams:
     """Check every value of a generation request and translate it for the engine.
 
@@ -327,7 +310,7 @@ def validate_generation(req: ImageGenerationRequest, limits: Limits) -> Generati
             )
         kwargs["negative_prompt"] = req.negative_prompt
     if req.lora is not None:
-        kwargs["lora"] = normalize_lora_composition(req.lora)
+        kwargs["lora"] = validate_composition(req.lora, "lora")
     return GenerationParams(
         engine_kwargs=kwargs,
         width=width,
@@ -345,73 +328,28 @@ def validate_target(target: str, valid_targets: tuple[str, ...] | list[str]) -> 
     Raises:
         InvalidRequestError: ``param="target"``, listing the valid targets for this model.
     """
-    if target not in valid_targets:
-        raise _bad(
-            f"target {target!r} does not exist on this model; valid targets: "
-            f"{', '.join(repr(t) for t in valid_targets)}",
-            "target",
-        )
-    return target
+    return check_target(target, valid_targets)
 
 
 def validate_set_lora(req: SetLoRARequest, valid_targets: tuple[str, ...] | list[str]) -> dict:
     """Check a ``set_lora`` body; return the keyword arguments for ``engine.set_lora``.
 
-    Lists must pair up: ``lora_path`` (when a list) and ``strength`` (when a list) must have one
-    entry per nickname. A scalar ``lora_path`` with several nicknames is refused (ambiguous).
+    The rules are :func:`~sglang.multimodal_gen.lora.requests.normalize_set_lora`'s: a scalar or a
+    one-element list applies to every nickname, other lists need one entry per nickname, and a
+    nickname may appear once per target.
+
+    Returns:
+        ``lora_nickname``, ``lora_path``, ``target``, ``strength`` as lists with one entry per
+        nickname, and ``merge_mode``.
 
     Raises:
         InvalidRequestError: naming the field and the mismatch (``param`` is the field).
     """
-    nicknames = [req.lora_nickname] if isinstance(req.lora_nickname, str) else req.lora_nickname
-    if not nicknames:
-        raise _bad("lora_nickname must name at least one adapter", "lora_nickname")
-    for name in nicknames:
-        if not name.strip():
-            raise _bad("lora_nickname entries must be non-empty strings", "lora_nickname")
-    if len(set(nicknames)) != len(nicknames):
-        raise _bad(f"lora_nickname lists an adapter twice: {nicknames}", "lora_nickname")
-    is_list = isinstance(req.lora_nickname, list)
-    path = req.lora_path
-    if isinstance(path, list):
-        if len(path) != len(nicknames):
-            raise _bad(
-                f"lora_path has {len(path)} entries but lora_nickname has {len(nicknames)}; "
-                "give one path (or null) per nickname",
-                "lora_path",
-            )
-    elif isinstance(path, str) and is_list and len(nicknames) > 1:
-        raise _bad(
-            f"lora_path is a single string but lora_nickname lists {len(nicknames)} adapters; "
-            "give a list with one path (or null) per nickname",
-            "lora_path",
-        )
-    if isinstance(path, str) and not path.strip():
-        raise _bad(
-            "lora_path must not be an empty string (use null to reuse a loaded one)", "lora_path"
-        )
-    strength = req.strength
-    if isinstance(strength, list):
-        if len(strength) != len(nicknames):
-            raise _bad(
-                f"strength has {len(strength)} entries but lora_nickname has {len(nicknames)}; "
-                "give one strength, or one per nickname",
-                "strength",
-            )
-        for s in strength:
-            _finite(s, "strength")
-    else:
-        _finite(strength, "strength")
-    validate_target(req.target, valid_targets)
-    if req.merge_mode is not None and req.merge_mode not in MERGE_MODES:
-        raise _bad(
-            f"merge_mode must be one of {list(MERGE_MODES)} or null, got {req.merge_mode!r}",
-            "merge_mode",
-        )
-    return {
-        "lora_nickname": req.lora_nickname,
-        "lora_path": req.lora_path,
-        "target": req.target,
-        "strength": req.strength,
-        "merge_mode": req.merge_mode,
-    }
+    return normalize_set_lora(
+        req.lora_nickname,
+        req.lora_path,
+        req.target,
+        req.strength,
+        req.merge_mode,
+        valid_targets=valid_targets,
+    ).engine_kwargs()

@@ -1,35 +1,82 @@
-"""LoRA adapter runtime: file formats, PEFT config semantics, loading (and the adapter manager)."""
+"""LoRA adapter runtime: file formats, PEFT config semantics, loading (and the adapter manager).
 
-from sglang.multimodal_gen.lora.formats import (
-    CanonicalLoRA,
-    convert_to_canonical,
-    guess_architecture,
-)
-from sglang.multimodal_gen.lora.loading import load_lora_state_dict, resolve_lora_path
-from sglang.multimodal_gen.lora.manager import MERGE_MODES, LoRAManager
-from sglang.multimodal_gen.lora.merge_cache import AdapterKey, MergeCache, MergeKey
-from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
-from sglang.multimodal_gen.lora.peft_config import (
-    AdapterConfig,
-    config_from_sources,
-    get_pattern_key,
-)
+Names are imported lazily (on first attribute access), so light users such as the HTTP layer's
+argument checks (:mod:`sglang.multimodal_gen.lora.requests`) do not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    # formats / PEFT semantics / loading
+    "AdapterConfig": "peft_config",
+    "CanonicalLoRA": "formats",
+    "LoRAModelSpec": "model_spec",
+    "config_from_sources": "peft_config",
+    "convert_to_canonical": "formats",
+    "get_pattern_key": "peft_config",
+    "guess_architecture": "formats",
+    "load_lora_state_dict": "loading",
+    "resolve_lora_path": "loading",
+    # request arguments
+    "MERGE_MODES": "requests",
+    "normalize_set_lora": "requests",
+    "validate_composition": "requests",
+    # adapter manager and merge cache
+    "AdapterKey": "merge_cache",
+    "LoRAManager": "manager",
+    "MergeCache": "merge_cache",
+    "MergeKey": "merge_cache",
+}
 
 __all__ = [
-    # formats / PEFT semantics / loading
+    "MERGE_MODES",
     "AdapterConfig",
+    "AdapterKey",
     "CanonicalLoRA",
+    "LoRAManager",
     "LoRAModelSpec",
+    "MergeCache",
+    "MergeKey",
     "config_from_sources",
     "convert_to_canonical",
     "get_pattern_key",
     "guess_architecture",
     "load_lora_state_dict",
+    "normalize_set_lora",
     "resolve_lora_path",
-    # adapter manager and merge cache
-    "MERGE_MODES",
-    "AdapterKey",
-    "LoRAManager",
-    "MergeCache",
-    "MergeKey",
+    "validate_composition",
 ]
+assert set(__all__) == set(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sglang.multimodal_gen.lora.formats import (
+        CanonicalLoRA,
+        convert_to_canonical,
+        guess_architecture,
+    )
+    from sglang.multimodal_gen.lora.loading import load_lora_state_dict, resolve_lora_path
+    from sglang.multimodal_gen.lora.manager import LoRAManager
+    from sglang.multimodal_gen.lora.merge_cache import AdapterKey, MergeCache, MergeKey
+    from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
+    from sglang.multimodal_gen.lora.peft_config import (
+        AdapterConfig,
+        config_from_sources,
+        get_pattern_key,
+    )
+    from sglang.multimodal_gen.lora.requests import (
+        MERGE_MODES,
+        normalize_set_lora,
+        validate_composition,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from sglang.multimodal_gen.errors import InvalidRequestError
+from sglang.multimodal_gen.lora.requests import validate_composition
 
 
 @dataclass
@@ -21,7 +22,8 @@ class GenerationRequest:
         seed: seeds the initial latents (``torch.Generator().manual_seed``); ``None`` draws one.
         num_images: images for this prompt (one latent batch).
         lora: per-request adapter composition ``[(nickname, strength), ...]`` of loaded
-            adapters; ``None`` uses the globally active composition, ``[]`` none at all.
+            adapters; ``None`` uses the globally active composition, ``[]`` none at all (rules:
+            :func:`~sglang.multimodal_gen.lora.requests.validate_composition`).
     """
 
     prompt: str
@@ -72,26 +74,4 @@ class GenerationRequest:
         n = self.num_images
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidRequestError(f"num_images must be an integer >= 1, got {n!r}", param="n")
-        if self.lora is not None:
-            seen = set()
-            for item in self.lora:
-                try:
-                    name, scale = item
-                except (TypeError, ValueError):
-                    raise InvalidRequestError(
-                        f"lora entries must be (name, scale) pairs, got {item!r}", param="lora"
-                    ) from None
-                if not isinstance(name, str) or not name:
-                    raise InvalidRequestError(f"bad adapter name {name!r}", param="lora")
-                if name in seen:
-                    raise InvalidRequestError(f"adapter {name!r} named twice", param="lora")
-                if (
-                    isinstance(scale, bool)
-                    or not isinstance(scale, int | float)
-                    or not math.isfinite(scale)
-                ):
-                    raise InvalidRequestError(
-                        f"lora scale of {name!r} must be a finite number, got {scale!r}",
-                        param="lora",
-                    )
-                seen.add(name)
+        validate_composition(self.lora, "lora")
