@@ -124,7 +124,11 @@ class ServerArgs:
         admin_api_key: when set, the LoRA admin endpoints require this key instead.
         lora_paths / lora_nicknames / lora_scales: adapters loaded and activated at startup
             (nickname defaults to the file or folder name without extension; scale to 1.0).
-        lora_dirs: allowed roots for local LoRA paths (realpath containment), passed to the engine.
+            They come from the operator's command line and load from anywhere (relative paths
+            are looked up in ``lora_dirs`` first).
+        lora_dirs: allowed roots for local LoRA paths sent to ``/v1/set_lora`` (realpath
+            containment), passed to the engine. Empty: ``set_lora`` accepts no local path, only
+            Hub ids present in the local Hugging Face cache.
         max_queue_size: generation requests waiting or running at once; more get 503 + Retry-After.
         max_image_size: largest allowed width or height in pixels.
         max_images_per_request: upper bound of ``n``.
@@ -279,7 +283,8 @@ class ServerArgs:
             action="extend",
             nargs="+",
             default=None,
-            help="adapter(s) to load and activate at startup (file, folder or cached repo id)",
+            help="adapter(s) to load and activate at startup (file, folder or cached repo id); "
+            "loaded from anywhere, relative paths are looked up in --lora-dir first",
         )
         g.add_argument(
             "--lora-nickname",
@@ -300,7 +305,9 @@ class ServerArgs:
             "--lora-dir",
             action="append",
             default=None,
-            help="allowed root for local LoRA paths (repeatable); paths outside are refused",
+            help="allowed root for local LoRA paths given to /v1/set_lora (repeatable); paths "
+            "outside are refused, and without --lora-dir every local path is (Hub ids from the "
+            "local cache are accepted)",
         )
         return parser
 

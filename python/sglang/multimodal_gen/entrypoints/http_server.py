@@ -540,6 +540,9 @@ def _configure_logging(level: str) -> None:
 def load_startup_loras(engine: Any, server_args: ServerArgs) -> None:
     """Load and activate the ``--lora-path`` adapters (before the server accepts requests).
 
+    They come from the operator's command line, so they are trusted: they load even from outside
+    ``--lora-dir`` (relative paths are looked up in the ``--lora-dir`` roots first).
+
     Raises:
         whatever ``engine.set_lora`` raises (the server then does not start).
     """
@@ -550,7 +553,7 @@ def load_startup_loras(engine: Any, server_args: ServerArgs) -> None:
     paths = [p for _, p, _ in loras]
     strengths = [s for _, _, s in loras]
     t0 = time.perf_counter()
-    engine.set_lora(names, paths, target="all", strength=strengths)
+    engine.set_lora(names, paths, target="all", strength=strengths, trusted=True)
     logger.info("startup LoRA active: %s (%.2fs)", names, time.perf_counter() - t0)
 
 

@@ -18,7 +18,13 @@ Every public operation is atomic: it validates and stages everything it can befo
 layer, and if anything fails after that, each touched layer is put back into its previous
 composition and merge state (unmerge restores a snapshot and re-merging is deterministic, so the
 weights are bit-identical to before). Errors are :mod:`sglang.multimodal_gen.errors` types naming the
-request field (``lora_nickname``, ``lora_path``, ``target``, ``strength``, ``merge_mode``, ``lora``).
+request field (``lora_nickname``, ``lora_path``, ``target``, ``strength``, ``merge_mode``, ``lora``);
+the argument rules are those of :mod:`sglang.multimodal_gen.lora.requests`, shared with the HTTP
+layer and the engine.
+
+For tensor parallelism a change can also be made atomic *across* ranks: :meth:`begin_change`
+opens a savepoint, the change runs, and every rank then calls :meth:`commit_change` or (when any
+rank failed) :meth:`rollback_change`, which puts this rank back exactly where the savepoint was.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,21 +40,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError, SGLangError
+from sglang.multimodal_gen.errors import (
+    InvalidRequestError,
+    LoRAFormatError,
+    NotFoundError,
+    SGLangError,
+)
 from sglang.multimodal_gen.layers.linear import ParallelLinear
 from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA, replace_submodule, wrap_with_lora
 from sglang.multimodal_gen.lora.formats import CanonicalLoRA, convert_to_canonical
-from sglang.multimodal_gen.lora.loading import load_lora_state_dict
+from sglang.multimodal_gen.lora.loading import _REPO_ID_RE, load_lora_state_dict
 from sglang.multimodal_gen.lora.merge_cache import AdapterKey, MergeCache, MergeKey
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
+from sglang.multimodal_gen.lora.requests import (
+    ALL_TARGETS,
+    MERGE_MODES,
+    check_target,
+    normalize_set_lora,
+    validate_composition,
+)
 from sglang.multimodal_gen.models.name_map import NameMap
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MERGE_MODES", "LoRAManager"]
 
-MERGE_MODES = ("auto", "merge", "dynamic")
-ALL = "all"
+ALL = ALL_TARGETS
 
 
 @dataclass
@@ -76,10 +92,13 @@ class _TargetState:
     committed: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _as_list(value: Any, what: str) -> list:
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
+@dataclass
+class _Savepoint:
+    """What :meth:`LoRAManager.rollback_change` needs to undo the changes made since it was taken."""
+
+    adapters: list[tuple[str, _Adapter, int]]  # (nickname, adapter, last_used) in LRU order
+    layers: dict  # LoRAManager._snapshot_state of every target
+    dropped: list[_Adapter] = field(default_factory=list)  # uninstall deferred until commit
 
 
 class LoRAManager:
@@ -89,7 +108,10 @@ class LoRAManager:
         targets: ``{target_name: module}``, e.g. ``{"transformer": dit}`` (``"transformer_2"`` for
             the second expert of a two-expert model). ``"all"`` addresses every target.
         name_map: the model's :class:`NameMap` (file / diffusers / original names -> ours).
-        allowed_roots: directories local LoRA paths must resolve into (``None``/empty: any path).
+        allowed_roots: directories local LoRA paths must resolve into (realpath containment).
+            ``None``: any local path (a user's own command line). An empty sequence: no local
+            path at all (a server started without ``--lora-dir``); Hub ids present in the local
+            Hugging Face cache are accepted in every case.
         max_loaded_bytes: bound on the bytes of loaded adapters on this rank; the least recently
             used adapters that are not active are unloaded to make room.
         merge_cache_bytes: bound of the merge cache (0 disables it).
@@ -109,7 +131,7 @@ class LoRAManager:
         self,
         targets: Mapping[str, nn.Module],
         name_map: NameMap | None = None,
-        allowed_roots: Sequence[str] | None = (),
+        allowed_roots: Sequence[str] | None = None,
         max_loaded_bytes: int = 8 << 30,
         merge_cache_bytes: int = 1 << 30,
         default_merge_mode: str = "auto",
@@ -124,7 +146,7 @@ class LoRAManager:
         if default_merge_mode not in MERGE_MODES:
             raise ValueError(f"default_merge_mode must be one of {MERGE_MODES}")
         self.name_map = name_map
-        self.allowed_roots = list(allowed_roots) if allowed_roots else None
+        self.allowed_roots = None if allowed_roots is None else list(allowed_roots)
         self.max_loaded_bytes = int(max_loaded_bytes)
         self.default_merge_mode = default_merge_mode
         self.cache = MergeCache(merge_cache_bytes, merge_cache_device)
@@ -152,6 +174,7 @@ class LoRAManager:
         self._uids = itertools.count()
         self._clock = itertools.count(1)
         self._request_composition: list[tuple[str, float]] | None = None
+        self._savepoint: _Savepoint | None = None
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -188,36 +211,9 @@ class LoRAManager:
         return sum(a.nbytes for a in self._adapters.values())
 
     # ------------------------------------------------------------------ validation
-    def _resolve_targets(self, target: Any, param: str = "target") -> list[str]:
-        if not isinstance(target, str):
-            raise InvalidRequestError(f"{param} must be a string, got {target!r}", param=param)
-        if target == ALL:
-            return list(self._targets)
-        if target not in self._targets:
-            raise InvalidRequestError(
-                f"unknown {param} {target!r} for this model; valid: {list(self.target_names)}",
-                param=param,
-            )
-        return [target]
-
-    def _check_mode(self, merge_mode: Any) -> str:
-        if merge_mode is None:
-            return self.default_merge_mode
-        if merge_mode not in MERGE_MODES:
-            raise InvalidRequestError(
-                f"merge_mode must be one of {list(MERGE_MODES)}, got {merge_mode!r}",
-                param="merge_mode",
-            )
-        return merge_mode
-
-    @staticmethod
-    def _check_strength(value: Any, param: str = "strength") -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidRequestError(f"{param} must be a number, got {value!r}", param=param)
-        value = float(value)
-        if not math.isfinite(value):
-            raise InvalidRequestError(f"{param} must be finite, got {value}", param=param)
-        return value
+    def _resolve_targets(self, target: Any) -> list[str]:
+        check_target(target, self.target_names)
+        return list(self._targets) if target == ALL else [target]
 
     @staticmethod
     def _check_nickname(value: Any, param: str = "lora_nickname") -> str:
@@ -236,18 +232,76 @@ class LoRAManager:
         return adapter
 
     # ------------------------------------------------------------------ loading (staging)
-    def _read(self, nickname: str, path: str) -> tuple[dict[str, CanonicalLoRA], dict[str, Any]]:
-        """Read and convert a file for every target it matches. No layer is touched."""
-        if not isinstance(path, (str,)) or not path:
+    def read_source(
+        self, path: str, trusted: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Read one adapter (file, folder or cached Hub id) as this manager's roots allow.
+
+        No layer is touched. TP rank 0 uses it to read a file once and send the result to every
+        rank (``set_lora(..., sources=...)``), so all ranks apply the same tensors.
+
+        Args:
+            trusted: the path comes from the operator's command line (``--lora-path`` when a
+                server starts): read it wherever it is (a relative path is looked up in the
+                roots first, then in the working directory).
+
+        Returns:
+            ``(state_dict, metadata)`` of :func:`~sglang.multimodal_gen.lora.loading.load_lora_state_dict`.
+
+        Raises:
+            InvalidRequestError / LoRAFormatError (``param="lora_path"``): a refused or unreadable
+                path. A local path refused by the roots gets the same message whether or not it
+                exists.
+        """
+        if not isinstance(path, str) or not path:
             raise InvalidRequestError(
                 f"lora_path must be a non-empty string, got {path!r}", "lora_path"
             )
+        if trusted and self.allowed_roots:
+            # the operator's own path: relative to the roots when it is there, else anywhere
+            try:
+                return load_lora_state_dict(path, self.allowed_roots)
+            except LoRAFormatError:
+                raise
+            except InvalidRequestError:
+                pass
+        roots = None if trusted else self.allowed_roots
+        no_local = roots is not None and not roots
+        hub_like = _REPO_ID_RE.match(path) is not None and ".." not in path and "//" not in path
+        if no_local and not hub_like:
+            raise InvalidRequestError(
+                f"LoRA path {path!r} refused: this server accepts local LoRA paths only inside "
+                "the directories it was started with (--lora-dir DIR), and it has none. Start it "
+                "with --lora-dir, or load the adapter at startup with --lora-path; Hugging Face "
+                "Hub ids present in the local cache are accepted.",
+                param="lora_path",
+            )
         try:
-            state_dict, metadata = load_lora_state_dict(path, self.allowed_roots)
+            return load_lora_state_dict(path, roots)
         except SGLangError as e:
             if e.param is None:
                 e.param = "lora_path"
+            if (
+                no_local
+                and isinstance(e, InvalidRequestError)
+                and not isinstance(e, LoRAFormatError)
+            ):
+                raise type(e)(
+                    f"{e.message} (local LoRA paths need the server to be started with --lora-dir)",
+                    param=e.param,
+                    code=e.code,
+                ) from None
             raise
+
+    def _read(
+        self, nickname: str, path: str, sources: Mapping[str, tuple] | None = None
+    ) -> tuple[dict[str, CanonicalLoRA], dict[str, Any]]:
+        """Convert a file (read now, or taken from ``sources``) for every target it matches.
+        No layer is touched."""
+        if sources is not None and path in sources:
+            state_dict, metadata = sources[path]
+        else:
+            state_dict, metadata = self.read_source(path)
         converted: dict[str, CanonicalLoRA] = {}
         errors = []
         for tname, spec in self._specs.items():
@@ -268,8 +322,10 @@ class LoRAManager:
             raise err
         return converted, metadata
 
-    def _stage(self, nickname: str, path: str) -> tuple[_Adapter, dict[str, CanonicalLoRA]]:
-        converted, metadata = self._read(nickname, path)
+    def _stage(
+        self, nickname: str, path: str, sources: Mapping[str, tuple] | None = None
+    ) -> tuple[_Adapter, dict[str, CanonicalLoRA]]:
+        converted, metadata = self._read(nickname, path, sources)
         uid = f"{nickname}#{next(self._uids)}"
         scales = {
             (t, m): tuple(sorted(((sid, float(w.scale)) for sid, w in shards.items()), key=repr))
@@ -311,6 +367,13 @@ class LoRAManager:
         for tname, modules in adapter.modules.items():
             for module in modules:
                 self._layers[tname][module].remove_adapter(adapter.uid)
+
+    def _drop(self, adapter: _Adapter) -> None:
+        """Uninstall an adapter that left ``_adapters`` (at once, or at commit in a savepoint)."""
+        if self._savepoint is not None:
+            self._savepoint.dropped.append(adapter)
+        else:
+            self._uninstall(adapter)
 
     def _touch(self, adapter: _Adapter) -> None:
         adapter.last_used = next(self._clock)
@@ -450,6 +513,51 @@ class LoRAManager:
                     param="merge_mode",
                 )
 
+    # ------------------------------------------------------------------ cross-rank atomicity
+    def begin_change(self) -> None:
+        """Open a savepoint before a change that must be all-or-nothing across TP ranks.
+
+        Until :meth:`commit_change` or :meth:`rollback_change`, adapters that are replaced,
+        evicted or unloaded stay installed on the layers (not in use), so the previous state can
+        be restored exactly.
+
+        Raises:
+            RuntimeError: a savepoint is already open.
+        """
+        if self._savepoint is not None:
+            raise RuntimeError("a LoRA change savepoint is already open")
+        self._savepoint = _Savepoint(
+            adapters=[(n, a, a.last_used) for n, a in self._adapters.items()],
+            layers=self._snapshot_state(list(self._targets)),
+        )
+
+    def commit_change(self) -> None:
+        """Keep the changes made since :meth:`begin_change`; free the adapters they dropped."""
+        sp, self._savepoint = self._savepoint, None
+        if sp is None:
+            raise RuntimeError("no LoRA change savepoint is open")
+        for adapter in sp.dropped:
+            self._uninstall(adapter)
+
+    def rollback_change(self) -> None:
+        """Undo every change made since :meth:`begin_change` (another rank failed).
+
+        Loaded adapters (and their LRU order), compositions, merge modes and layer merge states
+        are those of the savepoint again; merged weights are restored from the pre-merge snapshot
+        and re-merged, so they are bit-identical to before. Adapters loaded since are freed.
+        """
+        sp, self._savepoint = self._savepoint, None
+        if sp is None:
+            raise RuntimeError("no LoRA change savepoint is open")
+        keep = {a.uid for _, a, _ in sp.adapters}
+        since = {a.uid: a for a in [*self._adapters.values(), *sp.dropped] if a.uid not in keep}
+        self._adapters = OrderedDict((n, a) for n, a, _ in sp.adapters)
+        for _, a, last_used in sp.adapters:
+            a.last_used = last_used
+        self._restore(sp.layers)  # layers now use only adapters of the savepoint
+        for adapter in since.values():
+            self._uninstall(adapter)
+
     # ------------------------------------------------------------------ public API
     def load_adapter(self, nickname: str, path: str) -> dict[str, Any]:
         """Load (or reload from a new path) adapter ``nickname`` without activating it.
@@ -481,8 +589,8 @@ class LoRAManager:
                 new = [(n, s) for n, s in st.composition if n != nickname]
                 self._apply(t, new, st.mode)
                 st.composition = new
-        self._uninstall(adapter)
         del self._adapters[nickname]
+        self._drop(adapter)
         return {"status": "ok", "message": f"unloaded LoRA {nickname!r}"}
 
     def set_lora(
@@ -493,6 +601,7 @@ class LoRAManager:
         strengths: float | Sequence[float] = 1.0,
         merge_mode: str | None = None,
         *,
+        sources: Mapping[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = None,
         _activate: bool = True,
     ) -> dict[str, Any]:
         """Load what is needed and make the given adapters the active composition of their targets.
@@ -505,7 +614,10 @@ class LoRAManager:
             targets: ``"all"``, ``"transformer"``, ... (broadcast like ``paths``).
             strengths: multipliers of each adapter's ``alpha / r`` (broadcast like ``paths``).
             merge_mode: ``"auto"``/``"merge"``/``"dynamic"`` (default: the manager's default).
+            sources: ``{path: (state_dict, metadata)}`` already read with :meth:`read_source`
+                (TP: by rank 0, for every rank); paths not in it are read here.
 
+        The arguments follow :func:`~sglang.multimodal_gen.lora.requests.normalize_set_lora`.
         Every target named (through ``"all"`` or by name) gets exactly the listed adapters for it,
         in order; targets not named keep their composition.
 
@@ -520,64 +632,30 @@ class LoRAManager:
             NotFoundError: a nickname without path that is not loaded.
             On any error nothing changes (weights bit-identical, same adapters loaded).
         """
-        names = [self._check_nickname(n) for n in _as_list(nicknames, "lora_nickname")]
-        if not names:
-            raise InvalidRequestError(
-                "lora_nickname must name at least one adapter", "lora_nickname"
-            )
-        n = len(names)
+        args = normalize_set_lora(
+            nicknames, paths, targets, strengths, merge_mode, valid_targets=self.target_names
+        )
+        names, strength_list = args.nicknames, args.strengths
+        mode = args.merge_mode or self.default_merge_mode
 
-        def spread(value, param):
-            values = _as_list(value, param)
-            if len(values) == 1:
-                return values * n
-            if len(values) != n:
-                raise InvalidRequestError(
-                    f"{param} has {len(values)} entries for {n} lora_nickname entries "
-                    "(give one value, or one per nickname)",
-                    param=param,
-                )
-            return values
-
-        path_list = spread(paths, "lora_path")
-        target_list = spread(targets, "target")
-        strength_list = [self._check_strength(s) for s in spread(strengths, "strength")]
-        mode = self._check_mode(merge_mode)
-        resolved = [self._resolve_targets(t) for t in target_list]
-
-        # new compositions of the targets named
+        # new compositions of the targets named (normalize_set_lora refused duplicates)
         new_comp: dict[str, list[tuple[str, float]]] = {}
-        for name, tnames, strength in zip(names, resolved, strength_list):
-            for t in tnames:
-                comp = new_comp.setdefault(t, [])
-                if any(x == name for x, _ in comp):
-                    raise InvalidRequestError(
-                        f"adapter {name!r} is listed twice for target {t!r}", param="lora_nickname"
-                    )
-                comp.append((name, strength))
+        for name, target, strength in zip(names, args.targets, strength_list):
+            for t in self._resolve_targets(target):
+                new_comp.setdefault(t, []).append((name, strength))
 
         # stage files (read + convert) before touching anything
         staged: dict[str, tuple[_Adapter, dict[str, CanonicalLoRA]]] = {}
-        for name, path in zip(names, path_list):
-            if path is None:
-                if name not in staged:
-                    self._get(name)
-                continue
-            if not isinstance(path, str) or not path:
-                raise InvalidRequestError(
-                    f"lora_path must be a non-empty string or null, got {path!r}", "lora_path"
-                )
-            if name in staged:
-                if staged[name][0].source != path:
-                    raise InvalidRequestError(
-                        f"adapter {name!r} is given two different paths", param="lora_path"
-                    )
-                continue
+        given = {name: path for name, path in zip(names, args.paths) if path is not None}
+        for name, path in given.items():
             old = self._adapters.get(name)
-            adapter, converted = self._stage(name, path)
+            adapter, converted = self._stage(name, path, sources)
             if old is not None and old.identity == adapter.identity:
                 continue  # same unchanged file: reuse
             staged[name] = (adapter, converted)
+        for name in names:
+            if name not in given:
+                self._get(name)  # null path: must be loaded already
 
         # every adapter must touch every target it is set on
         def adapter_for(name: str) -> _Adapter:
@@ -638,12 +716,12 @@ class LoRAManager:
         # committed: drop replaced versions and evict
         for old in previous.values():
             if old is not None:
-                self._uninstall(old)
+                self._drop(old)
         for name in evict:
             adapter = self._adapters.pop(name, None)
             if adapter is not None:
                 logger.info("LoRA %r unloaded (LRU, memory bound)", name)
-                self._uninstall(adapter)
+                self._drop(adapter)
         for t in new_comp if _activate else ():
             for name, _ in new_comp[t]:
                 self._touch(self._adapters[name])
@@ -758,23 +836,9 @@ class LoRAManager:
         if composition is None:
             yield
             return
-        comp: list[tuple[str, float]] = []
-        for item in composition:
-            if isinstance(item, Mapping):
-                name, strength = item.get("name"), item.get("scale", 1.0)
-            else:
-                try:
-                    name, strength = item
-                except (TypeError, ValueError):
-                    raise InvalidRequestError(
-                        f"lora entries must be (name, scale), got {item!r}", param="lora"
-                    ) from None
-            self._check_nickname(name, "lora")
-            strength = self._check_strength(strength, "lora")
+        comp = validate_composition(composition, "lora")
+        for name, _ in comp:
             self._get(name, param="lora")
-            if any(n == name for n, _ in comp):
-                raise InvalidRequestError(f"adapter {name!r} is listed twice", param="lora")
-            comp.append((name, strength))
         tnames = [
             t
             for t in self._targets

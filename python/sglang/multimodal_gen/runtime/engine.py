@@ -3,9 +3,14 @@
 TP 1 runs the :class:`~sglang.multimodal_gen.runtime.runner.ModelRunner` in the calling process.
 TP N spawns N worker processes that form one TP group (gloo on CPU, NCCL on CUDA; rank ``r`` uses
 ``cuda:r``). Every call becomes a command ``(op, kwargs)`` put on rank 0's queue; rank 0
-broadcasts it (``broadcast_object``) and all ranks execute it in the same order, then gather
-their outcomes so a failure on any rank is reported; rank 0 sends the result back. While idle,
-rank 0 broadcasts a no-op every ``heartbeat_s`` so the other ranks' collectives never time out.
+reads the LoRA files a ``set_lora`` names (a read error is answered at once, no other rank is
+involved), broadcasts the command with the files' contents (``broadcast_object``), and all ranks
+execute it in the same order, then gather their outcomes so a failure on any rank is reported;
+rank 0 sends the result back. A LoRA change is all-or-nothing across ranks: when it fails on any
+rank, the ranks where it succeeded roll it back (:meth:`ModelRunner.execute` with ``agree``); if a
+rollback itself fails, the workers stop (the engine is dead) rather than serve from diverged
+weights. While idle, rank 0 broadcasts a no-op every ``heartbeat_s`` so the other ranks'
+collectives never time out.
 """
 
 from __future__ import annotations
@@ -16,16 +21,17 @@ import queue as queue_mod
 import secrets
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from sglang.multimodal_gen import errors as errors_mod
-from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError, SGLangError
+from sglang.multimodal_gen.errors import EngineDeadError, SGLangError
+from sglang.multimodal_gen.lora.requests import normalize_set_lora
 from sglang.multimodal_gen.runtime.request import GenerationRequest
-from sglang.multimodal_gen.runtime.runner import LORA_TARGETS, ModelRunner
+from sglang.multimodal_gen.runtime.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +46,7 @@ def _pack_error(e: BaseException) -> dict:
         "code": getattr(e, "code", None),
         "value_error": isinstance(e, ValueError),
         "lookup_error": isinstance(e, LookupError),
-        "traceback": traceback.format_exc(),
+        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
     }
 
 
@@ -81,7 +87,9 @@ def quiet_library_progress_bars() -> None:
         pass
 
 
-def _tp_worker_main(rank, world, port, backend, runner_kwargs, cmd_q, res_q, heartbeat_s):
+def _tp_worker_main(
+    rank, world, port, backend, runner_kwargs, cmd_q, res_q, heartbeat_s, worker_setup=None
+):
     import torch.distributed as dist
 
     from sglang.multimodal_gen.distributed import (
@@ -111,6 +119,8 @@ def _tp_worker_main(rank, world, port, backend, runner_kwargs, cmd_q, res_q, hea
             if torch.device(device).type == "cuda":
                 device = f"cuda:{rank}"
             runner = ModelRunner(device=device, tp_rank=rank, tp_size=world, **runner_kwargs)
+            if worker_setup is not None:
+                worker_setup(runner, rank)
         except BaseException as e:
             err = _pack_error(e)
         errs = gather(err)
@@ -126,18 +136,46 @@ def _tp_worker_main(rank, world, port, backend, runner_kwargs, cmd_q, res_q, hea
                     cmd = cmd_q.get(timeout=heartbeat_s)
                 except queue_mod.Empty:
                     cmd = ("noop", {})
+                if cmd is not None and cmd[0] not in ("noop", "shutdown"):
+                    try:  # set_lora: read the files once, here, and send their contents
+                        cmd = (cmd[0], runner.prepare(*cmd))
+                    except BaseException as e:
+                        res_q.put(("result", False, (0, _pack_error(e))))
+                        continue
             cmd = broadcast_object(cmd)
             if cmd is None or cmd[0] == "shutdown":
                 break
             op, kwargs = cmd
+            decided: list = []
+
+            def agree(exc, decided=decided):
+                first = _first_error(gather(None if exc is None else _pack_error(exc)))
+                decided.append(first)
+                return first is None
+
             out, err = None, None
             try:
-                out = runner.execute(op, kwargs)
+                out = runner.execute(op, kwargs, agree=agree)
             except BaseException as e:
                 err = _pack_error(e)
-            failed = _first_error(gather(err))
+            errs = gather(err)
+            # a LoRA change reports the error of the rank that failed, not a rollback notice
+            failed = decided[0] if decided and decided[0] else _first_error(errs)
+            broken = [r for r, e in enumerate(errs) if e and e["type"] == "LoRARollbackError"]
+            if broken:
+                failed = (
+                    broken[0],
+                    _pack_error(
+                        EngineDeadError(
+                            f"{errs[broken[0]]['message']}; the TP workers stop (restart the "
+                            "engine)"
+                        )
+                    ),
+                )
             if rank == 0 and op != "noop":
                 res_q.put(("result", failed is None, failed if failed else out))
+            if broken:
+                break
     finally:
         shutdown_worker()
 
@@ -153,12 +191,17 @@ class DiffusionEngine:
         device: ``"cpu"``, ``"cuda"``...; default CUDA when available.
         dtype: ``"auto"|"float32"|"float16"|"bfloat16"`` or a ``torch.dtype`` (auto: bf16 on
             CUDA, fp32 on CPU).
-        lora_dirs: allowed roots for local LoRA paths.
+        lora_dirs: allowed roots for local LoRA paths (realpath containment). ``None`` (default):
+            any local path, as for a user's own ``sglang generate``. Empty: no local path (a
+            server started without ``--lora-dir``); Hub ids in the local Hugging Face cache and
+            ``set_lora(..., trusted=True)`` (startup ``--lora-path``) are accepted in every case.
         generator_device: device of the seeded generator (default: the execution device type).
         dit_cpu_offload: on CUDA keep the DiT weights in pinned host memory between calls
             (moved to the GPU for each call); ignored, with one log line, without a GPU.
         startup_timeout_s: how long TP workers may take to load.
         heartbeat_s: idle period after which rank 0 pings the other ranks.
+        _worker_setup: tests only: ``fn(runner, rank)`` run in every TP worker after its runner
+            is built (a picklable module-level function).
 
     Raises:
         ValueError / FileNotFoundError: bad model directory or TP size (e.g. ``n_heads`` not
@@ -171,11 +214,12 @@ class DiffusionEngine:
         tp_size: int = 1,
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
-        lora_dirs: Sequence[str] = (),
+        lora_dirs: Sequence[str] | None = None,
         generator_device: str | None = None,
         dit_cpu_offload: bool = False,
         startup_timeout_s: float = 900.0,
         heartbeat_s: float = 60.0,
+        _worker_setup: Callable[[ModelRunner, int], None] | None = None,
     ):
         if model_path is None:
             from sglang.multimodal_gen.runtime.default_model import default_model_path
@@ -202,7 +246,7 @@ class DiffusionEngine:
         runner_kwargs = dict(
             model_path=model_path,
             dtype=dtype,
-            lora_dirs=tuple(lora_dirs),
+            lora_dirs=None if lora_dirs is None else tuple(lora_dirs),
             generator_device=generator_device,
             dit_cpu_offload=bool(dit_cpu_offload),
         )
@@ -210,11 +254,17 @@ class DiffusionEngine:
             self._runner = ModelRunner(device=device, **runner_kwargs)
             self._info = self._runner.info()
         else:
-            self._start_workers(dict(runner_kwargs, device=device), startup_timeout_s, heartbeat_s)
+            self._start_workers(
+                dict(runner_kwargs, device=device), startup_timeout_s, heartbeat_s, _worker_setup
+            )
 
     @classmethod
     def from_args(cls, server_args) -> DiffusionEngine:
-        """Build from a :class:`~sglang.multimodal_gen.configs.server_args.ServerArgs`."""
+        """Build from a :class:`~sglang.multimodal_gen.configs.server_args.ServerArgs` (the server).
+
+        Local LoRA paths sent to this engine must lie inside ``--lora-dir``; without it, none are
+        accepted (startup ``--lora-path`` adapters are loaded with ``trusted=True``).
+        """
         return cls(
             model_path=server_args.model_path,
             tp_size=server_args.tp_size,
@@ -225,7 +275,13 @@ class DiffusionEngine:
         )
 
     # ------------------------------------------------------------------ workers
-    def _start_workers(self, runner_kwargs: dict, timeout_s: float, heartbeat_s: float) -> None:
+    def _start_workers(
+        self,
+        runner_kwargs: dict,
+        timeout_s: float,
+        heartbeat_s: float,
+        worker_setup: Callable | None = None,
+    ) -> None:
         import torch.multiprocessing as mp
 
         from sglang.multimodal_gen.distributed import find_free_port
@@ -247,6 +303,7 @@ class DiffusionEngine:
                     self._cmd_q,
                     self._res_q,
                     heartbeat_s,
+                    worker_setup,
                 ),
                 daemon=True,
             )  # fmt: skip
@@ -318,7 +375,8 @@ class DiffusionEngine:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        return LORA_TARGETS
+        """Valid LoRA ``target`` values of this model (``"all"`` first), from its LoRA manager."""
+        return tuple(self._info["lora_targets"])
 
     def generate(self, req: GenerationRequest, progress: bool | None = None) -> list:
         """Generate ``req.num_images`` images.
@@ -345,38 +403,31 @@ class DiffusionEngine:
         target: str | Sequence[str] = "all",
         strength: float | Sequence[float] = 1.0,
         merge_mode: str | None = None,
+        *,
+        trusted: bool = False,
     ) -> dict:
         """Load (if ``lora_path`` given) and activate adapters; lists compose several.
 
-        Scalars broadcast over ``lora_nickname`` when it is a list. Returns the manager's
-        JSON-able summary. Raises ``InvalidRequestError``/``NotFoundError``/``LoRAFormatError``.
+        Arguments follow :func:`~sglang.multimodal_gen.lora.requests.normalize_set_lora`: a
+        scalar or one-element list applies to every nickname, other lists need one entry per
+        nickname, a nickname appears once per target. ``trusted=True`` (the operator's own
+        startup ``--lora-path``) reads local paths outside ``lora_dirs`` too. At TP > 1 rank 0
+        reads the files and sends their contents to every rank; the change applies on every rank
+        or on none. Returns the manager's JSON-able summary. Raises
+        ``InvalidRequestError``/``NotFoundError``/``LoRAFormatError``.
         """
-        names = [lora_nickname] if isinstance(lora_nickname, str) else list(lora_nickname)
-        if not names:
-            raise InvalidRequestError(
-                "lora_nickname must name at least one adapter", "lora_nickname"
-            )
-        n = len(names)
-
-        def spread(value, what):
-            if value is None or isinstance(value, str | int | float):
-                return [value] * n
-            value = list(value)
-            if len(value) == 1:
-                return value * n
-            if len(value) != n:
-                raise InvalidRequestError(
-                    f"{what} has {len(value)} entries for {n} adapters", param=what
-                )
-            return value
-
+        args = normalize_set_lora(
+            lora_nickname, lora_path, target, strength, merge_mode,
+            valid_targets=self.lora_targets,
+        )  # fmt: skip
         return self._call(
             "set_lora",
-            nicknames=names,
-            paths=spread(lora_path, "lora_path"),
-            targets=spread(target, "target"),
-            strengths=[float(s) for s in spread(strength, "strength")],
-            merge_mode=merge_mode,
+            nicknames=args.nicknames,
+            paths=args.paths,
+            targets=args.targets,
+            strengths=args.strengths,
+            merge_mode=args.merge_mode,
+            trusted=bool(trusted),
         )
 
     def unset_lora(self, target: str = "all") -> Any:

@@ -1,27 +1,38 @@
 """One TP rank's model: the Z-Image pipeline plus its LoRA manager, driven by named commands.
 
 The engine runs one :class:`ModelRunner` in-process (TP 1) or one per worker process (TP N). In
-the latter case rank 0 receives every command and broadcasts it, and every rank calls
+the latter case rank 0 receives every command, reads the LoRA files it names
+(:meth:`ModelRunner.prepare`) and broadcasts the command with their contents, and every rank calls
 :meth:`ModelRunner.execute` with the same command in the same order, so weights (base and LoRA)
-stay identical across ranks.
+stay identical across ranks. LoRA changes are all-or-nothing across ranks: each rank applies the
+change under a savepoint, the ranks agree on the outcome, and when any rank failed every rank
+rolls back (:meth:`ModelRunner.execute` with ``agree``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.errors import InvalidRequestError
+from sglang.multimodal_gen.errors import SGLangError
+from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.models.dits.zimage_names import ZIMAGE_NAME_MAP
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
 from sglang.multimodal_gen.runtime.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
 
-LORA_TARGETS = ("all", "transformer")
+
+class LoRAChangeAborted(SGLangError):
+    """This rank's LoRA change succeeded but was undone because another TP rank failed."""
+
+
+class LoRARollbackError(RuntimeError):
+    """Undoing a LoRA change failed: this rank's LoRA state may differ from the other ranks'."""
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -40,18 +51,26 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return table[dtype]
 
 
-def build_lora_manager(transformer: torch.nn.Module, lora_dirs: Sequence[str] = ()):
-    """The LoRA manager over the transformer's LoRA-able layers, or ``None`` when the LoRA
-    runtime (``sglang.multimodal_gen.lora.manager``) is not installed in this build."""
-    try:
-        from sglang.multimodal_gen.lora.manager import LoRAManager
-    except ImportError:
-        logger.warning("LoRA runtime not available: LoRA requests will be refused")
-        return None
+def build_lora_manager(
+    transformer: torch.nn.Module,
+    lora_dirs: Sequence[str] | None = None,
+    cpu_offload: bool = False,
+) -> LoRAManager:
+    """The LoRA manager over the transformer's LoRA-able layers.
+
+    Args:
+        lora_dirs: allowed roots for local LoRA paths; ``None``: any local path; empty: none
+            (see :class:`LoRAManager`'s ``allowed_roots``).
+        cpu_offload: the DiT weights live in host memory between commands (``--dit-cpu-offload``
+            on CUDA): pre-merge snapshots and cached merges are kept in host memory too, so the
+            accelerator holds one copy of the model.
+    """
+    offload_kw = dict(snapshot_device="cpu", merge_cache_device="cpu") if cpu_offload else {}
     return LoRAManager(
         {"transformer": transformer},
         ZIMAGE_NAME_MAP,
-        allowed_roots=list(lora_dirs) or None,
+        allowed_roots=None if lora_dirs is None else list(lora_dirs),
+        **offload_kw,
     )
 
 
@@ -60,8 +79,9 @@ class DiTOffloader:
 
     :meth:`onload` moves every parameter to the execution device; :meth:`offload` points it back
     at its host buffer, copying the device values into that buffer first when the command may
-    have changed them (LoRA merge/unmerge/commit). Only parameters move: small LoRA tensors and
-    merge snapshots stay where the LoRA runtime put them (on the device).
+    have changed them (LoRA merge/unmerge/commit). Only parameters move: small LoRA tensors stay
+    on the device; pre-merge snapshots and cached merges are kept in host memory
+    (:func:`build_lora_manager` with ``cpu_offload``).
     """
 
     def __init__(self, module: torch.nn.Module, device: torch.device):
@@ -99,6 +119,14 @@ class DiTOffloader:
 
 # Commands after which the DiT weights are unchanged (a per-request composition restores them).
 _READ_ONLY_OPS = ("generate", "list_loras", "noop")
+# Commands that change the LoRA state: all-or-nothing across TP ranks.
+LORA_CHANGE_OPS = (
+    "set_lora",
+    "unset_lora",
+    "unload_lora",
+    "merge_lora_weights",
+    "unmerge_lora_weights",
+)
 
 
 class ModelRunner:
@@ -109,7 +137,8 @@ class ModelRunner:
         device: this rank's device.
         dtype: parameter/compute dtype (``None``: see :func:`resolve_dtype`).
         tp_rank, tp_size: this rank's TP coordinates.
-        lora_dirs: allowed roots for local LoRA paths.
+        lora_dirs: allowed roots for local LoRA paths (``None``: any local path; empty: none, only
+            Hub ids from the local cache and trusted startup adapters).
         generator_device: device of the seeded ``torch.Generator`` (default: the execution
             device's type, as in diffusers' examples; ``"cpu"`` reproduces a CPU-seeded run).
         dit_cpu_offload: on CUDA, keep the DiT weights in pinned host memory between commands
@@ -123,7 +152,7 @@ class ModelRunner:
         dtype: str | torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
-        lora_dirs: Sequence[str] = (),
+        lora_dirs: Sequence[str] | None = None,
         generator_device: str | None = None,
         dit_cpu_offload: bool = False,
     ):
@@ -141,43 +170,110 @@ class ModelRunner:
         self.generator_device = generator_device or (
             str(self.device) if self.device.type == "cuda" else self.device.type
         )
-        self.lora_manager = build_lora_manager(self.pipeline.transformer, lora_dirs)
-        self.offloader = None
-        if dit_cpu_offload and self.device.type == "cuda":
-            self.offloader = DiTOffloader(self.pipeline.transformer, self.device)
+        offload = dit_cpu_offload and self.device.type == "cuda"
+        self.lora_manager = build_lora_manager(self.pipeline.transformer, lora_dirs, offload)
+        self.offloader = DiTOffloader(self.pipeline.transformer, self.device) if offload else None
 
     @property
     def spatial_factor(self) -> int:
         return self.pipeline.spatial_factor
 
     def info(self) -> dict:
-        return {"spatial_factor": self.spatial_factor, "dtype": str(self.dtype)}
+        return {
+            "spatial_factor": self.spatial_factor,
+            "dtype": str(self.dtype),
+            "lora_targets": list(self.lora_manager.target_names),
+        }
 
     # ------------------------------------------------------------------ commands
-    def execute(self, op: str, kwargs: dict) -> Any:
+    def prepare(self, op: str, kwargs: dict) -> dict:
+        """Read from disk what command ``op`` needs, once, before it is broadcast (TP rank 0).
+
+        ``set_lora``: every path is read here (:meth:`LoRAManager.read_source`) and the command
+        carries the contents (``sources``) instead of the ``trusted`` flag, so every rank converts
+        and applies the same tensors. Other commands are returned unchanged.
+
+        Raises:
+            InvalidRequestError / LoRAFormatError: a path that cannot be read (``lora_path``).
+        """
+        if op != "set_lora" or "sources" in kwargs:
+            return kwargs
+        kwargs = dict(kwargs)
+        trusted = bool(kwargs.pop("trusted", False))
+        kwargs["sources"] = self._read_sources(kwargs.get("paths") or (), trusted)
+        return kwargs
+
+    def _read_sources(self, paths: Sequence[str | None], trusted: bool) -> dict[str, tuple]:
+        return {
+            p: self.lora_manager.read_source(p, trusted)
+            for p in dict.fromkeys(paths)
+            if p is not None
+        }
+
+    @contextlib.contextmanager
+    def _weights_on_device(self, op: str) -> Iterator[None]:
+        if self.offloader is None or op == "noop":
+            yield
+            return
+        self.offloader.onload()
+        try:
+            yield
+        finally:
+            self.offloader.offload(dirty=op not in _READ_ONLY_OPS)
+
+    def execute(
+        self,
+        op: str,
+        kwargs: dict,
+        agree: Callable[[BaseException | None], bool] | None = None,
+    ) -> Any:
         """Run command ``op`` (a method name below) with ``kwargs``.
+
+        Args:
+            agree: TP only. For LoRA-changing commands (:data:`LORA_CHANGE_OPS`) it is called on
+                every rank, exactly once, with this rank's error (or ``None``) and returns whether
+                every rank succeeded. The change is applied under a savepoint that is then
+                committed, or rolled back on every rank when any rank failed.
 
         Raises:
             ValueError: unknown command; else whatever the command raises.
+            LoRAChangeAborted: this rank's change was rolled back because another rank failed.
+            LoRARollbackError: the rollback itself failed (this rank may now differ).
         """
         fn = getattr(self, f"cmd_{op}", None)
         if fn is None:
             raise ValueError(f"unknown engine command {op!r}")
-        if self.offloader is None or op == "noop":
-            return fn(**kwargs)
-        self.offloader.onload()
-        try:
-            return fn(**kwargs)
-        finally:
-            self.offloader.offload(dirty=op not in _READ_ONLY_OPS)
-
-    def _manager(self):
-        if self.lora_manager is None:
-            raise InvalidRequestError(
-                "LoRA is not available in this build (sglang.multimodal_gen.lora.manager missing)",
-                param="lora",
+        if agree is None or op not in LORA_CHANGE_OPS:
+            with self._weights_on_device(op):
+                return fn(**kwargs)
+        manager = self.lora_manager
+        out, err, began = None, None, False
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self._weights_on_device(op))
+                manager.begin_change()
+                began = True
+                out = fn(**kwargs)
+            except BaseException as e:
+                err = e
+            all_ok = agree(err)  # a collective: reached on every rank whatever happened above
+            if began and all_ok:
+                manager.commit_change()
+            elif began:
+                try:
+                    manager.rollback_change()
+                except BaseException as e:
+                    raise LoRARollbackError(
+                        f"TP rank {self.tp_rank}: undoing a failed LoRA change failed ({e}); the "
+                        "ranks' LoRA states may differ"
+                    ) from e
+        if err is not None:
+            raise err
+        if not all_ok:
+            raise LoRAChangeAborted(
+                f"{op} was undone on TP rank {self.tp_rank}: another rank failed"
             )
-        return self.lora_manager
+        return out
 
     def cmd_generate(self, req: GenerationRequest, progress: bool | None = None):
         """Returns uint8 ``[n, H, W, 3]`` on rank 0, ``None`` on other ranks."""
@@ -195,28 +291,39 @@ class ModelRunner:
             progress=progress if self.tp_rank == 0 else False,
         )
         if req.lora is not None:
-            with self._manager().use_composition(list(req.lora)):
+            with self.lora_manager.use_composition(list(req.lora)):
                 return self.pipeline(**kwargs)
         return self.pipeline(**kwargs)
 
-    def cmd_set_lora(self, nicknames, paths, targets, strengths, merge_mode=None):
-        return self._manager().set_lora(nicknames, paths, targets, strengths, merge_mode)
+    def cmd_set_lora(
+        self,
+        nicknames,
+        paths,
+        targets,
+        strengths,
+        merge_mode=None,
+        sources=None,
+        trusted=False,
+    ):
+        if sources is None:
+            sources = self._read_sources(paths, trusted)
+        return self.lora_manager.set_lora(
+            nicknames, paths, targets, strengths, merge_mode, sources=sources
+        )
 
     def cmd_unset_lora(self, target="all"):
-        return self._manager().unset_lora(target)
+        return self.lora_manager.unset_lora(target)
 
     def cmd_unload_lora(self, nickname):
-        return self._manager().unload_adapter(nickname)
+        return self.lora_manager.unload_adapter(nickname)
 
     def cmd_merge_lora_weights(self, target="all"):
-        return self._manager().merge(target)
+        return self.lora_manager.merge(target)
 
     def cmd_unmerge_lora_weights(self, target="all"):
-        return self._manager().unmerge(target)
+        return self.lora_manager.unmerge(target)
 
     def cmd_list_loras(self):
-        if self.lora_manager is None:
-            return {"loaded": [], "active": {}, "available": False}
         return self.lora_manager.list_loras()
 
     def cmd_noop(self):
