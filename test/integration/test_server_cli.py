@@ -1,8 +1,8 @@
 """``sglang serve`` as a user starts it (the seed's command line), and a TP 2 server vs TP 1.
 
 The CLI test runs the console script in a child process on the tiny model, generates with the
-official ``openai`` client and compares the PNG with ``sglang generate`` (same arguments) when that
-subcommand exists, else with the engine called directly. The TP test serves a TP 2 engine (two gloo
+official ``openai`` client and compares the PNG with ``sglang generate`` (same arguments). The TP
+test serves a TP 2 engine (two gloo
 worker processes): its images equal the TP 2 engine's direct output exactly and the TP 1 engine's
 up to summation order (max 2 levels of 255, PSNR >= 45 dB).
 """
@@ -21,21 +21,11 @@ import time
 import httpx
 import numpy as np
 import openai
-import pytest
 from fixtures.tiny_models import psnr
 from PIL import Image
 from server_helpers import free_port, running_server, write_zimage_lora
+from sglang.multimodal_gen import runtime
 from sglang.multimodal_gen.configs.server_args import ServerArgs
-
-runtime = pytest.importorskip("sglang.multimodal_gen.runtime")
-
-
-def _has(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
 
 
 def _sglang_cmd() -> list[str]:
@@ -87,11 +77,10 @@ def test_seed_command_line_serves_and_matches_generate(tmp_path, tiny_zimage_dir
             f"--num-gpus 1 --port {port} --host localhost"
         ).split()
     )
-    with_lora = _has("sglang.multimodal_gen.lora.manager")
-    if with_lora:  # a startup adapter, inside the allowed root
-        write_zimage_lora(str(tmp_path / "start.safetensors"), model, seed=31)
-        cmd += ["--lora-path", "start.safetensors", "--lora-nickname", "start"]
-        cmd += ["--lora-dir", str(tmp_path)]
+    # a startup adapter, named relative to the allowed root
+    write_zimage_lora(str(tmp_path / "start.safetensors"), model, seed=31)
+    cmd += ["--lora-path", "start.safetensors", "--lora-nickname", "start"]
+    cmd += ["--lora-dir", str(tmp_path)]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -99,11 +88,10 @@ def test_seed_command_line_serves_and_matches_generate(tmp_path, tiny_zimage_dir
     try:
         _wait_healthy(url, proc)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        extra = {"seed": 42, "num_inference_steps": 2}
-        if with_lora:
-            extra["lora"] = []  # the base model, whatever is active globally
-            text = httpx.get(f"{url}/v1/list_loras").text
-            assert '"start"' in text, text
+        # the base model, whatever is active globally
+        extra = {"seed": 42, "num_inference_steps": 2, "lora": []}
+        text = httpx.get(f"{url}/v1/list_loras").text
+        assert '"start"' in text, text
         assert [m.id for m in client.models.list().data] == [repo_id]
         resp = client.images.generate(
             model=repo_id,
@@ -123,28 +111,18 @@ def test_seed_command_line_serves_and_matches_generate(tmp_path, tiny_zimage_dir
     assert proc.returncode == 0, out
     assert "Traceback" not in out, out
 
-    if _has("sglang.cli.generate"):
-        png = tmp_path / "ref.png"
-        gen = (
-            _sglang_cmd()
-            + (
-                f"generate --model-path {model} --prompt PROMPT --seed 42 --num-inference-steps 2 "
-                f"--height 64 --width 64 --guidance-scale 0 --output-path {png}"
-            ).split()
-        )
-        gen[gen.index("PROMPT")] = "a small cabin in snow"
-        done = subprocess.run(gen, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        ref = _pixels(png.read_bytes())
-    else:
-        engine = runtime.DiffusionEngine(model_path=model, device="cpu")
-        try:
-            req = runtime.GenerationRequest(
-                prompt="a small cabin in snow", height=64, width=64, seed=42, num_inference_steps=2
-            )
-            ref = np.asarray(engine.generate(req)[0].convert("RGB"))
-        finally:
-            engine.shutdown()
+    png = tmp_path / "ref.png"
+    gen = (
+        _sglang_cmd()
+        + (
+            f"generate --model-path {model} --prompt PROMPT --seed 42 --num-inference-steps 2 "
+            f"--height 64 --width 64 --guidance-scale 0 --output-path {png}"
+        ).split()
+    )
+    gen[gen.index("PROMPT")] = "a small cabin in snow"
+    done = subprocess.run(gen, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    ref = _pixels(png.read_bytes())
     np.testing.assert_array_equal(got, ref)
 
 

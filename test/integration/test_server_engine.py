@@ -26,21 +26,8 @@ from fixtures.tiny_models import psnr, reference_image, reference_pipeline
 from PIL import Image
 from server_helpers import assert_envelope, running_server, write_zimage_lora
 from sglang.multimodal_gen.configs.server_args import ServerArgs
-
-runtime = pytest.importorskip("sglang.multimodal_gen.runtime")
-DiffusionEngine = runtime.DiffusionEngine
-GenerationRequest = runtime.GenerationRequest
-
-
-def _has_lora_runtime() -> bool:
-    try:
-        import sglang.multimodal_gen.lora.manager  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_lora = pytest.mark.skipif(not _has_lora_runtime(), reason="LoRA runtime not in this build")
+from sglang.multimodal_gen.entrypoints.http_server import load_startup_loras
+from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +128,11 @@ def test_s4_repo_id_not_cached_nothing_changed(server, tmp_path, monkeypatch):
     r = httpx.post(f"{server}/v1/set_lora", json=body, timeout=60)
     assert 400 <= r.status_code < 500, r.text
     err = assert_envelope(r, r.status_code)
-    if _has_lora_runtime():
-        msg = err["message"].lower()
-        assert "could not be found locally" in msg and "download" in msg, msg
+    msg = err["message"].lower()
+    assert "could not be found locally" in msg and "download" in msg, msg
     assert httpx.get(f"{server}/v1/list_loras").json() == before
 
 
-@needs_lora
 def test_s5_repo_id_from_local_hf_cache(server, engine, model_path, tmp_path, monkeypatch):
     hf_home = tmp_path / "hf"
     monkeypatch.setenv("HF_HOME", str(hf_home))
@@ -176,7 +161,6 @@ def test_s5_repo_id_from_local_hf_cache(server, engine, model_path, tmp_path, mo
         )
 
 
-@needs_lora
 def test_lora_over_http_file_peft_list_unset(server, engine, model_path, tiny_zimage_loras):
     base = post_gen(server)
     gen_fields = dict(prompt="a tiny red boat", height=32, width=32, seed=3, num_inference_steps=1)
@@ -252,7 +236,6 @@ def test_lora_over_http_file_peft_list_unset(server, engine, model_path, tiny_zi
     np.testing.assert_array_equal(post_gen(server), base)
 
 
-@needs_lora
 def test_lora_dir_containment_reaches_the_engine(server, tmp_path, model_path):
     outside = write_zimage_lora(str(tmp_path / "outside.safetensors"), model_path, seed=41)
     before = httpx.get(f"{server}/v1/list_loras").json()
@@ -263,7 +246,6 @@ def test_lora_dir_containment_reaches_the_engine(server, tmp_path, model_path):
     assert httpx.get(f"{server}/v1/list_loras").json() == before
 
 
-@needs_lora
 def test_s9_mismatch_nothing_changed(server):
     before = httpx.get(f"{server}/v1/list_loras").json()
     # one value (or a one-element list) applies to every nickname; other lengths must match
@@ -350,3 +332,53 @@ def test_s11_concurrency_real_engine(server, engine):
         seen.add(hits[0])
     assert "b07" in seen
     assert httpx.post(f"{server}/v1/unset_lora").status_code == 200
+
+
+def test_server_without_lora_dir_refuses_local_paths(model_path, lora_dir, tmp_path, monkeypatch):
+    """``sglang serve`` without ``--lora-dir``: startup ``--lora-path`` adapters load (the
+    operator's own command line), HTTP ``set_lora`` refuses every local path with one message
+    that names ``--lora-dir`` and does not depend on whether the path exists, and Hub ids from the
+    local cache still load."""
+    hf_home = tmp_path / "hf"
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    repo = hf_home / "hub" / "models--Owner--Cached-LoRA"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    write_zimage_lora(str(snap / "pytorch_lora_weights.safetensors"), model_path, seed=22)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+    args = ServerArgs(
+        model_path=model_path,
+        lora_paths=[os.path.join(lora_dir, "a.safetensors")],
+        lora_nicknames=["start"],
+        device="cpu",
+    )
+    assert args.lora_dirs == []
+    engine = DiffusionEngine.from_args(args)
+    try:
+        load_startup_loras(engine, args)
+        with running_server(engine, args) as (url, _, _):
+            before = httpx.get(f"{url}/v1/list_loras").json()
+            assert [a["nickname"] for a in before["loaded"]] == ["start"]
+            messages = set()
+            for path in (
+                os.path.join(lora_dir, "b.safetensors"),  # exists
+                os.path.join(lora_dir, "missing.safetensors"),  # does not
+                "b.safetensors",
+                "../../b.safetensors",
+                "peft_c",
+            ):
+                body = {"lora_nickname": "x", "lora_path": path}
+                r = httpx.post(f"{url}/v1/set_lora", json=body, timeout=60)
+                err = assert_envelope(r, 400, "lora_path")
+                assert "--lora-dir" in err["message"], err
+                messages.add(err["message"].replace(repr(path), "PATH"))
+            assert len(messages) == 1, messages
+            assert httpx.get(f"{url}/v1/list_loras").json() == before
+            body = {"lora_nickname": "hub", "lora_path": "Owner/Cached-LoRA"}
+            r = httpx.post(f"{url}/v1/set_lora", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+    finally:
+        engine.shutdown()
