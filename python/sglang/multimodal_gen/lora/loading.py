@@ -47,6 +47,12 @@ _REPO_ID_RE = re.compile(
 )
 
 
+def is_hub_id(path: str) -> bool:
+    """Whether ``path`` is spelled like a Hub repo id (``owner/name[/file.safetensors]``) and not
+    like a path that climbs or doubles separators."""
+    return _REPO_ID_RE.match(path) is not None and ".." not in path and "//" not in path
+
+
 class OutsideLoRARootsError(InvalidRequestError):
     """A LoRA path resolves outside every allowed LoRA directory (HTTP 400)."""
 

@@ -49,7 +49,7 @@ from sglang.multimodal_gen.errors import (
 from sglang.multimodal_gen.layers.linear import ParallelLinear
 from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA, replace_submodule, wrap_with_lora
 from sglang.multimodal_gen.lora.formats import CanonicalLoRA, convert_to_canonical
-from sglang.multimodal_gen.lora.loading import _REPO_ID_RE, load_lora_state_dict
+from sglang.multimodal_gen.lora.loading import is_hub_id, load_lora_state_dict
 from sglang.multimodal_gen.lora.merge_cache import AdapterKey, MergeCache, MergeKey
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
 from sglang.multimodal_gen.lora.requests import (
@@ -267,8 +267,7 @@ class LoRAManager:
                 pass
         roots = None if trusted else self.allowed_roots
         no_local = roots is not None and not roots
-        hub_like = _REPO_ID_RE.match(path) is not None and ".." not in path and "//" not in path
-        if no_local and not hub_like:
+        if no_local and not is_hub_id(path):
             raise InvalidRequestError(
                 f"LoRA path {path!r} refused: this server accepts local LoRA paths only inside "
                 "the directories it was started with (--lora-dir DIR), and it has none. Start it "
