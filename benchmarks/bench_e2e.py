@@ -74,10 +74,10 @@ def build(cfg):
         ZImagePipeline,
         ZImageTransformer2DModel,
     )
-    from sglang.multimodal_gen.models.loader import zimage_from_diffusers_module
-    from sglang.multimodal_gen.pipelines.zimage import ZImageComponents
+    from sglang.multimodal_gen.models.families.zimage import zimage_from_diffusers_module
+    from sglang.multimodal_gen.models.families.zimage_tiny import DEFAULT_SCHEDULER, build_tokenizer
+    from sglang.multimodal_gen.models.registry import get_family
     from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline as OurPipeline
-    from sglang.multimodal_gen.runtime.default_model import DEFAULT_SCHEDULER, build_tokenizer
     from transformers import Qwen3Config, Qwen3Model
 
     dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
@@ -96,7 +96,9 @@ def build(cfg):
     ref = ZImagePipeline(scheduler=sched, vae=vae, text_encoder=te, tokenizer=tok, transformer=dit)
     ref.set_progress_bar_config(disable=True)
     ours_dit = zimage_from_diffusers_module(dit, dtype=dtype, device=dev)
-    ours = OurPipeline(ZImageComponents(ours_dit, te, tok, vae, dict(sched.config)), device=dev)
+    comps = dict(transformer=ours_dit, text_encoder=te, tokenizer=tok, vae=vae, scheduler=sched)
+    configs = dict(vae=dict(vae.config), scheduler=dict(sched.config))
+    ours = OurPipeline(get_family("zimage"), comps, configs, device=dev)
     return ours, ref
 
 

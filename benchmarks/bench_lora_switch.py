@@ -140,7 +140,7 @@ def main(argv=None):
     torch.set_grad_enabled(False)
 
     from diffusers import ZImagePipeline, ZImageTransformer2DModel
-    from sglang.multimodal_gen.models.loader import zimage_from_diffusers_module
+    from sglang.multimodal_gen.models.families.zimage import zimage_from_diffusers_module
 
     head_dim = args.dim // args.heads
     axes = [head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8]

@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     model_path = args.model_path
     if model_path is None:
-        from sglang.multimodal_gen.runtime.default_model import default_model_path
+        from sglang.multimodal_gen.models.default_model import default_model_path
 
         model_path = default_model_path()
     lora_path = args.lora_path

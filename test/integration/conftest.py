@@ -12,6 +12,7 @@ _TEST_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _TEST_ROOT not in sys.path:
     sys.path.insert(0, _TEST_ROOT)
 
+from fixtures.tiny_flux import build_tiny_flux  # noqa: E402
 from fixtures.tiny_models import build_tiny_zimage, make_lora  # noqa: E402
 
 
@@ -28,3 +29,17 @@ def tiny_zimage_loras(tiny_zimage_dir, tmp_path_factory) -> tuple[str, str]:
     a = make_lora(tiny_zimage_dir, str(root / "lora_a"), seed=11, rank=4, alpha=8.0)
     b = make_lora(tiny_zimage_dir, str(root / "lora_b"), seed=22, rank=2, alpha=2.0)
     return a, b
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dev_dir(tmp_path_factory) -> str:
+    """A tiny diffusers-format FLUX.1-dev-like directory (guidance embedding, dynamic shift)."""
+    return build_tiny_flux(str(tmp_path_factory.mktemp("tiny_flux_dev")), guidance_embeds=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_schnell_dir(tmp_path_factory) -> str:
+    """A tiny diffusers-format FLUX.1-schnell-like directory (no guidance embedding)."""
+    return build_tiny_flux(
+        str(tmp_path_factory.mktemp("tiny_flux_schnell")), guidance_embeds=False, seed=1
+    )

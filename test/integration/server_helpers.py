@@ -40,6 +40,7 @@ def fake_reference_image(
         composition: ``[(nickname, strength, content_hash), ...]`` in application order.
         index: image index within the request.
     """
+    req = req.with_defaults(FakeEngine.defaults)
     key = json.dumps(
         [
             req.prompt,
@@ -78,6 +79,14 @@ class FakeEngine:
     model_name = "fake-zimage"
     spatial_factor = 16
     lora_targets = ("all", "transformer")
+    defaults = {
+        "height": 1024,
+        "width": 1024,
+        "num_inference_steps": 8,
+        "guidance_scale": 0.0,
+        "true_cfg_scale": 1.0,
+        "max_sequence_length": 512,
+    }
 
     def __init__(self, delay_s: float = 0.0, lora_dirs: list[str] | None = None):
         self.delay_s = delay_s
@@ -117,6 +126,7 @@ class FakeEngine:
 
     # -- DiffusionEngine API ----------------------------------------------------------------
     def generate(self, req: Any) -> list[Image.Image]:
+        req = req.with_defaults(self.defaults)
         with self._exclusive("generate"):
             if req.prompt == "raise internal error":
                 raise RuntimeError("secret internal detail /opt/model.py line 3")

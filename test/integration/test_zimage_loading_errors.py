@@ -10,11 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from sglang.multimodal_gen.models.loader import (
-    ModelLoadError,
-    load_zimage_transformer,
-    read_model_index,
-)
+from sglang.multimodal_gen.models.components import read_model_index
+from sglang.multimodal_gen.models.families.zimage import load_zimage_transformer
+from sglang.multimodal_gen.models.loader import ModelLoadError
+from sglang.multimodal_gen.models.registry import UnknownModelError, family_for_model
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -53,20 +52,28 @@ def test_unknown_pipeline_class(model_copy):
     data["_class_name"] = "FluxPipeline"
     path.write_text(json.dumps(data))
     with pytest.raises(
-        ModelLoadError, match=r"model_index\.json: unknown pipeline _class_name 'FluxPipeline'"
+        ModelLoadError,
+        match=r"model_index\.json: pipeline _class_name 'FluxPipeline' is not a Z-Image",
     ):
         ZImagePipeline.from_pretrained(str(model_copy))
+    data["_class_name"] = "StableDiffusionPipeline"
+    path.write_text(json.dumps(data))
+    with pytest.raises(
+        UnknownModelError, match=r"'StableDiffusionPipeline' is not served.*Z-Image"
+    ):
+        family_for_model(str(model_copy))
 
 
 def test_unknown_component_class(model_copy):
     path = model_copy / "model_index.json"
     data = json.loads(path.read_text())
-    data["vae"] = ["diffusers", "AutoencoderTiny"]
+    data["vae"] = ["diffusers", "AutoencoderNoSuchThing"]
     path.write_text(json.dumps(data))
+    assert read_model_index(str(model_copy)).components["vae"][1] == "AutoencoderNoSuchThing"
     with pytest.raises(
-        ModelLoadError, match=r"component 'vae' is \['diffusers', 'AutoencoderTiny'\]"
+        ModelLoadError, match=r"component 'vae' = \['diffusers', 'AutoencoderNoSuchThing'\]"
     ):
-        read_model_index(str(model_copy))
+        ZImagePipeline.from_pretrained(str(model_copy))
 
 
 def test_unknown_transformer_class(model_copy):

@@ -12,14 +12,15 @@ from sglang.multimodal_gen.runtime.runner import build_lora_manager
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_build_lora_manager_devices(tiny_zimage_dir, offload):
-    dit = ZImagePipeline.from_pretrained(tiny_zimage_dir).transformer
-    manager = build_lora_manager(dit, None, cpu_offload=offload)
+    pipe = ZImagePipeline.from_pretrained(tiny_zimage_dir)
+    dits = pipe.denoisers
+    manager = build_lora_manager(dits, pipe.family, None, cpu_offload=offload)
     layers = manager.layers("transformer").values()
     want = torch.device("cpu") if offload else None
     assert all(layer.snapshot_device == want for layer in layers)
     assert manager.cache.device == want
     assert manager.allowed_roots is None
-    assert build_lora_manager(dit, ()).allowed_roots == []
+    assert build_lora_manager(dits, pipe.family, ()).allowed_roots == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DiT CPU offload needs a GPU")

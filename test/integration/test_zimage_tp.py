@@ -89,7 +89,7 @@ def test_engine_tp2_equals_tp1_with_and_without_lora(tiny_zimage_dir, tiny_zimag
 
 
 def test_tp_size_not_dividing_heads_is_a_clear_error(tiny_zimage_dir):
-    from sglang.multimodal_gen.models.loader import load_zimage_transformer
+    from sglang.multimodal_gen.models.families.zimage import load_zimage_transformer
 
     with pytest.raises(ValueError, match=r"n_heads=2 is not divisible by tp_size=4"):
         load_zimage_transformer(f"{tiny_zimage_dir}/transformer", tp_rank=0, tp_size=4)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from sglang.multimodal_gen.models.loader import load_zimage_transformer
+from sglang.multimodal_gen.models.families.zimage import load_zimage_transformer
 
 MAX_REL_ERR = 1e-5
 

@@ -1,4 +1,4 @@
-"""``sglang generate``: one image from the command line, written as PNG.
+"""``sglang generate``: one image from the command line, written as PNG, JPEG or WebP.
 
 Same engine and defaults as the server, so the same arguments give the same pixels::
 
@@ -29,21 +29,48 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "(default: the embedded tiny random-weight model; its images are noise)",
     )
     parser.add_argument("--prompt", required=True, help="text prompt")
-    parser.add_argument("--negative-prompt", default=None, help="used when guidance > 0")
+    parser.add_argument(
+        "--negative-prompt",
+        default=None,
+        help="negative prompt for CFG (Z-Image: with --guidance-scale > 0; Flux: with "
+        "--true-cfg-scale > 1)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed (default: random, printed)")
     parser.add_argument(
-        "--num-inference-steps", type=int, default=8, help="denoising steps (default: 8)"
+        "--num-inference-steps",
+        type=int,
+        default=None,
+        help="denoising steps (default: the model family's, e.g. 8 for Z-Image-Turbo, 28 for "
+        "FLUX.1-dev, 4 for FLUX.1-schnell)",
     )
-    parser.add_argument("--height", type=int, default=1024, help="pixels (default: 1024)")
-    parser.add_argument("--width", type=int, default=1024, help="pixels (default: 1024)")
+    parser.add_argument("--height", type=int, default=None, help="pixels (default: 1024)")
+    parser.add_argument("--width", type=int, default=None, help="pixels (default: 1024)")
     parser.add_argument(
         "--guidance-scale",
         type=float,
-        default=0.0,
-        help="CFG weight; 0 disables CFG (default: 0)",
+        default=None,
+        help="Z-Image: CFG weight, 0 disables CFG (default 0); Flux.1 [dev]: the embedded "
+        "(distilled) guidance (default 3.5)",
     )
     parser.add_argument(
-        "--output-path", default="output.png", help="PNG file to write (default: output.png)"
+        "--true-cfg-scale",
+        type=float,
+        default=None,
+        help="real CFG weight with --negative-prompt for families with embedded guidance "
+        "(Flux); 1 disables it (default: 1)",
+    )
+    parser.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=None,
+        help="text-encoder tokens (default: the family's: 512 for Z-Image and FLUX.1-dev, "
+        "256 for FLUX.1-schnell)",
+    )
+    parser.add_argument(
+        "--output-path",
+        default="output.png",
+        help="image file (.png, .jpg/.jpeg, .webp by extension), or a directory (a trailing "
+        "slash or an existing one) for one PNG per image (default: output.png)",
     )
     parser.add_argument(
         "--lora-path", nargs="+", action="extend", default=None, help="LoRA file(s)/folder(s)"
@@ -55,6 +82,13 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         type=float,
         default=None,
         help="strength per --lora-path (one value applies to all; default 1.0)",
+    )
+    parser.add_argument(
+        "--lora-target",
+        nargs="+",
+        action="extend",
+        default=None,
+        help="LoRA target per --lora-path (one value applies to all; default: all)",
     )
     parser.add_argument(
         "--lora-merge-mode",
@@ -92,11 +126,37 @@ def lora_pairs(paths: list[str] | None, scales: list[float] | None) -> list[tupl
     return list(zip(paths, scales))
 
 
-def save_png(image, path: str) -> None:
-    """Write a PIL image as PNG (creating the parent directory)."""
+_IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+
+
+def output_files(path: str, count: int) -> list[tuple[str, str]]:
+    """``[(file, PIL format)]`` for ``count`` images written to ``--output-path``.
+
+    A trailing slash or an existing directory gives ``image_000.png``, ``image_001.png``, ...
+    (sorted names in order); a file name needs a known image extension.
+
+    Raises:
+        ValueError: an unknown extension, or several images for one file name.
+    """
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        return [(os.path.join(path, f"image_{i:03d}.png"), "PNG") for i in range(count)]
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in _IMAGE_FORMATS:
+        raise ValueError(
+            f"--output-path {path!r}: unknown image extension {ext or '(none)'!r}; use one of "
+            f"{sorted(_IMAGE_FORMATS)} or a directory"
+        )
+    if count != 1:
+        raise ValueError(f"--output-path {path!r} names one file for {count} images")
+    return [(path, _IMAGE_FORMATS[ext])]
+
+
+def save_png(image, path: str, fmt: str = "PNG") -> None:
+    """Write a PIL image (PNG by default; ``fmt`` a PIL format name), creating the parent
+    directory."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    image.save(path, format="PNG")
+    image.save(path, format=fmt)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -122,6 +182,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
 
+    try:
+        targets = output_files(args.output_path, 1)
+    except ValueError as e:
+        print(f"sglang generate: error: {e}", file=sys.stderr)
+        return 2
     seed = args.seed if args.seed is not None else secrets.randbits(31)
     if args.seed is None:
         print(f"seed: {seed}", file=sys.stderr)
@@ -134,6 +199,7 @@ def run_generate(args: argparse.Namespace) -> int:
             engine.set_lora(
                 [f"lora{i}" for i in range(len(loras))],
                 [p for p, _ in loras],
+                target=args.lora_target or "all",
                 strength=[s for _, s in loras],
                 merge_mode=args.lora_merge_mode,
             )
@@ -144,10 +210,13 @@ def run_generate(args: argparse.Namespace) -> int:
             width=args.width,
             num_inference_steps=args.num_inference_steps,
             guidance_scale=args.guidance_scale,
+            true_cfg_scale=args.true_cfg_scale,
+            max_sequence_length=args.max_sequence_length,
             seed=seed,
         )
-        image = engine.generate(req, progress=False if args.no_progress else None)[0]
-        save_png(image, args.output_path)
+        images = engine.generate(req, progress=False if args.no_progress else None)
+        for image, (path, fmt) in zip(images, targets):
+            save_png(image.convert("RGB"), path, fmt)
     except (ValueError, FileNotFoundError, LookupError) as e:
         print(f"sglang generate: error: {e}", file=sys.stderr)
         return 2
@@ -157,7 +226,8 @@ def run_generate(args: argparse.Namespace) -> int:
     finally:
         if engine is not None:
             engine.shutdown()
-    print(os.path.abspath(args.output_path))
+    for path, _ in targets:
+        print(os.path.abspath(path))
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from sglang.multimodal_gen.distributed.communication import (
     broadcast_object,
+    broadcast_tensors_cpu,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
@@ -14,6 +15,7 @@ from sglang.multimodal_gen.distributed.launch import (
 )
 from sglang.multimodal_gen.distributed.parallel_state import (
     destroy_model_parallel,
+    get_tp_cpu_group,
     get_tp_group,
     get_tp_rank,
     get_tp_world_size,
@@ -23,9 +25,11 @@ from sglang.multimodal_gen.distributed.parallel_state import (
 
 __all__ = [
     "broadcast_object",
+    "broadcast_tensors_cpu",
     "default_backend",
     "destroy_model_parallel",
     "find_free_port",
+    "get_tp_cpu_group",
     "get_tp_group",
     "get_tp_rank",
     "get_tp_world_size",

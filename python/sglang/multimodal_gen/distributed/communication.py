@@ -7,7 +7,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sglang.multimodal_gen.distributed.parallel_state import get_tp_group, get_tp_world_size
+from sglang.multimodal_gen.distributed.parallel_state import (
+    get_tp_cpu_group,
+    get_tp_group,
+    get_tp_world_size,
+)
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -52,5 +56,29 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     if get_tp_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=get_tp_group())
+    dist.broadcast_object_list(box, src=src, group=get_tp_cpu_group())
     return box[0]
+
+
+def _map_tensors(obj: Any, fn) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def broadcast_tensors_cpu(obj: Any, src: int = 0, device: torch.device | str = "cpu") -> Any:
+    """Broadcast a nest of dicts/lists/tuples of tensors from TP rank ``src`` over the CPU group.
+
+    Tensors travel through host memory (moved to the CPU on ``src``) and arrive on ``device``
+    with their dtypes and values unchanged. Identity at TP 1.
+    """
+    if get_tp_world_size() == 1:
+        return obj
+    if dist.get_rank(get_tp_cpu_group()) == src:
+        obj = _map_tensors(obj, lambda t: t.detach().cpu())
+    out = broadcast_object(obj, src=src)
+    return _map_tensors(out, lambda t: t.to(device))

@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
+# Control messages (commands, LoRA payloads, broadcast conditioning) travel on a gloo group, as
+# vLLM's ``cpu_group``: pickled objects on an NCCL group would be staged through the GPU.
+_CPU_GROUP: dist.ProcessGroup | None = None
 _TP_RANKS: tuple[int, ...] = ()
 
 
@@ -29,7 +32,7 @@ def initialize_model_parallel(tensor_parallel_size: int = 1) -> None:
         RuntimeError: ``torch.distributed`` is not initialized, or the group exists already.
         ValueError: ``tensor_parallel_size`` does not match the world size.
     """
-    global _TP_GROUP, _TP_RANKS
+    global _TP_GROUP, _TP_RANKS, _CPU_GROUP
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "initialize_model_parallel() needs torch.distributed.init_process_group() first"
@@ -45,12 +48,16 @@ def initialize_model_parallel(tensor_parallel_size: int = 1) -> None:
     # The default group already spans exactly these ranks; a new_group would only add a
     # second communicator (and a second NCCL init) for the same set.
     _TP_GROUP = dist.group.WORLD
+    _CPU_GROUP = (
+        dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    )
 
 
 def destroy_model_parallel() -> None:
     """Forget the TP group (the default process group is left to the caller)."""
-    global _TP_GROUP, _TP_RANKS
+    global _TP_GROUP, _TP_RANKS, _CPU_GROUP
     _TP_GROUP = None
+    _CPU_GROUP = None
     _TP_RANKS = ()
 
 
@@ -61,6 +68,11 @@ def model_parallel_is_initialized() -> bool:
 def get_tp_group() -> dist.ProcessGroup | None:
     """The TP process group, or ``None`` when running as TP size 1 without initialization."""
     return _TP_GROUP
+
+
+def get_tp_cpu_group() -> dist.ProcessGroup | None:
+    """The gloo group over the TP ranks for control messages (``None`` without initialization)."""
+    return _CPU_GROUP
 
 
 def get_tp_rank() -> int:

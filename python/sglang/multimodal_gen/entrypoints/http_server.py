@@ -323,9 +323,12 @@ def create_app(
         engine, args.max_queue_size, metrics=metrics, request_factory=request_factory
     )
     auth = ApiKeyAuth(args.api_key, args.admin_api_key)
+    info = dict(getattr(engine, "model_info", {}) or {})
+    family_max = (info.get("defaults") or {}).get("max_image_size")
     limits = Limits(
         spatial_factor=int(engine.spatial_factor),
-        max_image_size=args.max_image_size,
+        # never more than the model's position tables cover
+        max_image_size=min(args.max_image_size, family_max or args.max_image_size),
         max_images=args.max_images_per_request,
         max_steps=args.max_inference_steps,
     )
@@ -508,7 +511,15 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=model_id, created=created, root=args.model_path)
+        card = ModelCard(
+            id=model_id,
+            created=created,
+            root=args.model_path,
+            family=info.get("family"),
+            pipeline_class=info.get("pipeline_class"),
+            modality=(info.get("defaults") or {}).get("modality"),
+            tp_sizes=info.get("tp_sizes"),
+        )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")

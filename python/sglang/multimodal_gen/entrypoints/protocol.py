@@ -71,6 +71,8 @@ class ImageGenerationRequest(_Strict):
     seed: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    max_sequence_length: int | None = None
     negative_prompt: str | None = None
     lora: LoRASpec | list[LoRASpec] | None = None
 
@@ -137,6 +139,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "sglang"
     root: str | None = None
+    family: str | None = None
+    pipeline_class: str | None = None
+    modality: str | None = None
+    tp_sizes: list[int] | None = None
 
 
 class ModelList(BaseModel):
@@ -303,6 +309,15 @@ def validate_generation(req: ImageGenerationRequest, limits: Limits) -> Generati
         kwargs["num_inference_steps"] = req.num_inference_steps
     if req.guidance_scale is not None:
         kwargs["guidance_scale"] = _finite(req.guidance_scale, "guidance_scale", low=0.0)
+    if req.true_cfg_scale is not None:
+        kwargs["true_cfg_scale"] = _finite(req.true_cfg_scale, "true_cfg_scale", low=0.0)
+    if req.max_sequence_length is not None:
+        if req.max_sequence_length < 1:
+            raise _bad(
+                f"max_sequence_length must be an integer >= 1, got {req.max_sequence_length}",
+                "max_sequence_length",
+            )
+        kwargs["max_sequence_length"] = req.max_sequence_length
     if req.negative_prompt is not None:
         if len(req.negative_prompt) > MAX_PROMPT_CHARS:
             raise _bad(

@@ -13,8 +13,11 @@ attention block needs one all-reduce). Argument names follow vLLM/SGLang.
 * the forward as hooks: :meth:`parallel_input` -> :meth:`apply_gemm` with :meth:`gemm_bias`
   -> :meth:`reduce_output` -> :meth:`package_output`, returning ``(output, output_bias)``.
 
-Subclasses override only the sharding hooks ``_output_sections`` / ``_input_section`` and, for the
-two that communicate, ``reduce_output``.
+Subclasses override only the sharding hooks ``_output_sections`` / ``_input_sections`` and, for
+the two that communicate, ``reduce_output``. Both sides of the map may have several sections:
+a fused output ``[q | k | v]`` or a fused *input* ``[attn | mlp]`` (Flux's single-stream
+``proj_out``), where each section is split over the ranks on its own, so a rank's columns are
+not contiguous in the full tensor.
 """
 
 from __future__ import annotations
@@ -69,9 +72,13 @@ def _shape(t: Any) -> tuple[int, ...]:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
 
 
-def _read(t: Any, rows: slice, cols: slice | None) -> torch.Tensor:
-    """``t[rows]`` or ``t[rows, cols]`` for a tensor or a lazy slice (reads only those bytes)."""
-    return t[rows] if cols is None else t[rows, cols]
+def _read(t: Any, rows: slice, cols: Sequence[slice] | None) -> torch.Tensor:
+    """``t[rows]``, or ``t[rows, c]`` for each column range ``c`` concatenated along dim 1, for a
+    tensor or a lazy slice (reads only those bytes)."""
+    if cols is None:
+        return t[rows]
+    pieces = [t[rows, c] for c in cols]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 class ParallelLinear(nn.Module):
@@ -122,8 +129,8 @@ class ParallelLinear(nn.Module):
         self._check_flags(bias)
 
         self.shard_map: tuple[ShardSpec, ...] = self._build_shard_map(self.tp_rank)
-        in_local, in_src = self._input_section(self.tp_rank)
-        self.input_partition: tuple[int, int] = (in_src * in_local, in_local)
+        self.input_partitions: tuple[tuple[int, int], ...] = self._build_input_map(self.tp_rank)
+        in_local = sum(size for _, size in self.input_partitions)
         self.input_size_per_partition = in_local
         self.output_size_per_partition = sum(s.local_size for s in self.shard_map)
         self.output_partition_sizes = [s.local_size for s in self.shard_map]
@@ -154,9 +161,14 @@ class ParallelLinear(nn.Module):
         """
         return [(None, self.output_size, self.output_size, 0)]
 
-    def _input_section(self, tp_rank: int) -> tuple[int, int]:
-        """``(local_size, src_index)`` of the input dim for ``tp_rank``. Default: unsplit."""
-        return self.input_size, 0
+    def _input_sections(self, tp_rank: int) -> list[tuple[int, int, int]]:
+        """``(full_size, local_size, src_index)`` per input section, for ``tp_rank``.
+
+        The sections lie one after another in the full input; the rank holds columns
+        ``[src_index * local_size, (src_index + 1) * local_size)`` of each, concatenated in
+        section order. Default: one unsplit section.
+        """
+        return [(self.input_size, self.input_size, 0)]
 
     def _check_flags(self, bias: bool) -> None:
         """Reject contradictory constructor flags. Default: nothing to check."""
@@ -197,6 +209,29 @@ class ParallelLinear(nn.Module):
             )
         return tuple(specs)
 
+    def _build_input_map(self, tp_rank: int) -> tuple[tuple[int, int], ...]:
+        """``((full_start, local_size), ...)``: the input columns ``tp_rank`` holds, per section."""
+        parts, full_off = [], 0
+        for full_size, local_size, src_index in self._input_sections(tp_rank):
+            parts.append((full_off + src_index * local_size, local_size))
+            full_off += full_size
+        if full_off != self.input_size:
+            raise ValueError(
+                f"{self._name()}: input sections cover {full_off} columns, input_size is "
+                f"{self.input_size}"
+            )
+        return tuple(parts)
+
+    def _input_col_slices(self) -> list[slice]:
+        return [slice(start, start + size) for start, size in self.input_partitions]
+
+    def _take_input(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's input columns of ``t`` along ``dim`` (a view when they are contiguous)."""
+        if self.input_size_per_partition == self.input_size:
+            return t
+        pieces = [t.narrow(dim, start, size) for start, size in self.input_partitions]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
     @property
     def output_shard_ids(self) -> tuple[ShardId, ...]:
         return tuple(s.shard_id for s in self.shard_map)
@@ -217,7 +252,7 @@ class ParallelLinear(nn.Module):
         )
 
     def _local_rows(
-        self, full: Any, shard_id: ShardId, cols: slice | None, what: str
+        self, full: Any, shard_id: ShardId, cols: Sequence[slice] | None, what: str
     ) -> torch.Tensor:
         """This rank's rows of ``full`` (one shard's full tensor, or the fused one if ``None``).
 
@@ -254,14 +289,14 @@ class ParallelLinear(nn.Module):
     def shard_input_tensor(self, full: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Slice a full input-dim tensor to this rank's part (identity unless the input is split).
 
-        E.g. a LoRA ``A`` ``[r, in]`` -> ``[r, in_local]`` for a row-parallel layer.
+        E.g. a LoRA ``A`` ``[r, in]`` -> ``[r, in_local]`` for a row-parallel layer; with several
+        input sections the rank's columns of each are concatenated in section order.
         """
-        start, size = self.input_partition
         if full.shape[dim] != self.input_size:
             raise ValueError(
                 f"{self._name()}: input dim of tensor {list(full.shape)} is not {self.input_size}"
             )
-        return full if size == self.input_size else full.narrow(dim, start, size)
+        return self._take_input(full, dim)
 
     # ----------------------------------------------------------------- loading
     @torch.no_grad()
@@ -304,8 +339,7 @@ class ParallelLinear(nn.Module):
                     f"{self._name()}: {'weight' if is_weight else 'bias'} for shard {shard_id!r} "
                     f"has shape {list(_shape(loaded_weight))}, expected {list(expected_full)}"
                 )
-            start, size = self.input_partition
-            cols = slice(start, start + size) if is_weight else None
+            cols = self._input_col_slices() if is_weight else None
             data = self._local_rows(loaded_weight, shard_id, cols, "weight")
             expected = tuple(data.shape)
         if tuple(data.shape) != expected:
@@ -321,8 +355,7 @@ class ParallelLinear(nn.Module):
         rank's part of the last dim (``[..., in]`` -> ``[..., in_local]``)."""
         if not self.input_is_sliced:
             return x
-        start, size = self.input_partition
-        return x.narrow(-1, start, size)
+        return self._take_input(x, -1)
 
     def gemm_bias(self) -> torch.Tensor | None:
         """The bias this rank adds inside its GEMM (``None`` if skipped or added elsewhere)."""
@@ -520,6 +553,9 @@ class RowParallelLinear(ParallelLinear):
     Args:
         input_is_parallel: ``x`` is already this rank's ``[..., in/tp]`` (e.g. the output of a
             column-parallel layer); otherwise the layer slices the full ``[..., in]``.
+        input_sizes: the full input as consecutive sections (e.g. ``[attn_dim, mlp_dim]`` for an
+            input ``[attn | mlp]`` made of two column-parallel outputs), each split over the ranks
+            on its own: rank ``r`` holds ``[attn_r | mlp_r]``. Default: one section.
         reduce_results: all-reduce the partial outputs; with ``False`` the caller reduces, which
             is only allowed without a fused bias (it would be added on every rank... and summed).
 
@@ -534,10 +570,12 @@ class RowParallelLinear(ParallelLinear):
         bias: bool = True,
         input_is_parallel: bool = True,
         reduce_results: bool = True,
+        input_sizes: Sequence[int] | None = None,
         **kwargs,
     ):
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
+        self.input_sizes = [input_size] if input_sizes is None else [int(s) for s in input_sizes]
         super().__init__(input_size, output_size, bias=bias, **kwargs)
 
     def _check_flags(self, bias):
@@ -547,8 +585,17 @@ class RowParallelLinear(ParallelLinear):
                 "on every rank; use skip_bias_add=True and add it after the reduce"
             )
 
-    def _input_section(self, tp_rank):
-        return self._divide(self.input_size, "input_size"), tp_rank
+    def _input_sections(self, tp_rank):
+        return [
+            (
+                size,
+                self._divide(
+                    size, "input_size" if len(self.input_sizes) == 1 else f"input_sizes[{i}]"
+                ),
+                tp_rank,
+            )
+            for i, size in enumerate(self.input_sizes)
+        ]
 
     def _bias_on_this_rank(self):
         return self.tp_rank == 0

@@ -1,4 +1,4 @@
-"""Loading a diffusers-format model directory.
+"""Loading our DiTs (the denoisers) from a diffusers-format model directory.
 
 Layout (what ``DiffusionPipeline.save_pretrained`` writes, e.g. ``Tongyi-MAI/Z-Image-Turbo``)::
 
@@ -8,14 +8,15 @@ Layout (what ``DiffusionPipeline.save_pretrained`` writes, e.g. ``Tongyi-MAI/Z-I
     transformer/diffusion_pytorch_model.safetensors.index.json + the shards it names
     text_encoder/  tokenizer/  vae/  scheduler/                 (their libraries' own formats)
 
-The transformer is built from OUR layers and filled through each parameter's ``weight_loader``.
-Checkpoint names go through the model's name map (``models/dits/zimage_names.py``, shared with
-LoRA loading), so ``attention.to_q`` lands in shard ``"q"`` of ``attention.to_qkv``. Tensors are
+The denoiser is built from OUR layers (the family's ``DenoiserSpec``) and filled through each
+parameter's ``weight_loader``. Checkpoint names go through the family's name map (shared with LoRA
+loading), so e.g. ``attention.to_q`` lands in shard ``"q"`` of ``attention.to_qkv``. Tensors are
 opened lazily (``safetensors.safe_open(...).get_slice``): a TP rank reads only the rows/columns
 of its shard, so its peak host memory is about its shard plus one replicated tensor.
 
-The text encoder, tokenizer, VAE and scheduler are loaded with transformers'/diffusers' own
-classes. Errors name the file and the tensor (``ValueError``/``FileNotFoundError``).
+The other components (text encoders, tokenizers, VAE, scheduler) are loaded as diffusers resolves
+them (``models.components``). Errors name the file and the tensor
+(``ValueError``/``FileNotFoundError``).
 """
 
 from __future__ import annotations
@@ -24,35 +25,16 @@ import json
 import logging
 import os
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from sglang.multimodal_gen.configs.zimage import ZIMAGE_TRANSFORMER_CLASS, ZImageArchConfig
-from sglang.multimodal_gen.models.dits.zimage import ZImageTransformer
-from sglang.multimodal_gen.models.dits.zimage_names import ZIMAGE_NAME_MAP
 from sglang.multimodal_gen.models.name_map import NameMap
+from sglang.multimodal_gen.models.registry import DenoiserSpec, resolve_object
 
 logger = logging.getLogger(__name__)
-
-MODEL_INDEX = "model_index.json"
-
-# Pipelines we can serve, and the component classes each accepts.
-SUPPORTED_PIPELINES: dict[str, dict[str, tuple[str, set[str]]]] = {
-    "ZImagePipeline": {
-        "transformer": ("diffusers", {ZIMAGE_TRANSFORMER_CLASS}),
-        "vae": ("diffusers", {"AutoencoderKL"}),
-        "scheduler": ("diffusers", {"FlowMatchEulerDiscreteScheduler"}),
-        "text_encoder": ("transformers", {"Qwen3Model"}),
-        "tokenizer": (
-            "transformers",
-            {"Qwen2Tokenizer", "Qwen2TokenizerFast", "PreTrainedTokenizerFast", "AutoTokenizer"},
-        ),
-    },
-}
 
 _WEIGHT_BASENAMES = ("diffusion_pytorch_model", "model")
 
@@ -73,47 +55,6 @@ def read_json(path: str) -> dict:
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
     return data
-
-
-@dataclass
-class ModelIndex:
-    """Parsed ``model_index.json``: the pipeline class and ``{component: (library, class)}``."""
-
-    path: str
-    pipeline_class: str
-    components: dict[str, tuple[str, str]]
-
-
-def read_model_index(model_path: str) -> ModelIndex:
-    """Read and validate ``<model_path>/model_index.json``.
-
-    Raises:
-        FileNotFoundError: the directory or ``model_index.json`` is missing.
-        ModelLoadError: unknown pipeline ``_class_name``, a missing component, or a component
-            class/library we do not support (named with the file).
-    """
-    if not os.path.isdir(model_path):
-        raise FileNotFoundError(f"model path is not a directory: {model_path}")
-    path = os.path.join(model_path, MODEL_INDEX)
-    data = read_json(path)
-    cls = data.get("_class_name")
-    if cls not in SUPPORTED_PIPELINES:
-        raise ModelLoadError(
-            f"{path}: unknown pipeline _class_name {cls!r}; supported: {sorted(SUPPORTED_PIPELINES)}"
-        )
-    comps: dict[str, tuple[str, str]] = {}
-    for name, (lib, allowed) in SUPPORTED_PIPELINES[cls].items():
-        entry = data.get(name)
-        if not (isinstance(entry, list) and len(entry) == 2):
-            raise ModelLoadError(f"{path}: component {name!r} missing or not [library, class]")
-        elib, ecls = entry
-        if elib != lib or ecls not in allowed:
-            raise ModelLoadError(
-                f"{path}: component {name!r} is [{elib!r}, {ecls!r}]; supported: "
-                f"[{lib!r}, one of {sorted(allowed)}]"
-            )
-        comps[name] = (elib, ecls)
-    return ModelIndex(path, cls, comps)
 
 
 def find_weight_files(component_dir: str) -> tuple[list[str], dict[str, str] | None]:
@@ -281,105 +222,75 @@ def load_safetensors_into(
     return {"tensors": n, "files": len(files)}
 
 
-def zimage_from_diffusers_module(
-    reference: nn.Module,
+def _check_denoiser_class(component_dir: str, spec: DenoiserSpec) -> None:
+    path = os.path.join(component_dir, "config.json")
+    cls = read_json(path).get("_class_name")
+    if cls is not None and cls not in spec.diffusers_classes:
+        raise ModelLoadError(
+            f"{path}: _class_name {cls!r} is not implemented for {spec.component!r}; expected "
+            f"one of {list(spec.diffusers_classes)}"
+        )
+
+
+def build_denoiser(
+    spec: DenoiserSpec,
+    arch_config: Any,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     tp_rank: int | None = None,
     tp_size: int | None = None,
-) -> ZImageTransformer:
-    """Our DiT with the weights of an in-memory diffusers ``ZImageTransformer2DModel``
-    (benchmarks and tests; same name map and weight loaders as file loading)."""
-    cfg = ZImageArchConfig.from_dict(dict(reference.config))
-    p = next(reference.parameters())
-    model = ZImageTransformer(
-        cfg,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=dtype or p.dtype,
-        device=device or p.device,
-    )
-    items = (("<module>", k, v.detach()) for k, v in reference.state_dict().items())
-    load_tensors_into(model, items, ZIMAGE_NAME_MAP, where="<module>")
-    return model.eval()
+) -> nn.Module:
+    """Our (uninitialised) DiT of ``spec`` for ``arch_config`` (a family config object)."""
+    cls = resolve_object(spec.model_class)
+    return cls(arch_config, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
 
 
-def load_zimage_transformer(
+def load_denoiser(
     component_dir: str,
+    spec: DenoiserSpec,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     tp_rank: int | None = None,
     tp_size: int | None = None,
-) -> ZImageTransformer:
-    """Build our Z-Image DiT from ``<model>/transformer`` and load its weights.
+) -> nn.Module:
+    """Build a family's DiT from ``<model>/<component>`` and load its weights.
 
     Args:
-        component_dir: the transformer folder (``config.json`` + safetensors).
+        component_dir: the denoiser folder (``config.json`` + safetensors).
+        spec: the family's :class:`~sglang.multimodal_gen.models.registry.DenoiserSpec`.
         dtype, device: parameter dtype and device.
         tp_rank, tp_size: TP coordinates (default: the TP group's).
 
     Raises:
-        ValueError: ``n_heads`` not divisible by the TP size (at build time, before any read),
-            unknown ``_class_name``, or any error of :func:`load_safetensors_into`.
+        FileNotFoundError: missing folder, config or weights.
+        ModelLoadError / ValueError: a ``_class_name`` the family does not implement, a size not
+            divisible by the TP size (at build time, before any read), or any error of
+            :func:`load_safetensors_into`.
     """
-    cfg = ZImageArchConfig.from_json_file(os.path.join(component_dir, "config.json"))
-    model = ZImageTransformer(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
-    stats = load_safetensors_into(model, component_dir, ZIMAGE_NAME_MAP)
+    _check_denoiser_class(component_dir, spec)
+    cfg_cls = resolve_object(spec.config_class)
+    cfg = cfg_cls.from_json_file(os.path.join(component_dir, "config.json"))
+    model = build_denoiser(spec, cfg, dtype, device, tp_rank, tp_size)
+    stats = load_safetensors_into(model, component_dir, resolve_object(spec.name_map))
     logger.info(
-        "loaded Z-Image transformer: %d tensors from %d files", stats["tensors"], stats["files"]
+        "loaded %s: %d tensors from %d files", spec.component, stats["tensors"], stats["files"]
     )
     return model.eval()
 
 
-def _check_config_class(component_dir: str, cfg_name: str, allowed: set[str]) -> None:
-    path = os.path.join(component_dir, cfg_name)
-    cfg = read_json(path)
-    cls = cfg.get("_class_name") or (cfg.get("architectures") or [None])[0]
-    if cls is not None and cls not in allowed:
-        raise ModelLoadError(
-            f"{path}: class {cls!r} is not supported; expected one of {sorted(allowed)}"
-        )
-
-
-def load_text_encoder(component_dir: str, dtype: torch.dtype, device) -> nn.Module:
-    """Load the Qwen3 text encoder with transformers' ``Qwen3Model`` (eval mode)."""
-    from transformers import Qwen3Model
-
-    _check_config_class(component_dir, "config.json", {"Qwen3Model", "Qwen3ForCausalLM"})
-    find_weight_files(component_dir)
-    model = Qwen3Model.from_pretrained(component_dir, dtype=dtype)
-    return model.to(device).eval()
-
-
-def load_tokenizer(component_dir: str):
-    """Load the tokenizer with transformers' ``AutoTokenizer`` (fast, from ``tokenizer.json``)."""
-    from transformers import AutoTokenizer
-
-    if not os.path.isdir(component_dir):
-        raise FileNotFoundError(f"missing component directory: {component_dir}")
-    return AutoTokenizer.from_pretrained(component_dir)
-
-
-def load_vae(component_dir: str, dtype: torch.dtype, device) -> nn.Module:
-    """Load the VAE with diffusers' ``AutoencoderKL`` (eval mode)."""
-    from diffusers import AutoencoderKL
-
-    _check_config_class(component_dir, "config.json", {"AutoencoderKL"})
-    find_weight_files(component_dir)
-    import diffusers
-    from packaging.version import Version
-
-    # diffusers >= 0.42 takes ``dtype`` (``torch_dtype`` is deprecated there)
-    key = "dtype" if Version(diffusers.__version__) >= Version("0.42") else "torch_dtype"
-    vae = AutoencoderKL.from_pretrained(component_dir, **{key: dtype})
-    return vae.to(device).eval()
-
-
-def load_scheduler_config(component_dir: str) -> dict:
-    """Read ``scheduler/scheduler_config.json`` (the pipeline makes a fresh scheduler per call)."""
-    path = os.path.join(component_dir, "scheduler_config.json")
-    cfg = read_json(path)
-    cls = cfg.get("_class_name", "FlowMatchEulerDiscreteScheduler")
-    if cls != "FlowMatchEulerDiscreteScheduler":
-        raise ModelLoadError(f"{path}: scheduler class {cls!r} is not supported")
-    return cfg
+def denoiser_from_module(
+    reference: nn.Module,
+    spec: DenoiserSpec,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+) -> nn.Module:
+    """Our DiT with the weights of an in-memory diffusers model of the same architecture
+    (benchmarks and tests; same name map and weight loaders as file loading)."""
+    cfg = resolve_object(spec.config_class).from_dict(dict(reference.config))
+    p = next(reference.parameters())
+    model = build_denoiser(spec, cfg, dtype or p.dtype, device or p.device, tp_rank, tp_size)
+    items = (("<module>", k, v.detach()) for k, v in reference.state_dict().items())
+    load_tensors_into(model, items, resolve_object(spec.name_map), where="<module>")
+    return model.eval()

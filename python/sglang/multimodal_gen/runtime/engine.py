@@ -94,7 +94,7 @@ def _tp_worker_main(
 
     from sglang.multimodal_gen.distributed import (
         broadcast_object,
-        get_tp_group,
+        get_tp_cpu_group,
         init_worker,
         shutdown_worker,
     )
@@ -109,7 +109,7 @@ def _tp_worker_main(
 
     def gather(obj):
         out = [None] * world
-        dist.all_gather_object(out, obj, group=get_tp_group())
+        dist.all_gather_object(out, obj, group=get_tp_cpu_group())
         return out
 
     try:
@@ -222,10 +222,13 @@ class DiffusionEngine:
         _worker_setup: Callable[[ModelRunner, int], None] | None = None,
     ):
         if model_path is None:
-            from sglang.multimodal_gen.runtime.default_model import default_model_path
+            from sglang.multimodal_gen.models.default_model import (
+                default_model_name,
+                default_model_path,
+            )
 
             model_path = default_model_path()
-            self.model_name = "sglang-default-zimage-tiny"
+            self.model_name = default_model_name()
         else:
             if not os.path.isdir(model_path):
                 model_path = _resolve_hub_cache(model_path)
@@ -374,6 +377,21 @@ class DiffusionEngine:
         return int(self._info["spatial_factor"])
 
     @property
+    def family(self) -> str:
+        """The served model's family id (``"zimage"``, ``"flux"``...)."""
+        return str(self._info["family"])
+
+    @property
+    def model_info(self) -> dict:
+        """The runner's description of the model: family, defaults, TP sizes, LoRA targets."""
+        return dict(self._info)
+
+    @property
+    def defaults(self) -> dict:
+        """The family's sampling defaults and limits (``SamplingDefaults.as_dict()``)."""
+        return dict(self._info["defaults"])
+
+    @property
     def lora_targets(self) -> tuple[str, ...]:
         """Valid LoRA ``target`` values of this model (``"all"`` first), from its LoRA manager."""
         return tuple(self._info["lora_targets"])
@@ -390,7 +408,8 @@ class DiffusionEngine:
         """
         from PIL import Image
 
-        req.validate(self.spatial_factor)
+        req = req.with_defaults(self.defaults)
+        req.validate(self.spatial_factor, self.defaults)
         if req.seed is None:
             req = replace(req, seed=secrets.randbits(63))
         arr = self._call("generate", req=req, progress=progress)

@@ -1,4 +1,7 @@
-"""One TP rank's model: the Z-Image pipeline plus its LoRA manager, driven by named commands.
+"""One TP rank's model: the family's pipeline plus its LoRA manager, driven by named commands.
+
+The family is looked up in the model-family registry from the directory's ``model_index.json``;
+nothing here knows a family.
 
 The engine runs one :class:`ModelRunner` in-process (TP 1) or one per worker process (TP N). In
 the latter case rank 0 receives every command, reads the LoRA files it names
@@ -20,8 +23,7 @@ import torch
 
 from sglang.multimodal_gen.errors import SGLangError
 from sglang.multimodal_gen.lora.manager import LoRAManager
-from sglang.multimodal_gen.models.dits.zimage_names import ZIMAGE_NAME_MAP
-from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
+from sglang.multimodal_gen.models.registry import ModelFamily, family_for_model, resolve_object
 from sglang.multimodal_gen.runtime.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -52,13 +54,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def build_lora_manager(
-    transformer: torch.nn.Module,
+    denoisers: dict[str, torch.nn.Module],
+    family: ModelFamily,
     lora_dirs: Sequence[str] | None = None,
     cpu_offload: bool = False,
 ) -> LoRAManager:
-    """The LoRA manager over the transformer's LoRA-able layers.
+    """The LoRA manager over the denoisers' LoRA-able layers.
 
     Args:
+        denoisers: ``{component: module}`` of the pipeline (``transformer``, ``transformer_2``).
+        family: their family (LoRA target names, name map, display name).
         lora_dirs: allowed roots for local LoRA paths; ``None``: any local path; empty: none
             (see :class:`LoRAManager`'s ``allowed_roots``).
         cpu_offload: the DiT weights live in host memory between commands (``--dit-cpu-offload``
@@ -66,10 +71,12 @@ def build_lora_manager(
             accelerator holds one copy of the model.
     """
     offload_kw = dict(snapshot_device="cpu", merge_cache_device="cpu") if cpu_offload else {}
+    targets = {family.denoiser(c).lora_target: m for c, m in denoisers.items()}
     return LoRAManager(
-        {"transformer": transformer},
-        ZIMAGE_NAME_MAP,
+        targets,
+        resolve_object(family.denoisers[0].name_map),
         allowed_roots=None if lora_dirs is None else list(lora_dirs),
+        model_name=family.display_name,
         **offload_kw,
     )
 
@@ -159,28 +166,46 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.tp_rank = tp_rank
-        self.pipeline = ZImagePipeline.from_pretrained(
+        self.family = family_for_model(model_path)
+        arch = self.family.read_config(model_path)
+        self.family.check_tp_size(arch, tp_size)
+        self.pipeline = self.family.pipeline_class().from_pretrained(
             model_path,
+            self.family,
             device=self.device,
             dtype=self.dtype,
             tp_rank=tp_rank,
             tp_size=tp_size,
             load_vae=(tp_rank == 0),
+            load_text=(tp_rank == 0),
         )
         self.generator_device = generator_device or (
             str(self.device) if self.device.type == "cuda" else self.device.type
         )
         offload = dit_cpu_offload and self.device.type == "cuda"
-        self.lora_manager = build_lora_manager(self.pipeline.transformer, lora_dirs, offload)
-        self.offloader = DiTOffloader(self.pipeline.transformer, self.device) if offload else None
+        self.lora_manager = build_lora_manager(
+            self.pipeline.denoisers, self.family, lora_dirs, offload
+        )
+        self.offloader = (
+            DiTOffloader(torch.nn.ModuleList(self.pipeline.denoisers.values()), self.device)
+            if offload
+            else None
+        )
 
     @property
     def spatial_factor(self) -> int:
         return self.pipeline.spatial_factor
 
     def info(self) -> dict:
+        """What the engine and the server need to know of the model (JSON-able)."""
+        arch = self.pipeline.transformer.cfg
         return {
+            "family": self.family.name,
+            "family_display_name": self.family.display_name,
+            "pipeline_class": self.family.pipeline_classes[0],
             "spatial_factor": self.spatial_factor,
+            "defaults": self.pipeline.defaults.as_dict(),
+            "tp_sizes": self.family.valid_tp_sizes(arch),
             "dtype": str(self.dtype),
             "lora_targets": list(self.lora_manager.target_names),
         }
@@ -284,7 +309,9 @@ class ModelRunner:
             height=req.height,
             width=req.width,
             num_inference_steps=req.num_inference_steps,
-            guidance_scale=float(req.guidance_scale),
+            guidance_scale=None if req.guidance_scale is None else float(req.guidance_scale),
+            true_cfg_scale=None if req.true_cfg_scale is None else float(req.true_cfg_scale),
+            max_sequence_length=req.max_sequence_length,
             generator=gen,
             num_images=req.num_images,
             output_type="np",

@@ -1,32 +1,28 @@
-"""The embedded default model: a small, seeded, random-weight Z-Image in diffusers format.
+"""A small, seeded, random-weight Z-Image in diffusers format (the embedded default model).
 
-``sglang generate`` / ``sglang serve`` without ``--model-path`` use it so that the commands run on
-a fresh offline machine. Its weights are random, so **its images are noise by construction**; real
-use passes ``--model-path`` to a real Z-Image-Turbo directory.
+``sglang generate`` / ``sglang serve`` without ``--model-path`` use it (``models.default_model``)
+so that the commands run on a fresh offline machine. Its weights are random, so **its images are
+noise by construction**; real use passes ``--model-path`` to a real Z-Image-Turbo directory.
 
 Everything is built locally with the reference libraries' own classes (diffusers'
 ``ZImageTransformer2DModel``, ``AutoencoderKL``, ``FlowMatchEulerDiscreteScheduler``; transformers'
 ``Qwen3Model`` and a byte-level ``Qwen2Tokenizer`` made with ``tokenizers`` from the 256 byte
 symbols plus the chat special tokens) and saved with ``ZImagePipeline.save_pretrained``, so the
-directory is an ordinary diffusers model directory. It is written once under
-``$SGLANG_CACHE_DIR`` (default ``~/.cache/sglang``) and reused.
-
-The same builder, :func:`build_zimage_dir`, makes the tiny test fixtures (test/fixtures).
+directory is an ordinary diffusers model directory. The same builder, :func:`build_zimage_dir`,
+makes the tiny test fixtures (test/fixtures).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import torch
 
 # Bump when the recipe below changes, so old caches are not reused.
-DEFAULT_MODEL_VERSION = "1"
+TINY_VERSION = "1"
 DEFAULT_SEED = 1234
 
 CHAT_TEMPLATE = (
@@ -199,46 +195,4 @@ def build_zimage_dir(
     return path
 
 
-def default_cache_dir() -> str:
-    """``$SGLANG_CACHE_DIR`` or ``$XDG_CACHE_HOME/sglang`` or ``~/.cache/sglang``."""
-    root = os.environ.get("SGLANG_CACHE_DIR")
-    if root:
-        return root
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "sglang")
-
-
-def default_model_path(cache_dir: str | None = None) -> str:
-    """Path of the embedded default model, building it on first use.
-
-    The directory is written to a temporary sibling and renamed into place, so concurrent first
-    uses cannot see a half-written model (the loser of the race discards its copy).
-    """
-    root = cache_dir or default_cache_dir()
-    final = os.path.join(root, f"default-zimage-tiny-v{DEFAULT_MODEL_VERSION}")
-    marker = os.path.join(final, "model_index.json")
-    if os.path.isfile(marker):
-        return final
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".building-", dir=root)
-    try:
-        build_zimage_dir(tmp, seed=DEFAULT_SEED)
-        with open(os.path.join(tmp, "SGLANG_DEFAULT_MODEL.json"), "w") as f:
-            json.dump(
-                {
-                    "note": "random weights: images are noise by construction",
-                    "version": DEFAULT_MODEL_VERSION,
-                    "seed": DEFAULT_SEED,
-                },
-                f,
-                indent=2,
-            )
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isfile(marker):
-                raise
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+build_zimage_dir.version = TINY_VERSION  # cache key of the embedded default model

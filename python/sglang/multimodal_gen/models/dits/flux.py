@@ -1,0 +1,640 @@
+"""The Flux.1 DiT on our tensor-parallel layers.
+
+Same architecture and numerics as diffusers' ``FluxTransformer2DModel`` (follows diffusers 0.42.1
+``models/transformers/transformer_flux.py``; Black Forest Labs, Flux.1, 2024): an MMDiT with
+``num_layers`` double-stream blocks (separate weights for text and image tokens, one joint
+attention over ``[text, image]``) followed by ``num_single_layers`` single-stream blocks (one
+weight set, attention and MLP in parallel from one fused input projection), adaLN-Zero modulated
+by ``temb = timestep (+ guidance) embedding + pooled text embedding``, and 3-axis RoPE.
+
+Module names equal diffusers' (so a diffusers state dict loads 1:1 through ``FLUX_NAME_MAP`` in
+``flux_names.py``) except three fused layers:
+
+* ``transformer_blocks.N.attn.to_qkv``: ``QKVParallelLinear`` from ``attn.to_q/to_k/to_v``
+  (shard ids ``"q"``, ``"k"``, ``"v"``);
+* ``transformer_blocks.N.attn.to_added_qkv``: ``QKVParallelLinear`` from
+  ``attn.add_q_proj/add_k_proj/add_v_proj`` (shard ids ``"q"``, ``"k"``, ``"v"``);
+* ``single_transformer_blocks.N.to_qkv_mlp``: ``MergedColumnParallelLinear`` with output sections
+  ``[D, D, D, mlp_hidden]`` from ``attn.to_q``, ``attn.to_k``, ``attn.to_v``, ``proj_mlp`` (shard
+  ids ``0``, ``1``, ``2``, ``3``); the BFL checkpoint's ``linear1`` is exactly this fused weight.
+
+Tensor parallelism (``D = inner_dim``, ``n = tp_size``): attention heads are split over the ranks
+(each rank attends with its ``heads / n`` heads over the whole joint sequence, no communication
+inside attention), FFN hidden units are split (column-parallel in, row-parallel out), and in a
+single block rank ``r`` holds ``[q_r | k_r | v_r | mlp_r]`` of the fused projection and feeds its
+local ``[attn_r | gelu(mlp_r)]`` to ``proj_out``, a ``RowParallelLinear`` with
+``input_sizes=[D, mlp_hidden]`` (two input sections each split over the ranks). One all-reduce per
+row-parallel layer: four per double block, one per single block. The embedders, adaLN
+modulations, ``norm_out`` and the final ``proj_out`` are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.multimodal_gen.configs.flux import FluxArchConfig
+from sglang.multimodal_gen.distributed import get_tp_world_size
+from sglang.multimodal_gen.layers.attention import sdpa_bshd
+from sglang.multimodal_gen.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglang.multimodal_gen.layers.norm import LayerNormNoAffine
+from sglang.multimodal_gen.models.dits.flux_names import FLUX_NAME_MAP
+
+__all__ = ["FluxPosEmbed", "FluxTransformer", "apply_rope_real", "flux_from_diffusers_module"]
+
+FP16_MAX = 65504.0
+
+
+def _tp_kwargs(prefix: str, tp_rank: int | None, tp_size: int | None, dtype) -> dict:
+    return dict(prefix=prefix, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+
+
+def _qk_norm(head_dim: int, eps: float) -> nn.RMSNorm:
+    """Per-head RMSNorm over ``head_dim``. The reference uses ``torch.nn.RMSNorm`` here (not
+    diffusers' own RMSNorm), whose fused kernel multiplies by the weight before the single
+    rounding to a half-precision input dtype; using the same module keeps bf16 outputs identical."""
+    return nn.RMSNorm(head_dim, eps=eps, elementwise_affine=True)
+
+
+# --------------------------------------------------------------------------------------- RoPE
+class FluxPosEmbed(nn.Module):
+    """3-axis rotary tables as real ``(cos, sin)``, each angle repeated for its channel pair.
+
+    Axis ``i`` owns ``axes_dims[i]`` channels of every head. For position ``p`` on that axis and
+    pair ``j < axes_dims[i] / 2`` the angle is ``p * theta ** (-2j / axes_dims[i])``; channels
+    ``2j`` and ``2j + 1`` both get it. As the reference (``FluxPosEmbed`` +
+    ``get_1d_rotary_pos_embed(use_real=True, repeat_interleave_real=True)``): positions are cast to
+    fp32, inverse frequencies, angles, ``cos`` and ``sin`` are computed in float64 and the tables
+    rounded to fp32 (float64 on devices that have it; MPS computes on the CPU and copies).
+
+    Shapes: ``ids [S, n_axes]`` (any numeric dtype) -> ``(cos, sin)``, each ``[S, head_dim]`` fp32
+    on ``ids.device``. No parameters.
+    """
+
+    def __init__(self, theta: float, axes_dims):
+        super().__init__()
+        self.theta = float(theta)
+        self.axes_dims = tuple(int(d) for d in axes_dims)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if ids.ndim != 2 or ids.shape[-1] != len(self.axes_dims):
+            raise ValueError(
+                f"position ids must be [S, {len(self.axes_dims)}], got {list(ids.shape)}"
+            )
+        out_device = ids.device
+        work = ids if ids.device.type in ("cpu", "cuda") else ids.cpu()
+        pos = work.float().to(torch.float64)  # the reference's fp32 positions, widened exactly
+        cos_parts, sin_parts = [], []
+        for axis, dim in enumerate(self.axes_dims):
+            exponents = torch.arange(0, dim, 2, dtype=torch.float64, device=work.device) / dim
+            inv_freq = 1.0 / (self.theta**exponents)  # [dim / 2]
+            angles = torch.outer(pos[:, axis], inv_freq)  # [S, dim / 2] float64
+            cos_parts.append(angles.cos().repeat_interleave(2, dim=1).float())
+            sin_parts.append(angles.sin().repeat_interleave(2, dim=1).float())
+        cos = torch.cat(cos_parts, dim=-1).to(out_device)
+        sin = torch.cat(sin_parts, dim=-1).to(out_device)
+        return cos, sin
+
+    def extra_repr(self) -> str:
+        return f"theta={self.theta}, axes_dims={list(self.axes_dims)}"
+
+
+def apply_rope_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs ``(a, b) -> (a cos - b sin, b cos + a sin)``.
+
+    Args:
+        x: ``[B, S, H, D]`` any float dtype.
+        cos, sin: ``[S, D]`` fp32 (from :class:`FluxPosEmbed`), broadcast over batch and heads.
+
+    Returns:
+        ``[B, S, H, D]`` in ``x.dtype``, computed in fp32 as ``x * cos + rot(x) * sin`` with
+        ``rot(x)`` the pairs ``(-b, a)`` (diffusers' ``apply_rotary_emb`` with
+        ``use_real_unbind_dim=-1``, same operation order).
+    """
+    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((-b, a), dim=-1).flatten(3)
+    c = cos[None, :, None, :].to(x.device)
+    s = sin[None, :, None, :].to(x.device)
+    return (x.float() * c + rotated.float() * s).to(x.dtype)
+
+
+def _attend(q, k, v, cos, sin) -> torch.Tensor:
+    """RoPE on ``q``/``k`` then SDPA: ``[B, S, H, hd]`` each -> ``[B, S, H * hd]`` in ``q.dtype``."""
+    q = apply_rope_real(q, cos, sin)
+    k = apply_rope_real(k, cos, sin)
+    return sdpa_bshd(q, k, v).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------- embeddings
+def timestep_sinusoid(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal features ``[B] -> [B, dim]`` fp32, ``cos`` half first then ``sin``.
+
+    Frequencies ``w_k = exp(-ln(max_period) * k / (dim / 2))`` computed in the reference's order
+    (diffusers ``get_timestep_embedding`` with ``flip_sin_to_cos=True, downscale_freq_shift=0``).
+    """
+    half = dim // 2
+    k = torch.arange(half, dtype=torch.float32, device=t.device)
+    freqs = torch.exp((-math.log(max_period) * k) / half)
+    angles = t.float()[:, None] * freqs[None, :]
+    out = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return F.pad(out, (0, 1)) if dim % 2 else out
+
+
+class FluxMLPEmbedder(nn.Module):
+    """``linear_2(silu(linear_1(x)))`` (diffusers' ``TimestepEmbedding`` and
+    ``PixArtAlphaTextProjection(act_fn="silu")``; BFL's ``MLPEmbedder``).
+
+    Shapes: ``x [B, in_features]`` -> ``[B, out_features]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, prefix: str, **kw):
+        super().__init__()
+        self.linear_1 = ReplicatedLinear(
+            in_features, out_features, prefix=f"{prefix}.linear_1", **kw
+        )
+        self.linear_2 = ReplicatedLinear(
+            out_features, out_features, prefix=f"{prefix}.linear_2", **kw
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)[0]))[0]
+
+
+class FluxTimeTextEmbed(nn.Module):
+    """``temb = MLP(sinusoid(t)) [+ MLP(sinusoid(guidance))] + MLP(pooled)``.
+
+    Diffusers' ``CombinedTimestepTextProjEmbeddings`` (no guidance) and
+    ``CombinedTimestepGuidanceTextProjEmbeddings`` (with ``guidance_embedder``); the sum is taken
+    in the same order (``(t + g) + pooled``).
+
+    Shapes: ``t [B]``, ``guidance [B] | None`` (both already multiplied by 1000),
+    ``pooled [B, pooled_projection_dim]`` -> ``[B, D]`` in the weight dtype.
+    """
+
+    def __init__(self, cfg: FluxArchConfig, prefix: str, **kw):
+        super().__init__()
+        d, f = cfg.inner_dim, cfg.T_FREQ_DIM
+        self.freq_dim = f
+        self.timestep_embedder = FluxMLPEmbedder(f, d, f"{prefix}.timestep_embedder", **kw)
+        if cfg.guidance_embeds:
+            self.guidance_embedder = FluxMLPEmbedder(f, d, f"{prefix}.guidance_embedder", **kw)
+        else:
+            self.guidance_embedder = None
+        self.text_embedder = FluxMLPEmbedder(
+            cfg.pooled_projection_dim, d, f"{prefix}.text_embedder", **kw
+        )
+
+    def forward(self, t, pooled, guidance=None) -> torch.Tensor:
+        emb = self.timestep_embedder(timestep_sinusoid(t, self.freq_dim).to(pooled.dtype))
+        if self.guidance_embedder is not None:
+            g = self.guidance_embedder(timestep_sinusoid(guidance, self.freq_dim).to(pooled.dtype))
+            emb = emb + g
+        return emb + self.text_embedder(pooled)
+
+
+# ------------------------------------------------------------------------------ modulation
+class FluxAdaLNZero(nn.Module):
+    """adaLN-Zero: ``Linear(silu(temb))`` gives ``n_chunks`` vectors of ``[B, D]``; the first two
+    (shift, scale) modulate a LayerNorm (no affine, eps 1e-6) of ``x``.
+
+    ``n_chunks=6``: diffusers' ``AdaLayerNormZero`` (double blocks), returns
+    ``(x_mod, gate_msa, shift_mlp, scale_mlp, gate_mlp)``. ``n_chunks=3``:
+    ``AdaLayerNormZeroSingle``, returns ``(x_mod, gate)``.
+
+    Shapes: ``x [B, S, D]``, ``temb [B, D]``; ``x_mod [B, S, D]``, the others ``[B, D]``.
+    """
+
+    def __init__(self, dim: int, n_chunks: int, eps: float, prefix: str, **kw):
+        super().__init__()
+        self.n_chunks = n_chunks
+        self.linear = ReplicatedLinear(dim, n_chunks * dim, prefix=f"{prefix}.linear", **kw)
+        self.norm = LayerNormNoAffine(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor):
+        chunks = self.linear(F.silu(temb))[0].chunk(self.n_chunks, dim=1)
+        shift, scale, rest = chunks[0], chunks[1], chunks[2:]
+        x = self.norm(x) * (1 + scale[:, None]) + shift[:, None]
+        return (x, *rest)
+
+
+class FluxAdaLNContinuous(nn.Module):
+    """Final norm: ``scale, shift = Linear(silu(temb))`` (in that order, unlike BFL's
+    ``(shift, scale)``), ``LayerNorm(x) * (1 + scale) + shift`` (diffusers'
+    ``AdaLayerNormContinuous(elementwise_affine=False, eps=1e-6)``).
+
+    Shapes: ``x [B, S, D]``, ``temb [B, D]`` -> ``[B, S, D]``.
+    """
+
+    def __init__(self, dim: int, eps: float, prefix: str, **kw):
+        super().__init__()
+        self.linear = ReplicatedLinear(dim, 2 * dim, prefix=f"{prefix}.linear", **kw)
+        self.norm = LayerNormNoAffine(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(temb).to(x.dtype))[0].chunk(2, dim=1)
+        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
+# ------------------------------------------------------------------------------- double block
+class FluxGeluProj(nn.Module):
+    """Column-parallel ``proj`` then tanh-approximate GELU (diffusers' ``GELU``,
+    ``approximate="tanh"``). Shapes: ``[..., D] -> [..., hidden / tp]``."""
+
+    def __init__(self, dim: int, hidden: int, prefix: str, tp_rank, tp_size, dtype):
+        super().__init__()
+        self.proj = ColumnParallelLinear(
+            dim, hidden, bias=True, **_tp_kwargs(f"{prefix}.proj", tp_rank, tp_size, dtype)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x)[0], approximate="tanh")
+
+
+class FluxFeedForward(nn.Module):
+    """``net.2(gelu_tanh(net.0.proj(x)))`` with hidden ``int(4 * D)`` split over TP (diffusers'
+    ``FeedForward(activation_fn="gelu-approximate")``; ``net.1`` is its dropout, an identity here).
+
+    Shapes: ``x [B, S, D]`` -> ``[B, S, D]`` (all-reduced over TP).
+    """
+
+    def __init__(self, cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype):
+        super().__init__()
+        d, h = cfg.inner_dim, cfg.mlp_hidden
+        self.net = nn.ModuleList(
+            [
+                FluxGeluProj(d, h, f"{prefix}.net.0", tp_rank, tp_size, dtype),
+                nn.Identity(),
+                RowParallelLinear(
+                    h,
+                    d,
+                    bias=True,
+                    input_is_parallel=True,
+                    **_tp_kwargs(f"{prefix}.net.2", tp_rank, tp_size, dtype),
+                ),
+            ]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.net[0](x))[0]
+
+
+class FluxJointAttention(nn.Module):
+    """Joint attention of a double block: image and text tokens have their own fused QKV
+    projections, per-head RMSNorms and output projections, and attend together over
+    ``[text, image]`` (diffusers' ``FluxAttention`` with ``added_kv_proj_dim`` +
+    ``FluxAttnProcessor``). Heads are split over TP.
+
+    Shapes: ``x [B, S_img, D]``, ``ctx [B, S_txt, D]``, ``cos``/``sin`` ``[S_txt + S_img, hd]``
+    -> ``(x_out [B, S_img, D], ctx_out [B, S_txt, D])`` (all-reduced over TP).
+    """
+
+    def __init__(self, cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype):
+        super().__init__()
+        d, hd, heads = cfg.inner_dim, cfg.attention_head_dim, cfg.num_attention_heads
+        self.head_dim = hd
+        eps = cfg.NORM_EPS
+        self.to_qkv = QKVParallelLinear(
+            d,
+            hd,
+            heads,
+            heads,
+            bias=True,
+            **_tp_kwargs(f"{prefix}.to_qkv", tp_rank, tp_size, dtype),
+        )
+        self.to_added_qkv = QKVParallelLinear(
+            d,
+            hd,
+            heads,
+            heads,
+            bias=True,
+            **_tp_kwargs(f"{prefix}.to_added_qkv", tp_rank, tp_size, dtype),
+        )
+        self.num_heads = self.to_qkv.num_heads
+        self.norm_q = _qk_norm(hd, eps)
+        self.norm_k = _qk_norm(hd, eps)
+        self.norm_added_q = _qk_norm(hd, eps)
+        self.norm_added_k = _qk_norm(hd, eps)
+        self.to_out = nn.ModuleList(
+            [
+                RowParallelLinear(
+                    d,
+                    d,
+                    bias=True,
+                    input_is_parallel=True,
+                    **_tp_kwargs(f"{prefix}.to_out.0", tp_rank, tp_size, dtype),
+                )
+            ]
+        )
+        self.to_add_out = RowParallelLinear(
+            d,
+            d,
+            bias=True,
+            input_is_parallel=True,
+            **_tp_kwargs(f"{prefix}.to_add_out", tp_rank, tp_size, dtype),
+        )
+
+    def _heads(self, layer: nn.Module, x: torch.Tensor):
+        """Fused projection -> ``q, k, v`` each ``[B, S, heads_local, hd]``."""
+        qkv = layer(x)[0].unflatten(-1, (3, self.num_heads, self.head_dim))
+        return qkv.unbind(-3)
+
+    def forward(self, x, ctx, cos, sin):
+        q, k, v = self._heads(self.to_qkv, x)
+        cq, ck, cv = self._heads(self.to_added_qkv, ctx)
+        q = torch.cat([self.norm_added_q(cq), self.norm_q(q)], dim=1)
+        k = torch.cat([self.norm_added_k(ck), self.norm_k(k)], dim=1)
+        v = torch.cat([cv, v], dim=1)
+        out = _attend(q, k, v, cos, sin)
+        n_txt = ctx.shape[1]
+        ctx_out, x_out = out[:, :n_txt], out[:, n_txt:]
+        return self.to_out[0](x_out.contiguous())[0], self.to_add_out(ctx_out.contiguous())[0]
+
+
+class FluxDoubleBlock(nn.Module):
+    """Double-stream (MMDiT) block; diffusers' ``FluxTransformerBlock``.
+
+    For each stream ``s`` in (image ``x``, text ``ctx``), with ``m_s = norm1[_context].linear(
+    silu(temb))`` split into ``shift_a, scale_a, gate_a, shift_f, scale_f, gate_f``::
+
+        attn_x, attn_ctx = joint_attention(LN(x) * (1 + scale_a) + shift_a, same for ctx)
+        s = s + gate_a * attn_s
+        s = s + gate_f * ff_s(LN(s) * (1 + scale_f) + shift_f)
+
+    Shapes: ``x [B, S_img, D]``, ``ctx [B, S_txt, D]``, ``temb [B, D]``,
+    ``cos``/``sin`` ``[S_txt + S_img, hd]`` -> ``(ctx, x)`` (the reference's order).
+    """
+
+    def __init__(self, cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype):
+        super().__init__()
+        d, eps = cfg.inner_dim, cfg.NORM_EPS
+        kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+        self.norm1 = FluxAdaLNZero(d, 6, eps, f"{prefix}.norm1", **kw)
+        self.norm1_context = FluxAdaLNZero(d, 6, eps, f"{prefix}.norm1_context", **kw)
+        self.attn = FluxJointAttention(cfg, f"{prefix}.attn", tp_rank, tp_size, dtype)
+        self.norm2 = LayerNormNoAffine(d, eps=eps)
+        self.ff = FluxFeedForward(cfg, f"{prefix}.ff", tp_rank, tp_size, dtype)
+        self.norm2_context = LayerNormNoAffine(d, eps=eps)
+        self.ff_context = FluxFeedForward(cfg, f"{prefix}.ff_context", tp_rank, tp_size, dtype)
+
+    def forward(self, x, ctx, temb, cos, sin):
+        nx, gate_a, shift_f, scale_f, gate_f = self.norm1(x, temb)
+        nc, c_gate_a, c_shift_f, c_scale_f, c_gate_f = self.norm1_context(ctx, temb)
+        attn_x, attn_c = self.attn(nx, nc, cos, sin)
+
+        x = x + gate_a.unsqueeze(1) * attn_x
+        h = self.norm2(x) * (1 + scale_f[:, None]) + shift_f[:, None]
+        x = x + gate_f.unsqueeze(1) * self.ff(h)
+
+        ctx = ctx + c_gate_a.unsqueeze(1) * attn_c
+        h = self.norm2_context(ctx) * (1 + c_scale_f[:, None]) + c_shift_f[:, None]
+        ctx = ctx + c_gate_f.unsqueeze(1) * self.ff_context(h)
+        if ctx.dtype == torch.float16:
+            ctx = ctx.clip(-FP16_MAX, FP16_MAX)
+        return ctx, x
+
+
+# ------------------------------------------------------------------------------- single block
+class FluxSingleAttention(nn.Module):
+    """The attention core of a single block: per-head q/k RMSNorm, RoPE, SDPA over local heads.
+
+    Its projections live in the block's fused ``to_qkv_mlp``; only ``norm_q``/``norm_k`` are
+    parameters here (diffusers' ``attn.norm_q``/``attn.norm_k`` of a ``pre_only`` FluxAttention).
+
+    Shapes: ``q, k, v [B, S, heads_local, hd]`` -> ``[B, S, heads_local * hd]``.
+    """
+
+    def __init__(self, cfg: FluxArchConfig):
+        super().__init__()
+        self.norm_q = _qk_norm(cfg.attention_head_dim, cfg.NORM_EPS)
+        self.norm_k = _qk_norm(cfg.attention_head_dim, cfg.NORM_EPS)
+
+    def forward(self, q, k, v, cos, sin):
+        return _attend(self.norm_q(q), self.norm_k(k), v, cos, sin)
+
+
+class FluxSingleBlock(nn.Module):
+    """Single-stream block with parallel attention and MLP; diffusers' ``FluxSingleTransformerBlock``.
+
+    With ``shift, scale, gate = norm.linear(silu(temb))`` and ``h = LN(x) * (1 + scale) + shift``::
+
+        q | k | v | m = to_qkv_mlp(h)                        # [D, D, D, mlp_hidden] (local parts)
+        x = x + gate * proj_out([attention(q, k, v) | gelu_tanh(m)])
+
+    Shapes: ``x [B, S_txt + S_img, D]`` (text first), ``temb [B, D]``, ``cos``/``sin``
+    ``[S, hd]`` -> ``[B, S, D]``.
+    """
+
+    def __init__(self, cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype):
+        super().__init__()
+        d, h, hd = cfg.inner_dim, cfg.mlp_hidden, cfg.attention_head_dim
+        self.head_dim = hd
+        kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+        self.norm = FluxAdaLNZero(d, 3, cfg.NORM_EPS, f"{prefix}.norm", **kw)
+        self.to_qkv_mlp = MergedColumnParallelLinear(
+            d,
+            [d, d, d, h],
+            bias=True,
+            **_tp_kwargs(f"{prefix}.to_qkv_mlp", tp_rank, tp_size, dtype),
+        )
+        # local section widths [D/n, D/n, D/n, mlp_hidden/n], fixed at construction so a LoRA
+        # wrapper that replaces the module later does not matter
+        self.split_sizes = list(self.to_qkv_mlp.output_partition_sizes)
+        self.attn = FluxSingleAttention(cfg)
+        self.proj_out = RowParallelLinear(
+            d + h,
+            d,
+            bias=True,
+            input_is_parallel=True,
+            input_sizes=[d, h],
+            **_tp_kwargs(f"{prefix}.proj_out", tp_rank, tp_size, dtype),
+        )
+
+    def forward(self, x, temb, cos, sin):
+        hx, gate = self.norm(x, temb)
+        q, k, v, m = self.to_qkv_mlp(hx)[0].split(self.split_sizes, dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
+        attn = self.attn(q, k, v, cos, sin)
+        mlp = F.gelu(m, approximate="tanh")
+        x = x + gate.unsqueeze(1) * self.proj_out(torch.cat([attn, mlp], dim=2))[0]
+        if x.dtype == torch.float16:
+            x = x.clip(-FP16_MAX, FP16_MAX)
+        return x
+
+
+# ---------------------------------------------------------------------------------- the model
+class FluxTransformer(nn.Module):
+    """Flux.1 DiT (``FluxTransformer2DModel``), tensor-parallel.
+
+    Args:
+        cfg: architecture (``transformer/config.json``).
+        tp_rank, tp_size: explicit TP coordinates (default: the TP group's).
+        dtype: parameter dtype (default: ``torch.get_default_dtype()``).
+        device: where to allocate parameters.
+
+    Raises:
+        ValueError: ``num_attention_heads`` is not divisible by the TP size (both numbers named).
+
+    The linear layers' parameters are allocated uninitialised (the q/k RMSNorm weights start at
+    1); load them with ``models.loader.load_tensors_into(..., FLUX_NAME_MAP)`` or
+    :func:`flux_from_diffusers_module`.
+    """
+
+    def __init__(
+        self,
+        cfg: FluxArchConfig,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        tp = get_tp_world_size() if tp_size is None else tp_size
+        if cfg.num_attention_heads % tp:
+            raise ValueError(
+                f"Flux: num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                f"tp_size={tp}; use a TP size that divides {cfg.num_attention_heads}"
+            )
+        self.cfg = cfg
+        self.tp_size = tp
+        dtype = dtype or torch.get_default_dtype()
+        kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+        d = cfg.inner_dim
+        with torch.device(device or "cpu"):
+            self.pos_embed = FluxPosEmbed(cfg.ROPE_THETA, cfg.axes_dims_rope)
+            self.time_text_embed = FluxTimeTextEmbed(cfg, "time_text_embed", **kw)
+            self.context_embedder = ReplicatedLinear(
+                cfg.joint_attention_dim, d, prefix="context_embedder", **kw
+            )
+            self.x_embedder = ReplicatedLinear(cfg.in_channels, d, prefix="x_embedder", **kw)
+            self.transformer_blocks = nn.ModuleList(
+                FluxDoubleBlock(cfg, f"transformer_blocks.{i}", tp_rank, tp_size, dtype)
+                for i in range(cfg.num_layers)
+            )
+            self.single_transformer_blocks = nn.ModuleList(
+                FluxSingleBlock(cfg, f"single_transformer_blocks.{i}", tp_rank, tp_size, dtype)
+                for i in range(cfg.num_single_layers)
+            )
+            self.norm_out = FluxAdaLNContinuous(d, cfg.NORM_EPS, "norm_out", **kw)
+            self.proj_out = ReplicatedLinear(d, cfg.out_features, prefix="proj_out", **kw)
+        self.to(dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x_embedder.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.x_embedder.weight.device
+
+    def rotary_tables(
+        self, img_ids: torch.Tensor, txt_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[S_txt + S_img, head_dim]`` fp32 for the joint sequence (text first)."""
+        return self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        timestep: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt_ids: torch.Tensor,
+        guidance: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predict the flow for packed latents (diffusers' signature and numerics).
+
+        Args:
+            hidden_states: ``[B, S_img, in_channels]`` packed latent tokens (Flux packs 2x2 VAE
+                patches: ``in_channels = 4 * latent_channels``), in the model dtype.
+            encoder_hidden_states: ``[B, S_txt, joint_attention_dim]`` T5 features.
+            pooled_projections: ``[B, pooled_projection_dim]`` pooled CLIP features.
+            timestep: ``[B]`` in ``[0, 1]`` (the pipeline passes ``t / 1000``); multiplied by 1000
+                here in the model dtype, as the reference.
+            img_ids: ``[S_img, 3]`` RoPE positions of the image tokens (a ``[B, S_img, 3]`` tensor
+                is accepted and its first item used, as diffusers does with a warning).
+            txt_ids: ``[S_txt, 3]`` RoPE positions of the text tokens (usually zeros); same
+                ``[B, ...]`` rule.
+            guidance: ``[B]`` guidance scale for guidance-distilled models (FLUX.1-dev; multiplied
+                by 1000 here), ``None`` otherwise.
+
+        Returns:
+            ``[B, S_img, patch_size**2 * out_channels]`` in the model dtype (a tensor, not a tuple).
+
+        Raises:
+            ValueError: guidance missing for a guidance-distilled model or given to one without a
+                guidance embedder, or ids that do not match the sequence lengths.
+        """
+        if self.time_text_embed.guidance_embedder is not None and guidance is None:
+            raise ValueError(
+                "this Flux model is guidance-distilled (guidance_embeds=True): pass guidance [B]"
+            )
+        if self.time_text_embed.guidance_embedder is None and guidance is not None:
+            raise ValueError(
+                "this Flux model has no guidance embedder (guidance_embeds=False): pass "
+                "guidance=None"
+            )
+        if txt_ids.ndim == 3:
+            txt_ids = txt_ids[0]
+        if img_ids.ndim == 3:
+            img_ids = img_ids[0]
+        s_img, s_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
+        if img_ids.shape[0] != s_img or txt_ids.shape[0] != s_txt:
+            raise ValueError(
+                f"img_ids {list(img_ids.shape)} / txt_ids {list(txt_ids.shape)} do not match "
+                f"{s_img} image and {s_txt} text tokens"
+            )
+
+        x = self.x_embedder(hidden_states)[0]
+        t = timestep.to(x.dtype) * 1000
+        g = None if guidance is None else guidance.to(x.dtype) * 1000
+        temb = self.time_text_embed(t, pooled_projections, g)
+        ctx = self.context_embedder(encoder_hidden_states)[0]
+        cos, sin = self.rotary_tables(img_ids, txt_ids)
+
+        for block in self.transformer_blocks:
+            ctx, x = block(x, ctx, temb, cos, sin)
+        # the reference concatenates and splits [text, image] in every single block; doing it
+        # once around all of them is the same arithmetic
+        h = torch.cat([ctx, x], dim=1)
+        for block in self.single_transformer_blocks:
+            h = block(h, temb, cos, sin)
+        x = h[:, s_txt:]
+        return self.proj_out(self.norm_out(x, temb))[0]
+
+
+def flux_from_diffusers_module(
+    reference: nn.Module,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+) -> FluxTransformer:
+    """Our DiT with the weights of an in-memory diffusers ``FluxTransformer2DModel`` (benchmarks
+    and tests; the same name map and weight loaders as file loading, strict: every tensor of the
+    reference is used and every parameter of ours is filled)."""
+    from sglang.multimodal_gen.models.loader import load_tensors_into
+
+    cfg = FluxArchConfig.from_dict(dict(reference.config))
+    p = next(reference.parameters())
+    model = FluxTransformer(
+        cfg,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dtype=dtype or p.dtype,
+        device=device or p.device,
+    )
+    items = (("<module>", k, v.detach()) for k, v in reference.state_dict().items())
+    load_tensors_into(model, items, FLUX_NAME_MAP, where="<module>")
+    return model.eval()

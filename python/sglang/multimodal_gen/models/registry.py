@@ -1,0 +1,238 @@
+"""The model-family registry: one declaration per family, looked up by ``model_index.json``.
+
+A :class:`ModelFamily` says everything the runtime needs to serve a diffusers-format directory
+without knowing the family: which pipeline ``_class_name`` values it serves, its denoisers (our
+DiTs, built from our layers, with their name maps and LoRA targets), its staged pipeline class,
+sampling defaults and limits, output modality, which numbers a TP size must divide, and how to
+build an embedded tiny model. ``runtime/``, ``entrypoints/``, ``cli/`` and ``lora/`` only call the
+functions of this module; family modules are imported lazily, by their dotted path, when a model
+of that family is loaded.
+
+Adding a family: write its files (config, DiT, name map, pipeline stages, a declaration module
+under ``models/families/``) and add one import line to ``models/families/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "DenoiserSpec",
+    "ModelFamily",
+    "SamplingDefaults",
+    "UnknownModelError",
+    "family_for_model",
+    "get_family",
+    "list_families",
+    "register_family",
+    "resolve_object",
+]
+
+
+class UnknownModelError(ValueError):
+    """A model directory whose pipeline ``_class_name`` no registered family serves."""
+
+
+def resolve_object(path: str) -> Any:
+    """Import ``"package.module:attr"`` and return the attribute.
+
+    Raises:
+        ImportError / AttributeError: the module or attribute does not exist.
+    """
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Defaults and limits of a generation for one family (or one variant of it).
+
+    Attributes:
+        num_inference_steps: default step count.
+        guidance_scale: default ``--guidance-scale`` (CFG weight, or the distilled guidance value
+            for families with a guidance embedding).
+        height, width: default size in pixels.
+        max_sequence_length: default text-encoder token length (and its upper bound below).
+        max_sequence_length_limit: largest accepted ``max_sequence_length``.
+        true_cfg_scale: default ``--true-cfg-scale`` (1: off).
+        max_image_size: largest height/width the model's position tables cover (pixels).
+        modality: ``"image"`` or ``"video"``.
+    """
+
+    num_inference_steps: int = 8
+    guidance_scale: float = 0.0
+    height: int = 1024
+    width: int = 1024
+    max_sequence_length: int = 512
+    max_sequence_length_limit: int = 512
+    true_cfg_scale: float = 1.0
+    max_image_size: int = 4096
+    modality: str = "image"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class DenoiserSpec:
+    """One denoiser of a family (``transformer``; ``transformer_2`` for two-expert models).
+
+    Attributes:
+        component: the component folder / ``model_index.json`` key.
+        diffusers_classes: the ``_class_name`` values of its ``config.json`` we implement.
+        config_class: ``"module:Class"`` with ``from_dict`` / ``from_json_file``.
+        model_class: ``"module:Class"``, called as ``Class(cfg, tp_rank=, tp_size=, dtype=,
+            device=)``; parameters are filled by ``models.loader.load_denoiser``.
+        name_map: ``"module:NAME"`` of the :class:`~sglang.multimodal_gen.models.name_map.NameMap`
+            shared by weight loading and LoRA loading.
+        lora_target: the LoRA ``target`` name of this denoiser.
+    """
+
+    component: str
+    diffusers_classes: tuple[str, ...]
+    config_class: str
+    model_class: str
+    name_map: str
+    lora_target: str = "transformer"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A model family, declared once (see the module docstring).
+
+    Attributes:
+        name: short id (``"zimage"``, ``"flux"``), shown in ``/v1/models``.
+        display_name: human name for messages (``"Z-Image"``).
+        pipeline_classes: the ``model_index.json`` ``_class_name`` values served.
+        pipeline: ``"module:Class"`` of the staged pipeline (``pipelines.base.StagedPipeline``).
+        denoisers: the denoisers, ``transformer`` first.
+        defaults: ``fn(arch_config) -> SamplingDefaults`` (variants differ, e.g. Flux dev vs
+            schnell), or one :class:`SamplingDefaults` for every variant.
+        tp_divisors: ``fn(arch_config) -> {what: number}``: every TP size must divide each number
+            (attention heads, FFN hidden size...).
+        build_tiny: ``"module:function"`` writing an embedded tiny model directory
+            (``fn(path, seed=...) -> path``), for the default model and tests.
+        default_model_name: the served name of that tiny model.
+        lora_family_hint: words a LoRA file of this family may show (used in error messages).
+    """
+
+    name: str
+    display_name: str
+    pipeline_classes: tuple[str, ...]
+    pipeline: str
+    denoisers: tuple[DenoiserSpec, ...]
+    defaults: Callable[[Any], SamplingDefaults] | SamplingDefaults = SamplingDefaults()
+    tp_divisors: Callable[[Any], Mapping[str, int]] | None = None
+    build_tiny: str | None = None
+    default_model_name: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ helpers
+    def denoiser(self, component: str = "transformer") -> DenoiserSpec:
+        """The :class:`DenoiserSpec` of ``component`` (``KeyError`` if the family has none)."""
+        for d in self.denoisers:
+            if d.component == component:
+                return d
+        raise KeyError(f"{self.display_name} has no denoiser {component!r}")
+
+    def read_config(self, model_path: str, component: str = "transformer") -> Any:
+        """The architecture config of a denoiser, from ``<model_path>/<component>/config.json``."""
+        spec = self.denoiser(component)
+        cfg_cls = resolve_object(spec.config_class)
+        return cfg_cls.from_json_file(os.path.join(model_path, component, "config.json"))
+
+    def sampling_defaults(self, arch_config: Any) -> SamplingDefaults:
+        d = self.defaults
+        return d if isinstance(d, SamplingDefaults) else d(arch_config)
+
+    def valid_tp_sizes(self, arch_config: Any, limit: int = 8) -> list[int]:
+        """TP sizes in ``[1, limit]`` that divide every number of :attr:`tp_divisors`."""
+        nums = list((self.tp_divisors(arch_config) if self.tp_divisors else {}).values())
+        g = 0
+        for n in nums:
+            g = math.gcd(g, int(n))
+        return [t for t in range(1, limit + 1) if g == 0 or g % t == 0]
+
+    def check_tp_size(self, arch_config: Any, tp_size: int) -> None:
+        """Raises ``ValueError`` naming the number a TP size fails to divide."""
+        for what, n in (self.tp_divisors(arch_config) if self.tp_divisors else {}).items():
+            if int(n) % tp_size:
+                raise ValueError(
+                    f"{self.display_name}: {what}={n} is not divisible by tp_size={tp_size}; "
+                    f"valid TP sizes: {self.valid_tp_sizes(arch_config)}"
+                )
+
+    def pipeline_class(self) -> type:
+        return resolve_object(self.pipeline)
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add ``family`` to the registry (its name and pipeline classes must be new).
+
+    Raises:
+        ValueError: a family of that name, or one serving one of its pipeline classes, exists.
+    """
+    if family.name in _FAMILIES:
+        raise ValueError(f"model family {family.name!r} is registered twice")
+    for other in _FAMILIES.values():
+        both = set(other.pipeline_classes) & set(family.pipeline_classes)
+        if both:
+            raise ValueError(f"{sorted(both)} served by both {other.name!r} and {family.name!r}")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def _ensure_loaded() -> None:
+    # the declarations are small modules; importing them registers every family
+    importlib.import_module("sglang.multimodal_gen.models.families")
+
+
+def list_families() -> list[ModelFamily]:
+    """Every registered family, in registration order."""
+    _ensure_loaded()
+    return list(_FAMILIES.values())
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family called ``name``.
+
+    Raises:
+        UnknownModelError: no such family (the message lists the registered ones).
+    """
+    _ensure_loaded()
+    if name not in _FAMILIES:
+        raise UnknownModelError(f"unknown model family {name!r}; served: {sorted(_FAMILIES)}")
+    return _FAMILIES[name]
+
+
+def family_for_model(model_path: str) -> ModelFamily:
+    """The family serving the diffusers directory ``model_path`` (by its pipeline class).
+
+    Raises:
+        FileNotFoundError: no directory or no ``model_index.json``.
+        UnknownModelError: a ``_class_name`` no family serves (lists the families and classes).
+    """
+    from sglang.multimodal_gen.models.components import read_model_index
+
+    index = read_model_index(model_path)
+    for fam in list_families():
+        if index.pipeline_class in fam.pipeline_classes:
+            return fam
+    served = ", ".join(
+        f"{f.display_name} ({'/'.join(f.pipeline_classes)})" for f in _FAMILIES.values()
+    )
+    raise UnknownModelError(
+        f"{index.path}: pipeline _class_name {index.pipeline_class!r} is not served; "
+        f"model families served: {served}"
+    )

@@ -1,0 +1,331 @@
+"""The staged pipeline every family builds on: encode -> latents -> timesteps -> denoise -> decode.
+
+:class:`StagedPipeline` owns the loop and the plumbing shared by every family (component loading
+as diffusers resolves it, prompt encoding on one rank with the result broadcast, progress, step
+timing, the denoiser switch hook, decoding through diffusers' ``VaeImageProcessor``). A family
+subclass overrides stages, never the loop:
+
+=====================  ===========================================================================
+``encode_prompt``      text -> conditioning (a dict of tensors); runs on TP rank 0 only
+``prepare_latents``    initial noise in the family's latent layout (diffusers' ``randn_tensor``)
+``prepare_timesteps``  a fresh scheduler from the directory's config + its timesteps
+``select_denoiser``    which denoiser runs step ``i`` (Wan2.2 switches experts mid-loop)
+``predict``            one model evaluation with the family's CFG policy -> scheduler input
+``decode``             latents -> uint8 pixels ``[B, H, W, 3]`` (VAE ranks only)
+=====================  ===========================================================================
+
+Under tensor parallelism every rank runs the same loop on the same inputs; the text encoders
+are loaded and run on rank 0 only, and their output is broadcast on the CPU control group, so
+every rank sees bit-identical conditioning.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from sglang.multimodal_gen.distributed import broadcast_tensors_cpu
+from sglang.multimodal_gen.models.components import load_component, read_model_index
+from sglang.multimodal_gen.models.loader import load_denoiser, read_json
+from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
+
+__all__ = ["GenerationInputs", "StagedPipeline", "latents_to_uint8"]
+
+
+@dataclass
+class GenerationInputs:
+    """Resolved inputs of one generation (every field set; defaults come from the family).
+
+    Attributes:
+        prompt, negative_prompt: text (``negative_prompt`` ``None``: none given).
+        height, width: pixels, multiples of the pipeline's ``spatial_factor``.
+        num_inference_steps: denoising steps.
+        guidance_scale: the family's ``--guidance-scale`` (CFG weight or embedded guidance).
+        true_cfg_scale: real CFG weight for families with embedded guidance (1: off).
+        max_sequence_length: text-encoder token length.
+        num_images: images for the prompt.
+        generator: seeds the initial noise.
+    """
+
+    prompt: str
+    negative_prompt: str | None = None
+    height: int = 1024
+    width: int = 1024
+    num_inference_steps: int = 8
+    guidance_scale: float = 0.0
+    true_cfg_scale: float = 1.0
+    max_sequence_length: int = 512
+    num_images: int = 1
+    generator: torch.Generator | None = None
+
+
+def latents_to_uint8(images: torch.Tensor) -> np.ndarray:
+    """VAE output ``[B, 3, H, W]`` in ``[-1, 1]`` -> ``[B, H, W, 3]`` uint8, as diffusers' image
+    processor does (``postprocess`` to ``[0, 1]`` floats, then ``round(255 x)``, half to even)."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    x = VaeImageProcessor(do_normalize=True).postprocess(images.float(), output_type="np")
+    return (x * 255).round().astype("uint8")
+
+
+class StagedPipeline:
+    """Base of the family pipelines (see the module docstring for the stages).
+
+    Args:
+        family: the family declaration.
+        components: ``{name: loaded component}``; denoisers are ours, the rest the libraries'.
+            Text encoders/tokenizers are absent on TP ranks > 0, the VAE on ranks that do not
+            decode.
+        configs: ``{name: config dict}`` of every component (also those not loaded here).
+        device: execution device. tp_rank, tp_size: this rank's TP coordinates.
+
+    Class attributes for subclasses:
+        text_components: components used only by :meth:`encode_prompt` (rank 0 loads them).
+        spatial_factor: from :meth:`compute_spatial_factor` (VAE factor x patch size).
+    """
+
+    text_components: tuple[str, ...] = ("text_encoder", "tokenizer")
+    family_name: str = ""
+
+    def __init__(
+        self,
+        family: ModelFamily,
+        components: dict[str, Any],
+        configs: dict[str, dict],
+        device: torch.device | str = "cpu",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        self.family = family
+        self.components = components
+        self.configs = configs
+        self.device = torch.device(device)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.denoisers = {d.component: components[d.component] for d in family.denoisers}
+        self.transformer = self.denoisers[family.denoisers[0].component]
+        self.vae = components.get("vae")
+        self.scheduler_config = dict(configs.get("scheduler", {}))
+        self.vae_scale_factor = self.compute_vae_scale_factor()
+        self.spatial_factor = self.compute_spatial_factor()
+        self.defaults: SamplingDefaults = family.sampling_defaults(self.transformer.cfg)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str,
+        family: ModelFamily | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        load_vae: bool = True,
+        load_text: bool = True,
+    ) -> StagedPipeline:
+        """Load a diffusers directory of ``family``: our denoisers, the rest as diffusers would.
+
+        Args:
+            family: the family (default: the subclass's ``family_name``).
+            load_vae: load the VAE (``False`` on TP ranks that do not decode).
+            load_text: load text encoders and tokenizers (``False`` on TP ranks > 0, which
+                receive the conditioning from rank 0).
+
+        Raises:
+            FileNotFoundError / ValueError (``ModelLoadError``): messages name file and tensor.
+        """
+        from sglang.multimodal_gen.models.loader import ModelLoadError
+        from sglang.multimodal_gen.models.registry import get_family
+
+        family = family or get_family(cls.family_name)
+        index = read_model_index(model_path)
+        if index.pipeline_class not in family.pipeline_classes:
+            raise ModelLoadError(
+                f"{index.path}: pipeline _class_name {index.pipeline_class!r} is not a "
+                f"{family.display_name} pipeline ({', '.join(family.pipeline_classes)})"
+            )
+        names = {d.component for d in family.denoisers}
+        comps: dict[str, Any] = {}
+        configs: dict[str, dict] = {}
+        for name, (lib, cls_name) in index.components.items():
+            folder = os.path.join(model_path, name)
+            for cfg_file in ("config.json", "scheduler_config.json"):
+                if os.path.isfile(os.path.join(folder, cfg_file)):
+                    configs[name] = read_json(os.path.join(folder, cfg_file))
+            if name in names:
+                comps[name] = load_denoiser(
+                    folder,
+                    family.denoiser(name),
+                    dtype=dtype,
+                    device=device,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                )
+            elif name in cls.text_components and not load_text:
+                continue
+            elif name == "vae" and not load_vae:
+                continue
+            else:
+                comps[name] = load_component(model_path, name, lib, cls_name, dtype, device)
+        missing = sorted(names - set(comps))
+        if missing:
+            raise FileNotFoundError(f"{index.path}: no component {missing[0]!r}")
+        rank = 0 if tp_rank is None else tp_rank
+        size = 1 if tp_size is None else tp_size
+        return cls(family, comps, configs, device=device, tp_rank=rank, tp_size=size)
+
+    # ------------------------------------------------------------------ geometry
+    def compute_vae_scale_factor(self) -> int:
+        """``2 ** (len(vae.block_out_channels) - 1)``, from the VAE config (present on every rank)."""
+        blocks = self.configs.get("vae", {}).get("block_out_channels", [0] * 4)
+        return 2 ** (len(blocks) - 1)
+
+    def compute_spatial_factor(self) -> int:
+        """Height and width must be multiples of this. Default: VAE factor x 2 (2x2 patches)."""
+        return self.vae_scale_factor * 2
+
+    def check_size(self, height: int, width: int) -> None:
+        """Raises ``ValueError`` unless both are positive multiples of :attr:`spatial_factor` and
+        at most the family's ``max_image_size``."""
+        s = self.spatial_factor
+        for name, v in (("height", height), ("width", width)):
+            if v <= 0 or v % s:
+                raise ValueError(f"{name} must be a positive multiple of {s}, got {v}")
+            if v > self.defaults.max_image_size:
+                raise ValueError(f"{name} must be <= {self.defaults.max_image_size}, got {v}")
+
+    # ------------------------------------------------------------------ stages
+    def encode_prompt(self, inp: GenerationInputs) -> dict[str, Any]:
+        """Text -> conditioning tensors (rank 0 only; the result is broadcast)."""
+        raise NotImplementedError
+
+    def prepare_latents(self, inp: GenerationInputs, cond: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare_timesteps(self, inp: GenerationInputs, latents: torch.Tensor):
+        """``(scheduler, timesteps)``: a fresh scheduler (so concurrent state never leaks)."""
+        raise NotImplementedError
+
+    def prepare_conditioning(self, inp: GenerationInputs, cond: dict[str, Any]) -> dict[str, Any]:
+        """Per-request work on the broadcast conditioning before the loop (e.g. a caption
+        refiner that does not depend on the timestep). Default: nothing."""
+        return cond
+
+    def select_denoiser(self, step_index: int, t: torch.Tensor, inp: GenerationInputs):
+        """The denoiser of step ``step_index`` (default: the first one)."""
+        return self.transformer
+
+    def predict(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        t: torch.Tensor,
+        step_index: int,
+        cond: dict[str, Any],
+        inp: GenerationInputs,
+    ) -> torch.Tensor:
+        """The scheduler's ``model_output`` for step ``step_index`` (CFG policy included)."""
+        raise NotImplementedError
+
+    def scheduler_step(self, scheduler, pred: torch.Tensor, t, latents: torch.Tensor):
+        return scheduler.step(pred, t, latents, return_dict=False)[0]
+
+    def decode(self, latents: torch.Tensor, inp: GenerationInputs) -> np.ndarray:
+        """Latents -> uint8 ``[B, H, W, 3]`` (ranks with a VAE)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+    def new_scheduler(self):
+        """A fresh scheduler of the directory's class and config."""
+        sched = self.components.get("scheduler")
+        if sched is None:
+            raise ValueError("the model directory has no scheduler")
+        return type(sched).from_config(copy.deepcopy(dict(sched.config)))
+
+    def broadcast_conditioning(self, cond: dict[str, Any] | None) -> dict[str, Any]:
+        """Rank 0's conditioning on every rank (on this rank's device)."""
+        if self.tp_size == 1:
+            return cond
+        return broadcast_tensors_cpu(cond, src=0, device=self.device)
+
+    def resolve_inputs(self, **kwargs) -> GenerationInputs:
+        """:class:`GenerationInputs` from keyword arguments, unset ones from the defaults."""
+        d = self.defaults
+        base = dict(
+            height=d.height,
+            width=d.width,
+            num_inference_steps=d.num_inference_steps,
+            guidance_scale=d.guidance_scale,
+            true_cfg_scale=d.true_cfg_scale,
+            max_sequence_length=d.max_sequence_length,
+        )
+        names = {f.name for f in fields(GenerationInputs)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown generation argument(s): {unknown}")
+        base.update({k: v for k, v in kwargs.items() if v is not None})
+        return GenerationInputs(**base)
+
+    # ------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str,
+        output_type: str = "pil",
+        progress: bool | None = None,
+        step_callback: Callable[[int, float], None] | None = None,
+        **kwargs,
+    ):
+        """Generate ``num_images`` images for one prompt.
+
+        Args:
+            prompt: the text prompt.
+            output_type: ``"np"`` (uint8 ``[B, H, W, 3]``), ``"pil"`` (list of PIL images) or
+                ``"latent"`` (the final latents). Ranks without a VAE return ``None`` for the
+                image types.
+            progress: tqdm bar over steps (default: when stderr is a terminal).
+            step_callback: ``fn(step_index, seconds)`` after each step.
+            kwargs: the fields of :class:`GenerationInputs` (unset: the family's defaults).
+
+        Raises:
+            ValueError: bad size, step count, image count or output type.
+        """
+        inp = self.resolve_inputs(prompt=prompt, **kwargs)
+        self.check_size(inp.height, inp.width)
+        if inp.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {inp.num_inference_steps}")
+        if inp.num_images < 1:
+            raise ValueError(f"num_images must be >= 1, got {inp.num_images}")
+        if output_type not in ("pil", "np", "latent"):
+            raise ValueError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
+
+        cond = self.encode_prompt(inp) if self.tp_rank == 0 else None
+        cond = self.prepare_conditioning(inp, self.broadcast_conditioning(cond))
+        latents = self.prepare_latents(inp, cond)
+        scheduler, timesteps = self.prepare_timesteps(inp, latents)
+        show = sys.stderr.isatty() if progress is None else progress
+        for i, t in enumerate(tqdm(timesteps, disable=not show, desc="denoise")):
+            t0 = time.perf_counter()
+            pred = self.predict(self.select_denoiser(i, t, inp), latents, t, i, cond, inp)
+            latents = self.scheduler_step(scheduler, pred, t, latents)
+            if step_callback is not None:
+                step_callback(i, time.perf_counter() - t0)
+        if output_type == "latent":
+            return latents
+        if self.vae is None:
+            return None
+        images = self.decode(latents, inp)
+        if output_type == "np":
+            return images
+        from PIL import Image
+
+        return [Image.fromarray(a) for a in images]

@@ -1,0 +1,182 @@
+"""Flux.1 text-to-image ([dev] with a guidance embedding, [schnell] without): the stages.
+
+Follows diffusers' ``FluxPipeline.__call__`` (diffusers 0.42.1, ``pipelines/flux/pipeline_flux.py``)
+so that the same weights and seed give the same image:
+
+* prompt: CLIP (``text_encoder``/``tokenizer``) padded to the tokenizer's ``model_max_length``
+  (77) -> ``pooler_output`` ``[B, 768]``; T5 (``text_encoder_2``/``tokenizer_2``) padded to
+  ``max_sequence_length`` (512 for [dev], 256 for [schnell]) -> last hidden state
+  ``[B, L, 4096]``; text positions ``txt_ids`` all zero ``[L, 3]``;
+* latents: ``randn_tensor`` ``[B, C, 2 * (H // 16), 2 * (W // 16)]`` (``C = in_channels / 4``) in
+  the prompt embeddings' dtype, packed into 2x2 patches ``[B, (h/2)(w/2), 4C]``; image positions
+  ``(0, row, col)`` per patch;
+* schedule: sigmas ``linspace(1, 1/n, n)`` (float64, as numpy gives them), ``mu`` from diffusers'
+  ``calculate_shift`` of the patch count (used when the scheduler config has dynamic shifting, as
+  FLUX.1-dev's does), diffusers' ``retrieve_timesteps``; the DiT sees ``t / 1000``;
+* guidance: ``--guidance-scale`` feeds the guidance embedding of [dev] (distilled guidance, one
+  forward per step); ``--true-cfg-scale > 1`` with a negative prompt runs real CFG,
+  ``neg + s (pos - neg)``, with cond and uncond in ONE batched forward (the reference runs two);
+* decode: unpack -> ``latents / scaling_factor + shift_factor`` -> VAE -> diffusers'
+  ``VaeImageProcessor.postprocess`` -> uint8.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang.multimodal_gen.pipelines.base import GenerationInputs, StagedPipeline, latents_to_uint8
+
+__all__ = ["FluxPipeline", "image_ids", "pack_latents", "unpack_latents"]
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, C, h, w]`` -> 2x2 patches ``[B, (h/2)(w/2), 4C]`` (channel order ``C, 2, 2``)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of :func:`pack_latents`: ``[B, (h/2)(w/2), 4C]`` -> ``[B, C, h, w]``."""
+    b, _, c4 = latents.shape
+    x = latents.view(b, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c4 // 4, h, w)
+
+
+def image_ids(h2: int, w2: int, device, dtype) -> torch.Tensor:
+    """RoPE positions of the packed patches: ``[(h2 * w2), 3]`` rows ``(0, row, col)``."""
+    ids = torch.zeros(h2, w2, 3)
+    ids[..., 1] = torch.arange(h2)[:, None]
+    ids[..., 2] = torch.arange(w2)[None, :]
+    return ids.reshape(h2 * w2, 3).to(device=device, dtype=dtype)
+
+
+class FluxPipeline(StagedPipeline):
+    """Flux.1 on our DiT (``models/dits/flux.py``) with the reference CLIP/T5/VAE/scheduler."""
+
+    family_name = "flux"
+    text_components = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+
+    # ------------------------------------------------------------------ text
+    def _clip_pooled(self, prompts: list[str]) -> torch.Tensor:
+        tok, enc = self.components["tokenizer"], self.components["text_encoder"]
+        max_len = getattr(tok, "model_max_length", 77) or 77
+        ids = tok(
+            prompts,
+            padding="max_length",
+            max_length=max_len,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
+        out = enc(ids.to(enc.device), output_hidden_states=False).pooler_output
+        return out.to(dtype=enc.dtype, device=self.device)
+
+    def _t5_embeds(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
+        tok, enc = self.components["tokenizer_2"], self.components["text_encoder_2"]
+        ids = tok(
+            prompts,
+            padding="max_length",
+            max_length=max_sequence_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
+        out = enc(ids.to(enc.device), output_hidden_states=False)[0]
+        return out.to(dtype=enc.dtype, device=self.device)
+
+    @torch.no_grad()
+    def encode_prompt(self, inp: GenerationInputs) -> dict[str, Any]:
+        """``{"embeds": [P, L, D], "pooled": [P, D_pool]}``; ``P`` is 2 (positive, negative)
+        when true CFG runs, else 1."""
+        prompts = [inp.prompt]
+        if self._true_cfg(inp):
+            prompts.append(inp.negative_prompt)
+        return {
+            "pooled": self._clip_pooled(prompts),
+            "embeds": self._t5_embeds(prompts, inp.max_sequence_length),
+        }
+
+    @staticmethod
+    def _true_cfg(inp: GenerationInputs) -> bool:
+        return inp.true_cfg_scale > 1 and inp.negative_prompt is not None
+
+    def prepare_conditioning(self, inp, cond):
+        """Repeat each prompt's conditioning ``num_images`` times: rows ``[pos x n, neg x n]``."""
+        n = inp.num_images
+        embeds = cond["embeds"].repeat_interleave(n, dim=0)
+        pooled = cond["pooled"].repeat_interleave(n, dim=0)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype)
+        return dict(cond, embeds=embeds, pooled=pooled, txt_ids=txt_ids)
+
+    # ------------------------------------------------------------------ latents / schedule
+    def _latent_hw(self, inp: GenerationInputs) -> tuple[int, int]:
+        s = self.vae_scale_factor * 2
+        return 2 * (inp.height // s), 2 * (inp.width // s)
+
+    def prepare_latents(self, inp, cond):
+        from diffusers.utils.torch_utils import randn_tensor
+
+        h, w = self._latent_hw(inp)
+        dtype = cond["embeds"].dtype
+        c = self.transformer.cfg.in_channels // 4
+        noise = randn_tensor(
+            (inp.num_images, c, h, w), generator=inp.generator, device=self.device, dtype=dtype
+        )
+        cond["img_ids"] = image_ids(h // 2, w // 2, self.device, dtype)
+        return pack_latents(noise)
+
+    def prepare_timesteps(self, inp, latents):
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        n = inp.num_inference_steps
+        sc = self.scheduler_config
+        sigmas = None if sc.get("use_flow_sigmas") else np.linspace(1.0, 1 / n, n)
+        mu = calculate_shift(
+            latents.shape[1],
+            sc.get("base_image_seq_len", 256),
+            sc.get("max_image_seq_len", 4096),
+            sc.get("base_shift", 0.5),
+            sc.get("max_shift", 1.15),
+        )
+        scheduler = self.new_scheduler()
+        timesteps, _ = retrieve_timesteps(scheduler, n, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler, timesteps
+
+    # ------------------------------------------------------------------ denoise
+    def predict(self, denoiser, latents, t, step_index, cond, inp):
+        """One DiT call: the distilled guidance value for [dev]; cond and uncond batched in one
+        forward under true CFG, combined as ``neg + s (pos - neg)``."""
+        b = latents.shape[0]
+        rows = cond["embeds"].shape[0] // b  # 2 under true CFG, else 1
+        timestep = t.expand(b).to(latents.dtype)
+        guidance = None
+        if denoiser.cfg.guidance_embeds:
+            guidance = torch.full([b], inp.guidance_scale, device=self.device, dtype=torch.float32)
+        x = latents.to(denoiser.dtype)
+        if rows > 1:
+            x = x.repeat(rows, 1, 1)
+            timestep = timestep.repeat(rows)
+            guidance = None if guidance is None else guidance.repeat(rows)
+        out = denoiser(
+            hidden_states=x,
+            encoder_hidden_states=cond["embeds"],
+            pooled_projections=cond["pooled"],
+            timestep=timestep / 1000,
+            img_ids=cond["img_ids"],
+            txt_ids=cond["txt_ids"],
+            guidance=guidance,
+        )
+        if rows == 1:
+            return out
+        pos, neg = out[:b], out[b:]
+        return neg + inp.true_cfg_scale * (pos - neg)
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, latents, inp) -> np.ndarray:
+        h, w = self._latent_hw(inp)
+        z = unpack_latents(latents, h, w)
+        z = z / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+        return latents_to_uint8(self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0])
