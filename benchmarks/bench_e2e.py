@@ -1,20 +1,27 @@
-"""End-to-end Z-Image benchmark: our pipeline vs diffusers' ``ZImagePipeline``, same weights.
+"""End-to-end benchmark per family: our pipeline vs diffusers' (``ZImagePipeline`` /
+``FluxPipeline``), same weights.
 
-Both pipelines share one text encoder, tokenizer, VAE and scheduler config; our DiT is loaded from
+Both pipelines share the text encoders, tokenizers, VAE and scheduler config; our DiT is loaded from
 the diffusers DiT's state dict through the same name map and weight loaders as file loading. Runs
 are interleaved (ours, diffusers, diffusers, ours, ...) after one warm-up each; we report the
 median over ``--repeats`` runs of the end-to-end time (prompt encoding + denoising + VAE decode)
 and of the per-step DiT forward time (timed with forward hooks, CUDA-synchronized on GPU), plus
 the PSNR between the two images as a sanity check.
 
-Configs:
-    cpu (default): DiT dim 768, 8 layers, 12 heads, 256x256, 8 steps, fp32; a small Qwen3 text
+Configs (``--family zimage``, the default):
+    cpu: DiT dim 768, 8 layers, 12 heads, 256x256, 8 steps, fp32; a small Qwen3 text
         encoder and a reduced Flux-style VAE (random weights).
     --gpu: the real Z-Image-Turbo shapes: DiT dim 3840, 30 layers, 30 heads; Qwen3-4B-shaped text
         encoder; Flux VAE; 1024x1024, 8 steps, bf16, random weights (built on the GPU).
+Configs (``--family flux``, FLUX.1-dev layout with guidance embedding and dynamic shift):
+    cpu: DiT 4 double + 8 single blocks, 8 heads x 64, 256x256, 8 steps, guidance 3.5, fp32.
+    --gpu: the real FLUX.1-dev shapes: 19 double + 38 single blocks, 24 heads x 128, 1024x1024,
+        28 steps, bf16, random weights; one-layer CLIP/T5 of the real widths (text encoding is
+        a small part of the time) and the real Flux VAE.
 
 Usage:
-    python benchmarks/bench_e2e.py [--gpu] [--repeats 5] [--steps 8] [--size 256]
+    python benchmarks/bench_e2e.py [--family zimage|flux] [--gpu] [--repeats 5] [--steps N]
+        [--size PX]
 """
 
 from __future__ import annotations
@@ -64,6 +71,82 @@ GPU_CFG = dict(
     ),
     size=1024, steps=8, dtype=torch.bfloat16, device="cuda",
 )  # fmt: skip
+
+
+FLUX_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=2, latent_channels=16,
+    norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+    use_post_quant_conv=False,
+)  # fmt: skip
+FLUX_SCHED = dict(
+    num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
+)  # fmt: skip
+FLUX_CPU_CFG = dict(
+    transformer=dict(
+        patch_size=1, in_channels=64, num_layers=4, num_single_layers=8, attention_head_dim=64,
+        num_attention_heads=8, joint_attention_dim=256, pooled_projection_dim=128,
+        guidance_embeds=True, axes_dims_rope=[16, 24, 24],
+    ),
+    clip=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=77, projection_dim=128),
+    t5=dict(d_model=256, d_kv=32, d_ff=512, num_layers=2, num_heads=8,
+            feed_forward_proj="gated-gelu"),
+    vae=dict(FLUX_VAE, block_out_channels=[32, 64, 64, 64], layers_per_block=1),
+    size=256, steps=8, guidance=3.5, max_sequence_length=128, dtype=torch.float32, device="cpu",
+)  # fmt: skip
+FLUX_GPU_CFG = dict(
+    transformer=dict(
+        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+        attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+        pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 56, 56],
+    ),
+    clip=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=1,
+              num_attention_heads=12, max_position_embeddings=77, projection_dim=768),
+    t5=dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=1, num_heads=64,
+            feed_forward_proj="gated-gelu"),
+    vae=dict(FLUX_VAE, block_out_channels=[128, 256, 512, 512]),
+    size=1024, steps=28, guidance=3.5, max_sequence_length=512, dtype=torch.bfloat16,
+    device="cuda",
+)  # fmt: skip
+
+
+def build_flux(cfg):
+    """(ours, reference) Flux pipelines sharing everything but the DiT implementation."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+    from sglang.multimodal_gen.models.families.flux_tiny import build_tokenizers
+    from sglang.multimodal_gen.models.loader import denoiser_from_module
+    from sglang.multimodal_gen.models.registry import get_family
+    from sglang.multimodal_gen.pipelines.flux import FluxPipeline as OurPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
+    clip_tok, t5_tok = build_tokenizers()
+    torch.manual_seed(0)
+    with torch.device(dev):
+        clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(clip_tok), **cfg["clip"]))
+        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), **cfg["t5"]))
+        dit = FluxTransformer2DModel(**cfg["transformer"])
+        vae = AutoencoderKL(**cfg["vae"])
+    clip, t5, dit, vae = (m.to(dtype).eval() for m in (clip, t5, dit, vae))
+    sched = FlowMatchEulerDiscreteScheduler(**FLUX_SCHED)
+    comps = dict(
+        text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5, tokenizer_2=t5_tok,
+        vae=vae, scheduler=sched,
+    )  # fmt: skip
+    ref = FluxPipeline(transformer=dit, **comps)
+    ref.set_progress_bar_config(disable=True)
+    family = get_family("flux")
+    ours_dit = denoiser_from_module(dit, family.denoiser(), dtype=dtype, device=dev)
+    configs = dict(vae=dict(vae.config), scheduler=dict(sched.config))
+    ours = OurPipeline(family, dict(comps, transformer=ours_dit), configs, device=dev)
+    return ours, ref
 
 
 def build(cfg):
@@ -126,13 +209,17 @@ class StepTimer:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gpu", action="store_true", help="real Z-Image-Turbo shapes on CUDA, bf16")
+    ap.add_argument("--family", choices=("zimage", "flux"), default="zimage")
+    ap.add_argument("--gpu", action="store_true", help="the real model shapes on CUDA, bf16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--size", type=int, default=None, help="image height = width")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args(argv)
-    cfg = dict(GPU_CFG if args.gpu else CPU_CFG)
+    if args.family == "flux":
+        cfg = dict(FLUX_GPU_CFG if args.gpu else FLUX_CPU_CFG)
+    else:
+        cfg = dict(GPU_CFG if args.gpu else CPU_CFG)
     if args.gpu and not torch.cuda.is_available():
         print("--gpu needs CUDA", file=sys.stderr)
         return 2
@@ -143,7 +230,7 @@ def main(argv=None) -> int:
     cuda = cfg["device"] == "cuda"
 
     t0 = time.perf_counter()
-    ours, ref = build(cfg)
+    ours, ref = (build_flux if args.family == "flux" else build)(cfg)
     print(f"built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     timers = {
         "ours": StepTimer(ours.transformer, cuda),
@@ -151,6 +238,8 @@ def main(argv=None) -> int:
     }
     gen_dev = cfg["device"]
     kw = dict(height=size, width=size, num_inference_steps=steps, guidance_scale=0.0)
+    if args.family == "flux":
+        kw.update(guidance_scale=cfg["guidance"], max_sequence_length=cfg["max_sequence_length"])
 
     def run(name):
         g = torch.Generator(gen_dev).manual_seed(0)
@@ -188,8 +277,14 @@ def main(argv=None) -> int:
     total = {k: statistics.median(v) for k, v in e2e.items()}
     total_min = {k: min(v) for k, v in e2e.items()}
     t = cfg["transformer"]
+    shape = (
+        f"{t['num_layers']}+{t['num_single_layers']} blocks, {t['num_attention_heads']} heads x "
+        f"{t['attention_head_dim']}"
+        if args.family == "flux"
+        else f"dim {t['dim']}, {t['n_layers']} layers"
+    )
     label = (
-        f"{'GPU' if cuda else 'CPU'} dim {t['dim']}, {t['n_layers']} layers, {size}x{size}, "
+        f"{args.family} {'GPU' if cuda else 'CPU'} {shape}, {size}x{size}, "
         f"{steps} steps, {str(cfg['dtype']).replace('torch.', '')}"
     )
     print(f"\nconfig: {label}; {args.repeats} interleaved runs; image PSNR {psnr:.1f} dB")
