@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,11 +36,14 @@ class ModelIndex:
         pipeline_class: its ``_class_name``.
         components: ``{name: (library, class_name)}`` of every present component (entries of
             ``[null, null]``, i.e. optional components left out, are dropped).
+        config: the pipeline's own config values (e.g. Wan's ``boundary_ratio``,
+            ``expand_timesteps``): every entry that is not a component or ``_`` metadata.
     """
 
     path: str
     pipeline_class: str
     components: dict[str, tuple[str, str]]
+    config: dict = field(default_factory=dict)
 
 
 def read_model_index(model_path: str) -> ModelIndex:
@@ -59,11 +62,13 @@ def read_model_index(model_path: str) -> ModelIndex:
     if not isinstance(cls, str) or not cls:
         raise ModelLoadError(f"{path}: no pipeline _class_name")
     comps: dict[str, tuple[str, str]] = {}
+    config: dict = {}
     for name, entry in data.items():
         if name.startswith("_"):
             continue
         if not isinstance(entry, list):
-            continue  # a pipeline config value (e.g. ``boundary_ratio``), not a component
+            config[name] = entry  # a pipeline config value (e.g. ``boundary_ratio``)
+            continue
         if len(entry) != 2:
             raise ModelLoadError(f"{path}: component {name!r} is not [library, class]: {entry}")
         lib, ecls = entry
@@ -72,7 +77,7 @@ def read_model_index(model_path: str) -> ModelIndex:
         if not (isinstance(lib, str) and isinstance(ecls, str)):
             raise ModelLoadError(f"{path}: component {name!r} is not [library, class]: {entry}")
         comps[name] = (lib, ecls)
-    return ModelIndex(path, cls, comps)
+    return ModelIndex(path, cls, comps, config)
 
 
 def resolve_class(model_path: str, name: str, library: str, class_name: str) -> type:

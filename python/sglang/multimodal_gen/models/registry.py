@@ -65,6 +65,10 @@ class SamplingDefaults:
         true_cfg_scale: default ``--true-cfg-scale`` (1: off).
         max_image_size: largest height/width the model's position tables cover (pixels).
         modality: ``"image"`` or ``"video"``.
+        num_frames: default frame count (1 for image models).
+        fps: default frames per second of a written video (``None`` for image models).
+        guidance_scale_2: default guidance of the second (low-noise) expert of two-expert models
+            (``None``: the same as ``guidance_scale``).
     """
 
     num_inference_steps: int = 8
@@ -76,6 +80,9 @@ class SamplingDefaults:
     true_cfg_scale: float = 1.0
     max_image_size: int = 4096
     modality: str = "image"
+    num_frames: int = 1
+    fps: int | None = None
+    guidance_scale_2: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -94,6 +101,8 @@ class DenoiserSpec:
         name_map: ``"module:NAME"`` of the :class:`~sglang.multimodal_gen.models.name_map.NameMap`
             shared by weight loading and LoRA loading.
         lora_target: the LoRA ``target`` name of this denoiser.
+        optional: a directory may leave it out (``[null, null]`` in ``model_index.json``), e.g.
+            ``transformer_2`` of a one-expert Wan directory.
     """
 
     component: str
@@ -102,6 +111,7 @@ class DenoiserSpec:
     model_class: str
     name_map: str
     lora_target: str = "transformer"
+    optional: bool = False
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,11 @@ class GenerationInputs:
         guidance_scale: the family's ``--guidance-scale`` (CFG weight or embedded guidance).
         true_cfg_scale: real CFG weight for families with embedded guidance (1: off).
         max_sequence_length: text-encoder token length.
-        num_images: images for the prompt.
+        num_images: images (or videos) for the prompt.
         generator: seeds the initial noise.
+        num_frames: frames of a video (1 for image models).
+        guidance_scale_2: guidance of the second expert (two-expert video models; ``None``: as
+            ``guidance_scale``).
     """
 
     prompt: str
@@ -66,6 +69,8 @@ class GenerationInputs:
     max_sequence_length: int = 512
     num_images: int = 1
     generator: torch.Generator | None = None
+    num_frames: int = 1
+    guidance_scale_2: float | None = None
 
 
 def latents_to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -104,14 +109,20 @@ class StagedPipeline:
         device: torch.device | str = "cpu",
         tp_rank: int = 0,
         tp_size: int = 1,
+        pipeline_config: dict | None = None,
     ):
         self.family = family
+        self.pipeline_config = dict(pipeline_config or {})
         self.components = components
         self.configs = configs
         self.device = torch.device(device)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self.denoisers = {d.component: components[d.component] for d in family.denoisers}
+        self.denoisers = {
+            d.component: components[d.component]
+            for d in family.denoisers
+            if d.component in components
+        }
         self.transformer = self.denoisers[family.denoisers[0].component]
         self.vae = components.get("vae")
         self.scheduler_config = dict(configs.get("scheduler", {}))
@@ -176,12 +187,16 @@ class StagedPipeline:
                 continue
             else:
                 comps[name] = load_component(model_path, name, lib, cls_name, dtype, device)
-        missing = sorted(names - set(comps))
+        required = {d.component for d in family.denoisers if not d.optional}
+        missing = sorted(required - set(comps))
         if missing:
             raise FileNotFoundError(f"{index.path}: no component {missing[0]!r}")
         rank = 0 if tp_rank is None else tp_rank
         size = 1 if tp_size is None else tp_size
-        return cls(family, comps, configs, device=device, tp_rank=rank, tp_size=size)
+        return cls(
+            family, comps, configs, device=device, tp_rank=rank, tp_size=size,
+            pipeline_config=index.config,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ geometry
     def compute_vae_scale_factor(self) -> int:
@@ -267,6 +282,8 @@ class StagedPipeline:
             guidance_scale=d.guidance_scale,
             true_cfg_scale=d.true_cfg_scale,
             max_sequence_length=d.max_sequence_length,
+            num_frames=d.num_frames,
+            guidance_scale_2=d.guidance_scale_2,
         )
         names = {f.name for f in fields(GenerationInputs)}
         unknown = sorted(set(kwargs) - names)
@@ -324,7 +341,7 @@ class StagedPipeline:
         if self.vae is None:
             return None
         images = self.decode(latents, inp)
-        if output_type == "np":
+        if output_type == "np" or images.ndim == 5:  # videos stay [B, F, H, W, 3] arrays
             return images
         from PIL import Image
 

@@ -408,12 +408,42 @@ class DiffusionEngine:
         """
         from PIL import Image
 
+        self._check_modality("image")
+        arr = self._call("generate", req=self._prepared(req), progress=progress)
+        return [Image.fromarray(a) for a in arr]
+
+    def generate_video(self, req: GenerationRequest, progress: bool | None = None) -> list:
+        """Generate ``req.num_images`` videos of ``req.num_frames`` frames (video models).
+
+        Returns:
+            ``list[np.ndarray]``, each uint8 ``[frames, height, width, 3]``.
+
+        Raises:
+            InvalidRequestError: an image model (``param="model"``) or a bad field; as
+                :meth:`generate` otherwise.
+        """
+        self._check_modality("video")
+        return list(self._call("generate", req=self._prepared(req), progress=progress))
+
+    @property
+    def modality(self) -> str:
+        """``"image"`` or ``"video"``: what the served model makes."""
+        return str(self.defaults.get("modality", "image"))
+
+    def _check_modality(self, want: str) -> None:
+        if self.modality != want:
+            raise errors_mod.InvalidRequestError(
+                f"{self.model_name} is a {self.modality} model; it cannot make {want}s",
+                param="model",
+            )
+
+    def _prepared(self, req: GenerationRequest) -> GenerationRequest:
+        """``req`` with the family's defaults, validated, with a drawn seed if it had none."""
         req = req.with_defaults(self.defaults)
         req.validate(self.spatial_factor, self.defaults)
         if req.seed is None:
             req = replace(req, seed=secrets.randbits(63))
-        arr = self._call("generate", req=req, progress=progress)
-        return [Image.fromarray(a) for a in arr]
+        return req
 
     def set_lora(
         self,

@@ -10,6 +10,13 @@ from typing import Any
 from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.lora.requests import validate_composition
 
+__all__ = ["MAX_PROMPT_CHARS", "MAX_SEED", "GenerationRequest", "check_size", "check_text"]
+
+#: Longest accepted ``prompt`` / ``negative_prompt`` (characters).
+MAX_PROMPT_CHARS = 20000
+#: Largest accepted ``seed`` (``torch.Generator.manual_seed`` takes 64-bit values).
+MAX_SEED = 2**63 - 1
+
 
 @dataclass
 class GenerationRequest:
@@ -27,6 +34,9 @@ class GenerationRequest:
             the distilled guidance embedding (Flux.1 [dev]).
         true_cfg_scale: real CFG weight for families with embedded guidance (``1``: off).
         max_sequence_length: text-encoder token length.
+        num_frames: frames of a video (video models; 1 for images).
+        fps: frames per second of the written video (video models; output only).
+        guidance_scale_2: guidance of the second (low-noise) expert of two-expert models.
         seed: seeds the initial latents (``torch.Generator().manual_seed``); ``None`` draws one.
         num_images: images for this prompt (one latent batch).
         lora: per-request adapter composition ``[(nickname, strength), ...]`` of loaded
@@ -45,6 +55,9 @@ class GenerationRequest:
     lora: list[tuple[str, float]] | None = None
     true_cfg_scale: float | None = None
     max_sequence_length: int | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    guidance_scale_2: float | None = None
 
     _DEFAULTED = (
         "height",
@@ -53,76 +66,157 @@ class GenerationRequest:
         "guidance_scale",
         "true_cfg_scale",
         "max_sequence_length",
+        "num_frames",
+        "fps",
+        "guidance_scale_2",
     )
 
     def with_defaults(self, defaults: Mapping[str, Any]) -> GenerationRequest:
         """A copy with every ``None`` field of :attr:`_DEFAULTED` taken from ``defaults`` (the
         family's ``SamplingDefaults.as_dict()``)."""
-        fill = {k: defaults[k] for k in self._DEFAULTED if getattr(self, k) is None}
+        fill = {k: defaults.get(k) for k in self._DEFAULTED if getattr(self, k) is None}
         return replace(self, **fill) if fill else self
 
     def validate(self, spatial_factor: int = 16, limits: Mapping[str, Any] | None = None) -> None:
-        """Check every field that is set (``None`` fields take the family's defaults, see
-        :meth:`with_defaults`, which the engine applies before calling this).
+        """Check every field that is set: the one set of value rules of a generation.
+
+        The CLI (``sglang generate``), the Python API (:meth:`DiffusionEngine.generate`) and the
+        HTTP server all call this, so a value is accepted or refused with the same message
+        wherever it enters. Types are strict: ``True`` is not an integer nor a number, ``"2"`` is
+        not an integer. ``None`` fields take the family's defaults (see :meth:`with_defaults`,
+        which the engine applies before calling this).
 
         Args:
             spatial_factor: height and width must be multiples of it.
-            limits: the family's ``SamplingDefaults.as_dict()`` (``max_image_size``,
-                ``max_sequence_length_limit``); ``None``: no upper bounds.
+            limits: upper bounds; every key is optional (absent or ``None``: no bound). The
+                family's ``SamplingDefaults.as_dict()`` gives ``max_image_size`` and
+                ``max_sequence_length_limit``; the server adds ``max_num_images`` (``n``),
+                ``max_inference_steps`` and ``max_pixel_steps`` (``n x width x height x steps``,
+                checked once height, width and steps are all known).
 
         Raises:
             InvalidRequestError: naming the field (``param``) and the allowed values.
         """
         limits = limits or {}
-        if not isinstance(self.prompt, str):
-            raise InvalidRequestError("prompt must be a string", param="prompt")
-        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
-            raise InvalidRequestError("negative_prompt must be a string", param="negative_prompt")
-        max_side = limits.get("max_image_size")
-        for name in ("height", "width"):
-            v = getattr(self, name)
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % spatial_factor:
-                raise InvalidRequestError(
-                    f"{name} must be a positive multiple of {spatial_factor}, got {v!r}", param=name
-                )
-            if max_side is not None and v > max_side:
-                raise InvalidRequestError(
-                    f"{name} must be <= {max_side} for this model, got {v}", param=name
-                )
+        check_text(self.prompt, "prompt")
+        if self.negative_prompt is not None:
+            check_text(self.negative_prompt, "negative_prompt")
+        check_size(self.height, self.width, spatial_factor, limits.get("max_image_size"))
         steps = self.num_inference_steps
+        max_steps = limits.get("max_inference_steps")
         if steps is not None and (
-            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+            not _is_int(steps) or steps < 1 or (max_steps is not None and steps > max_steps)
         ):
             raise InvalidRequestError(
-                f"num_inference_steps must be an integer >= 1, got {steps!r}",
+                f"num_inference_steps must be an integer {_range(1, max_steps)}, got {steps!r}",
                 param="num_inference_steps",
             )
         for name in ("guidance_scale", "true_cfg_scale"):
             g = getattr(self, name)
             if g is None:
                 continue
-            if isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g):
-                raise InvalidRequestError(f"{name} must be a finite number, got {g!r}", param=name)
+            if not _is_number(g) or not math.isfinite(g) or g < 0:
+                raise InvalidRequestError(
+                    f"{name} must be a finite number >= 0, got {g!r}", param=name
+                )
         msl = self.max_sequence_length
         top = limits.get("max_sequence_length_limit")
-        if msl is not None and (
-            isinstance(msl, bool) or not isinstance(msl, int) or msl < 1 or (top and msl > top)
-        ):
+        if msl is not None and (not _is_int(msl) or msl < 1 or (top and msl > top)):
             raise InvalidRequestError(
-                f"max_sequence_length must be an integer in [1, {top}], got {msl!r}",
+                f"max_sequence_length must be an integer {_range(1, top)}, got {msl!r}",
                 param="max_sequence_length",
             )
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
-        ):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise InvalidRequestError(
-                f"seed must be a non-negative integer or null, got {self.seed!r}", param="seed"
+                f"seed must be an integer in [0, {MAX_SEED}] or null, got {self.seed!r}",
+                param="seed",
             )
-        if self.seed is not None and self.seed >= 2**63:
-            raise InvalidRequestError(f"seed must be < 2**63, got {self.seed}", param="seed")
         n = self.num_images
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidRequestError(f"num_images must be an integer >= 1, got {n!r}", param="n")
+        max_n = limits.get("max_num_images")
+        if not _is_int(n) or n < 1 or (max_n is not None and n > max_n):
+            raise InvalidRequestError(
+                f"n (images per request) must be an integer {_range(1, max_n)}, got {n!r}",
+                param="n",
+            )
+        budget = limits.get("max_pixel_steps")
+        if budget is not None and None not in (self.height, self.width, steps):
+            cost = n * self.height * self.width * steps
+            if cost > budget:
+                param = "n" if n > 1 else "num_inference_steps"
+                raise InvalidRequestError(
+                    f"this request costs n x width x height x num_inference_steps = {n} x "
+                    f"{self.width} x {self.height} x {steps} = {cost} pixel-steps, over this "
+                    f"server's budget of {budget} (--max-pixel-steps); lower n, size or "
+                    "num_inference_steps",
+                    param=param,
+                )
         validate_composition(self.lora, "lora")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _range(low: int, high: int | None) -> str:
+    return f"in [{low}, {high}]" if high is not None else f">= {low}"
+
+
+def check_text(value: Any, param: str, max_chars: int = MAX_PROMPT_CHARS) -> str:
+    """A prompt-like field: a string of at most ``max_chars`` characters that is valid Unicode.
+
+    A lone UTF-16 surrogate (``"\\ud800"`` in JSON, or a byte that is not UTF-8 in a command
+    line argument, which Python decodes to one) cannot be encoded for the tokenizer, the log or
+    the answer, so it is refused here, where the field can be named.
+
+    Raises:
+        InvalidRequestError: ``param`` names the field.
+    """
+    if not isinstance(value, str):
+        raise InvalidRequestError(
+            f"{param} must be a string, got {type(value).__name__}", param=param
+        )
+    if len(value) > max_chars:
+        raise InvalidRequestError(
+            f"{param} is longer than {max_chars} characters ({len(value)})", param=param
+        )
+    bad = _first_surrogate(value)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode text: character {bad} is a lone UTF-16 surrogate "
+            f"({ascii(value[bad])}), from an unpaired \\uXXXX escape or bytes that are not "
+            "UTF-8",
+            param=param,
+        )
+    return value
+
+
+def _first_surrogate(text: str) -> int | None:
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
+
+
+def check_size(
+    height: Any, width: Any, spatial_factor: int, max_side: int | None = None
+) -> None:
+    """``height`` and ``width`` (each may be ``None``): positive integer multiples of
+    ``spatial_factor``, at most ``max_side``.
+
+    Raises:
+        InvalidRequestError: ``param`` is ``"height"`` or ``"width"``.
+    """
+    for name, v in (("height", height), ("width", width)):
+        if v is None:
+            continue
+        if not _is_int(v) or v <= 0 or v % spatial_factor:
+            raise InvalidRequestError(
+                f"{name} must be a positive multiple of {spatial_factor}, got {v!r}", param=name
+            )
+        if max_side is not None and v > max_side:
+            raise InvalidRequestError(f"{name} must be <= {max_side}, got {v}", param=name)

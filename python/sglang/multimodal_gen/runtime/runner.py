@@ -312,6 +312,8 @@ class ModelRunner:
             guidance_scale=None if req.guidance_scale is None else float(req.guidance_scale),
             true_cfg_scale=None if req.true_cfg_scale is None else float(req.true_cfg_scale),
             max_sequence_length=req.max_sequence_length,
+            num_frames=req.num_frames,
+            guidance_scale_2=None if req.guidance_scale_2 is None else float(req.guidance_scale_2),
             generator=gen,
             num_images=req.num_images,
             output_type="np",

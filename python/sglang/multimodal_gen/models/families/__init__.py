@@ -4,7 +4,6 @@ One line per family; a new family adds its declaration module here and touches n
 outside its own files.
 """
 
-from sglang.multimodal_gen.models.families import (
-    flux,  # noqa: F401
-    zimage,  # noqa: F401
-)
+import sglang.multimodal_gen.models.families.flux  # noqa: F401
+import sglang.multimodal_gen.models.families.wan  # noqa: F401
+import sglang.multimodal_gen.models.families.zimage  # noqa: F401

@@ -1,0 +1,67 @@
+"""Wan2.x (Alibaba): ``WanPipeline`` video directories.
+
+Layouts: Wan2.2 T2V-A14B (two experts: ``transformer`` for high noise, ``transformer_2`` for low
+noise, switched at ``boundary_ratio`` from ``model_index.json``), Wan2.2 TI2V-5B (one expert,
+48 latent channels, the Wan2.2 VAE, per-token timesteps via ``expand_timesteps``) and Wan2.1
+(one expert). Files of the family: ``configs/wan.py``, ``models/dits/wan.py``,
+``models/dits/wan_names.py``, ``pipelines/wan.py``, ``models/families/wan_tiny.py`` and this
+declaration.
+"""
+
+from __future__ import annotations
+
+from sglang.multimodal_gen.models.registry import (
+    DenoiserSpec,
+    ModelFamily,
+    SamplingDefaults,
+    register_family,
+)
+
+_PKG = "sglang.multimodal_gen"
+
+
+def _defaults(cfg) -> SamplingDefaults:
+    if cfg.in_channels == 48:  # TI2V-5B: 704x1280, 121 frames at 24 fps
+        return SamplingDefaults(
+            num_inference_steps=50, guidance_scale=5.0, height=704, width=1280,
+            max_sequence_length=512, max_sequence_length_limit=512, modality="video",
+            num_frames=121, fps=24,
+        )  # fmt: skip
+    # T2V-A14B (and Wan2.1): 480x832, 81 frames at 16 fps; the second expert's guidance 3.0
+    # (the pipeline drops it for one-expert directories)
+    return SamplingDefaults(
+        num_inference_steps=40, guidance_scale=4.0, height=480, width=832,
+        max_sequence_length=512, max_sequence_length_limit=512, modality="video",
+        num_frames=81, fps=16, guidance_scale_2=3.0,
+    )  # fmt: skip
+
+
+def _tp_divisors(cfg) -> dict[str, int]:
+    return {"num_attention_heads": cfg.num_attention_heads, "FFN hidden size": cfg.ffn_dim}
+
+
+def _expert(component: str) -> DenoiserSpec:
+    return DenoiserSpec(
+        component=component,
+        diffusers_classes=("WanTransformer3DModel",),
+        config_class=f"{_PKG}.configs.wan:WanArchConfig",
+        model_class=f"{_PKG}.models.dits.wan:WanTransformer",
+        name_map=f"{_PKG}.models.dits.wan_names:WAN_NAME_MAP",
+        lora_target=component,
+        optional=component == "transformer_2",
+    )
+
+
+WAN = register_family(
+    ModelFamily(
+        name="wan",
+        display_name="Wan2.x",
+        pipeline_classes=("WanPipeline",),
+        pipeline=f"{_PKG}.pipelines.wan:WanPipeline",
+        denoisers=(_expert("transformer"), _expert("transformer_2")),
+        defaults=_defaults,
+        tp_divisors=_tp_divisors,
+        build_tiny=f"{_PKG}.models.families.wan_tiny:build_wan_dir",
+        default_model_name="sglang-default-wan-tiny",
+    )
+)
