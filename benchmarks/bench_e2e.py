@@ -5,7 +5,9 @@ Both pipelines share the text encoders, tokenizers, VAE and scheduler config; ou
 the diffusers DiT's state dict through the same name map and weight loaders as file loading. Runs
 are interleaved (ours, diffusers, diffusers, ours, ...) after one warm-up each; we report the
 median over ``--repeats`` runs of the end-to-end time (prompt encoding + denoising + VAE decode)
-and of the per-step DiT forward time (timed with forward hooks, CUDA-synchronized on GPU), plus
+and of the DiT time per step (all DiT forwards of a run, timed with forward hooks and
+CUDA-synchronized on GPU, divided by the step count: a batched CFG call and two separate ones
+compare fairly), plus
 the PSNR between the two images as a sanity check.
 
 Configs (``--family zimage``, the default):
@@ -19,8 +21,14 @@ Configs (``--family flux``, FLUX.1-dev layout with guidance embedding and dynami
         28 steps, bf16, random weights; one-layer CLIP/T5 of the real widths (text encoding is
         a small part of the time) and the real Flux VAE.
 
+Configs (``--family wan``, Wan2.2 T2V-A14B layout: two experts, ``boundary_ratio`` 0.875):
+    cpu: DiT dim 256 x 4 layers per expert, 128x128, 9 frames, 8 steps, CFG 4.0 / 3.0, fp32.
+    --gpu: the real A14B expert shapes (dim 5120, 40 layers, 40 heads, both experts), 480x832,
+        17 frames, 4 steps, bf16, random weights; a one-layer UMT5 of the real width and the real
+        Wan2.1 VAE.
+
 Usage:
-    python benchmarks/bench_e2e.py [--family zimage|flux] [--gpu] [--repeats 5] [--steps N]
+    python benchmarks/bench_e2e.py [--family zimage|flux|wan] [--gpu] [--repeats 5] [--steps N]
         [--size PX]
 """
 
@@ -149,6 +157,73 @@ def build_flux(cfg):
     return ours, ref
 
 
+WAN_CPU_CFG = dict(
+    transformer=dict(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=16,
+        out_channels=16, text_dim=256, freq_dim=256, ffn_dim=1024, num_layers=4,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+    ),
+    t5=dict(d_model=256, d_kv=32, d_ff=512, num_layers=2, num_heads=8,
+            feed_forward_proj="gated-gelu"),
+    vae=dict(base_dim=32, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1),
+    height=128, width=128, frames=9, steps=8, guidance=4.0, guidance_2=3.0,
+    max_sequence_length=128, dtype=torch.float32, device="cpu",
+)  # fmt: skip
+WAN_GPU_CFG = dict(
+    transformer=dict(
+        patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+    ),
+    t5=dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=1, num_heads=64,
+            feed_forward_proj="gated-gelu"),
+    vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2),
+    height=480, width=832, frames=17, steps=4, guidance=4.0, guidance_2=3.0,
+    max_sequence_length=512, dtype=torch.bfloat16, device="cuda",
+)  # fmt: skip
+
+
+def build_wan(cfg):
+    """(ours, reference) two-expert Wan pipelines sharing everything but the DiTs."""
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from sglang.multimodal_gen.models.families.flux_tiny import build_tokenizers
+    from sglang.multimodal_gen.models.loader import denoiser_from_module
+    from sglang.multimodal_gen.models.registry import get_family
+    from sglang.multimodal_gen.pipelines.wan import WanPipeline as OurPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
+    _, tok = build_tokenizers()
+    torch.manual_seed(0)
+    with torch.device(dev):
+        te = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), **cfg["t5"])).to(dtype).eval()
+        vae = AutoencoderKLWan(**cfg["vae"]).eval()  # fp32, as diffusers' Wan examples keep it
+        experts = {n: WanTransformer3DModel(**cfg["transformer"]).to(dtype).eval()
+                   for n in ("transformer", "transformer_2")}  # fmt: skip
+    sched = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    comps = dict(text_encoder=te, tokenizer=tok, vae=vae, scheduler=sched)
+    ref = WanPipeline(**comps, **experts, boundary_ratio=0.875)
+    ref.set_progress_bar_config(disable=True)
+    family = get_family("wan")
+    ours_experts = {
+        n: denoiser_from_module(m, family.denoiser(n), dtype=dtype, device=dev)
+        for n, m in experts.items()
+    }
+    configs = dict(vae=dict(vae.config), scheduler=dict(sched.config))
+    ours = OurPipeline(
+        family, dict(comps, **ours_experts), configs, device=dev,
+        pipeline_config=dict(boundary_ratio=0.875),
+    )  # fmt: skip
+    return ours, ref
+
+
 def build(cfg):
     """(ours, reference) pipelines sharing everything but the DiT implementation."""
     from diffusers import (
@@ -188,11 +263,12 @@ def build(cfg):
 class StepTimer:
     """Times every forward of a module (synchronizing CUDA around it)."""
 
-    def __init__(self, module, cuda: bool):
+    def __init__(self, modules, cuda: bool):
         self.times: list[float] = []
         self.cuda = cuda
-        module.register_forward_pre_hook(self._pre)
-        module.register_forward_hook(self._post)
+        for module in modules if isinstance(modules, list) else [modules]:
+            module.register_forward_pre_hook(self._pre)
+            module.register_forward_hook(self._post)
 
     def _sync(self):
         if self.cuda:
@@ -209,7 +285,7 @@ class StepTimer:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--family", choices=("zimage", "flux"), default="zimage")
+    ap.add_argument("--family", choices=("zimage", "flux", "wan"), default="zimage")
     ap.add_argument("--gpu", action="store_true", help="the real model shapes on CUDA, bf16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=None)
@@ -218,6 +294,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.family == "flux":
         cfg = dict(FLUX_GPU_CFG if args.gpu else FLUX_CPU_CFG)
+    elif args.family == "wan":
+        cfg = dict(WAN_GPU_CFG if args.gpu else WAN_CPU_CFG)
     else:
         cfg = dict(GPU_CFG if args.gpu else CPU_CFG)
     if args.gpu and not torch.cuda.is_available():
@@ -226,22 +304,35 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     steps = args.steps or cfg["steps"]
-    size = args.size or cfg["size"]
+    size = args.size or cfg.get("size") or cfg["height"]
     cuda = cfg["device"] == "cuda"
 
     t0 = time.perf_counter()
-    ours, ref = (build_flux if args.family == "flux" else build)(cfg)
+    builders = dict(zimage=build, flux=build_flux, wan=build_wan)
+    ours, ref = builders[args.family](cfg)
     print(f"built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     timers = {
-        "ours": StepTimer(ours.transformer, cuda),
-        "diffusers": StepTimer(ref.transformer, cuda),
+        "ours": StepTimer(list(ours.denoisers.values()), cuda),
+        "diffusers": StepTimer(
+            [m for m in (ref.transformer, getattr(ref, "transformer_2", None)) if m is not None],
+            cuda,
+        ),
     }
     gen_dev = cfg["device"]
     kw = dict(height=size, width=size, num_inference_steps=steps, guidance_scale=0.0)
     if args.family == "flux":
         kw.update(guidance_scale=cfg["guidance"], max_sequence_length=cfg["max_sequence_length"])
+    if args.family == "wan":
+        kw.update(
+            height=args.size or cfg["height"], width=args.size or cfg["width"],
+            num_frames=cfg["frames"], guidance_scale=cfg["guidance"],
+            guidance_scale_2=cfg["guidance_2"], max_sequence_length=cfg["max_sequence_length"],
+        )  # fmt: skip
+
+    dit_per_step: dict[str, list[float]] = {"ours": [], "diffusers": []}
 
     def run(name):
+        timers[name].times.clear()
         g = torch.Generator(gen_dev).manual_seed(0)
         if cuda:
             torch.cuda.synchronize()
@@ -249,17 +340,20 @@ def main(argv=None) -> int:
         if name == "ours":
             img = ours("a benchmark prompt", generator=g, output_type="np", progress=False, **kw)[0]
         else:
-            img = ref("a benchmark prompt", generator=g, output_type="np", **kw).images[0]
+            out = ref("a benchmark prompt", generator=g, output_type="np", **kw)
+            img = np.asarray(out.frames if args.family == "wan" else out.images)[0]
             img = (img * 255).round().astype("uint8")
         if cuda:
             torch.cuda.synchronize()
+        # all DiT calls of the run (CFG may be one batched call or two) over the step count
+        dit_per_step[name].append(sum(timers[name].times) / steps)
         return time.perf_counter() - start, img
 
     with torch.inference_mode():
         run("ours")
         run("diffusers")
-        for t in timers.values():
-            t.times.clear()
+        for v in dit_per_step.values():
+            v.clear()
         e2e = {"ours": [], "diffusers": []}
         images = {}
         for i in range(args.repeats):
@@ -272,27 +366,34 @@ def main(argv=None) -> int:
     a, b = images["ours"].astype(np.float64), images["diffusers"].astype(np.float64)
     mse = float(np.mean((a - b) ** 2))
     psnr = float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
-    step = {k: statistics.median(v.times) for k, v in timers.items()}
-    step_min = {k: min(v.times) for k, v in timers.items()}
+    step = {k: statistics.median(v) for k, v in dit_per_step.items()}
+    step_min = {k: min(v) for k, v in dit_per_step.items()}
     total = {k: statistics.median(v) for k, v in e2e.items()}
     total_min = {k: min(v) for k, v in e2e.items()}
     t = cfg["transformer"]
-    shape = (
-        f"{t['num_layers']}+{t['num_single_layers']} blocks, {t['num_attention_heads']} heads x "
-        f"{t['attention_head_dim']}"
-        if args.family == "flux"
-        else f"dim {t['dim']}, {t['n_layers']} layers"
-    )
+    if args.family == "flux":
+        shape = (
+            f"{t['num_layers']}+{t['num_single_layers']} blocks, "
+            f"{t['num_attention_heads']} heads x {t['attention_head_dim']}"
+        )
+    elif args.family == "wan":
+        shape = (
+            f"2 experts x {t['num_layers']} layers, {t['num_attention_heads']} heads x "
+            f"{t['attention_head_dim']}, {kw['height']}x{kw['width']}x{kw['num_frames']} frames"
+        )
+    else:
+        shape = f"dim {t['dim']}, {t['n_layers']} layers"
     label = (
-        f"{args.family} {'GPU' if cuda else 'CPU'} {shape}, {size}x{size}, "
+        f"{args.family} {'GPU' if cuda else 'CPU'} {shape}, "
+        f"{'' if args.family == 'wan' else f'{size}x{size}, '}"
         f"{steps} steps, {str(cfg['dtype']).replace('torch.', '')}"
     )
     print(f"\nconfig: {label}; {args.repeats} interleaved runs; image PSNR {psnr:.1f} dB")
     print("| metric | ours | diffusers | ours/diffusers |")
     print("|---|---|---|---|")
     rows = [
-        ("DiT step, median (ms)", step, 1e3, ".1f"),
-        ("DiT step, min (ms)", step_min, 1e3, ".1f"),
+        ("DiT time per step, median (ms)", step, 1e3, ".1f"),
+        ("DiT time per step, min (ms)", step_min, 1e3, ".1f"),
         ("end to end, median (s)", total, 1, ".3f"),
         ("end to end, min (s)", total_min, 1, ".3f"),
     ]

@@ -14,6 +14,7 @@ if _TEST_ROOT not in sys.path:
 
 from fixtures.tiny_flux import build_tiny_flux  # noqa: E402
 from fixtures.tiny_models import build_tiny_zimage, make_lora  # noqa: E402
+from fixtures.tiny_wan import build_tiny_wan  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +44,15 @@ def tiny_flux_schnell_dir(tmp_path_factory) -> str:
     return build_tiny_flux(
         str(tmp_path_factory.mktemp("tiny_flux_schnell")), guidance_embeds=False, seed=1
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_a14b_dir(tmp_path_factory) -> str:
+    """A tiny Wan2.2 T2V-A14B-like directory: two experts, ``boundary_ratio`` 0.875."""
+    return build_tiny_wan(str(tmp_path_factory.mktemp("tiny_wan_a14b")), layout="a14b")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_ti2v_dir(tmp_path_factory) -> str:
+    """A tiny Wan2.2 TI2V-5B-like directory: one expert, per-token timesteps, Wan2.2 VAE."""
+    return build_tiny_wan(str(tmp_path_factory.mktemp("tiny_wan_ti2v")), layout="ti2v", seed=1)

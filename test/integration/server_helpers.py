@@ -243,13 +243,14 @@ def running_server(engine: Any, server_args: Any = None, **app_kwargs):
     """
     import uvicorn
     from sglang.multimodal_gen.configs.server_args import ServerArgs
-    from sglang.multimodal_gen.entrypoints.http_server import create_app
+    from sglang.multimodal_gen.entrypoints.http_server import create_app, uvicorn_config
 
     port = free_port()
     args = (server_args or ServerArgs()).replace(host="127.0.0.1", port=port)
     app_kwargs.setdefault("request_factory", GenerationRequest)
     app = create_app(engine, args, **app_kwargs)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    # the server's own connection bounds (header/body timeouts, connection cap)
+    config = uvicorn_config(app, args, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +26,7 @@ from server_helpers import (
     GenerationRequest,
     assert_envelope,
     fake_reference_image,
+    free_port,
     running_server,
     write_lora_file,
 )
@@ -150,7 +153,7 @@ def test_s1_invalid_json_400_with_line_and_column(server, engine, raw):
 
 def test_schema_errors_are_422(server, engine):
     err = assert_envelope(gen(server, n="many"), 422, "n")
-    assert "n:" in err["message"]
+    assert "n must be an integer, got the string 'many'" in err["message"], err["message"]
     err = assert_envelope(gen(server, num_inference_step=3), 422, "num_inference_step")
     assert "unknown field" in err["message"]
     r = httpx.post(f"{server}/v1/images/generations", json=["prompt"])
@@ -661,3 +664,297 @@ def test_graceful_shutdown_finishes_in_flight(lora_dir):
             r = inflight.result(timeout=20)
             assert r.status_code == 200
     assert len(engine.generate_log) == 1
+
+
+# ------------------------------------------------------------------------------ hostile input
+
+
+def _raw_exchange(url: str, data: bytes, timeout: float = 10.0) -> tuple[bytes, float]:
+    """Send ``data`` on a fresh socket and read until the server closes it or ``timeout``;
+    returns ``(answer, seconds until the first byte)``."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        t0 = time.monotonic()
+        if data:
+            s.sendall(data)
+        chunks, first = [], None
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                break
+            if first is None:
+                first = time.monotonic() - t0
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if b"\r\n\r\n" in b"".join(chunks) and _complete(b"".join(chunks)):
+                break
+    return b"".join(chunks), first if first is not None else timeout
+
+
+def _complete(answer: bytes) -> bool:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":")[1])
+    return False
+
+
+def _status_and_error(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)["error"]
+
+
+@pytest.mark.parametrize(
+    "raw,param,needle",
+    [
+        # an array nested ~1,000 deep (json: RecursionError) and one under that limit
+        ('{"prompt": "x", "lora": ' + "[" * 1000 + "]" * 1000 + "}", "lora", "nested more than 32"),
+        ('{"prompt": "x", "lora": ' + "[" * 40 + "]" * 40 + "}", "lora", "nested more than 32"),
+        ('{"prompt": "\\ud800"}', "prompt", "lone UTF-16 surrogate"),
+        ('{"prompt": "x", "negative_prompt": "a\\udfffb"}', "negative_prompt", "surrogate"),
+        ('{"prompt": "x", "size": "' + "1" * 5000 + 'x64"}', "size", "expected 'WxH'"),
+        ('{"prompt": "x", "n": ' + "1" * 5000 + "}", "n", "5000 digits"),
+        ('{"prompt": "x", "seed": -' + "9" * 200 + "}", "seed", "200 digits"),
+    ],
+)
+def test_hostile_json_is_400_naming_the_field(server, engine, raw, param, needle):
+    r = httpx.post(f"{server}/v1/images/generations", content=raw.encode(), timeout=30)
+    err = assert_envelope(r, 400, param)
+    assert needle in err["message"], err["message"]
+    assert "Exceeds the limit" not in err["message"] and "recursion" not in err["message"]
+    assert engine.calls == []
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "fields,param,needle",
+    [
+        ({"n": "2"}, "n", "n must be an integer, got the string '2'"),
+        ({"seed": True}, "seed", "seed must be an integer, got true"),
+        ({"guidance_scale": True}, "guidance_scale", "guidance_scale must be a number, got true"),
+        ({"stream": 1}, "stream", "stream must be true or false, got an integer"),
+        ({"lora": [{"name": "a", "scale": "x"}]}, "lora", "lora.0.scale must be a number"),
+        ({"lora": {"name": "a", "sclae": 1}}, "lora", "lora: unknown field 'sclae'"),
+        ({"lora": [[1]]}, "lora", "lora.0 must be an object"),
+        ({"lora": "a"}, "lora", 'lora must be an object {"name"'),
+    ],
+)
+def test_strict_types_422_in_our_words(server, engine, fields, param, needle):
+    err = assert_envelope(gen(server, **fields), 422, param)
+    assert needle in err["message"], err["message"]
+    for internal in ("list[", "LoRASpec", "Input should", "function-after"):
+        assert internal not in err["message"], err["message"]
+    assert engine.calls == []
+    assert gen(server, guidance_scale=2).status_code == 200  # an integer is a number
+
+
+def test_set_lora_strict_and_float32_range(server, engine):
+    body = {"lora_nickname": "a", "lora_path": "a.safetensors"}
+    err = assert_envelope(httpx.post(f"{server}/v1/set_lora", json={**body, "strength": True}), 422)
+    assert err["param"] == "strength" and "got true" in err["message"], err
+    err = assert_envelope(
+        httpx.post(f"{server}/v1/set_lora", json={**body, "strength": 1e308}), 400, "strength"
+    )
+    assert "float32" in err["message"], err["message"]
+    err = assert_envelope(gen(server, lora={"name": "a", "scale": 1e308}), 400, "lora")
+    assert "float32" in err["message"], err["message"]
+    assert engine.calls == [] and engine.loaded == {}
+
+
+def _safetensors_bytes(header: dict, data: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+@pytest.fixture(scope="module")
+def unusable_lora_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("unusable_loras")
+    files = {
+        "meta_number": _safetensors_bytes({"__metadata__": 5}),
+        "meta_string": _safetensors_bytes({"__metadata__": "abc"}),
+        "e8m0": _safetensors_bytes(
+            {"x.lora_A.weight": {"dtype": "F8_E8M0", "shape": [2], "data_offsets": [0, 2]}},
+            b"\0\0",
+        ),
+        "empty": b"",
+        "lfs": b"version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 228\n",
+        "html": b"<!DOCTYPE html><html><body>Sign in</body></html>",
+        "truncated": _safetensors_bytes(
+            {"x.lora_A.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}},
+            b"\0" * 10,
+        ),
+    }
+    for name, data in files.items():
+        (root / f"{name}.safetensors").write_bytes(data)
+    os.mkfifo(root / "fifo.safetensors")
+    with open(root / "sparse.safetensors", "wb") as f:
+        f.truncate(2 << 30)  # 2 GiB of zeros, sparse: costs no disk
+    return str(root)
+
+
+@pytest.mark.parametrize(
+    "name,needle",
+    [
+        ("meta_number", "its __metadata__ is a number; it must be an object of strings"),
+        ("meta_string", "its __metadata__ is a string"),
+        ("e8m0", "dtype F8_E8M0"),
+        ("empty", "not a safetensors file: the file is empty"),
+        ("lfs", "Git LFS pointer file, not the weights: the download is incomplete"),
+        ("html", "an HTML page"),
+        ("truncated", "truncated"),
+        ("fifo", "a FIFO (named pipe), not a regular file"),
+        ("sparse", "not a safetensors file"),
+    ],
+)
+def test_unusable_lora_files_400_at_once(unusable_lora_dir, name, needle):
+    engine = FakeEngine(lora_dirs=[unusable_lora_dir])
+    with running_server(engine, ServerArgs(lora_dirs=[unusable_lora_dir])) as (url, _, _):
+        before = list_loras(url)
+        t0 = time.monotonic()
+        r = httpx.post(
+            f"{url}/v1/set_lora",
+            json={"lora_nickname": "z", "lora_path": f"{name}.safetensors"},
+            timeout=30,
+        )
+        assert time.monotonic() - t0 < 5  # nothing read whole, nothing blocked
+        err = assert_envelope(r, 400, "lora_path")
+        assert needle in err["message"], err["message"]
+        for internal in ("pickle/zip", "dictionary update", "SafetensorError", "Errno"):
+            assert internal not in err["message"], err["message"]
+        assert list_loras(url) == before
+        assert gen(url).status_code == 200  # the engine is not stuck behind it
+
+
+# ------------------------------------------------------------------------------ bounded resources
+
+
+def test_body_size_and_time_are_bounded_before_reading(engine):
+    from sglang.multimodal_gen.entrypoints.http_server import MAX_BODY_BYTES
+
+    args = ServerArgs(timeout_body_s=1, timeout_headers_s=1)
+    with running_server(engine, args) as (url, _, _):
+        head = (
+            "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        )
+        for declared in (100 << 20, 10_000_000_000):  # 11 bytes actually sent
+            answer, first = _raw_exchange(
+                url, (head + f"Content-Length: {declared}\r\n\r\n" + '{"prompt":1}').encode()
+            )
+            status, err = _status_and_error(answer)
+            assert status == 413 and err["code"] == "request_too_large", answer[:300]
+            assert first < 2
+        chunked = (head + "Transfer-Encoding: chunked\r\n\r\n").encode()
+        over = b"x" * (MAX_BODY_BYTES + 1)
+        answer, _ = _raw_exchange(url, chunked + f"{len(over):x}\r\n".encode() + over + b"\r\n")
+        assert _status_and_error(answer)[0] == 413
+        at_limit = json.dumps({"prompt": "x", "size": "64x64", "num_inference_steps": 1})
+        at_limit = at_limit.ljust(MAX_BODY_BYTES).encode()
+        answer, _ = _raw_exchange(
+            url, chunked + f"{len(at_limit):x}\r\n".encode() + at_limit + b"\r\n0\r\n\r\n"
+        )
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        # a body that never arrives: 408 after --timeout-body, not a hang
+        answer, first = _raw_exchange(
+            url, (head + "Content-Length: 100\r\n\r\n" + '{"prompt"').encode()
+        )
+        status, err = _status_and_error(answer)
+        assert status == 408 and err["code"] == "request_timeout" and first < 5
+        # headers that never arrive: 408 after --timeout-headers, and the socket is closed
+        for partial in (b"", b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n"):
+            answer, first = _raw_exchange(url, partial)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert first < 5
+    assert len(engine.generate_log) == 1
+
+
+def test_connection_cap(engine):
+    with running_server(engine, ServerArgs(limit_concurrency=2, timeout_headers_s=30)) as (
+        url,
+        _,
+        _,
+    ):
+        host, port = url.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port))) for _ in range(2)]
+        try:
+            time.sleep(0.2)
+            answer, first = _raw_exchange(url, b"")
+            status, err = _status_and_error(answer)
+            assert status == 503 and "too many open connections" in err["message"]
+            assert first < 2
+        finally:
+            for s in idle:
+                s.close()
+        time.sleep(0.2)
+        assert gen(url).status_code == 200
+
+
+def test_health_503_when_the_engine_makes_no_progress(engine):
+    engine.release.clear()  # generate blocks: an engine call that does not return
+    with running_server(engine, ServerArgs(health_stall_timeout_s=0.5)) as (url, app, _):
+        time.sleep(0.7)
+        assert httpx.get(f"{url}/health").status_code == 200  # idle is not stalled
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            try:
+                pending = pool.submit(gen, url)
+                deadline = time.monotonic() + 10
+                while (r := httpx.get(f"{url}/health")).status_code == 200:
+                    assert time.monotonic() < deadline, "stall not reported"
+                    time.sleep(0.1)
+                err = assert_envelope(r, 503)
+                assert "no progress" in err["message"] and "generate" in err["message"]
+            finally:
+                engine.release.set()
+            assert pending.result().status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+# ------------------------------------------------------------------------------ cost caps
+
+
+def test_cost_caps_name_the_field(engine):
+    args = ServerArgs(max_inference_steps=10, max_images_per_request=2)
+    with running_server(engine, args) as (url, _, _):
+        err = assert_envelope(gen(url, num_inference_steps=11), 400, "num_inference_steps")
+        assert "[1, 10]" in err["message"]
+        err = assert_envelope(gen(url, n=3), 400, "n")
+        assert "[1, 2]" in err["message"]
+    with running_server(engine, ServerArgs()) as (url, _, _):  # default budget
+        big = {"size": "1024x1024", "num_inference_steps": 50}
+        err = assert_envelope(gen(url, n=8, **big), 400, "n")
+        assert "8 x 1024 x 1024 x 50" in err["message"] and "--max-pixel-steps" in err["message"]
+        assert gen(url, n=1, **big).status_code == 200
+    with running_server(engine, ServerArgs(max_pixel_steps=64 * 64 * 7)) as (url, _, _):
+        r = httpx.post(f"{url}/v1/images/generations", json={"prompt": "x", "size": "64x64"})
+        assert_envelope(r, 400, "num_inference_steps")  # the model's default: 8 steps
+    assert len(engine.generate_log) == 1
+
+
+def test_max_image_size_above_the_models_refused_at_startup(monkeypatch, capsys):
+    from sglang.cli.main import main
+    from sglang.multimodal_gen.entrypoints import http_server
+
+    class SmallModel(FakeEngine):
+        model_info = {"defaults": {**FakeEngine.defaults, "max_image_size": 512}}
+
+    app = http_server.create_app(SmallModel(), ServerArgs())
+    assert app.state.limits.max_image_size == 512  # the default follows a smaller model
+    assert http_server.create_app(FakeEngine(), ServerArgs()).state.limits.max_image_size == 2048
+    with pytest.raises(ValueError, match="larger than this model's maximum of 512"):
+        http_server.create_app(SmallModel(), ServerArgs(max_image_size=1024))
+    engine = SmallModel()
+    monkeypatch.setattr(http_server, "build_engine", lambda args: engine)
+    rc = main(["serve", "--port", str(free_port()), "--max-image-size", "1024"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.strip() == (
+        "sglang serve: error: --max-image-size 1024 is larger than this model's maximum of 512 "
+        "pixels per side; use --max-image-size 512 or less"
+    )
+    assert not engine.alive  # shut down
+    rc = main(["serve", "--port", str(free_port()), "--device", "tpu9"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip() == (
+        "sglang serve: error: --device 'tpu9' is not a device; use cpu, cuda or cuda:N"
+    )

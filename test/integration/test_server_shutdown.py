@@ -88,8 +88,9 @@ def test_sigterm_finishes_in_flight_then_exits():
 
 
 def test_serve_startup_failure_is_one_clear_line(monkeypatch, capsys, tmp_path):
-    """A startup adapter that cannot be loaded stops ``sglang serve`` with exit code 1 and the
-    loader's message, not a traceback; the engine is shut down."""
+    """A startup adapter that cannot be loaded stops ``sglang serve`` with exit code 2 (bad input,
+    as ``sglang generate`` says for the same path) and the loader's message, not a traceback;
+    the engine is shut down."""
     from server_helpers import FakeEngine
     from sglang.cli.main import main
     from sglang.multimodal_gen.entrypoints import http_server
@@ -101,7 +102,7 @@ def test_serve_startup_failure_is_one_clear_line(monkeypatch, capsys, tmp_path):
          "--lora-dir", str(tmp_path)]
     )  # fmt: skip
     err = capsys.readouterr().err
-    assert rc == 1
+    assert rc == 2
     assert err.startswith("sglang serve: error: ") and "missing.safetensors" in err, err
     assert "Traceback" not in err
     assert not engine.alive  # shut down

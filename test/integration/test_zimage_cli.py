@@ -86,13 +86,42 @@ def test_cli_without_model_path_uses_cached_default_model(tmp_path, monkeypatch)
     [
         (["--height", "40"], "height must be a positive multiple of 16"),
         (["--lora-scale", "0.5"], "--lora-scale given without --lora-path"),
+        # the server's rules: one validation for the CLI, the Python API and HTTP
+        (["--guidance-scale", "-1"], "guidance_scale must be a finite number >= 0, got -1.0"),
+        (["--height", "16384"], "height must be <= 1024, got 16384"),  # the model's maximum
+        (["--device", "tpu9"], "--device 'tpu9' is not a device; use cpu, cuda or cuda:N"),
+        (["--lora-path", "/dev/zero"], "'zero' is a character device, not a regular file"),
+        (["--prompt", "caf\udcff"], "prompt is not valid Unicode text"),  # argv byte 0xff
     ],
 )
 def test_cli_bad_arguments_exit_2(tiny_zimage_dir, tmp_path, capsys, extra, message):
     code = sglang_main(_cli_args(tiny_zimage_dir, tmp_path / "x.png") + extra)
-    assert code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("sglang generate: error: ") and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_errors_are_one_line_with_the_servers_codes(tiny_zimage_dir, tmp_path, capsys):
+    import torch
+
+    bad = tmp_path / "bad_meta.safetensors"
+    raw = b'{"__metadata__": 5}'
+    bad.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    cases = [(["--lora-path", str(bad)], "its __metadata__ is a number")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "CUDA is not available on this machine"))
+    for extra, message in cases:
+        code = sglang_main(_cli_args(tiny_zimage_dir, tmp_path / "x.png") + extra)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    # an existing directory as --output-path: one PNG per image in it
+    out = tmp_path / "out"
+    out.mkdir()
+    assert sglang_main(_cli_args(tiny_zimage_dir, out)) == 0
+    assert sorted(os.listdir(out)) == ["image_000.png"]
+    assert Image.open(out / "image_000.png").size == (ARGS["width"], ARGS["height"])
 
 
 def test_cli_lora_flags_match_python_entry(tiny_zimage_dir, tiny_zimage_loras, tmp_path):

@@ -1,6 +1,13 @@
-"""Our Z-Image pipeline vs diffusers' ZImagePipeline: same weights, same seed, same image."""
+"""Our Z-Image pipeline vs diffusers' ZImagePipeline: same weights, same seed, same image.
+
+Each case also shows that a nearby but different input (one letter of the prompt, the guidance
+scale, the shift schedule) lands outside the threshold, so the threshold discriminates.
+"""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -8,7 +15,23 @@ import torch
 from fixtures.tiny_models import psnr, reference_image, reference_pipeline
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
 
-MIN_PSNR = 45.0
+# Measured (fp32, CPU, diffusers 0.42.1): identical pixels (inf dB, 0 pixels off) in every case
+# below, the batch and the dynamic-shift cases included. Allowed: >= 70 dB, no value off by more than
+# one level, at most 0.1 % of the values off by one (a GEMM blocking change may flip a value that
+# sits on a rounding boundary). Nearby wrong inputs measured 36.5-52.9 dB (one letter of the
+# prompt), 42.2-52.4 dB (guidance x1.1, or 0 -> 0.1), 24-32 dB (static instead of dynamic shift);
+# decoding that rounds down instead of to nearest measured 51.2 dB.
+MIN_PSNR = 70.0
+MAX_OFF_BY_ONE = 0.001
+
+
+def assert_same_image(got: np.ndarray, expected: np.ndarray) -> None:
+    """The parity bar: PSNR, largest difference, share of values off by one level."""
+    assert got.shape == expected.shape
+    diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
+    assert psnr(got, expected) >= MIN_PSNR, psnr(got, expected)
+    assert diff.max() <= 1, int(diff.max())
+    assert (diff > 0).mean() <= MAX_OFF_BY_ONE, float((diff > 0).mean())
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +39,14 @@ def pipes(tiny_zimage_dir):
     return ZImagePipeline.from_pretrained(tiny_zimage_dir), reference_pipeline(tiny_zimage_dir)
 
 
+PROMPT = "a small red fox in the snow"
+NEAR_PROMPT = "a small red fox in the snaw"  # one letter changed
+
+# (case, wrong guidance): the guidance scale x1.1, or 0.1 where the case runs without CFG
 CASES = [
-    pytest.param(dict(height=64, width=64, num_inference_steps=3, guidance_scale=0.0), id="g0"),
+    pytest.param(
+        dict(height=64, width=64, num_inference_steps=3, guidance_scale=0.0), 0.1, id="g0"
+    ),
     pytest.param(
         dict(
             height=32,
@@ -26,21 +55,59 @@ CASES = [
             guidance_scale=3.5,
             negative_prompt="blurry, low quality",
         ),
+        3.85,
         id="cfg-negative",
     ),
-    pytest.param(dict(height=48, width=32, num_inference_steps=2, guidance_scale=1.5), id="cfg"),
+    pytest.param(
+        dict(height=48, width=32, num_inference_steps=2, guidance_scale=1.5), 1.65, id="cfg"
+    ),
 ]
 
 
-@pytest.mark.parametrize("kw", CASES)
-def test_image_matches_diffusers(pipes, kw):
+def _ours(pipe, prompt, seed=42, **kw):
+    return pipe(prompt, generator=torch.Generator().manual_seed(seed), output_type="np", **kw)[0]
+
+
+@pytest.mark.parametrize("kw,wrong_guidance", CASES)
+def test_image_matches_diffusers(pipes, kw, wrong_guidance):
     ours, ref = pipes
-    prompt = "a small red fox in the snow"
-    expected = reference_image(ref, prompt, seed=42, **kw)
-    got = ours(prompt, generator=torch.Generator().manual_seed(42), output_type="np", **kw)[0]
+    expected = reference_image(ref, PROMPT, seed=42, **kw)
+    got = _ours(ours, PROMPT, **kw)
     assert got.shape == expected.shape == (kw["height"], kw["width"], 3)
     assert expected.std() > 10  # a varied image, not a saturated one
-    assert psnr(got, expected) >= MIN_PSNR
+    assert_same_image(got, expected)
+    # nearby inputs fail the same bar
+    assert psnr(_ours(ours, NEAR_PROMPT, **kw), expected) < MIN_PSNR
+    near_guidance = _ours(ours, PROMPT, **dict(kw, guidance_scale=wrong_guidance))
+    assert psnr(near_guidance, expected) < MIN_PSNR
+
+
+@pytest.fixture(scope="module")
+def dynamic_shift_pipes(tiny_zimage_dir, tmp_path_factory):
+    """The tiny directory with ``use_dynamic_shifting`` on: ``mu`` from the image size is used."""
+    model_dir = tmp_path_factory.mktemp("zimage_dynamic_shift") / "model"
+    shutil.copytree(tiny_zimage_dir, model_dir)
+    cfg_path = model_dir / "scheduler" / "scheduler_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["use_dynamic_shifting"] = True
+    cfg_path.write_text(json.dumps(cfg))
+    return ZImagePipeline.from_pretrained(str(model_dir)), reference_pipeline(str(model_dir))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(height=64, width=64, num_inference_steps=3, guidance_scale=0.0),
+        dict(height=32, width=48, num_inference_steps=2, guidance_scale=2.0),
+    ],
+    ids=["64x64", "32x48-cfg"],
+)
+def test_dynamic_shift_matches_diffusers(pipes, dynamic_shift_pipes, kw):
+    ours, ref = dynamic_shift_pipes
+    expected = reference_image(ref, PROMPT, seed=42, **kw)
+    assert_same_image(_ours(ours, PROMPT, **kw), expected)
+    # the static schedule (shift 3) of the same weights is a nearby wrong case
+    assert psnr(_ours(pipes[0], PROMPT, **kw), expected) < MIN_PSNR
 
 
 def test_batch_of_images_matches_diffusers(pipes):
@@ -63,7 +130,7 @@ def test_batch_of_images_matches_diffusers(pipes):
     )
     assert got.shape == expected.shape
     for a, b in zip(got, expected):
-        assert psnr(a, b) >= MIN_PSNR
+        assert_same_image(a, b)
     assert psnr(got[0], got[1]) < 35  # the two latents differ
 
 

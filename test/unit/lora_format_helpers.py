@@ -1,8 +1,9 @@
 """Shared builders for the LoRA format tests: a tiny diffusers Z-Image model and synthetic files.
 
-The reference for every format is the plain diffusers-format file
-(``transformer.<m>.lora_A.weight`` / ``.lora_B.weight``) on the same random tensors: its per-module
-delta ``scale * B @ A`` in the diffusers module names.
+The reference for every format is computed by hand from the random tensors written into the file:
+the per-module delta ``(alpha / r) * B @ A`` in the diffusers module names (:func:`reference_deltas`).
+The converted result is looked up through the hand-written table :data:`OUR_SLOTS` (diffusers module
+-> our module and shard), never through the name map under test.
 """
 
 from __future__ import annotations
@@ -85,11 +86,34 @@ def reference_deltas(pairs, alphas=None) -> dict[str, torch.Tensor]:
     return ref
 
 
+# Where a diffusers Z-Image module lands in our DiT: (suffix, our suffix, shard id). Written out by
+# hand from the architecture (q/k/v fused in ``to_qkv`` as sections "q"/"k"/"v"; the SwiGLU gate
+# ``w1`` and up ``w3`` fused in ``w13`` as sections 0 and 1; every other linear kept as is), NOT
+# derived from ZIMAGE_NAME_MAP: the expected values must not share a bug with the code under test.
+OUR_SLOTS = (
+    ("attention.to_q", "attention.to_qkv", "q"),
+    ("attention.to_k", "attention.to_qkv", "k"),
+    ("attention.to_v", "attention.to_qkv", "v"),
+    ("feed_forward.w1", "feed_forward.w13", 0),
+    ("feed_forward.w3", "feed_forward.w13", 1),
+)
+
+
+def our_slot(name: str) -> tuple[str, object]:
+    """``(our module, shard id)`` of a diffusers module name, from the hand table above."""
+    for src, dst, sid in OUR_SLOTS:
+        if name.endswith("." + src):
+            return name[: -len(src)] + dst, sid
+    return name, None
+
+
 def canonical_deltas(canon, names) -> dict[str, torch.Tensor]:
-    """Per diffusers module name, the delta our canonical form applies to that module's rows."""
+    """Per diffusers module name, the delta our canonical form holds for it, looked up in the
+    module/shard given by the hand table :data:`OUR_SLOTS` (not by the name map under test)."""
     out = {}
     for n in names:
-        our, sid = ZIMAGE_NAME_MAP.resolve(n)
+        our, sid = our_slot(n)
+        assert our in canon.modules and sid in canon.modules[our], (n, our, sid)
         w = canon.modules[our][sid]
         out[n] = w.scale * (w.lora_B.double() @ w.lora_A.double())
     return out

@@ -129,13 +129,46 @@ def rank_input(kind, x, tp_rank, tp_size):
     return x[..., tp_rank * n : (tp_rank + 1) * n]
 
 
+# QKV (8 query heads, 2 KV heads, head size 4): the KV heads rank r of n holds. At TP 4 each KV
+# head is replicated on two ranks (GQA). Written out by hand, not taken from the shard map.
+KV_HEADS_OF_RANK = {1: {0: (0, 1)}, 2: {0: (0,), 1: (1,)}, 4: {0: (0,), 1: (0,), 2: (1,), 3: (1,)}}
+
+
+def rank_rows(kind, tp_rank, tp_size) -> list[int]:
+    """Rows of the full (fused) output that rank ``tp_rank`` of ``tp_size`` computes, in the order
+    of its local output, by hand: ``[q_r | k_r | v_r]`` and ``[gate_r | up_r]`` for fused layers."""
+    r, n = tp_rank, tp_size
+    if kind in ("row", "row_full_input", "replicated"):
+        return list(range(out_size(kind)))
+    if kind == "column":
+        return list(range(r * 32 // n, (r + 1) * 32 // n))
+    if kind == "merged":
+        g, u = MERGED_SIZES[0] // n, MERGED_SIZES[1] // n
+        return [*range(r * g, (r + 1) * g), *range(32 + r * u, 32 + (r + 1) * u)]
+    if kind == "qkv":
+        q = 32 // n
+        kv = [h * 4 + i for h in KV_HEADS_OF_RANK[n][r] for i in range(4)]
+        return [*range(r * q, (r + 1) * q), *(32 + i for i in kv), *(40 + i for i in kv)]
+    raise ValueError(kind)
+
+
 def assemble(kind, layers, outs):
-    """Combine per-rank outputs ``[..., out_local]`` into the full ``[..., out]``."""
+    """Combine per-rank outputs ``[..., out_local]`` into the full ``[..., out]`` in fp64: the sum
+    for row-parallel layers, else each rank's values at its rows from :func:`rank_rows` (ranks
+    that hold the same replicated rows must agree)."""
     if kind in ("row", "row_full_input"):
         return sum(o.double() for o in outs)
     if kind == "replicated":
         for o in outs[1:]:
             assert torch.equal(o, outs[0])
         return outs[0].double()
-    base = getattr(layers[0], "base_layer", layers[0])
-    return base.gathered_to_full(torch.cat(outs, dim=-1)).double()
+    full = torch.full((*outs[0].shape[:-1], out_size(kind)), float("nan"), dtype=torch.float64)
+    for r, o in enumerate(outs):
+        rows = rank_rows(kind, r, len(outs))
+        assert o.shape[-1] == len(rows), (kind, r, o.shape)
+        before = full[..., rows]
+        held = ~before.isnan()
+        assert torch.equal(before[held], o.double()[held]), f"{kind}: replicas of rank {r} differ"
+        full[..., rows] = o.double()
+    assert not full.isnan().any(), f"{kind}: rows no rank computed"
+    return full

@@ -118,7 +118,7 @@ def _reference(seed):
 
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_real_collectives_match_f_linear(tp_size):
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    seed = 1000 + tp_size  # fixed: a failure reproduces with the same numbers
     results = launch_processes(_rank_fn, tp_size, args=(seed,), backend="gloo")
     ref = _reference(seed)
     for rank, out in enumerate(results):
@@ -148,7 +148,7 @@ def test_launch_reports_worker_failure():
 
 def test_without_initialization_everything_is_tp1():
     assert get_tp_world_size() == 1 and get_tp_rank() == 0
-    x = torch.randn(3, 4)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
     assert tensor_model_parallel_all_reduce(x) is x
     assert tensor_model_parallel_all_gather(x) is x
     assert broadcast_object("same") == "same"

@@ -10,6 +10,7 @@ comparison with real collectives.
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import sglang.multimodal_gen.layers.linear as linear_mod
@@ -30,9 +31,17 @@ from sglang.multimodal_gen.layers.linear import (
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=6e-2, rtol=1.6e-2)}
 
 
+@pytest.fixture(autouse=True)
+def _fixed_seed(request):
+    """Seed the global generator per test (from its id), so a failure reproduces exactly."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    return seed
+
+
 def _rand(*shape, dtype=torch.float32):
-    """Fresh normal values, rounded to ``dtype`` and held in fp32 so the reference sees exactly
-    the numbers the layer sees."""
+    """Fresh normal values (global generator, seeded per test by ``_fixed_seed``), rounded to
+    ``dtype`` and held in fp32 so the reference sees exactly the numbers the layer sees."""
     return torch.randn(*shape).to(dtype).float()
 
 

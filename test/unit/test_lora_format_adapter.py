@@ -18,6 +18,7 @@ from lora_format_helpers import (
     diffusers_sd,
     kohya_name,
     linear_shapes,
+    our_slot,
     random_pairs,
     reference_deltas,
     save,
@@ -52,12 +53,13 @@ def _convert(tmp_path, sd, spec, name="lora.safetensors", metadata=None):
 
 
 def test_vocabulary_covers_every_linear_layer(spec):
-    """Every nn.Linear of the diffusers model resolves, kohya-flattened too, to one of our shards."""
-    for name in linear_shapes():
-        our, sid = ZIMAGE_NAME_MAP.resolve(name)
-        assert spec.lookup(name) == (our, sid)
-        assert spec.vocabulary[spec.flat_vocabulary[name.replace(".", "_")]] == (our, sid)
-        assert sid in spec.module_shapes[our]
+    """Every nn.Linear of the diffusers model resolves, kohya-flattened too, to the module and
+    shard of the hand-written table (``OUR_SLOTS``), whose shape is the diffusers layer's."""
+    for name, (out, fan_in) in linear_shapes().items():
+        our, sid = our_slot(name)
+        assert spec.lookup(name) == (our, sid), name
+        assert spec.vocabulary[spec.flat_vocabulary[name.replace(".", "_")]] == (our, sid), name
+        assert spec.module_shapes[our][sid] == (out, fan_in), name
     assert spec.module_shapes["layers.0.attention.to_qkv"] == {
         "q": (64, 64),
         "k": (64, 64),
@@ -256,7 +258,7 @@ def test_dtype_preserved_and_shapes_documented(tmp_path, spec):
         ("hada_w1_a", "LoHa"),
         ("lora_embedding_A", "embedding LoRA"),
         ("modules_to_save.weight", "modules_to_save"),
-        ("diff_b", "full weight difference"),
+        ("diff", "full weight difference"),  # (diff_b bias deltas are supported)
         ("lora_mid.weight", "lora_mid"),
     ],
 )
@@ -379,8 +381,8 @@ def test_legacy_call_form(spec):
 
 def test_spec_of_our_zimage_dit_equals_diffusers_spec(spec):
     """Our DiT (fused to_qkv / w13) and the diffusers model through the name map agree."""
-    zimage = pytest.importorskip("sglang.multimodal_gen.models.dits.zimage")
     from sglang.multimodal_gen.configs.zimage import ZImageArchConfig
+    from sglang.multimodal_gen.models.dits.zimage import ZImageTransformer
 
     cfg = ZImageArchConfig(
         in_channels=4,
@@ -393,7 +395,7 @@ def test_spec_of_our_zimage_dit_equals_diffusers_spec(spec):
         axes_dims=(4, 6, 6),
         axes_lens=(32, 32, 32),
     )
-    ours = LoRAModelSpec.from_module(zimage.ZImageTransformer(cfg), ZIMAGE_NAME_MAP, "Z-Image")
+    ours = LoRAModelSpec.from_module(ZImageTransformer(cfg), ZIMAGE_NAME_MAP, "Z-Image")
     assert ours.module_shapes == spec.module_shapes
 
 

@@ -2,8 +2,9 @@
 
 Adapters are real safetensors files in diffusers format (``transformer.<diffusers name>.lora_A``)
 and kohya format (with ``.alpha``), read through the loader and format adapter. The reference is a
-dense copy of the model whose full weights get ``W + sum_i strength_i * scale_i * B_i @ A_i`` added
-by hand (fused q/k/v and w1/w3 rows placed by the test). fp32; tolerance atol 1e-3 / rtol 1e-3 (outputs ~1e2).
+dense fp64 forward written with ``F.linear`` (no layer of ours) on full weights that get
+``W + sum_i strength_i * scale_i * B_i @ A_i`` added by hand (fused q/k/v and w1/w3 rows placed by
+the test's own table). fp32; tolerance atol 1e-3 / rtol 1e-3 (outputs ~1e2).
 """
 
 from __future__ import annotations
@@ -152,15 +153,29 @@ def write_lora(path, seed, rank=4, kohya_alpha=None, nan=False, modules=None):
     return deltas
 
 
+def dense_forward(x, weights):
+    """:class:`TinyDiT`'s forward written with ``F.linear`` on full fp64 weights (none of our
+    layers): ``weights`` is ``{our_module: (W_full, b_full)}``; q|k|v and gate|up split by hand."""
+    x = x.double()
+    for i in range(BLOCKS):
+        a, f = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+        q, k, v = F.linear(x, *weights[f"{a}.to_qkv"]).split(DIM, dim=-1)
+        x = x + F.linear(q * torch.sigmoid(k) + v, *weights[f"{a}.to_out.0"])
+        gate, up = F.linear(x, *weights[f"{f}.w13"]).split(FFN, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, *weights[f"{f}.w2"])
+        x = x + 0.1 * F.linear(x, *weights[f"layers.{i}.adaLN_modulation.0"])
+    return x.float()
+
+
 def reference_output(x, adapters, seed=0):
-    """Dense TP-1 model with ``W + sum strength * delta`` written into its weights."""
-    model = build_model(seed=seed)
+    """The dense fp64 forward of the full weights with ``W + sum strength * delta`` (deltas placed
+    at the rows of the hand table ``_diffusers_modules``)."""
+    weights = {n: (w.double(), b.double()) for n, (w, b) in full_model_weights(seed).items()}
     for deltas, strength in adapters:
         for our, d in deltas.items():
-            layer = model.get_submodule(our)
-            layer.weight.data += (strength * d).float()
-    with torch.no_grad():
-        return model(x)
+            w, b = weights[our]
+            weights[our] = (w + strength * d, b)
+    return dense_forward(x, weights)
 
 
 def params(model):

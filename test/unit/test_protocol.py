@@ -332,3 +332,113 @@ def test_cli_help_and_bad_flags():
         text=True,
     )
     assert out.returncode == 2 and "true or false" in out.stderr
+
+
+# ------------------------------------------------------------------------------ hostile input
+
+
+def test_parse_json_body_bounds_what_json_allows():
+    from sglang.multimodal_gen.errors import PayloadTooLargeError
+
+    deep = b'{"prompt": "x", "lora": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    with pytest.raises(BodyError) as e:
+        parse_json_body(deep, ImageGenerationRequest)
+    assert e.value.param == "lora" and "nested more than 32" in e.value.message
+    with pytest.raises(BodyError) as e:
+        parse_json_body(b'{"prompt": "ok \\ud83d\\ude00 \\udc00"}', ImageGenerationRequest)
+    assert e.value.param == "prompt" and "character 5 is a lone UTF-16 surrogate" in e.value.message
+    # a paired surrogate escape is an ordinary character
+    assert parse_json_body(b'{"prompt": "\\ud83d\\ude00"}', ImageGenerationRequest).prompt == "😀"
+    with pytest.raises(BodyError) as e:
+        parse_json_body(b'{"prompt": "x", "n": ' + b"7" * 5000 + b"}", ImageGenerationRequest)
+    assert e.value.param == "n" and "5000 digits" in e.value.message
+    with pytest.raises(PayloadTooLargeError) as e:
+        parse_json_body(b" " * ((1 << 20) + 1), ImageGenerationRequest)
+    assert e.value.status_code == 413
+
+
+@pytest.mark.parametrize(
+    "body,param,message",
+    [
+        ({"prompt": "p", "n": "2"}, "n", "n must be an integer, got the string '2'"),
+        ({"prompt": "p", "seed": True}, "seed", "seed must be an integer, got true"),
+        ({"prompt": "p", "n": 2.0}, "n", "n must be an integer, got a number"),
+        (
+            {"prompt": "p", "lora": [{"name": 3}]},
+            "lora",
+            "lora.0.name must be a string, got an integer",
+        ),
+        ({"size": "64x64"}, "prompt", "prompt is required"),
+        ({"prompt": "p", "sed": 1}, "sed", "sed: unknown field"),
+    ],
+)
+def test_schema_errors_are_one_sentence_per_field(body, param, message):
+    with pytest.raises(SchemaError) as e:
+        parse_json_body(json.dumps(body).encode(), ImageGenerationRequest)
+    assert e.value.param == param
+    assert e.value.message == "request body does not match the schema: " + message
+
+
+def test_set_lora_schema_is_strict():
+    with pytest.raises(SchemaError) as e:
+        parse_json_body(b'{"lora_nickname": "a", "strength": true}', SetLoRARequest)
+    assert e.value.param == "strength"
+    assert "strength must be a number or a list of numbers, got true" in e.value.message
+    assert parse_json_body(b'{"lora_nickname": "a", "strength": 2}', SetLoRARequest).strength == 2
+
+
+def test_size_digits_bounded_and_pixel_budget():
+    with pytest.raises(InvalidRequestError) as e:
+        parse_size("9" * 5000 + "x64", LIMITS)
+    assert e.value.param == "size" and "Exceeds" not in e.value.message
+    limits = Limits(spatial_factor=16, max_image_size=1024, max_pixel_steps=1024 * 1024 * 256)
+    defaults = {"num_inference_steps": 8}
+    big = dict(prompt="p", size="1024x1024", num_inference_steps=50)
+    validate_generation(ImageGenerationRequest(**big, n=1), limits, defaults)
+    with pytest.raises(InvalidRequestError) as e:
+        validate_generation(ImageGenerationRequest(**big, n=8), limits, defaults)
+    assert e.value.param == "n" and "419430400 pixel-steps" in e.value.message
+
+
+def test_server_args_cost_and_connection_flags():
+    a = _parse(
+        ["--max-n", "2", "--max-steps", "50", "--max-pixel-steps", "0", "--limit-concurrency",
+         "16", "--timeout-keep-alive", "3", "--timeout-headers", "4", "--timeout-body", "6",
+         "--health-stall-timeout", "0"]
+    )  # fmt: skip
+    assert (a.max_images_per_request, a.max_inference_steps, a.max_pixel_steps) == (2, 50, 0)
+    assert (a.limit_concurrency, a.timeout_keep_alive_s, a.timeout_headers_s) == (16, 3, 4)
+    assert (a.timeout_body_s, a.health_stall_timeout_s, a.max_image_size) == (6, 0, None)
+    for bad, needle in (
+        (["--max-n", "0"], "--max-n"),
+        (["--timeout-body", "-1"], "--timeout-body"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            _parse(bad)
+
+
+def test_cli_exit_codes_are_shared():
+    from sglang.cli.errors import exit_code, one_line
+    from sglang.multimodal_gen.errors import NonFiniteOutputError
+
+    for exc in (
+        InvalidRequestError("x", param="n"),
+        LoRAFormatError("bad file"),
+        NotFoundError("no adapter"),
+        NonFiniteOutputError("nan"),
+        ValueError("--tp-size"),
+        FileNotFoundError("no model"),
+        UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed"),
+    ):
+        assert exit_code(exc) == 2, exc
+    for exc in (
+        EngineDeadError("dead"),
+        RuntimeError("CUDA error"),
+        MemoryError(),
+        OSError(28, "disk full"),
+    ):
+        assert exit_code(exc) == 1, exc
+    assert exit_code(KeyboardInterrupt()) == 130
+    assert one_line(RuntimeError("boom\nTraceback (most recent call last):\n ...")) == (
+        "RuntimeError: boom"
+    )

@@ -7,7 +7,9 @@ Same engine and defaults as the server, so the same arguments give the same pixe
         [--lora-path A.safetensors B/ --lora-scale 0.7 1.3] [--tp-size 2]
 
 Without ``--model-path`` the embedded tiny default model is used (random weights: the image is
-noise by construction). Exit code 0 on success, 2 for bad arguments or input, 1 for other errors.
+noise by construction). Exit code 0 on success, 2 for bad arguments or input, 1 for runtime
+failures, 130 when interrupted; every error is one line ``sglang generate: error: ...`` (see
+:mod:`sglang.cli.errors`, shared with ``sglang serve``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,25 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "(Flux); 1 disables it (default: 1)",
     )
     parser.add_argument(
+        "--guidance-scale-2",
+        type=float,
+        default=None,
+        help="guidance of the second (low-noise) expert of two-expert models such as Wan2.2 "
+        "T2V-A14B (default: the family's, 3.0 for A14B)",
+    )
+    parser.add_argument(
+        "--num-frames",
+        type=int,
+        default=None,
+        help="video models: frames (default: the family's, e.g. 81 for Wan2.2 A14B)",
+    )
+    parser.add_argument(
+        "--fps",
+        type=int,
+        default=None,
+        help="video models: frames per second of the written video (default: the family's)",
+    )
+    parser.add_argument(
         "--max-sequence-length",
         type=int,
         default=None,
@@ -69,8 +90,9 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument(
         "--output-path",
         default="output.png",
-        help="image file (.png, .jpg/.jpeg, .webp by extension), or a directory (a trailing "
-        "slash or an existing one) for one PNG per image (default: output.png)",
+        help="images: .png, .jpg/.jpeg, .webp; videos: .mp4 (H.264), .webp, .gif; or a "
+        "directory (a trailing slash or an existing one) for one PNG per image or frame "
+        "(default: output.png)",
     )
     parser.add_argument(
         "--lora-path", nargs="+", action="extend", default=None, help="LoRA file(s)/folder(s)"
@@ -126,29 +148,39 @@ def lora_pairs(paths: list[str] | None, scales: list[float] | None) -> list[tupl
     return list(zip(paths, scales))
 
 
-_IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+def output_files(path: str, count: int, modality: str = "image") -> list[tuple[str, str]]:
+    """``[(file, format)]`` for ``count`` images (or videos) written to ``--output-path``.
 
-
-def output_files(path: str, count: int) -> list[tuple[str, str]]:
-    """``[(file, PIL format)]`` for ``count`` images written to ``--output-path``.
-
-    A trailing slash or an existing directory gives ``image_000.png``, ``image_001.png``, ...
-    (sorted names in order); a file name needs a known image extension.
+    A trailing slash or an existing directory gives ``image_000.png``, ... for images and one
+    folder of PNG frames per video (``video_000/frame_00000.png``, ...): sorted names are in
+    order. A file name needs an extension of the model's modality (``sglang.multimodal_gen.outputs``).
 
     Raises:
-        ValueError: an unknown extension, or several images for one file name.
+        ValueError: an extension of another modality or none, or several outputs for one file.
     """
-    if path.endswith(("/", os.sep)) or os.path.isdir(path):
-        return [(os.path.join(path, f"image_{i:03d}.png"), "PNG") for i in range(count)]
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in _IMAGE_FORMATS:
-        raise ValueError(
-            f"--output-path {path!r}: unknown image extension {ext or '(none)'!r}; use one of "
-            f"{sorted(_IMAGE_FORMATS)} or a directory"
-        )
+    from sglang.multimodal_gen.outputs import is_directory_target, output_format
+
+    if is_directory_target(path):
+        name = "video_{:03d}" if modality == "video" else "image_{:03d}.png"
+        fmt = "frames" if modality == "video" else "PNG"
+        return [(os.path.join(path, name.format(i)), fmt) for i in range(count)]
+    fmt = output_format(path, modality)
     if count != 1:
-        raise ValueError(f"--output-path {path!r} names one file for {count} images")
-    return [(path, _IMAGE_FORMATS[ext])]
+        raise ValueError(f"--output-path {path!r} names one file for {count} outputs")
+    return [(path, fmt)]
+
+
+def save_video(frames, path: str, fmt: str, fps: int) -> None:
+    """Write uint8 ``[F, H, W, 3]`` frames as ``fmt`` (``mp4``/``webp``/``gif``) or, with
+    ``fmt="frames"``, as a directory of PNG frames."""
+    from sglang.multimodal_gen.outputs import encode_video, write_frames_dir
+
+    if fmt == "frames":
+        write_frames_dir(frames, path)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(encode_video(frames, fps, fmt))
 
 
 def save_png(image, path: str, fmt: str = "PNG") -> None:
@@ -159,35 +191,97 @@ def save_png(image, path: str, fmt: str = "PNG") -> None:
     image.save(path, format=fmt)
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    """Run ``sglang generate`` with parsed ``args``; returns the exit code."""
-    from sglang.multimodal_gen.errors import EngineDeadError, SGLangError
+def check_output_dir(path: str) -> None:
+    """Create the folder the images go to now, before the model loads, so a path that cannot be
+    written fails at once.
 
+    Raises:
+        ValueError: the folder cannot be created or written (names ``--output-path``).
+    """
+    is_dir = path.endswith(("/", os.sep)) or os.path.isdir(path)
+    folder = os.path.abspath(path if is_dir else os.path.dirname(os.path.abspath(path)))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"--output-path {path!r}: cannot create folder {folder!r} ({e.strerror or e})"
+        ) from None
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--output-path {path!r}: folder {folder!r} is not writable")
+    if not is_dir and os.path.isdir(path):
+        raise ValueError(f"--output-path {path!r} is a directory")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Run ``sglang generate`` with parsed ``args``; returns the exit code.
+
+    Any failure is one line ``sglang generate: error: ...`` on stderr with the exit code of
+    :mod:`sglang.cli.errors` (2: bad arguments or input, 1: runtime failure), never a traceback.
+    """
+    from sglang.cli.errors import report
+
+    try:
+        return _run_generate(args)
+    except (Exception, KeyboardInterrupt) as e:
+        return report("generate", e)
+
+
+def _request_from_args(args: argparse.Namespace, seed: int):
+    from sglang.multimodal_gen.runtime import GenerationRequest
+
+    return GenerationRequest(
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        height=args.height,
+        width=args.width,
+        num_inference_steps=args.num_inference_steps,
+        guidance_scale=args.guidance_scale,
+        true_cfg_scale=args.true_cfg_scale,
+        max_sequence_length=args.max_sequence_length,
+        seed=seed,
+        num_frames=getattr(args, "num_frames", None),
+        fps=getattr(args, "fps", None),
+        guidance_scale_2=getattr(args, "guidance_scale_2", None),
+    )
+
+
+def _check_output_extension(path: str) -> None:
+    """Before the model (and so its modality) is known: the extension must be an image or a
+    video one (the exact check follows once the model is loaded)."""
+    try:
+        output_files(path, 1, "image")
+    except ValueError:
+        try:
+            output_files(path, 1, "video")
+        except ValueError:
+            pass
+        else:
+            return
+        raise
+
+
+def _run_generate(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from sglang.multimodal_gen.runtime.engine import quiet_library_progress_bars
 
     quiet_library_progress_bars()
-    try:
-        loras = lora_pairs(args.lora_path, args.lora_scale)
-    except ValueError as e:
-        print(f"sglang generate: error: {e}", file=sys.stderr)
-        return 2
+    loras = lora_pairs(args.lora_path, args.lora_scale)
     if args.tp_size < 1:
-        print(
-            f"sglang generate: error: --tp-size must be >= 1, got {args.tp_size}", file=sys.stderr
-        )
-        return 2
+        raise ValueError(f"--tp-size must be >= 1, got {args.tp_size}")
 
     import secrets
 
-    from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+    from sglang.multimodal_gen.runtime import DiffusionEngine
+    from sglang.multimodal_gen.runtime.engine import check_device
 
-    try:
-        targets = output_files(args.output_path, 1)
-    except ValueError as e:
-        print(f"sglang generate: error: {e}", file=sys.stderr)
-        return 2
+    _check_output_extension(args.output_path)
     seed = args.seed if args.seed is not None else secrets.randbits(31)
+    req = _request_from_args(args, seed)
+    # every value rule that does not need the model, before it loads (the same rules again,
+    # with the model's limits, in engine.generate)
+    req.validate(spatial_factor=1)
+    check_device(args.device)
+    check_output_dir(args.output_path)
     if args.seed is None:
         print(f"seed: {seed}", file=sys.stderr)
     engine = None
@@ -203,29 +297,22 @@ def run_generate(args: argparse.Namespace) -> int:
                 strength=[s for _, s in loras],
                 merge_mode=args.lora_merge_mode,
             )
-        req = GenerationRequest(
-            prompt=args.prompt,
-            negative_prompt=args.negative_prompt,
-            height=args.height,
-            width=args.width,
-            num_inference_steps=args.num_inference_steps,
-            guidance_scale=args.guidance_scale,
-            true_cfg_scale=args.true_cfg_scale,
-            max_sequence_length=args.max_sequence_length,
-            seed=seed,
-        )
-        images = engine.generate(req, progress=False if args.no_progress else None)
-        for image, (path, fmt) in zip(images, targets):
-            save_png(image.convert("RGB"), path, fmt)
-    except (ValueError, FileNotFoundError, LookupError) as e:
-        print(f"sglang generate: error: {e}", file=sys.stderr)
-        return 2
-    except (SGLangError, EngineDeadError, RuntimeError) as e:
-        print(f"sglang generate: error: {e}", file=sys.stderr)
-        return 1
+        modality = getattr(engine, "modality", "image")
+        targets = output_files(args.output_path, 1, modality)
+        progress = False if args.no_progress else None
+        if modality == "video":
+            fps = req.fps or engine.defaults.get("fps") or 16
+            for frames, (path, fmt) in zip(engine.generate_video(req, progress=progress), targets):
+                save_video(frames, path, fmt, int(fps))
+        else:
+            for image, (path, fmt) in zip(engine.generate(req, progress=progress), targets):
+                save_png(image.convert("RGB"), path, fmt)
     finally:
         if engine is not None:
-            engine.shutdown()
+            try:
+                engine.shutdown()
+            except Exception:  # the result (or the first error) is what the user needs
+                logging.getLogger(__name__).warning("engine shutdown failed", exc_info=True)
     for path, _ in targets:
         print(os.path.abspath(path))
     return 0

@@ -12,7 +12,6 @@ Flags are those of :class:`~sglang.multimodal_gen.configs.server_args.ServerArgs
 from __future__ import annotations
 
 import argparse
-import sys
 
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 
@@ -26,22 +25,18 @@ def run_serve(args: argparse.Namespace) -> int:
     """Validate the flags, start the engine and the HTTP server; block until shutdown.
 
     Returns:
-        0 after a clean shutdown, 2 for invalid flags, 1 when the model or a startup adapter
-        cannot be loaded (the message goes to stderr).
+        0 after a clean shutdown; otherwise the exit code of :mod:`sglang.cli.errors` (2: bad
+        flags or input, e.g. a model or startup adapter path that does not exist or cannot be
+        used, a ``--max-image-size`` above the model's, a device this machine lacks; 1: runtime
+        failures), with one line ``sglang serve: error: ...`` on stderr, as ``sglang generate``.
     """
-    try:
-        server_args = ServerArgs.from_cli_args(args)
-    except ValueError as e:
-        print(f"sglang serve: error: {e}", file=sys.stderr)
-        return 2
-    from sglang.multimodal_gen.entrypoints.http_server import launch_server
-    from sglang.multimodal_gen.errors import SGLangError
+    from sglang.cli.errors import report
 
     try:
+        server_args = ServerArgs.from_cli_args(args)
+        from sglang.multimodal_gen.entrypoints.http_server import launch_server
+
         launch_server(server_args)
-    except (SGLangError, ValueError, FileNotFoundError) as e:
-        # A model or startup adapter that cannot be used: one clear line, no traceback.
-        message = getattr(e, "message", None) or str(e)
-        print(f"sglang serve: error: {message}", file=sys.stderr)
-        return 1
+    except (Exception, KeyboardInterrupt) as e:
+        return report("serve", e)
     return 0

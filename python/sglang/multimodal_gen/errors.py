@@ -39,6 +39,29 @@ class LoRAFormatError(InvalidRequestError):
     """A LoRA file cannot be loaded as given: unknown/unsupported keys, shapes, NaN/Inf (HTTP 400)."""
 
 
+class PayloadTooLargeError(InvalidRequestError):
+    """The request body is larger than the server accepts (HTTP 413); refused before reading it."""
+
+    status_code = 413
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """The client did not send its request (headers or body) within the bound (HTTP 408)."""
+
+    status_code = 408
+
+
+class NonFiniteOutputError(InvalidRequestError):
+    """A generation's latents or pixels became NaN/Inf (HTTP 400, ``code="non_finite_output"``).
+
+    Raised instead of returning a blank image; the request's values (a huge ``guidance_scale``, an
+    adapter with extreme weights) are the usual cause. The engine stays healthy.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message, param=param, code=code or "non_finite_output")
+
+
 class QueueFullError(SGLangError):
     """The request queue is full; retry later (HTTP 503 with ``Retry-After``)."""
 

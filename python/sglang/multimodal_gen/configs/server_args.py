@@ -21,6 +21,9 @@ MODEL_TYPES = ("diffusion",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEFAULT_MAX_IMAGES_PER_REQUEST = 8
 DEFAULT_MAX_INFERENCE_STEPS = 1000
+DEFAULT_MAX_IMAGE_SIZE = 2048
+# n x width x height x steps: 1 x 1024^2 x 256 steps, or 8 x 1024^2 x 32 (8 x 1024^2 x 50 is over)
+DEFAULT_MAX_PIXEL_STEPS = 1024 * 1024 * 256
 
 
 def str_to_bool(value: str | bool) -> bool:
@@ -130,9 +133,20 @@ class ServerArgs:
             containment), passed to the engine. Empty: ``set_lora`` accepts no local path, only
             Hub ids present in the local Hugging Face cache.
         max_queue_size: generation requests waiting or running at once; more get 503 + Retry-After.
-        max_image_size: largest allowed width or height in pixels.
-        max_images_per_request: upper bound of ``n``.
-        max_inference_steps: upper bound of ``num_inference_steps``.
+        max_image_size: largest allowed width or height in pixels; must not exceed the model's
+            own maximum (the server refuses to start otherwise). ``None``: 2048, or the model's
+            maximum when that is smaller.
+        max_images_per_request: upper bound of ``n`` (``--max-n``).
+        max_inference_steps: upper bound of ``num_inference_steps`` (``--max-steps``).
+        max_pixel_steps: upper bound of ``n x width x height x num_inference_steps`` per request
+            (0: no bound).
+        timeout_keep_alive_s: an idle kept-alive connection is closed after this long.
+        timeout_headers_s: request headers must arrive within this long of the connection
+            opening (or of the previous answer); 0: no bound.
+        timeout_body_s: a request body must arrive within this long (else 408); 0: no bound.
+        limit_concurrency: open connections at most; one more is answered 503 and closed.
+        health_stall_timeout_s: ``/health`` answers 503 while work is pending and the engine has
+            not started or finished a task for this long (0: never).
         dit_cpu_offload: keep DiT weights in host memory between runs (GPU only; no-op on CPU).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks CUDA when available.
         dtype: ``auto|float32|float16|bfloat16``; ``None`` = ``auto`` (the engine's default).
@@ -153,9 +167,15 @@ class ServerArgs:
     lora_scales: list[float] = field(default_factory=list)
     lora_dirs: list[str] = field(default_factory=list)
     max_queue_size: int = 64
-    max_image_size: int = 2048
+    max_image_size: int | None = None
     max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
     max_inference_steps: int = DEFAULT_MAX_INFERENCE_STEPS
+    max_pixel_steps: int = DEFAULT_MAX_PIXEL_STEPS
+    timeout_keep_alive_s: float = 5.0
+    timeout_headers_s: float = 10.0
+    timeout_body_s: float = 30.0
+    limit_concurrency: int = 512
+    health_stall_timeout_s: float = 900.0
     dit_cpu_offload: bool = False
     device: str | None = None
     dtype: str | None = None
@@ -185,14 +205,28 @@ class ServerArgs:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if int(self.max_queue_size) < 1:
             raise ValueError(f"--max-queue-size must be >= 1, got {self.max_queue_size}")
-        if int(self.max_image_size) < 1:
+        if self.max_image_size is not None and int(self.max_image_size) < 1:
             raise ValueError(f"--max-image-size must be >= 1, got {self.max_image_size}")
         if int(self.max_images_per_request) < 1:
-            raise ValueError(
-                f"max_images_per_request must be >= 1, got {self.max_images_per_request}"
-            )
+            raise ValueError(f"--max-n must be >= 1, got {self.max_images_per_request}")
         if int(self.max_inference_steps) < 1:
-            raise ValueError(f"max_inference_steps must be >= 1, got {self.max_inference_steps}")
+            raise ValueError(f"--max-steps must be >= 1, got {self.max_inference_steps}")
+        if int(self.max_pixel_steps) < 0:
+            raise ValueError(f"--max-pixel-steps must be >= 0, got {self.max_pixel_steps}")
+        if int(self.limit_concurrency) < 1:
+            raise ValueError(f"--limit-concurrency must be >= 1, got {self.limit_concurrency}")
+        for flag, value in (
+            ("--timeout-keep-alive", self.timeout_keep_alive_s),
+            ("--timeout-headers", self.timeout_headers_s),
+            ("--timeout-body", self.timeout_body_s),
+            ("--health-stall-timeout", self.health_stall_timeout_s),
+        ):
+            if not 0 <= float(value) < float("inf"):
+                raise ValueError(f"{flag} must be a number of seconds >= 0, got {value}")
+        if float(self.timeout_keep_alive_s) < 1:
+            raise ValueError(
+                f"--timeout-keep-alive must be >= 1 second, got {self.timeout_keep_alive_s}"
+            )
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.api_key == "":
@@ -270,7 +304,61 @@ class ServerArgs:
         )
         g.add_argument("--max-queue-size", type=int, default=64)
         g.add_argument(
-            "--max-image-size", type=int, default=2048, help="largest width or height (pixels)"
+            "--max-image-size",
+            type=int,
+            default=None,
+            help="largest width or height in pixels (default: 2048, or the model's maximum when "
+            "smaller; a larger value than the model's is refused at start-up)",
+        )
+        g.add_argument(
+            "--max-n",
+            type=int,
+            default=DEFAULT_MAX_IMAGES_PER_REQUEST,
+            help=f"largest n (images per request; default {DEFAULT_MAX_IMAGES_PER_REQUEST})",
+        )
+        g.add_argument(
+            "--max-steps",
+            type=int,
+            default=DEFAULT_MAX_INFERENCE_STEPS,
+            help=f"largest num_inference_steps (default {DEFAULT_MAX_INFERENCE_STEPS})",
+        )
+        g.add_argument(
+            "--max-pixel-steps",
+            type=int,
+            default=DEFAULT_MAX_PIXEL_STEPS,
+            help="largest n x width x height x num_inference_steps of one request (default "
+            f"{DEFAULT_MAX_PIXEL_STEPS} = 1024x1024 x 256; 0: no bound)",
+        )
+        g.add_argument(
+            "--timeout-keep-alive",
+            type=float,
+            default=5.0,
+            help="seconds an idle kept-alive connection stays open (default 5)",
+        )
+        g.add_argument(
+            "--timeout-headers",
+            type=float,
+            default=10.0,
+            help="seconds a connection has to send its request headers (default 10; 0: no bound)",
+        )
+        g.add_argument(
+            "--timeout-body",
+            type=float,
+            default=30.0,
+            help="seconds a request body has to arrive, else 408 (default 30; 0: no bound)",
+        )
+        g.add_argument(
+            "--limit-concurrency",
+            type=int,
+            default=512,
+            help="open connections at most; more are answered 503 and closed (default 512)",
+        )
+        g.add_argument(
+            "--health-stall-timeout",
+            type=float,
+            default=900.0,
+            help="/health answers 503 when work is pending and the engine has not started or "
+            "finished a task for this many seconds (default 900; 0: never)",
         )
         g.add_argument("--served-model-name", default=None, help="id reported by /v1/models")
         g.add_argument(
@@ -333,6 +421,14 @@ class ServerArgs:
             lora_dirs=list(args.lora_dir or []),
             max_queue_size=args.max_queue_size,
             max_image_size=args.max_image_size,
+            max_images_per_request=args.max_n,
+            max_inference_steps=args.max_steps,
+            max_pixel_steps=args.max_pixel_steps,
+            timeout_keep_alive_s=args.timeout_keep_alive,
+            timeout_headers_s=args.timeout_headers,
+            timeout_body_s=args.timeout_body,
+            limit_concurrency=args.limit_concurrency,
+            health_stall_timeout_s=args.health_stall_timeout,
             dit_cpu_offload=args.dit_cpu_offload,
             device=args.device,
             dtype=args.dtype,

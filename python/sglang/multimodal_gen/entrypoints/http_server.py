@@ -18,6 +18,12 @@ The app only talks to the engine through a :class:`~.scheduler.Scheduler` (one t
 order). Request bodies are parsed here, not by FastAPI, so invalid JSON is a 400 that says where
 (line and column), schema errors are a 422, and bad values a 400 naming the field; all in the
 OpenAI error envelope, never with a stack trace.
+
+Nothing a client sends is read or kept without a bound: a body is refused with 413 from its
+``Content-Length`` before it is read, or as soon as a chunked body passes the limit; a body that
+does not arrive in ``timeout_body_s`` gets 408; request headers must arrive within
+``timeout_headers_s`` of the connection opening (or of the previous answer); connections above
+``limit_concurrency`` are answered 503 and closed at once (:func:`uvicorn_config`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import io
 import json
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -44,7 +51,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sglang.multimodal_gen.configs.server_args import ServerArgs
+from sglang.multimodal_gen.configs.server_args import DEFAULT_MAX_IMAGE_SIZE, ServerArgs
 from sglang.multimodal_gen.entrypoints.auth import ADMIN_PATHS, ApiKeyAuth
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception, error_body
@@ -59,21 +66,31 @@ from sglang.multimodal_gen.entrypoints.protocol import (
     StatusResponse,
     TargetRequest,
     UnloadLoRARequest,
+    schema_error_message,
     validate_generation,
     validate_set_lora,
     validate_target,
 )
-from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
+from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, _default_request_factory
+from sglang.multimodal_gen.entrypoints.videos import add_video_routes
 from sglang.multimodal_gen.errors import (
     EngineDeadError,
     InvalidRequestError,
     NotFoundError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
     SGLangError,
 )
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
+#: Deepest JSON nesting accepted (the schemas need 3: body, ``lora`` list, adapter object).
+MAX_JSON_DEPTH = 32
+#: Longest integer literal accepted in a body (no field takes more than 20 digits).
+MAX_INT_DIGITS = 100
+# ``\uD800``-``\uDFFF`` escapes: only bodies that contain one are walked for lone surrogates
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF][0-9a-fA-F]{2}")
 _MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
@@ -108,47 +125,195 @@ def _json_hint(text: str, pos: int) -> str:
     return ""
 
 
+class _LongInt(str):
+    """An integer literal longer than :data:`MAX_INT_DIGITS` (kept as text, refused after parsing;
+    ``int()`` of 4,300+ digits raises a library error)."""
+
+
+def _parse_int(text: str) -> int | _LongInt:
+    if len(text) > MAX_INT_DIGITS:
+        return _LongInt(text)
+    return int(text)
+
+
+def _nested_too_deep_key(text: str, limit: int) -> str | None:
+    """The top-level key under which ``text`` nests deeper than ``limit`` (None: at the top)."""
+    depth, key, i, n = 0, None, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            if depth == 1 and text[j + 1 : j + 40].lstrip().startswith(":"):
+                key = text[i + 1 : j]
+            i = j + 1
+            continue
+        if c in "[{":
+            depth += 1
+            if depth > limit:
+                return key
+        elif c in "]}":
+            depth -= 1
+        i += 1
+    return key
+
+
+def _check_parsed(obj: Any, walk: bool) -> None:
+    """Refuse what JSON allows but no field can take: nesting deeper than
+    :data:`MAX_JSON_DEPTH`, lone UTF-16 surrogates (``"\\ud800"``), integers of more than
+    :data:`MAX_INT_DIGITS` digits. ``walk=False``: nothing of the kind can be there (checked on
+    the raw text), so the walk is skipped.
+
+    Raises:
+        BodyError: 400, ``param`` the top-level field holding the value.
+    """
+    if not walk:
+        return
+    stack: list[tuple[Any, tuple, int]] = [(obj, (), 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        param = str(path[0]) if path else None
+        where = ".".join(str(p) for p in path) or "the body"
+        if depth > MAX_JSON_DEPTH:
+            raise BodyError(
+                f"{f'field {param!r}' if param else 'the body'} is nested more than "
+                f"{MAX_JSON_DEPTH} levels deep; no field takes that",
+                param=param,
+                code="invalid_json",
+            )
+        if isinstance(value, _LongInt):
+            raise BodyError(
+                f"{where} is an integer of {len(value.lstrip('-'))} digits; no field takes "
+                f"more than {MAX_INT_DIGITS}",
+                param=param,
+            )
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise BodyError(
+                    f"{where} is not valid Unicode text: character {e.start} is a lone UTF-16 "
+                    f"surrogate ({ascii(value[e.start])}); send UTF-8 text or paired "
+                    "\\uXXXX escapes",
+                    param=param,
+                    code="invalid_json",
+                ) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, path, depth + 1))  # keys are checked as text at their level
+                stack.append((v, (*path, k), depth + 1))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                stack.append((v, (*path, i), depth + 1))
+
+
 def parse_json_body(raw: bytes, model: type[BaseModel], *, allow_empty: bool = False) -> Any:
     """Decode ``raw`` as JSON and validate it against ``model``.
 
     Raises:
-        BodyError: 400; invalid UTF-8 or JSON, with line and column of the first error.
-        SchemaError: 422; the JSON does not fit ``model`` (message lists the fields at fault).
+        PayloadTooLargeError: 413; more than :data:`MAX_BODY_BYTES`.
+        BodyError: 400; invalid UTF-8 or JSON, with line and column of the first error; nesting,
+            integers or text no field can take (:func:`_check_parsed`).
+        SchemaError: 422; the JSON does not fit ``model`` (one sentence per field at fault,
+            :func:`~.protocol.schema_error_message`).
     """
     if len(raw) > MAX_BODY_BYTES:
-        raise BodyError(f"request body larger than {MAX_BODY_BYTES} bytes", code="invalid_json")
+        raise PayloadTooLargeError(
+            f"request body larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BodyError(f"request body is not valid UTF-8 ({e.reason})", code="invalid_json") from e
+        raise BodyError(
+            f"request body is not valid UTF-8 ({e.reason} at byte {e.start})", code="invalid_json"
+        ) from e
     if not text.strip():
         if not allow_empty:
             raise BodyError("request body is empty; expected a JSON object", code="invalid_json")
         text = "{}"
+    long_ints: list[bool] = []
+
+    def parse_int(digits: str) -> int | _LongInt:
+        out = _parse_int(digits)
+        if isinstance(out, _LongInt):
+            long_ints.append(True)
+        return out
+
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_int=parse_int)
     except json.JSONDecodeError as e:
         raise BodyError(
             f"invalid JSON in request body at line {e.lineno}, column {e.colno}: "
             f"{e.msg}{_json_hint(text, e.pos)}",
             code="invalid_json",
         ) from e
+    except RecursionError:
+        key = _nested_too_deep_key(text, MAX_JSON_DEPTH)
+        where = f"field {key!r}" if key else "the body"
+        raise BodyError(
+            f"{where} is nested more than {MAX_JSON_DEPTH} levels deep; no field takes that",
+            param=key,
+            code="invalid_json",
+        ) from None
+    _check_parsed(
+        obj,
+        walk=bool(long_ints)
+        or _SURROGATE_ESCAPE.search(text) is not None
+        or text.count("[") + text.count("{") > MAX_JSON_DEPTH,
+    )
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        parts, first_param = [], None
-        for err in e.errors()[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ())) or "body"
-            first_param = first_param or loc
-            if err.get("type") == "extra_forbidden":
-                parts.append(f"{loc}: unknown field")
-            else:
-                parts.append(f"{loc}: {err.get('msg')}")
-        raise SchemaError(
-            "request body does not match the schema: " + "; ".join(parts),
-            param=first_param,
-            code="invalid_schema",
-        ) from e
+        message, param = schema_error_message(e.errors(), model)
+        raise SchemaError(message, param=param, code="invalid_schema") from e
+
+
+async def read_body(
+    request: Request, limit: int = MAX_BODY_BYTES, timeout_s: float | None = None
+) -> bytes:
+    """The request body, read with bounds on its size and on the time it takes to arrive.
+
+    A ``Content-Length`` above ``limit`` is refused before anything is read; a body without one
+    (chunked) is refused as soon as it passes ``limit``.
+
+    Raises:
+        PayloadTooLargeError: 413.
+        RequestTimeoutError: 408; the body did not arrive within ``timeout_s``.
+        BodyError: 400; a ``Content-Length`` that is not a number.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise BodyError(f"invalid Content-Length header {declared[:40]!r}")
+        if int(declared) > limit:
+            raise PayloadTooLargeError(
+                f"request body of {int(declared)} bytes (Content-Length) is larger than the "
+                f"limit of {limit} bytes",
+                code="request_too_large",
+            )
+    chunks: list[bytes] = []
+    total = 0
+
+    async def receive_all() -> None:
+        nonlocal total
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise PayloadTooLargeError(
+                    f"request body larger than the limit of {limit} bytes",
+                    code="request_too_large",
+                )
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive_all(), timeout_s)
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"the request body did not arrive within {timeout_s:g} s ({total} bytes received)",
+            code="request_timeout",
+        ) from None
+    return b"".join(chunks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,6 +415,8 @@ def _endpoint_label(path: str) -> str:
         return path
     if path.startswith("/v1/images/files/"):
         return "/v1/images/files/{name}"
+    if path == "/v1/videos" or path.startswith("/v1/videos/"):
+        return "/v1/videos" if path == "/v1/videos" else "/v1/videos/{id}"
     return "other"
 
 
@@ -318,20 +485,24 @@ def create_app(
         The app; ``app.state`` holds ``scheduler``, ``metrics``, ``engine`` and ``server_args``.
     """
     args = server_args or ServerArgs()
-    metrics = ServerMetrics()
-    scheduler = Scheduler(
-        engine, args.max_queue_size, metrics=metrics, request_factory=request_factory
-    )
-    auth = ApiKeyAuth(args.api_key, args.admin_api_key)
     info = dict(getattr(engine, "model_info", {}) or {})
-    family_max = (info.get("defaults") or {}).get("max_image_size")
+    defaults = dict(info.get("defaults") or getattr(engine, "defaults", None) or {})
     limits = Limits(
         spatial_factor=int(engine.spatial_factor),
-        # never more than the model's position tables cover
-        max_image_size=min(args.max_image_size, family_max or args.max_image_size),
+        max_image_size=resolve_max_image_size(args.max_image_size, defaults),
         max_images=args.max_images_per_request,
         max_steps=args.max_inference_steps,
+        max_pixel_steps=args.max_pixel_steps or None,
     )
+    metrics = ServerMetrics()
+    scheduler = Scheduler(
+        engine,
+        args.max_queue_size,
+        metrics=metrics,
+        request_factory=request_factory,
+        stall_timeout_s=args.health_stall_timeout_s or None,
+    )
+    auth = ApiKeyAuth(args.api_key, args.admin_api_key)
     lora_targets = tuple(engine.lora_targets)
     if args.served_model_name:
         model_id = args.served_model_name
@@ -365,6 +536,7 @@ def create_app(
     app.state.engine = engine
     app.state.server_args = args
     app.state.images = images
+    app.state.limits = limits
 
     # ------------------------------------------------------------------ middleware / handlers
     app.add_middleware(_AuthAndCount, auth=auth, metrics=metrics)
@@ -382,9 +554,13 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def schema_error(request: Request, exc: RequestValidationError):
-        return JSONResponse(error_body(f"invalid request: {exc.errors()[:3]}", 422), 422)
+        message, param = schema_error_message(exc.errors(), None)
+        return JSONResponse(error_body(message, 422, param=param, code="invalid_schema"), 422)
 
     # ------------------------------------------------------------------ helpers
+    async def request_body(request: Request) -> bytes:
+        return await read_body(request, MAX_BODY_BYTES, args.timeout_body_s or None)
+
     async def wait_for(future, request: Request | None = None) -> Any:
         """Await a scheduler future.
 
@@ -430,9 +606,9 @@ def create_app(
     @app.post("/v1/images/generations")
     async def images_generations(request: Request):
         t0 = time.perf_counter()
-        req = parse_json_body(await request.body(), ImageGenerationRequest)
+        req = parse_json_body(await request_body(request), ImageGenerationRequest)
         check_model(req.model)
-        params = validate_generation(req, limits)
+        params = validate_generation(req, limits, defaults)
         if params.engine_kwargs.get("seed") is None:
             # drawn here so the response can report it and the image can be reproduced
             params.engine_kwargs["seed"] = secrets.randbits(63)
@@ -472,7 +648,7 @@ def create_app(
 
     @app.post("/v1/set_lora")
     async def set_lora(request: Request):
-        req = parse_json_body(await request.body(), SetLoRARequest)
+        req = parse_json_body(await request_body(request), SetLoRARequest)
         kwargs = validate_set_lora(req, lora_targets)
         result = await wait_for(scheduler.submit_call("set_lora", **kwargs))
         names = req.lora_nickname if isinstance(req.lora_nickname, list) else [req.lora_nickname]
@@ -480,27 +656,27 @@ def create_app(
 
     @app.post("/v1/unset_lora")
     async def unset_lora(request: Request):
-        req = parse_json_body(await request.body(), TargetRequest, allow_empty=True)
+        req = parse_json_body(await request_body(request), TargetRequest, allow_empty=True)
         target = validate_target(req.target, lora_targets)
         result = await wait_for(scheduler.submit_call("unset_lora", target=target))
         return status(f"LoRA deactivated on target {target!r} (adapters stay loaded)", result)
 
     @app.post("/v1/unload_lora")
     async def unload_lora(request: Request):
-        req = parse_json_body(await request.body(), UnloadLoRARequest)
+        req = parse_json_body(await request_body(request), UnloadLoRARequest)
         result = await wait_for(scheduler.submit_call("unload_lora", req.lora_nickname))
         return status(f"unloaded {req.lora_nickname!r}", result)
 
     @app.post("/v1/merge_lora_weights")
     async def merge_lora_weights(request: Request):
-        req = parse_json_body(await request.body(), TargetRequest, allow_empty=True)
+        req = parse_json_body(await request_body(request), TargetRequest, allow_empty=True)
         target = validate_target(req.target, lora_targets)
         result = await wait_for(scheduler.submit_call("merge_lora_weights", target=target))
         return status(f"merged the active LoRA into target {target!r}", result)
 
     @app.post("/v1/unmerge_lora_weights")
     async def unmerge_lora_weights(request: Request):
-        req = parse_json_body(await request.body(), TargetRequest, allow_empty=True)
+        req = parse_json_body(await request_body(request), TargetRequest, allow_empty=True)
         target = validate_target(req.target, lora_targets)
         result = await wait_for(scheduler.submit_call("unmerge_lora_weights", target=target))
         return status(f"restored the base weights of target {target!r}", result)
@@ -522,11 +698,25 @@ def create_app(
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
+    # /v1/videos: asynchronous video jobs (video models; 400 naming the modality otherwise)
+    app.state.videos = add_video_routes(
+        app,
+        scheduler=scheduler,
+        read_body=request_body,
+        parse_body=parse_json_body,
+        check_model=check_model,
+        limits=limits,
+        defaults=defaults,
+        modality=str(defaults.get("modality", "image")),
+        model_id=model_id,
+        request_factory=request_factory or _default_request_factory(),
+    )
+
     @app.get("/health")
     async def health():
         if await run_in_threadpool(scheduler.healthy):
             return JSONResponse({"status": "ok"})
-        reason = scheduler.dead_reason or "the server is shutting down"
+        reason = scheduler.unhealthy_reason() or "the server is shutting down"
         return JSONResponse(error_body(reason, 503), 503, headers={"Retry-After": "1"})
 
     @app.get("/metrics")
@@ -535,6 +725,118 @@ def create_app(
         return Response(metrics.render(), media_type=metrics.content_type)
 
     return app
+
+
+def resolve_max_image_size(requested: int | None, defaults: dict) -> int:
+    """The server's largest side: ``--max-image-size``, which must not exceed the model's
+    ``max_image_size`` (what its position tables cover); unset: 2048, or the model's if smaller.
+
+    Raises:
+        ValueError: ``requested`` is larger than the model's maximum (the server does not start).
+    """
+    model_max = defaults.get("max_image_size")
+    if requested is None:
+        return min(DEFAULT_MAX_IMAGE_SIZE, model_max or DEFAULT_MAX_IMAGE_SIZE)
+    if model_max is not None and requested > model_max:
+        raise ValueError(
+            f"--max-image-size {requested} is larger than this model's maximum of {model_max} "
+            f"pixels per side; use --max-image-size {model_max} or less"
+        )
+    return int(requested)
+
+
+# ---------------------------------------------------------------------------------------------
+# connections
+
+
+def _raw_error_response(status: int, reason: str, message: str) -> bytes:
+    """A complete HTTP/1.1 answer with the error envelope that closes the connection (written
+    by the protocol before any request is parsed, so without the app)."""
+    body = json.dumps(error_body(message, status)).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n"
+    )
+    if status == 503:
+        head += "retry-after: 1\r\n"
+    return (head + "\r\n").encode() + body
+
+
+def guarded_protocol_class(timeout_headers_s: float | None, limit_concurrency: int | None):
+    """uvicorn's h11 protocol with the two bounds uvicorn lacks.
+
+    - ``timeout_headers_s``: the request line and headers must arrive within this many seconds
+      of the connection opening or of the previous answer on it (uvicorn's own
+      ``timeout_keep_alive`` only starts after an answer, and any byte resets it), else the
+      connection gets 408 and is closed: idle or trickling sockets do not pile up.
+    - ``limit_concurrency``: a connection opened while that many are open gets 503 and is closed
+      at once, so file descriptors stay bounded.
+    """
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    busy = _raw_error_response(503, "Service Unavailable", "too many open connections; retry later")
+    slow = _raw_error_response(
+        408, "Request Timeout", f"request headers did not arrive within {timeout_headers_s} s"
+    )
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if limit_concurrency is not None and len(self.connections) > limit_concurrency:
+                transport.write(busy)
+                transport.close()
+                return
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            if timeout_headers_s:
+                self._header_timer = self.loop.call_later(timeout_headers_s, self._headers_late)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting and not self.transport.is_closing():
+                self.transport.write(slow)
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_timer()  # the next request's headers, on a kept-alive socket
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+def uvicorn_config(app: Any, server_args: ServerArgs, **overrides: Any) -> Any:
+    """The ``uvicorn.Config`` of ``app`` under ``server_args``' connection bounds
+    (``timeout_keep_alive_s``, ``timeout_headers_s``, ``limit_concurrency``)."""
+    import uvicorn
+
+    kwargs = dict(
+        host=server_args.host,
+        port=server_args.port,
+        log_level=server_args.log_level.lower(),
+        access_log=server_args.log_level.lower() == "debug",
+        timeout_graceful_shutdown=int(server_args.graceful_shutdown_timeout_s),
+        timeout_keep_alive=max(1, int(server_args.timeout_keep_alive_s)),
+        http=guarded_protocol_class(
+            server_args.timeout_headers_s or None, server_args.limit_concurrency or None
+        ),
+    )
+    kwargs.update(overrides)
+    return uvicorn.Config(app, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,19 +915,15 @@ def launch_server(server_args: ServerArgs, engine: Any | None = None) -> None:
     logger.info("server args: %s", server_args.redacted())
     own_engine = engine is None
     if engine is None:
+        from sglang.multimodal_gen.runtime.engine import check_device
+
+        check_device(server_args.device)  # before the model loads: one clear line, exit 2
         engine = build_engine(server_args)
     try:
-        load_startup_loras(engine, server_args)
+        # the app first: it refuses limits the model cannot serve before adapters load
         app = create_app(engine, server_args, shutdown_engine=own_engine)
-        config = uvicorn.Config(
-            app,
-            host=server_args.host,
-            port=server_args.port,
-            log_level=server_args.log_level.lower(),
-            access_log=server_args.log_level.lower() == "debug",
-            timeout_graceful_shutdown=int(server_args.graceful_shutdown_timeout_s),
-        )
-        _run_uvicorn(uvicorn.Server(config))
+        load_startup_loras(engine, server_args)
+        _run_uvicorn(uvicorn.Server(uvicorn_config(app, server_args)))
     except BaseException:
         if own_engine:
             try:

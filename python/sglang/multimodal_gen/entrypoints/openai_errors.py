@@ -26,6 +26,7 @@ DEFAULT_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -51,6 +52,8 @@ def error_body(
         param: the request field at fault, if any.
         code: a short machine-readable code (``"invalid_json"``, ``"queue_full"``, ...).
     """
+    # a lone surrogate echoed from a request cannot be encoded as UTF-8: escape it, never fail
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {
         "error": {
             "message": message,
@@ -68,6 +71,9 @@ def describe_exception(exc: BaseException) -> tuple[int, dict, dict]:
       ``param``/``code``; ``QueueFullError`` adds ``Retry-After``, other 503s ``Retry-After: 1``.
     - ``ValueError`` (the project's convention for bad input): 400 with its message.
     - ``FileNotFoundError``: 404 with its message (an adapter path that does not exist).
+    - ``UnicodeError`` / ``RecursionError`` (text that is not valid Unicode, nesting too deep,
+      reaching a library): 400 with our own sentence (the specific checks come first and name
+      the field; this is the net behind them).
     - anything else: 500 ``"internal server error (ref <id>)"``; the traceback is logged.
     """
     headers: dict[str, str] = {}
@@ -84,6 +90,12 @@ def describe_exception(exc: BaseException) -> tuple[int, dict, dict]:
     if isinstance(exc, FileNotFoundError):
         message = str(exc) or "file not found"
         return 404, error_body(message, 404, code="not_found"), headers
+    if isinstance(exc, UnicodeError):
+        logger.warning("request refused: %s", ascii(str(exc)))
+        message = "the request contains text that is not valid Unicode (a lone UTF-16 surrogate?)"
+        return 400, error_body(message, 400, code="invalid_text"), headers
+    if isinstance(exc, RecursionError):
+        return 400, error_body("the request is nested too deeply", 400), headers
     if isinstance(exc, ValueError):
         return 400, error_body(str(exc) or "invalid value", 400), headers
     ref = uuid.uuid4().hex[:12]

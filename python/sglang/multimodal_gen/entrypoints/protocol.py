@@ -2,12 +2,17 @@
 
 Two levels of checking, mirroring the status codes of the design:
 
-- *schema* (pydantic, HTTP 422): a field has the wrong JSON type, a required field is missing, or an
-  unknown field is sent (a misspelt ``num_inference_step`` must not be silently ignored);
+- *schema* (pydantic in strict mode, HTTP 422): a field has the wrong JSON type (``"n": "2"``,
+  ``"seed": true`` and ``"guidance_scale": true`` are refused, an integer is accepted where a
+  number is expected), a required field is missing, or an unknown field is sent (a misspelt
+  ``num_inference_step`` must not be silently ignored). :func:`schema_error_message` words each
+  error as one sentence naming the field (no pydantic type paths);
 - *values* (:func:`validate_generation`, :func:`validate_set_lora`, HTTP 400): the type is right but
   the value is outside its range; each error names the field in ``param`` and states the range.
-  The LoRA rules (``set_lora`` list pairing, per-request ``lora``) are those of
-  :mod:`sglang.multimodal_gen.lora.requests`, which the engine and the LoRA manager apply too.
+  The generation rules are :meth:`GenerationRequest.validate
+  <sglang.multimodal_gen.runtime.request.GenerationRequest.validate>`'s, which the CLI and the
+  Python API apply too; the LoRA rules (``set_lora`` list pairing, per-request ``lora``) are those
+  of :mod:`sglang.multimodal_gen.lora.requests`, which the engine and the LoRA manager apply too.
 
 OpenAI fields we accept but do not act on (``quality``, ``style``, ``background``, ``moderation``)
 are declared so that the official client's requests validate. Nothing here imports FastAPI.
@@ -15,8 +20,8 @@ are declared so that the official client's requests validate. Nothing here impor
 
 from __future__ import annotations
 
-import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,19 +33,27 @@ from sglang.multimodal_gen.lora.requests import (
     normalize_set_lora,
     validate_composition,
 )
+from sglang.multimodal_gen.runtime.request import (
+    MAX_PROMPT_CHARS,
+    MAX_SEED,
+    GenerationRequest,
+    check_size,
+)
+
+__all__ = ["MAX_PROMPT_CHARS", "MAX_SEED"]  # re-exported: the rules live in runtime.request
 
 RESPONSE_FORMATS = ("b64_json", "url")
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 DEFAULT_SIZE = "1024x1024"
-MAX_PROMPT_CHARS = 20000
-MAX_SEED = 2**63 - 1
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
+# at most 6 digits per side: bounded before int() (a 5,000-digit side is refused as a form error)
+_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
 
 
 class _Strict(BaseModel):
-    """Base: unknown fields are a schema error (422)."""
+    """Base: unknown fields are a schema error (422); types are strict (no ``"2"`` -> 2, no
+    ``true`` -> 1; an integer is accepted where a number is expected)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class LoRASpec(_Strict):
@@ -153,6 +166,119 @@ class ModelList(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------
+# schema errors (HTTP 422), in our own words
+
+#: What each field takes, for the 422 message (JSON terms).
+_EXPECTED = {
+    "prompt": "a string",
+    "negative_prompt": "a string",
+    "model": "a string",
+    "size": "a string 'WxH'",
+    "response_format": "a string",
+    "output_format": "a string",
+    "user": "a string",
+    "quality": "a string",
+    "style": "a string",
+    "background": "a string",
+    "moderation": "a string",
+    "n": "an integer",
+    "output_compression": "an integer",
+    "seed": "an integer",
+    "num_inference_steps": "an integer",
+    "max_sequence_length": "an integer",
+    "guidance_scale": "a number",
+    "true_cfg_scale": "a number",
+    "stream": "true or false",
+    "lora": 'an object {"name": string, "scale": number}, a list of them, or null',
+    "name": "a string",
+    "scale": "a number",
+    "lora_nickname": "a string or a list of strings",
+    "lora_path": "a string, a list of strings (or nulls), or null",
+    "target": "a string",
+    "strength": "a number or a list of numbers",
+    "merge_mode": "a string or null",
+}
+#: What one element of a list field takes.
+_ELEMENT = {
+    "lora": 'an object {"name": string, "scale": number}',
+    "lora_nickname": "a string",
+    "lora_path": "a string or null",
+    "strength": "a number",
+}
+_FIELD_NAMES = frozenset(_EXPECTED)
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string" if len(value) > 40 else f"the string {value!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def schema_error_message(errors: list[dict], model: Any = None) -> tuple[str, str | None]:
+    """Word pydantic's errors as our sentences: ``(message, param)``.
+
+    One sentence per field at fault (at most five), e.g. ``n must be an integer, got the string
+    '2'``, ``num_inference_step: unknown field``, ``prompt is required``. pydantic's union member
+    tags (``lora.list[LoRASpec].0``) never appear: paths keep field names and list positions.
+    ``param`` is the first top-level field at fault.
+    """
+    by_field: dict[str, tuple[int, str]] = {}
+    order: list[str] = []
+    for err in errors:
+        loc = tuple(err.get("loc", ()))
+        kind = err.get("type", "")
+        if loc and loc[0] in ("body", "query", "path") and model is None:
+            loc = loc[1:]  # FastAPI's own validation prefixes the source
+        if kind == "extra_forbidden" and loc:
+            parent = [x for x in loc[:-1] if isinstance(x, int) or x in _FIELD_NAMES]
+            top = str(parent[0]) if parent else str(loc[-1])
+            where = ".".join(str(x) for x in parent)
+            sentence = (
+                f"{where}: unknown field {str(loc[-1])!r}" if where else f"{loc[-1]}: unknown field"
+            )
+            rank = 100  # an unknown field is the most telling
+        else:
+            path = [x for x in loc if isinstance(x, int) or x in _FIELD_NAMES]
+            if not path:
+                by_field.setdefault("", (0, "the body must be a JSON object"))
+                if "" not in order:
+                    order.append("")
+                continue
+            top = str(path[0])
+            where = ".".join(str(x) for x in path)
+            if kind == "missing":
+                sentence, rank = f"{where} is required", 50
+            else:
+                leaf = path[-1]
+                if isinstance(leaf, int):
+                    parent = next((p for p in reversed(path) if isinstance(p, str)), top)
+                    expected = _ELEMENT.get(parent, "a value of another type")
+                else:
+                    expected = _EXPECTED.get(leaf, "a value of another type")
+                sentence = f"{where} must be {expected}, got {_json_kind(err.get('input'))}"
+                rank = len(path)  # the most specific of a union's alternatives
+        if top not in order:
+            order.append(top)
+        if top not in by_field or rank > by_field[top][0]:
+            by_field[top] = (rank, sentence)
+    sentences = [by_field[f][1] for f in order[:5]]
+    param = next((f for f in order if f), None)
+    return "request body does not match the schema: " + "; ".join(sentences), param
+
+
+# ---------------------------------------------------------------------------------------------
 # value checks (HTTP 400)
 
 
@@ -165,12 +291,26 @@ class Limits:
         max_image_size: largest width or height.
         max_images: largest ``n``.
         max_steps: largest ``num_inference_steps``.
+        max_pixel_steps: largest ``n x width x height x num_inference_steps`` (``None``: no bound).
     """
 
     spatial_factor: int = 16
     max_image_size: int = 2048
     max_images: int = 8
     max_steps: int = 1000
+    max_pixel_steps: int | None = None
+
+    def request_limits(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The ``limits`` of :meth:`GenerationRequest.validate`: the model's (``defaults``) with
+        the server's bounds on top (the server's image size is never above the model's)."""
+        out = dict(defaults or {})
+        out.update(
+            max_image_size=self.max_image_size,
+            max_num_images=self.max_images,
+            max_inference_steps=self.max_steps,
+            max_pixel_steps=self.max_pixel_steps,
+        )
+        return out
 
 
 @dataclass(frozen=True)
@@ -204,8 +344,16 @@ def _bad(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
+def _size_form(limits: Limits) -> str:
+    return (
+        f"expected 'WxH' with W and H multiples of {limits.spatial_factor} in "
+        f"[{limits.spatial_factor}, {limits.max_image_size}], e.g. '1024x1024'"
+    )
+
+
 def parse_size(size: str, limits: Limits) -> tuple[int, int]:
-    """Parse ``"WxH"`` and check it against ``limits``.
+    """Parse ``"WxH"`` and check it against ``limits`` (the rules of
+    :func:`~sglang.multimodal_gen.runtime.request.check_size`).
 
     Returns:
         ``(width, height)``.
@@ -213,40 +361,45 @@ def parse_size(size: str, limits: Limits) -> tuple[int, int]:
     Raises:
         InvalidRequestError: ``param="size"``; the message gives the allowed form.
     """
-    allowed = (
-        f"expected 'WxH' with W and H multiples of {limits.spatial_factor} in "
-        f"[{limits.spatial_factor}, {limits.max_image_size}], e.g. '1024x1024'"
-    )
+    allowed = _size_form(limits)
     m = _SIZE_RE.match(size)
     if not m:
-        raise _bad(f"invalid size {size!r}: {allowed}", "size")
+        shown = size if len(size) <= 40 else size[:40] + "..."
+        raise _bad(f"invalid size {shown!r}: {allowed}", "size")
     width, height = int(m.group(1)), int(m.group(2))
     if width < 1 or height < 1:
         raise _bad(f"invalid size {size!r}: {allowed}", "size")
-    if width % limits.spatial_factor or height % limits.spatial_factor:
-        raise _bad(
-            f"invalid size {size!r}: width and height must be multiples of "
-            f"{limits.spatial_factor} for this model; {allowed}",
-            "size",
-        )
-    if width > limits.max_image_size or height > limits.max_image_size:
-        raise _bad(
-            f"invalid size {size!r}: larger than the server's maximum {limits.max_image_size} "
-            f"per side (--max-image-size); {allowed}",
-            "size",
-        )
+    try:
+        check_size(height, width, limits.spatial_factor, limits.max_image_size)
+    except InvalidRequestError:
+        raise _size_error(size, width, height, limits) from None
     return width, height
 
 
-def _finite(value: float, param: str, low: float | None = None) -> float:
-    if not math.isfinite(value) or (low is not None and value < low):
-        bound = f">= {low}" if low is not None else ""
-        raise _bad(f"{param} must be a finite number {bound}, got {value}".strip(), param)
-    return float(value)
+def _size_error(size: str, width: int, height: int, limits: Limits) -> InvalidRequestError:
+    """A ``height``/``width`` refusal of :func:`check_size`, worded for the HTTP ``size`` field."""
+    if max(width, height) > limits.max_image_size:
+        reason = (
+            f"larger than the server's maximum {limits.max_image_size} per side (--max-image-size)"
+        )
+    else:
+        reason = f"width and height must be multiples of {limits.spatial_factor} for this model"
+    return _bad(f"invalid size {size!r}: {reason}; {_size_form(limits)}", "size")
 
 
-def validate_generation(req: ImageGenerationRequest, limits: Limits) -> GenerationParams:
+def validate_generation(
+    req: ImageGenerationRequest, limits: Limits, defaults: Mapping[str, Any] | None = None
+) -> GenerationParams:
     """Check every value of a generation request and translate it for the engine.
+
+    The output options (``response_format``, ``output_format``, ...) are the HTTP layer's; every
+    generation value is checked by :meth:`GenerationRequest.validate
+    <sglang.multimodal_gen.runtime.request.GenerationRequest.validate>` (the CLI's and the Python
+    API's rules) with the server's bounds (:meth:`Limits.request_limits`).
+
+    Args:
+        defaults: the model's sampling defaults (``engine.defaults``): the default step count
+            enters the pixel-steps budget.
 
     Returns:
         :class:`GenerationParams`; ``engine_kwargs`` uses the names of ``GenerationRequest``
@@ -255,10 +408,6 @@ def validate_generation(req: ImageGenerationRequest, limits: Limits) -> Generati
     Raises:
         InvalidRequestError: naming the field (``param``) and its allowed range.
     """
-    if len(req.prompt) > MAX_PROMPT_CHARS:
-        raise _bad(f"prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
-    if not 1 <= req.n <= limits.max_images:
-        raise _bad(f"n must be an integer in [1, {limits.max_images}], got {req.n}", "n")
     if req.size in (None, "auto"):
         # DEFAULT_SIZE, shrunk when the server's own limit is smaller.
         side = min(1024, limits.max_image_size // limits.spatial_factor * limits.spatial_factor)
@@ -295,37 +444,26 @@ def validate_generation(req: ImageGenerationRequest, limits: Limits) -> Generati
         "width": width,
         "num_images": req.n,
     }
-    if req.seed is not None:
-        if not 0 <= req.seed <= MAX_SEED:
-            raise _bad(f"seed must be an integer in [0, {MAX_SEED}], got {req.seed}", "seed")
-        kwargs["seed"] = req.seed
-    if req.num_inference_steps is not None:
-        if not 1 <= req.num_inference_steps <= limits.max_steps:
-            raise _bad(
-                f"num_inference_steps must be an integer in [1, {limits.max_steps}], "
-                f"got {req.num_inference_steps}",
-                "num_inference_steps",
-            )
-        kwargs["num_inference_steps"] = req.num_inference_steps
-    if req.guidance_scale is not None:
-        kwargs["guidance_scale"] = _finite(req.guidance_scale, "guidance_scale", low=0.0)
-    if req.true_cfg_scale is not None:
-        kwargs["true_cfg_scale"] = _finite(req.true_cfg_scale, "true_cfg_scale", low=0.0)
-    if req.max_sequence_length is not None:
-        if req.max_sequence_length < 1:
-            raise _bad(
-                f"max_sequence_length must be an integer >= 1, got {req.max_sequence_length}",
-                "max_sequence_length",
-            )
-        kwargs["max_sequence_length"] = req.max_sequence_length
-    if req.negative_prompt is not None:
-        if len(req.negative_prompt) > MAX_PROMPT_CHARS:
-            raise _bad(
-                f"negative_prompt is longer than {MAX_PROMPT_CHARS} characters", "negative_prompt"
-            )
-        kwargs["negative_prompt"] = req.negative_prompt
+    for name in (
+        "seed",
+        "num_inference_steps",
+        "guidance_scale",
+        "true_cfg_scale",
+        "max_sequence_length",
+        "negative_prompt",
+    ):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = float(value) if name.endswith("_scale") else value
     if req.lora is not None:
         kwargs["lora"] = validate_composition(req.lora, "lora")
+    try:
+        request = GenerationRequest(**kwargs).with_defaults(defaults or {})
+        request.validate(limits.spatial_factor, limits.request_limits(defaults))
+    except InvalidRequestError as e:
+        if e.param in ("height", "width"):
+            raise _size_error(size, width, height, limits) from None
+        raise
     return GenerationParams(
         engine_kwargs=kwargs,
         width=width,

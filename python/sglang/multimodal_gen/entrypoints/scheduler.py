@@ -19,6 +19,10 @@ on a busy server.
 When the engine dies (``EngineDeadError`` or ``engine.is_alive()`` false) every waiting request
 fails with ``EngineDeadError`` (HTTP 503) and new ones are refused at once, so nothing hangs.
 
+An engine that is alive but stuck (a call that never returns) is noticed too: with
+``stall_timeout_s``, :meth:`Scheduler.healthy` is false while work is pending and no task has
+started or finished for that long (``/health`` turns 503; it recovers when the task ends).
+
 This module does not import FastAPI; it is plain threading and ``concurrent.futures``.
 """
 
@@ -85,6 +89,8 @@ class Scheduler:
         request_factory: builds the engine's request object from keyword arguments (default:
             ``sglang.multimodal_gen.runtime.GenerationRequest``).
         idle_check_s: how often the idle worker polls ``engine.is_alive()``.
+        stall_timeout_s: :meth:`healthy` is false while work is pending and nothing started or
+            finished for this long (``None``: never).
     """
 
     ADMIN_METHODS = (
@@ -104,6 +110,7 @@ class Scheduler:
         metrics: SchedulerMetrics | None = None,
         request_factory: Callable[..., Any] | None = None,
         idle_check_s: float = 0.5,
+        stall_timeout_s: float | None = None,
     ):
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}")
@@ -112,6 +119,8 @@ class Scheduler:
         self.metrics = metrics or SchedulerMetrics()
         self._request_factory = request_factory
         self._idle_check_s = idle_check_s
+        self.stall_timeout_s = stall_timeout_s
+        self._progress_at = time.monotonic()  # last task start/end, or work arriving when idle
         self._queue: deque[_Task] = deque()
         self._cond = threading.Condition()
         self._waiting_generations = 0
@@ -195,9 +204,34 @@ class Scheduler:
             self._mark_dead("the engine reported that it is not alive")
         return alive
 
+    def stalled_s(self) -> float:
+        """Seconds without progress (no task started or finished) while work is pending; 0 when
+        nothing is pending."""
+        if self._running is None and not self._queue:
+            return 0.0
+        return max(0.0, time.monotonic() - self._progress_at)
+
+    def _stalled(self) -> bool:
+        return self.stall_timeout_s is not None and self.stalled_s() > self.stall_timeout_s
+
     def healthy(self) -> bool:
-        """True when the engine is alive and the server accepts new work (``/health``)."""
-        return self._accepting and not self._stop and self.engine_alive()
+        """True when the engine is alive, makes progress, and the server accepts new work
+        (``/health``)."""
+        return self._accepting and not self._stop and self.engine_alive() and not self._stalled()
+
+    def unhealthy_reason(self) -> str | None:
+        """Why :meth:`healthy` is false (``None`` when it is not)."""
+        if self._dead_reason is not None:
+            return self._dead_reason
+        if not self._accepting or self._stop:
+            return "the server is shutting down"
+        if self._stalled():
+            running = self._running.kind if self._running is not None else "nothing"
+            return (
+                f"the engine has made no progress for {self.stalled_s():.0f} s while work is "
+                f"pending (running: {running}; {len(self._queue)} waiting)"
+            )
+        return None
 
     def retry_after_s(self) -> int:
         """A guess of when a slot frees up: the mean generation time x waiting requests, 1..60 s."""
@@ -218,6 +252,15 @@ class Scheduler:
             QueueFullError: ``max_queue_size`` requests are already waiting.
             EngineDeadError: the engine is dead or the server is shutting down.
         """
+        return self._submit_generation(request_kwargs, video=False)
+
+    def submit_video(self, **request_kwargs: Any) -> Future:
+        """Queue one video generation (``engine.generate_video``); the future resolves to a list
+        of uint8 ``[F, H, W, 3]`` arrays. Same queue, limits and errors as
+        :meth:`submit_generation`."""
+        return self._submit_generation(request_kwargs, video=True)
+
+    def _submit_generation(self, request_kwargs: dict, video: bool) -> Future:
         with self._cond:
             self._check_open()
             if self._waiting_generations >= self.max_queue_size:
@@ -225,7 +268,8 @@ class Scheduler:
                     f"the request queue is full ({self.max_queue_size} waiting); retry later",
                     retry_after_s=self.retry_after_s(),
                 )
-            task = _Task("generate", (), dict(request_kwargs), Future())
+            task = _Task("generate", ("video",) if video else (), dict(request_kwargs), Future())
+            self._note_arrival_locked()
             self._queue.append(task)
             self._waiting_generations += 1
             self.metrics.set_queue_depth(self._waiting_generations)
@@ -257,9 +301,14 @@ class Scheduler:
         with self._cond:
             self._check_open()
             task = _Task(method, args, kwargs, Future())
+            self._note_arrival_locked()
             self._queue.append(task)
             self._cond.notify_all()
         return task.future
+
+    def _note_arrival_locked(self) -> None:
+        if self._running is None and not self._queue:
+            self._progress_at = time.monotonic()  # idle until now: the stall clock starts here
 
     # ------------------------------------------------------------------ worker
     def _mark_dead(self, reason: str) -> None:
@@ -292,6 +341,7 @@ class Scheduler:
                 self._waiting_generations -= 1
                 self.metrics.set_queue_depth(self._waiting_generations)
             self._running = task
+            self._progress_at = time.monotonic()
             return task
 
     def _loop(self) -> None:
@@ -314,6 +364,7 @@ class Scheduler:
             finally:
                 with self._cond:
                     self._running = None
+                    self._progress_at = time.monotonic()
                     self._cond.notify_all()
             if self._dead_reason is not None:
                 break
@@ -326,7 +377,8 @@ class Scheduler:
                 factory = self._request_factory or _default_request_factory()
                 request = factory(**task.kwargs)
                 steps = getattr(request, "num_inference_steps", None)
-                result = self.engine.generate(request)
+                video = task.args == ("video",)
+                result = (self.engine.generate_video if video else self.engine.generate)(request)
             else:
                 result = getattr(self.engine, task.kind)(*task.args, **task.kwargs)
         except BaseException as e:  # delivered to the waiting handler, which maps it

@@ -13,20 +13,32 @@ kohya / musubi              ``lora_unet_<m with . -> _>.lora_down.weight``, ``.l
                             looking the flattened name up in the model's own flattened vocabulary
 ComfyUI                     ``diffusion_model.<m>...`` with either weight naming
 dotted kohya                ``<m>.lora.down.weight`` / ``<m>.lora.up.weight``
+LoRA processors (XLabs)     ``<m>.down.weight`` / ``<m>.up.weight`` where the module's last name
+                            ends in ``_lora`` or ``_lora<digits>`` (``processor.qkv_lora1``); the
+                            model's name map says what such a module is; no alpha (scale 1)
+alpha spellings             ``<m>.alpha``, also ``<m>.lora_A.weight.alpha`` / ``.lora_down...``
+bias delta                  ``<m>.diff_b`` ``[out]``: added to the bias at the user's strength
+                            (no alpha, as ComfyUI applies it); alone or with a LoRA pair
 LyCORIS LoKr                ``<m>.lokr_w1`` (or ``_w1_a``/``_w1_b``), ``.lokr_w2`` (or
                             ``_w2_a``/``_w2_b``), ``.alpha``: converted to an exact low-rank
-                            (A, B) of ``kron(W1, W2)`` when one exists (see ``lora/lokr.py``)
+                            (A, B) of ``kron(W1, W2)`` when one exists (see ``lora/lokr.py``);
+                            flattened names may carry ``lycoris_`` instead of ``lora_unet_``
 ==========================  ======================================================================
 
 Files may mix these per module (each module keeps its own alpha). Text-encoder keys (``lora_te*``,
 ``text_encoder*.``, ...) and keys of another pipeline component (``transformer_2.`` while
 converting ``transformer``) are skipped and reported in ``ignored_keys``.
 
+Where the model's name map says a file name stores its output rows in another order
+(``NameRule.row_order``, e.g. BFL's ``final_layer.adaLN_modulation.1``), ``B``, ``lora_B.bias``
+and ``diff_b`` are reordered (never ``A``); a name whose shard is a tuple (XLabs' single-block
+``qkv_lora``) fills those shards of the fused layer.
+
 Refused with :class:`~sglang.multimodal_gen.errors.LoRAFormatError` naming the feature and the
-first offending key: DoRA (``dora_scale``, ``lora_magnitude_vector``), LoKr with a Tucker core
+offending keys: DoRA (``dora_scale``, ``lora_magnitude_vector``), LoKr with a Tucker core
 (``lokr_t1/t2``) or with full-rank factors, LoHa (``hada_*``), embedding LoRA
-(``lora_embedding_*``), ``modules_to_save`` copies, full weight diffs (``diff``/``diff_b``), LoCon
-mid weights, OFT/BOFT/IA3, conv (4-D) LoRA, unknown keys. Also refused: keys that match none of the
+(``lora_embedding_*``), ``modules_to_save`` copies, full weight diffs (``.diff``), LoCon mid
+weights, OFT/BOFT/IA3, conv (4-D) LoRA, unknown keys. Also refused: keys that match none of the
 model's modules (with a guess of the architecture they target), modules of the file missing from
 the model, duplicate or overlapping pairs, rank/shape mismatches and non-finite values.
 """
@@ -48,7 +60,7 @@ from sglang.multimodal_gen.layers.lora.weights import LoRAWeights, all_finite
 from sglang.multimodal_gen.lora.lokr import lokr_to_lora
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
 from sglang.multimodal_gen.lora.peft_config import AdapterConfig, config_from_sources, lora_scale
-from sglang.multimodal_gen.models.name_map import NameMap, ShardId
+from sglang.multimodal_gen.models.name_map import NameMap, ShardGroup, ShardId
 
 __all__ = ["CanonicalLoRA", "convert_to_canonical", "guess_architecture"]
 
@@ -125,7 +137,7 @@ _UNSUPPORTED_KEYS = (
     (re.compile(r"\.hada_(w1|w2|t1|t2)(_a|_b)?$"), "LoHa (LyCORIS Hadamard product)"),
     (re.compile(r"\.lora_embedding_[AB](\.|$)"), "embedding LoRA (lora_embedding_A/B)"),
     (re.compile(r"\.modules_to_save(\.|$)"), "modules_to_save (full trained module copies)"),
-    (re.compile(r"\.diff(_b)?$"), "full weight difference (diff / diff_b)"),
+    (re.compile(r"\.diff$"), "full weight difference (diff)"),
     (re.compile(r"\.lora_mid\.weight$"), "LoCon/Tucker mid weight (lora_mid)"),
     (re.compile(r"\.(oft_\w+|boft_\w+|oft_blocks|oft_diag)$"), "OFT/BOFT"),
     (re.compile(r"\.ia3_l(\.|$)"), "IA3"),
@@ -134,14 +146,18 @@ _UNSUPPORTED_KEYS = (
 _PEFT_RE = re.compile(r"^(?P<m>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.(?P<p>weight|bias)$")
 _KOHYA_RE = re.compile(r"^(?P<m>.+)\.lora_(?P<ab>down|up)\.(?P<p>weight)$")
 _KOHYA_DOT_RE = re.compile(r"^(?P<m>.+)\.lora\.(?P<ab>down|up)\.(?P<p>weight)$")
-_ALPHA_RE = re.compile(r"^(?P<m>.+)\.alpha$")
+# LoRALinearLayer-style processors (XLabs ``processor.qkv_lora1.down.weight``)
+_PROCESSOR_RE = re.compile(r"^(?P<m>.+_lora\d*)\.(?P<ab>down|up)\.(?P<p>weight)$")
+# ``<m>.alpha``, and the per-weight spellings ``<m>.lora_A.weight.alpha`` / ``.lora_down.weight...``
+_ALPHA_RE = re.compile(r"^(?P<m>.+?)(?:\.lora_(?:A|down)(?:\.[^.]+)?\.weight)?\.alpha$")
+_DIFF_B_RE = re.compile(r"^(?P<m>.+)\.diff_b$")
 _LOKR_RE = re.compile(r"^(?P<m>.+)\.lokr_(?P<part>w1|w2|w1_a|w1_b|w2_a|w2_b)$")
 
 # ``transformer.`` / ``transformer_2.``: pipeline components of (two-expert) DiT pipelines; keys of
 # a component other than the one being converted are skipped and counted like text-encoder keys.
 _COMPONENT_RE = re.compile(r"^(transformer(?:_\d+)?)\.")
 
-_FLAT_PREFIXES = ("lora_unet_", "lora_transformer_")
+_FLAT_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
 _ROLE = {"A": "A", "down": "A", "B": "B", "up": "B"}
 
 # Architecture signatures for "this file seems to target X" (G1). First pattern wins per key.
@@ -178,17 +194,20 @@ class _Pair:
 
     file_module: str  # dotted, wrapper prefixes removed
     style: str
-    target: tuple[str, ShardId] | None
+    target: tuple[str, ShardId | ShardGroup] | None
     A: torch.Tensor | None = None
     B: torch.Tensor | None = None
     B_bias: torch.Tensor | None = None
+    diff_b: torch.Tensor | None = None  # bias delta added at the user's strength (no alpha)
     alpha: torch.Tensor | None = None
     lokr: dict[str, torch.Tensor] = field(default_factory=dict)  # "w1", "w2_a", ... -> tensor
     keys: dict[str, str] = field(default_factory=dict)  # role -> key
 
     @property
     def has_weights(self) -> bool:
-        return self.A is not None or self.B is not None or bool(self.lokr)
+        return (
+            self.A is not None or self.B is not None or bool(self.lokr) or self.diff_b is not None
+        )
 
 
 def _strip_prefixes(name: str, spec: LoRAModelSpec, component: str) -> tuple[str, list[str]]:
@@ -230,17 +249,19 @@ def _resolve_module(
         if name.startswith(p):
             flat = name[len(p) :].replace(".", "_")
             dotted = spec.flat_vocabulary.get(flat)
+            style = "lokr" if weight_style == "lokr" else "kohya"
             if dotted is None:
-                return flat, "kohya", None
-            return dotted, "kohya", spec.vocabulary[dotted]
+                return flat, style, None
+            return dotted, style, spec.vocabulary[dotted]
     target = spec.lookup(name)
     if target is None and "_" in name:
         # a flattened name without the lora_unet_ prefix
         dotted = spec.flat_vocabulary.get(name.replace(".", "_"))
         if dotted is not None:
             return dotted, "kohya", spec.vocabulary[dotted]
-    style = "lokr" if weight_style == "lokr" else _style(prefixes, weight_style, False)
-    return name, style, target
+    if weight_style in ("lokr", "xlabs"):
+        return name, weight_style, target
+    return name, _style(prefixes, weight_style, False), target
 
 
 def _parse(
@@ -263,14 +284,14 @@ def _parse(
             continue
         for pat, feature in _UNSUPPORTED_KEYS:
             if pat.search(key):
-                raise LoRAFormatError(
-                    f"unsupported LoRA feature: {feature}; first offending key {key!r}"
-                )
+                raise _unsupported_error(feature, pat, key, state_dict)
         m = _PEFT_RE.match(key)
         weight_style = "peft"
         if m is None:
             m = _KOHYA_RE.match(key) or _KOHYA_DOT_RE.match(key)
             weight_style = "kohya"
+        if m is None and (m := _PROCESSOR_RE.match(key)) is not None:
+            weight_style = "xlabs"
         if m is not None:
             role = _ROLE[m.group("ab")]
             if m.group("p") == "bias":
@@ -282,6 +303,9 @@ def _parse(
         elif (m := _LOKR_RE.match(key)) is not None:
             role = "lokr_" + m.group("part")
             weight_style = "lokr"
+        elif (m := _DIFF_B_RE.match(key)) is not None:
+            role = "diff_b"
+            weight_style = "kohya"
         else:
             m = _ALPHA_RE.match(key)
             if m is None:
@@ -311,6 +335,18 @@ def _parse(
             f"the file holds several PEFT adapters ({sorted(adapters)}); save one adapter per file"
         )
     return pairs, ignored, sorted(adapters)
+
+
+def _unsupported_error(
+    feature: str, pat: re.Pattern, key: str, state_dict: Mapping[str, Any]
+) -> LoRAFormatError:
+    """The refusal of a feature, listing the file's keys that use it (the first few)."""
+    keys = [k for k in state_dict if pat.search(k)]
+    shown = ", ".join(repr(k) for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
+    return LoRAFormatError(
+        f"unsupported LoRA feature: {feature}; first offending key {key!r} "
+        f"({len(keys)} such key{'s' if len(keys) != 1 else ''}: {shown})"
+    )
 
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
@@ -360,10 +396,17 @@ def _label(p: _Pair) -> str:
     return f"{p.file_module!r} (-> {our}" + (f" shard {sid!r})" if sid is not None else ")")
 
 
-def _pair_weights(p: _Pair, cfg: AdapterConfig) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Validated ``(A [r, in], B [out, r], scale)`` of one file module (LoKr converted first)."""
+def _pair_weights(
+    p: _Pair, cfg: AdapterConfig
+) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """Validated ``(A [r, in], B [out, r], scale)`` of one file module (LoKr converted first);
+    ``(None, None, 1.0)`` for a module with a bias delta (``diff_b``) only."""
     label = _label(p)
     a, b = p.A, p.B
+    if p.diff_b is not None:
+        _check_finite(p.diff_b, f"module {label} diff_b")
+        if a is None and b is None and not p.lokr and p.B_bias is None:
+            return None, None, 1.0
     if p.lokr:
         if a is not None or b is not None or p.B_bias is not None:
             raise LoRAFormatError(f"module {label}: both LoRA and LoKr weights in one module")
@@ -399,20 +442,34 @@ def _pair_weights(p: _Pair, cfg: AdapterConfig) -> tuple[torch.Tensor, torch.Ten
     return a, b, scale
 
 
+def _reorder_rows(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """``t``'s rows cut in ``len(order)`` equal chunks; result chunk ``i`` = chunk ``order[i]``."""
+    chunks = t.chunk(len(order), dim=0)
+    return torch.cat([chunks[i] for i in order], dim=0)
+
+
 def _place(
     p: _Pair,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | None,
+    b: torch.Tensor | None,
     scale: float,
     spec: LoRAModelSpec,
     modules: dict[str, dict[ShardId, LoRAWeights]],
     covered: dict[tuple[str, ShardId], str],
 ) -> None:
-    """Check one pair against its target's shapes and store it per shard (fused B split by rows)."""
+    """Check one pair against its target's shapes and store it per shard (fused B split by rows).
+
+    ``a``/``b`` ``None``: a bias delta (``diff_b``) alone, stored as a rank-0 pair with an offset.
+    """
     our, sid = p.target
     label = _label(p)
     shapes = spec.module_shapes[our]
-    shard_ids = [sid] if sid is not None else spec.shards(our)
+    if sid is None:
+        shard_ids = spec.shards(our)
+    elif isinstance(sid, tuple):
+        shard_ids = list(sid)
+    else:
+        shard_ids = [sid]
     for s in shard_ids:
         if s not in shapes:
             raise LoRAFormatError(f"module {label}: {our} has no shard {s!r}")
@@ -425,24 +482,46 @@ def _place(
         covered[(our, s)] = p.file_module
     out_sizes = [shapes[s][0] for s in shard_ids]
     in_size = shapes[shard_ids[0]][1]
+    rows = sum(out_sizes)
+    if a is None:  # diff_b only
+        a = p.diff_b.new_zeros(0, in_size)
+        b = p.diff_b.new_zeros(rows, 0)
     r = a.shape[0]
-    expect_b = (sum(out_sizes), r)
+    expect_b = (rows, r)
     if a.shape[1] != in_size or tuple(b.shape) != expect_b:
         raise LoRAFormatError(
             f"module {label}: LoRA shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit "
             f"the layer; expected A ({r}, {in_size}), B {expect_b}"
         )
-    if p.B_bias is not None and tuple(p.B_bias.shape) != (expect_b[0],):
-        raise LoRAFormatError(
-            f"module {label}: lora_B.bias has shape {tuple(p.B_bias.shape)}, expected "
-            f"({expect_b[0]},)"
-        )
+    for t, what in ((p.B_bias, "lora_B.bias"), (p.diff_b, "diff_b")):
+        if t is not None and tuple(t.shape) != (rows,):
+            raise LoRAFormatError(
+                f"module {label}: {what} has shape {tuple(t.shape)}, expected ({rows},)"
+            )
+    # the bias delta: lora_B.bias is scaled with the delta (peft), diff_b at strength only
+    offset, offset_scale = p.B_bias, None
+    if p.diff_b is not None:
+        offset, offset_scale = p.diff_b, 1.0
+        if p.B_bias is not None:
+            offset = p.B_bias.float() * scale + p.diff_b.float()
+    order = spec.row_order(p.file_module)
+    if order is not None:  # the file's output rows are in another order (B and biases, not A)
+        if rows % len(order):
+            raise LoRAFormatError(
+                f"module {label}: {rows} output rows do not split into {len(order)} chunks"
+            )
+        b = _reorder_rows(b, order)
+        offset = None if offset is None else _reorder_rows(offset, order)
     a = a.contiguous()
     row = 0
     for s, n in zip(shard_ids, out_sizes):
-        off = p.B_bias[row : row + n].contiguous() if p.B_bias is not None else None
+        off = offset[row : row + n].contiguous() if offset is not None else None
         modules.setdefault(our, {})[s] = LoRAWeights(
-            lora_A=a, lora_B=b[row : row + n].contiguous(), scale=scale, offset=off
+            lora_A=a,
+            lora_B=b[row : row + n].contiguous(),
+            scale=scale,
+            offset=off,
+            offset_scale=offset_scale,
         )
         row += n
 

@@ -14,6 +14,13 @@ Merge modes: ``"dynamic"`` (unmerged: the layers add the fused LoRA path in thei
 ``"merge"`` (merged into the weights; every layer must be able to merge), ``"auto"`` (merge the
 layers that can, dynamic for the others).
 
+Finite is not safe: a strength or an adapter's ``alpha / r`` can be finite in Python and still
+overflow where it is used. Before any layer changes, each active adapter's effective scale
+``strength x alpha / r`` must be finite in float32 (the merge accumulates in it) and
+``|strength x scale x B|`` must fit the weights' dtype (the unmerged path folds it into ``B``); a
+merge whose result is not finite is undone. Each is an ``InvalidRequestError`` naming the field
+(``strength`` for ``set_lora``, ``lora`` for a per-request composition).
+
 Every public operation is atomic: it validates and stages everything it can before touching a
 layer, and if anything fails after that, each touched layer is put back into its previous
 composition and merge state (unmerge restores a snapshot and re-merging is deterministic, so the
@@ -48,10 +55,12 @@ from sglang.multimodal_gen.errors import (
 )
 from sglang.multimodal_gen.layers.linear import ParallelLinear
 from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA, replace_submodule, wrap_with_lora
+from sglang.multimodal_gen.layers.lora.weights import all_finite
 from sglang.multimodal_gen.lora.formats import CanonicalLoRA, convert_to_canonical
 from sglang.multimodal_gen.lora.loading import is_hub_id, load_lora_state_dict
 from sglang.multimodal_gen.lora.merge_cache import AdapterKey, MergeCache, MergeKey
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
+from sglang.multimodal_gen.lora.peft_config import FP32_MAX
 from sglang.multimodal_gen.lora.requests import (
     ALL_TARGETS,
     MERGE_MODES,
@@ -82,6 +91,7 @@ class _Adapter:
     scales: dict[tuple[str, str], tuple]  # (target, module) -> ((shard_id, scale), ...)
     nbytes: int = 0
     last_used: int = 0
+    peaks: dict[tuple[str, str], float] = field(default_factory=dict)  # max |scale x B| per module
 
 
 @dataclass
@@ -99,6 +109,11 @@ class _Savepoint:
     adapters: list[tuple[str, _Adapter, int]]  # (nickname, adapter, last_used) in LRU order
     layers: dict  # LoRAManager._snapshot_state of every target
     dropped: list[_Adapter] = field(default_factory=list)  # uninstall deferred until commit
+
+
+def _amax(t: torch.Tensor) -> float:
+    """``max |t|`` as a Python float (0 for an empty tensor)."""
+    return float(t.detach().abs().amax()) if t.numel() else 0.0
 
 
 class LoRAManager:
@@ -331,6 +346,21 @@ class LoRAManager:
             for t, c in converted.items()
             for m, shards in c.modules.items()
         }
+        for (_t, m), shard_scales in scales.items():
+            for _, scale in shard_scales:
+                if not abs(scale) <= FP32_MAX:
+                    raise LoRAFormatError(
+                        f"LoRA {nickname!r}: module {m!r} has scale alpha/r = {scale:g}, which "
+                        "is not finite in float32",
+                        param="lora_path",
+                    )
+        peaks = {
+            (t, m): max(
+                (abs(float(w.scale)) * _amax(w.lora_B) for w in shards.values()), default=0.0
+            )
+            for t, c in converted.items()
+            for m, shards in c.modules.items()
+        }
         adapter = _Adapter(
             nickname=nickname,
             uid=uid,
@@ -339,8 +369,49 @@ class LoRAManager:
             summaries={t: c.summary() for t, c in converted.items()},
             modules={t: sorted(c.modules) for t, c in converted.items()},
             scales=scales,
+            peaks=peaks,
         )
         return adapter, converted
+
+    def _check_strengths(
+        self,
+        compositions: Mapping[str, list[tuple[str, float]]],
+        adapter_for: Any,
+        param: str,
+    ) -> None:
+        """Refuse a composition whose numbers overflow where they are used (see the module
+        docstring): ``strength x alpha / r`` beyond float32, or ``|strength x scale x B|`` beyond
+        the layer weights' dtype. Nothing is touched.
+
+        Raises:
+            InvalidRequestError: ``param`` (``"strength"`` or ``"lora"``).
+        """
+        for t, comp in compositions.items():
+            layers = self._layers[t]
+            for name, strength in comp:
+                adapter = adapter_for(name)
+                for (tt, module), shard_scales in adapter.scales.items():
+                    if tt != t:
+                        continue
+                    for _, scale in shard_scales:
+                        eff = strength * scale
+                        if not abs(eff) <= FP32_MAX:
+                            raise InvalidRequestError(
+                                f"strength {strength:g} of adapter {name!r} times its scale "
+                                f"alpha/r = {scale:g} is {eff:g}, which is not finite in "
+                                "float32; use a smaller strength",
+                                param=param,
+                            )
+                    dtype = layers[module].base_layer.weight.dtype
+                    top = torch.finfo(dtype).max if dtype.is_floating_point else FP32_MAX
+                    peak = abs(strength) * adapter.peaks.get((tt, module), 0.0)
+                    if not peak <= top:
+                        raise InvalidRequestError(
+                            f"strength {strength:g} of adapter {name!r} makes its LoRA weights "
+                            f"overflow {str(dtype).removeprefix('torch.')} on module {module!r} "
+                            f"(largest |strength x scale x B| = {peak:g}); use a smaller strength",
+                            param=param,
+                        )
 
     def _install(self, adapter: _Adapter, converted: dict[str, CanonicalLoRA]) -> None:
         """Add the staged adapter's slices to the layers (under its uid). Raises after undoing."""
@@ -423,13 +494,22 @@ class LoRAManager:
         return by_uid, key
 
     def _apply(
-        self, tname: str, comp: list[tuple[str, float]], mode: str, use_cache: bool = True
+        self,
+        tname: str,
+        comp: list[tuple[str, float]],
+        mode: str,
+        use_cache: bool = True,
+        param: str = "strength",
     ) -> None:
         """Put every layer of ``tname`` into ``comp`` under ``mode`` (no rollback here).
 
         ``mode="request"`` (per-request compositions): layers whose composition does not change
         keep their merge state, the others run unmerged. A layer already in the wanted
         composition and merge state is not touched.
+
+        Raises:
+            InvalidRequestError: ``param``; a merged weight came out NaN/Inf (the caller's
+                transaction puts the layers back).
         """
         for module, layer in self._layers[tname].items():
             by_uid, key = self._layer_comp(tname, module, comp)
@@ -453,6 +533,14 @@ class LoRAManager:
             else:
                 layer.set_active(by_uid)
                 merged = layer.merge(cached=cached) if layer.active else None
+            if cached is None and merged is not None and not all_finite(merged):
+                raise InvalidRequestError(
+                    f"merging the LoRA composition {[n for n, _ in comp]} into module {module!r} "
+                    f"of {tname!r} gives NaN/Inf weights in "
+                    f"{str(merged.dtype).removeprefix('torch.')}; use smaller strengths (or the "
+                    "adapter's weights are extreme)",
+                    param=param,
+                )
             if use_cache and cached is None and merged is not None and layer.merged:
                 self.cache.put(key, merged)
 
@@ -668,6 +756,9 @@ class LoRAManager:
                             f"adapter {name!r} matches no module of target {t!r}", param="target"
                         )
 
+        if _activate:
+            self._check_strengths(new_comp, adapter_for, "strength")
+
         # memory: pinned = everything active after this call
         final_comp = {t: list(s.composition) for t, s in self._state.items()}
         if _activate:
@@ -702,7 +793,7 @@ class LoRAManager:
                     self._state[t].mode = mode
                 for t in reloaded_active:  # a reloaded adapter active elsewhere: new weights
                     st = self._state[t]
-                    self._apply(t, st.composition, st.mode)
+                    self._apply(t, st.composition, st.mode, param="lora_path")
         except BaseException:
             for name, old in previous.items():
                 if old is None:
@@ -838,6 +929,11 @@ class LoRAManager:
         comp = validate_composition(composition, "lora")
         for name, _ in comp:
             self._get(name, param="lora")
+        self._check_strengths(
+            {t: [(n, s) for n, s in comp if t in self._adapters[n].modules] for t in self._targets},
+            self._adapters.__getitem__,
+            "lora",
+        )
         tnames = [
             t
             for t in self._targets
@@ -853,7 +949,7 @@ class LoRAManager:
             with self._transaction(tnames):
                 for t in tnames:
                     tcomp = [(n, s) for n, s in comp if t in self._adapters[n].modules]
-                    self._apply(t, tcomp, "request")
+                    self._apply(t, tcomp, "request", param="lora")
             yield
         finally:
             self._request_composition = None

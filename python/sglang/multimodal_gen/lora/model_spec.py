@@ -17,11 +17,21 @@ from functools import cached_property
 
 import torch.nn as nn
 
-from sglang.multimodal_gen.models.name_map import NameMap, ShardId
+from sglang.multimodal_gen.models.name_map import NameMap, ShardGroup, ShardId
 
 __all__ = ["LoRAModelSpec", "shard_order_key"]
 
 _QKV_ORDER = {"q": 0, "k": 1, "v": 2}
+
+
+def _has_shards(shards: Mapping[ShardId, object], sid: ShardId | ShardGroup) -> bool:
+    """Whether ``sid`` (``None``: the whole layer; a shard id; a tuple of them) names shards of a
+    layer with ``shards``."""
+    if sid is None:
+        return True
+    if isinstance(sid, tuple):
+        return bool(sid) and all(s in shards for s in sid)
+    return sid in shards
 
 
 def shard_order_key(shard_id: ShardId) -> tuple[int, int, str]:
@@ -160,7 +170,7 @@ class LoRAModelSpec:
                 res = self.name_map.resolve(cand)
                 if res[0] != our:
                     continue
-                if res[1] is not None and res[1] not in self.module_shapes[our]:
+                if not _has_shards(self.module_shapes[our], res[1]):
                     continue
                 vocab.setdefault(cand, res)
         for k, v in self._extra_names.items():
@@ -181,13 +191,22 @@ class LoRAModelSpec:
                 flat[key] = None
         return flat
 
-    def lookup(self, file_module: str) -> tuple[str, ShardId] | None:
-        """Resolve a dotted file module name (prefixes already removed), or None."""
+    def lookup(self, file_module: str) -> tuple[str, ShardId | ShardGroup] | None:
+        """Resolve a dotted file module name (prefixes already removed), or None.
+
+        The shard is ``None`` (the whole layer), one shard id, or a tuple of consecutive shard ids
+        (a file module covering several sections of a fused layer)."""
         hit = self.vocabulary.get(file_module)
         if hit is not None:
             return hit
         if self.name_map is not None:
             our, sid = self.name_map.resolve(file_module)
-            if our in self.module_shapes and (sid is None or sid in self.module_shapes[our]):
+            if our in self.module_shapes and _has_shards(self.module_shapes[our], sid):
                 return our, sid
         return None
+
+    def row_order(self, file_module: str) -> tuple[int, ...] | None:
+        """How the file stores ``file_module``'s output rows when its layout differs from ours
+        (``NameMap.row_order``: chunk ``i`` of ours is chunk ``order[i]`` of the file); ``None``
+        when the rows are in our order."""
+        return None if self.name_map is None else self.name_map.row_order(file_module)

@@ -11,7 +11,11 @@ places, all of which this module reads into one :class:`AdapterConfig`:
   training notes are ignored, as kohya's own loader ignores them).
 
 When two sources give different values for the same field the file is refused (a
-:class:`~sglang.multimodal_gen.errors.LoRAFormatError` naming the field and both values).
+:class:`~sglang.multimodal_gen.errors.LoRAFormatError` naming the field and both values). So is a
+field of the wrong kind, in our words and naming the source: ``r`` that is not a positive integer,
+``lora_alpha`` (or an ``alpha_pattern`` value) that is not a finite number within float32 range,
+a ``rank_pattern`` / ``alpha_pattern`` key or a ``target_modules`` string that is not a valid
+regular expression.
 
 Per-module resolution follows peft 0.21 (``LoraModel._create_and_replace`` with
 ``peft.utils.other.get_pattern_key``): each key of ``rank_pattern`` / ``alpha_pattern`` is a regular
@@ -34,6 +38,7 @@ from typing import Any
 from sglang.multimodal_gen.errors import LoRAFormatError
 
 __all__ = [
+    "FP32_MAX",
     "AdapterConfig",
     "config_from_sources",
     "get_pattern_key",
@@ -59,6 +64,9 @@ _UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 
 _SUPPORTED_PEFT_TYPES = {None, "LORA"}
+
+#: Largest finite float32: LoRA scales are applied in float32 (merge) or the weights' dtype.
+FP32_MAX = 3.4028234663852886e38
 
 # Fields compared across sources and kept in AdapterConfig.
 _KNOWN_FIELDS = (
@@ -178,26 +186,80 @@ def _decode(value: Any) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             return value
     return value
 
 
-def _normalize_field(name: str, value: Any) -> Any:
+def _rank(value: Any, what: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LoRAFormatError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _alpha(value: Any, what: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or abs(value) > FP32_MAX
+    ):
+        raise LoRAFormatError(
+            f"{what} must be a finite number within float32 range (|alpha| <= 3.4e38), "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
+def _check_regex(key: Any, what: str) -> str:
+    if not isinstance(key, str):
+        raise LoRAFormatError(f"{what} {key!r} is not a string")
+    try:
+        re.compile(rf"(.*\.)?({key})$")
+    except (re.error, RecursionError, OverflowError) as e:
+        raise LoRAFormatError(f"{what} {key!r} is not a valid regular expression ({e})") from None
+    return key
+
+
+def _normalize_field(name: str, value: Any, source: str = "adapter config") -> Any:
+    """One field of one source, checked and in a comparable form.
+
+    Raises:
+        LoRAFormatError: a value of the wrong kind, naming ``source`` and the field.
+    """
     if value is None:
         return None
+    what = f"{source}: {name}"
     if name == "r":
-        return int(value)
+        return _rank(value, what)
     if name == "lora_alpha":
-        return float(value)
+        return _alpha(value, what)
     if name in ("use_rslora", "lora_bias"):
         if isinstance(value, str):
             return value.strip().lower() in ("1", "true", "yes")
         return bool(value)
-    if name in ("target_modules", "exclude_modules") and isinstance(value, (list, tuple, set)):
-        return sorted(str(v) for v in value)
-    if name in ("rank_pattern", "alpha_pattern") and isinstance(value, Mapping):
-        return dict(value)
+    if name in ("target_modules", "exclude_modules"):
+        if isinstance(value, str):
+            return _check_regex(value, f"{what} (a regular expression)")
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return sorted(value)
+        raise LoRAFormatError(f"{what} must be a string or a list of strings, got {value!r}")
+    if name in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(value, Mapping):
+            raise LoRAFormatError(f"{what} must be an object {{pattern: value}}, got {value!r}")
+        check = _rank if name == "rank_pattern" else _alpha
+        return {
+            _check_regex(k, f"{what} key"): check(v, f"{what}[{k!r}]") for k, v in value.items()
+        }
     return value
 
 
@@ -280,7 +342,7 @@ def config_from_sources(
         for fld in _KNOWN_FIELDS:
             if fld not in cfg or cfg[fld] is None:
                 continue
-            val = _normalize_field(fld, cfg[fld])
+            val = _normalize_field(fld, cfg[fld], src)
             if fld in merged and merged[fld][1] != val:
                 raise LoRAFormatError(
                     f"conflicting LoRA config sources for {fld!r}: "

@@ -13,7 +13,8 @@ Rules of ``set_lora`` (:func:`normalize_set_lora`):
   (the message names both fields and both lengths);
 - ``lora_path`` entries are non-empty strings, or ``null`` to reuse the adapter loaded under that
   nickname; one nickname cannot be given two different paths in one call;
-- ``strength`` entries are finite numbers; ``merge_mode`` is ``null`` or one of
+- ``strength`` entries are finite numbers within float32 range (the LoRA manager also checks
+  ``strength x alpha / r`` against the weights' dtype); ``merge_mode`` is ``null`` or one of
   :data:`MERGE_MODES`; targets are checked against the model's targets when those are known;
 - a nickname may appear once per target (``"all"`` counts as every target), so the same adapter
   can be set on ``transformer`` and ``transformer_2`` of a two-expert model in one call.
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang.multimodal_gen.errors import InvalidRequestError
+from sglang.multimodal_gen.lora.peft_config import FP32_MAX
 
 __all__ = [
     "ALL_TARGETS",
@@ -54,6 +56,11 @@ def _number(value: Any, what: str, param: str) -> float:
         raise InvalidRequestError(f"{what} must be a finite number, got {value!r}", param=param)
     if not math.isfinite(value):
         raise InvalidRequestError(f"{what} must be a finite number, got {value}", param=param)
+    if abs(value) > FP32_MAX:  # finite in Python, not where it is used (float32 and below)
+        raise InvalidRequestError(
+            f"{what} must be a finite number within float32 range (|x| <= 3.4e38), got {value:g}",
+            param=param,
+        )
     return float(value)
 
 

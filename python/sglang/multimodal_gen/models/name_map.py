@@ -14,6 +14,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 ShardId = int | str | None
+# several consecutive shards of one fused layer, in row order (a source module that covers e.g.
+# the q, k and v sections of a fused [q | k | v | mlp] layer but not the mlp one)
+ShardGroup = tuple[int | str, ...]
 
 
 @dataclass(frozen=True)
@@ -25,12 +28,23 @@ class NameRule:
     ``layers.3.attention.to_q`` resolves to ``("layers.3.attention.to_qkv", "q")``.
     ``prefix_only`` rules match at the start of the name only (e.g. ``final_layer.`` ->
     ``all_final_layer.2-1.``).
+
+    ``shard_id`` may also be a :data:`ShardGroup` (a tuple of consecutive shard ids in row order):
+    the source module's output rows are those shards stacked (only LoRA files use such names).
+
+    ``row_order``: the source layout stores the module's output rows as ``len(row_order)`` equal
+    chunks in another order; chunk ``i`` of ours is chunk ``row_order[i]`` of the source (BFL's
+    ``final_layer.adaLN_modulation.1`` is ``(shift, scale)`` where diffusers' ``norm_out.linear``
+    is ``(scale, shift)``: ``(1, 0)``). A rename cannot do this; whoever loads output-row data of
+    such a module (weight rows, bias, a LoRA ``B`` and its bias, never a LoRA ``A``) reorders it,
+    reading the order from :meth:`NameMap.row_order`.
     """
 
     source: str
     target: str
-    shard_id: ShardId = None
+    shard_id: ShardId | ShardGroup = None
     prefix_only: bool = False
+    row_order: tuple[int, ...] | None = None
 
     @staticmethod
     def _rename(name: str, old: str, new: str, prefix_only: bool) -> str | None:
@@ -73,16 +87,13 @@ class NameMap:
         self.rules = tuple(rules)
         self.strip_prefixes = tuple(strip_prefixes)
 
-    def resolve(self, name: str) -> tuple[str, ShardId]:
-        """Map a checkpoint module name to ``(our_module_name, shard_id)``.
-
-        Names no rule touches map to themselves with ``shard_id=None``.
-        """
+    def _walk(self, name: str) -> tuple[str, ShardId | ShardGroup, tuple[int, ...] | None]:
         for p in self.strip_prefixes:
             if name.startswith(p):
                 name = name[len(p) :]
                 break
-        shard_id: ShardId = None
+        shard_id: ShardId | ShardGroup = None
+        row_order: tuple[int, ...] | None = None
         for rule in self.rules:
             out = rule.apply(name)
             if out is None:
@@ -90,9 +101,24 @@ class NameMap:
             name, sid = out
             if sid is not None:
                 shard_id = sid
+            if rule.row_order is not None:
+                row_order = rule.row_order
+        return name, shard_id, row_order
+
+    def resolve(self, name: str) -> tuple[str, ShardId | ShardGroup]:
+        """Map a checkpoint module name to ``(our_module_name, shard_id)``.
+
+        Names no rule touches map to themselves with ``shard_id=None``.
+        """
+        name, shard_id, _ = self._walk(name)
         return name, shard_id
 
-    def resolve_param(self, param_name: str) -> tuple[str, ShardId]:
+    def row_order(self, name: str) -> tuple[int, ...] | None:
+        """The :attr:`NameRule.row_order` of the rules ``name`` resolves through (``None``: the
+        source rows are in our order)."""
+        return self._walk(name)[2]
+
+    def resolve_param(self, param_name: str) -> tuple[str, ShardId | ShardGroup]:
         """Like :meth:`resolve` for a parameter name ``<module>.<param>`` (``weight``, ``bias``...)."""
         module, _, leaf = param_name.rpartition(".")
         if not module:

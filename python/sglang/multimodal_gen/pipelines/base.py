@@ -38,7 +38,7 @@ from sglang.multimodal_gen.models.components import load_component, read_model_i
 from sglang.multimodal_gen.models.loader import load_denoiser, read_json
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
 
-__all__ = ["GenerationInputs", "StagedPipeline", "latents_to_uint8"]
+__all__ = ["GenerationInputs", "StagedPipeline", "check_finite", "latents_to_uint8"]
 
 
 @dataclass
@@ -78,8 +78,36 @@ def latents_to_uint8(images: torch.Tensor) -> np.ndarray:
     processor does (``postprocess`` to ``[0, 1]`` floats, then ``round(255 x)``, half to even)."""
     from diffusers.image_processor import VaeImageProcessor
 
+    check_finite(images, "decoded pixels")  # NaN/Inf would become a black image, never sent
     x = VaeImageProcessor(do_normalize=True).postprocess(images.float(), output_type="np")
     return (x * 255).round().astype("uint8")
+
+
+def check_finite(x: torch.Tensor, what: str, inp: GenerationInputs | None = None) -> None:
+    """Fail a generation whose ``x`` holds NaN/Inf instead of returning a blank image.
+
+    One reduction per generation (after the loop, after decoding). ``param`` names a guidance
+    value when it is the likely cause (>= 1000); the engine stays healthy either way.
+
+    Raises:
+        NonFiniteOutputError: 400, ``code="non_finite_output"``.
+    """
+    if bool(torch.isfinite(x).all()):
+        return
+    from sglang.multimodal_gen.errors import NonFiniteOutputError
+
+    param, hint = None, ""
+    if inp is not None:
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
+            value = getattr(inp, name, None)
+            if value is not None and abs(value) >= 1000 and param is None:
+                param, hint = name, f" ({name}={value:g} is the likely cause)"
+    raise NonFiniteOutputError(
+        f"the generation produced NaN/Inf {what}{hint}; no image is returned. Usual causes: a "
+        "very large guidance_scale / true_cfg_scale, or an active LoRA with extreme weights "
+        "or strength",
+        param=param,
+    )
 
 
 class StagedPipeline:
@@ -336,6 +364,8 @@ class StagedPipeline:
             latents = self.scheduler_step(scheduler, pred, t, latents)
             if step_callback is not None:
                 step_callback(i, time.perf_counter() - t0)
+        # non-finite latents would decode to a blank image: fail the request instead (one check)
+        check_finite(latents, f"latents after {len(timesteps)} denoising steps", inp)
         if output_type == "latent":
             return latents
         if self.vae is None:

@@ -237,7 +237,7 @@ class DiffusionEngine:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.model_path = model_path
         self.tp_size = int(tp_size)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = check_device(device)  # a bad --device is one clear error, before any loading
         self.device = device
         if dit_cpu_offload and torch.device(device).type != "cuda":
             logger.info("dit_cpu_offload has no effect without a GPU; ignored")
@@ -523,6 +523,50 @@ class DiffusionEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def check_device(device: str | None) -> str:
+    """The execution device for ``device`` (``None``: CUDA when available, else the CPU).
+
+    Raises:
+        InvalidRequestError: ``param="device"``; not a device name, or a device this machine
+            does not have (CUDA without a GPU or a CUDA build of torch, ``cuda:N`` past the GPU
+            count, ``mps`` off macOS...).
+    """
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise errors_mod.InvalidRequestError(
+            f"--device {device!r} is not a device; use cpu, cuda or cuda:N", param="device"
+        ) from None
+    if dev.type == "cpu":
+        return device
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "no GPU found"
+            raise errors_mod.InvalidRequestError(
+                f"--device {device!r}: CUDA is not available on this machine ({why}); use "
+                "--device cpu",
+                param="device",
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise errors_mod.InvalidRequestError(
+                f"--device {device!r}: this machine has {count} GPU(s) (cuda:0 to "
+                f"cuda:{count - 1})",
+                param="device",
+            )
+        return device
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if callable(available) and available():
+        return device
+    raise errors_mod.InvalidRequestError(
+        f"--device {device!r}: {dev.type} is not available on this machine; use cpu or cuda",
+        param="device",
+    )
 
 
 def _resolve_hub_cache(model_id: str) -> str:

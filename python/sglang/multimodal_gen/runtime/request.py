@@ -202,9 +202,7 @@ def _first_surrogate(text: str) -> int | None:
         return e.start
 
 
-def check_size(
-    height: Any, width: Any, spatial_factor: int, max_side: int | None = None
-) -> None:
+def check_size(height: Any, width: Any, spatial_factor: int, max_side: int | None = None) -> None:
     """``height`` and ``width`` (each may be ``None``): positive integer multiples of
     ``spatial_factor``, at most ``max_side``.
 

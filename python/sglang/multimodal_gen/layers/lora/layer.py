@@ -130,6 +130,7 @@ class _LocalLoRA:
     offset: torch.Tensor | None  # [rows_local]
     row_start: int  # first local row of the base weight this shard covers
     rows: int  # number of local rows
+    offset_scale: float = 1.0  # the offset's multiplier besides the strength
 
     @property
     def rank(self) -> int:
@@ -295,7 +296,7 @@ class BaseLayerWithLoRA(nn.Module):
                 f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} must both be 2-D"
             )
         r = a.shape[0]
-        if r == 0 or b.shape[1] == 0:
+        if (r == 0 or b.shape[1] == 0) and w.offset is None:
             raise ValueError(f"{where}: rank 0 (lora_A {list(a.shape)}, lora_B {list(b.shape)})")
         expected_a = [r, self.base_layer.input_size]
         expected_b = [full_rows, r]
@@ -308,9 +309,9 @@ class BaseLayerWithLoRA(nn.Module):
             raise ValueError(
                 f"{where}: lora_A/lora_B must be floating point ({a.dtype}, {b.dtype})"
             )
-        scale = float(w.scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"{where}: scale {scale} is not finite")
+        for what, scale in (("scale", w.scale), ("offset_scale", w.effective_offset_scale)):
+            if not math.isfinite(float(scale)):
+                raise ValueError(f"{where}: {what} {float(scale)} is not finite")
         _check_finite(a, "lora_A", f"{module}[{shard_id!r}] of {name!r}")
         _check_finite(b, "lora_B", f"{module}[{shard_id!r}] of {name!r}")
         if w.offset is not None:
@@ -349,7 +350,9 @@ class BaseLayerWithLoRA(nn.Module):
             off = None
             if w.offset is not None:
                 off = _own(self.slice_lora_b_weights(w.offset, shard_id), device)
-            local[shard_id] = _LocalLoRA(a, b, float(w.scale), off, start, rows)
+            local[shard_id] = _LocalLoRA(
+                a, b, float(w.scale), off, start, rows, w.effective_offset_scale
+            )
         self._adapters[name] = local
         if any(n == name for n, _ in self._composition):
             self._refresh()
@@ -398,21 +401,22 @@ class BaseLayerWithLoRA(nn.Module):
                 return self.merge(cached=cached)
         return None
 
-    def _entries(self) -> list[tuple[float, _LocalLoRA]]:
-        """``(strength * scale, local weights)`` of every active shard, strength 0 skipped."""
+    def _entries(self) -> list[tuple[float, float, _LocalLoRA]]:
+        """``(strength * scale, strength * offset_scale, local weights)`` of every active shard,
+        strength 0 skipped."""
         out = []
         for name, strength in self._composition:
             if strength == 0.0:
                 continue
             for w in self._adapters[name].values():
-                out.append((strength * w.scale, w))
+                out.append((strength * w.scale, strength * w.offset_scale, w))
         return out
 
     def _rebuild(self) -> None:
         """Note that the active composition changed; the compiled form is rebuilt when needed."""
         entries = self._entries()
         self._any_active = bool(entries)
-        self._any_offset = any(w.offset is not None for _, w in entries)
+        self._any_offset = any(w.offset is not None for _, _, w in entries)
         self._a_cat = self._b_cat = self._offset = None
         self._dirty = self._any_active
 
@@ -436,12 +440,12 @@ class BaseLayerWithLoRA(nn.Module):
             self._a_cat = self._b_cat = self._offset = None
             return
         with torch.inference_mode(False), torch.no_grad():
-            total_r = sum(w.rank for _, w in entries)
+            total_r = sum(w.rank for _, _, w in entries)
             a_cat = torch.empty(total_r, in_local, dtype=dtype, device=device)
             b_cat = torch.zeros(out_local, total_r, dtype=dtype, device=device)
             offset = None
             col = 0
-            for eff, w in entries:
+            for eff, eff_offset, w in entries:
                 a_cat[col : col + w.rank].copy_(w.lora_A)
                 b_cat[w.row_start : w.row_start + w.rows, col : col + w.rank].copy_(
                     w.lora_B.float() * eff
@@ -450,8 +454,9 @@ class BaseLayerWithLoRA(nn.Module):
                 if w.offset is not None:
                     if offset is None:
                         offset = torch.zeros(out_local, dtype=torch.float32, device=device)
-                    offset[w.row_start : w.row_start + w.rows] += w.offset.float() * eff
-        self._a_cat, self._b_cat = a_cat, b_cat
+                    offset[w.row_start : w.row_start + w.rows] += w.offset.float() * eff_offset
+        # bias deltas alone (rank 0) leave no GEMM to run
+        self._a_cat, self._b_cat = (a_cat, b_cat) if total_r else (None, None)
         self._offset = None if offset is None else offset.to(dtype)
 
     # ------------------------------------------------------------------ merge
@@ -463,7 +468,9 @@ class BaseLayerWithLoRA(nn.Module):
         """
         acc = _merge_workspace(base.shape, base.device)
         acc.copy_(base)
-        for eff, w in self._entries():
+        for eff, _, w in self._entries():
+            if not w.rank:
+                continue
             rows = acc[w.row_start : w.row_start + w.rows]
             rows.addmm_(w.lora_B.float(), w.lora_A.float(), alpha=eff)
         return acc.to(base.dtype, copy=True)  # never hand out the workspace itself

@@ -1,0 +1,678 @@
+#!/usr/bin/env python3
+"""Deliberate-bug check: does the test suite catch small, plausible bugs in the code that matters?
+
+Each mutant below is one small edit (an exact source snippet and its replacement) of a place where
+a bug would silently produce wrong numbers or accept a bad request: shard maps and bias placement of
+the parallel linear layers, LoRA slicing / compose / merge / unmerge, scale and alpha resolution,
+the Z-Image name map, merge-cache keys, request validation, decode rounding, the schedule shift.
+For every mutant the repository is copied to a temporary directory, the edit is applied there, and
+``python -m pytest -x -q <tests>`` runs in the copy with ``PYTHONPATH=<copy>/python`` so the copy's
+code is what gets imported (the package is installed editable from the working tree; the script
+checks which ``sglang`` the copy imports before it starts). A mutant is *caught* when its tests
+fail, *survived* when they pass, *stale* when its snippet is no longer in the file (the code moved
+on: update the mutant), *ambiguous* when the snippet occurs more than once.
+
+Usage::
+
+    python scripts/mutants.py                 # baseline run, then every mutant, then the table
+    python scripts/mutants.py --list          # the mutants, their files and tests, stale or not
+    python scripts/mutants.py --only NAME     # one mutant (repeat the flag, or NAME1,NAME2)
+    python scripts/mutants.py --jobs 2        # mutants in parallel (default 1)
+    python scripts/mutants.py --report out.md --json out.json
+
+Exit status: 0 when every selected mutant was caught, 1 when one survived or is stale/ambiguous,
+2 when the unmutated tests fail (the baseline; the results would mean nothing).
+See docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = "python/sglang/multimodal_gen/"
+COPY_ITEMS = ("python", "test", "pyproject.toml")
+IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".pytest_cache")
+
+# test selections (paths relative to the repository root)
+LINEAR = ("test/unit/test_linear_tp.py",)
+LORA_TP = ("test/unit/test_lora_layers_tp.py",)
+NOT_GLOO = ("-k", "not gloo")  # the simulated-TP tests cover the same cases in one process
+NAMES = ("test/unit/test_zimage_name_table.py", "test/unit/test_lora_format_cases.py")
+CACHE = ("test/unit/test_lora_merge_cache.py",)
+PEFT = ("test/unit/test_lora_peft.py",)
+REQUEST = ("test/unit/test_request_validation.py",)
+PROTOCOL = ("test/unit/test_protocol.py",)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One deliberate bug.
+
+    Attributes:
+        name: short unique name.
+        files: candidate files (repository-relative); the first that contains ``old`` is mutated
+            (lets a mutant follow code that moves between two known places).
+        old: the exact source snippet to replace (must occur exactly once in that file).
+        new: its replacement.
+        tests: test files to run.
+        args: extra pytest arguments (e.g. ``-k`` to skip slow multi-process variants).
+        why: what the bug would do.
+    """
+
+    name: str
+    files: tuple[str, ...]
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    args: tuple[str, ...] = ()
+    why: str = ""
+
+
+def _m(name, file, old, new, tests, args=(), why=""):
+    files = (file,) if isinstance(file, str) else tuple(file)
+    return Mutant(name, tuple(PKG + f for f in files), old, new, tuple(tests), tuple(args), why)
+
+
+MUTANTS: list[Mutant] = [
+    # ------------------------------------------------------------------ layers/linear.py
+    _m(
+        "linear-column-rows-reversed",
+        "layers/linear.py",
+        'return [(None, self.output_size, self._divide(self.output_size, "output_size"), tp_rank)]',
+        'return [(None, self.output_size, self._divide(self.output_size, "output_size"), '
+        "self.tp_size - 1 - tp_rank)]",
+        LINEAR,
+        why="column-parallel rank r holds the rows of rank n-1-r",
+    ),
+    _m(
+        "linear-merged-sections-rank0",
+        "layers/linear.py",
+        '(i, size, self._divide(size, f"output_sizes[{i}]"), tp_rank)',
+        '(i, size, self._divide(size, f"output_sizes[{i}]"), 0)',
+        LINEAR,
+        why="every rank holds the first slice of gate and up",
+    ),
+    _m(
+        "linear-qkv-kv-replica-modulo",
+        "layers/linear.py",
+        "kv_src = tp_rank // replicas",
+        "kv_src = tp_rank % replicas",
+        LINEAR,
+        why="GQA: a replicated KV head is picked by rank % replicas",
+    ),
+    _m(
+        "linear-row-bias-every-rank",
+        "layers/linear.py",
+        "    def _bias_on_this_rank(self):\n        return self.tp_rank == 0",
+        "    def _bias_on_this_rank(self):\n        return True",
+        LINEAR,
+        why="row-parallel bias added on every rank, so tp times after the all-reduce",
+    ),
+    _m(
+        "linear-input-partition-start",
+        "layers/linear.py",
+        "parts.append((full_off + src_index * local_size, local_size))",
+        "parts.append((full_off, local_size))",
+        LINEAR,
+        why="every row-parallel rank reads the first input columns",
+    ),
+    _m(
+        "linear-skip-bias-add-drops-bias",
+        "layers/linear.py",
+        "return y, (self.bias if self.skip_bias_add else None)",
+        "return y, None",
+        LINEAR,
+        why="skip_bias_add returns no bias: the bias is lost",
+    ),
+    _m(
+        "linear-gather-index-rank-offset",
+        "layers/linear.py",
+        "base = rank * self.output_size_per_partition",
+        "base = 0",
+        LINEAR,
+        why="all-gathered fused outputs reordered from rank 0's block only",
+    ),
+    _m(
+        "linear-loader-local-offset",
+        "layers/linear.py",
+        "param.data[local_start : local_start + local_rows].copy_(data)",
+        "param.data[:local_rows].copy_(data)",
+        LINEAR,
+        why="a shard loaded alone (k, v, up) overwrites the first rows",
+    ),
+    # ------------------------------------------------------------------ layers/lora/layer.py
+    _m(
+        "lora-row-a-first-columns",
+        "layers/lora/layer.py",
+        "return self.base_layer.shard_input_tensor(lora_a, dim=-1)",
+        "return lora_a[:, : self.base_layer.input_size_per_partition]",
+        LORA_TP,
+        NOT_GLOO,
+        why="row-parallel LoRA A cut to the first columns on every rank",
+    ),
+    _m(
+        "lora-column-b-fused-rows",
+        "layers/lora/layer.py",
+        "return self.base_layer.shard_output_tensor(lora_b, shard_id)",
+        "return lora_b[: self.base_layer.shard_spec(shard_id).local_size]",
+        LORA_TP,
+        NOT_GLOO,
+        why="column-parallel LoRA B cut to the first rows on every rank",
+    ),
+    _m(
+        "lora-compose-rows-at-zero",
+        "layers/lora/layer.py",
+        "b_cat[w.row_start : w.row_start + w.rows, col : col + w.rank].copy_(",
+        "b_cat[0 : w.rows, col : col + w.rank].copy_(",
+        LORA_TP,
+        NOT_GLOO,
+        why="fused compose puts every shard's B at the first rows (k/v deltas land on q)",
+    ),
+    _m(
+        "lora-merge-ignores-scale",
+        "layers/lora/layer.py",
+        "rows.addmm_(w.lora_B.float(), w.lora_A.float(), alpha=eff)",
+        "rows.addmm_(w.lora_B.float(), w.lora_A.float(), alpha=1.0)",
+        LORA_TP,
+        NOT_GLOO,
+        why="merged weight W + B A, without strength and alpha / r",
+    ),
+    _m(
+        "lora-strength-ignored",
+        "layers/lora/layer.py",
+        "out.append((strength * w.scale, strength * w.offset_scale, w))",
+        "out.append((w.scale, strength * w.offset_scale, w))",
+        LORA_TP,
+        NOT_GLOO,
+        why="the user's strength is not applied to the delta",
+    ),
+    _m(
+        "lora-unmerge-keeps-merged-weight",
+        "layers/lora/layer.py",
+        "        self._write_weight(self._snapshot)\n        self._snapshot = None\n",
+        "        self._snapshot = None\n",
+        CACHE + ("test/unit/test_lora_pipeline.py",),
+        NOT_GLOO,
+        why="unmerge forgets the snapshot without restoring the base weight",
+    ),
+    _m(
+        "lora-offset-every-rank",
+        "layers/lora/layer.py",
+        "return base._bias_on_this_rank()  # Row: only the rank that adds the bias",
+        "return True",
+        LORA_TP,
+        NOT_GLOO,
+        why="a row-parallel LoRA bias offset is added on every rank (tp times)",
+    ),
+    _m(
+        "lora-runtime-scale-merged",
+        "layers/lora/layer.py",
+        "coef = s - 1.0 if self._merged else s",
+        "coef = s",
+        ("test/unit/test_lora_inference_mode.py",),
+        why="runtime scale on a merged layer adds the delta a second time",
+    ),
+    # ------------------------------------------------------------------ lora/peft_config.py
+    _m(
+        "peft-rslora-ignored",
+        "lora/peft_config.py",
+        "return float(alpha) / (math.sqrt(r) if use_rslora else r)",
+        "return float(alpha) / r",
+        PEFT,
+        why="rsLoRA adapters scaled alpha / r instead of alpha / sqrt(r)",
+    ),
+    _m(
+        "peft-alpha-pattern-ignored",
+        "lora/peft_config.py",
+        "alpha = float(self.alpha_pattern[key])",
+        "alpha = self.lora_alpha",
+        PEFT,
+        why="per-module alpha_pattern ignored",
+    ),
+    _m(
+        "peft-rank-pattern-ignored",
+        "lora/peft_config.py",
+        "r = int(self.rank_pattern[key])",
+        "r = self.r",
+        PEFT,
+        why="per-module rank_pattern ignored (scale alpha / r with the wrong r)",
+    ),
+    _m(
+        "peft-pattern-key-not-on-dot",
+        "lora/peft_config.py",
+        r'if re.match(rf"(.*\.)?({key})$", module_name):',
+        r'if re.match(rf"(.*)?({key})$", module_name):',
+        PEFT,
+        why="pattern keys match inside a name segment (w2 matches feed_forward.xw2)",
+    ),
+    # ------------------------------------------------------------------ lora/formats.py
+    _m(
+        "formats-alpha-tensor-ignored",
+        "lora/formats.py",
+        "alpha = float(pair.alpha.float().item())",
+        "alpha = float(pair.alpha.numel())",
+        NAMES,
+        why="kohya .alpha tensors ignored (scale 1 / r)",
+    ),
+    _m(
+        "formats-config-alpha-ignored",
+        "lora/formats.py",
+        "    elif cfg_alpha is not None:\n        alpha = cfg_alpha\n",
+        "    elif cfg_alpha is not None:\n        alpha = float(r)\n",
+        ("test/unit/test_zimage_name_table.py",) + PEFT,
+        why="lora_alpha from adapter metadata ignored (scale 1)",
+    ),
+    _m(
+        "formats-fused-b-sections-reversed",
+        "lora/formats.py",
+        "lora_B=b[row : row + n].contiguous(),",
+        "lora_B=b[rows - row - n : rows - row].contiguous(),",
+        ("test/unit/test_lora_format_adapter.py",),
+        why="a fused B (qkv / w13 in one file module) split in reverse section order",
+    ),
+    # ------------------------------------------------------------------ models/dits/zimage_names.py
+    _m(
+        "names-w1-w3-swapped",
+        "models/dits/zimage_names.py",
+        'NameRule("feed_forward.w1", "feed_forward.w13", 0),\n'
+        '        NameRule("feed_forward.w3", "feed_forward.w13", 1),',
+        'NameRule("feed_forward.w1", "feed_forward.w13", 1),\n'
+        '        NameRule("feed_forward.w3", "feed_forward.w13", 0),',
+        NAMES,
+        why="gate and up swapped in w13 (weights and LoRA alike)",
+    ),
+    _m(
+        "names-q-k-swapped",
+        "models/dits/zimage_names.py",
+        'NameRule("attention.to_q", "attention.to_qkv", "q"),\n'
+        '        NameRule("attention.to_k", "attention.to_qkv", "k"),',
+        'NameRule("attention.to_q", "attention.to_qkv", "k"),\n'
+        '        NameRule("attention.to_k", "attention.to_qkv", "q"),',
+        NAMES,
+        why="q and k swapped in to_qkv",
+    ),
+    _m(
+        "names-attention-out",
+        "models/dits/zimage_names.py",
+        'NameRule("attention.out", "attention.to_out.0"),',
+        'NameRule("attention.out", "attention.to_out"),',
+        ("test/unit/test_zimage_name_table.py",),
+        why="original-layout attention.out mapped to a module that does not exist",
+    ),
+    _m(
+        "names-prefix-not-stripped",
+        "models/dits/zimage_names.py",
+        'strip_prefixes=("model.diffusion_model.",),',
+        "strip_prefixes=(),",
+        ("test/unit/test_zimage_name_table.py",),
+        why="original checkpoints' model.diffusion_model. prefix kept",
+    ),
+    # ------------------------------------------------------------------ merge cache
+    _m(
+        "cache-key-ignores-strength",
+        "lora/manager.py",
+        "keys.append(AdapterKey(adapter.identity, strength, scales))",
+        "keys.append(AdapterKey(adapter.identity, 1.0, scales))",
+        CACHE,
+        why="set_lora of the same adapter at another strength serves the stale merge",
+    ),
+    _m(
+        "cache-key-ignores-target",
+        "lora/manager.py",
+        'key = MergeKey(f"{tname}:{module}", self._state[tname].base_version, tuple(keys))',
+        "key = MergeKey(module, self._state[tname].base_version, tuple(keys))",
+        CACHE,
+        why="a second target (transformer_2) gets the first target's merged weights",
+    ),
+    _m(
+        "cache-lru-get-not-touched",
+        "lora/merge_cache.py",
+        "        self._entries.move_to_end(key)\n        self.hits += 1",
+        "        self.hits += 1",
+        CACHE,
+        why="a cache hit does not make the entry most recently used",
+    ),
+    _m(
+        "cache-evicts-newest",
+        "lora/merge_cache.py",
+        "_, evicted = self._entries.popitem(last=False)",
+        "_, evicted = self._entries.popitem(last=True)",
+        CACHE,
+        why="eviction drops the most recently used entry",
+    ),
+    _m(
+        "cache-replace-double-counts",
+        "lora/merge_cache.py",
+        "        if old is not None:\n            self.bytes -= _nbytes(old)",
+        "        if old is not None:\n            pass",
+        CACHE,
+        why="replacing a key counts its bytes twice (the bound shrinks)",
+    ),
+    # ------------------------------------------------------------------ runtime/request.py
+    _m(
+        "request-size-not-multiple",
+        "runtime/request.py",
+        "if not _is_int(v) or v <= 0 or v % spatial_factor:",
+        "if not _is_int(v) or v <= 0:",
+        REQUEST,
+        why="a height/width that is not a multiple of the VAE x patch factor is accepted",
+    ),
+    _m(
+        "request-max-side-off-by-one",
+        "runtime/request.py",
+        "if max_side is not None and v > max_side:",
+        "if max_side is not None and v >= max_side:",
+        REQUEST,
+        why="the family's largest side itself is refused",
+    ),
+    _m(
+        "request-seed-upper-bound",
+        "runtime/request.py",
+        "not 0 <= self.seed <= MAX_SEED)",
+        "not 0 <= self.seed <= MAX_SEED + 1)",
+        REQUEST,
+        why="seed 2**63 (out of torch's range) accepted",
+    ),
+    _m(
+        "request-negative-guidance",
+        "runtime/request.py",
+        "if not _is_number(g) or not math.isfinite(g) or g < 0:",
+        "if not _is_number(g) or not math.isfinite(g):",
+        REQUEST,
+        why="a negative guidance_scale / true_cfg_scale reaches the pipeline",
+    ),
+    _m(
+        "request-n-over-limit",
+        "runtime/request.py",
+        "(max_n is not None and n > max_n)",
+        "(max_n is not None and n > max_n + 1)",
+        REQUEST,
+        why="one image more than the server's limit accepted",
+    ),
+    # ------------------------------------------------------------------ entrypoints/protocol.py
+    _m(
+        "protocol-size-unbounded",
+        "entrypoints/protocol.py",
+        "check_size(height, width, limits.spatial_factor, limits.max_image_size)",
+        "check_size(height, width, limits.spatial_factor)",
+        PROTOCOL,
+        why="a size over the server's --max-image-size is accepted",
+    ),
+    _m(
+        "protocol-n-unbounded",
+        "entrypoints/protocol.py",
+        "max_num_images=self.max_images,",
+        "max_num_images=None,",
+        PROTOCOL,
+        why="n above the server's limit accepted",
+    ),
+    _m(
+        "protocol-steps-unbounded",
+        "entrypoints/protocol.py",
+        "max_inference_steps=self.max_steps,",
+        "max_inference_steps=None,",
+        PROTOCOL,
+        why="num_inference_steps above the server's limit accepted",
+    ),
+    _m(
+        "protocol-compression-range",
+        "entrypoints/protocol.py",
+        "not 0 <= req.output_compression <= 100",
+        "not -1 <= req.output_compression <= 100",
+        PROTOCOL,
+        why="output_compression -1 reaches the encoder",
+    ),
+    # ------------------------------------------------------------------ pipelines
+    _m(
+        "decode-round-down",
+        ("pipelines/base.py", "pipelines/zimage.py"),
+        '(x * 255).round().astype("uint8")',
+        '(x * 255).astype("uint8")',
+        ("test/unit/test_decode_rounding.py",),
+        why="pixels rounded down instead of to nearest (51 dB from diffusers)",
+    ),
+    _m(
+        "zimage-mu-intercept",
+        "pipelines/zimage.py",
+        'sc.get("base_shift", 0.5),',
+        'sc.get("base_shift", 0.5) + 0.05,',
+        ("test/integration/test_zimage_pipeline_parity.py",),
+        ("-k", "dynamic"),
+        why="dynamic-shift mu off by 0.05 (a wrong intercept of calculate_shift)",
+    ),
+    _m(
+        "zimage-cfg-formula",
+        "pipelines/zimage.py",
+        "pred = pos + g * (pos - neg)",
+        "pred = neg + g * (pos - neg)",
+        ("test/integration/test_zimage_pipeline_parity.py",),
+        ("-k", "cfg"),
+        why="CFG written the other common way: neg + g (pos - neg)",
+    ),
+]
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # caught | survived | stale | ambiguous | timeout | error
+    seconds: float = 0.0
+    file: str = ""
+    detail: str = ""
+    tests: list[str] = field(default_factory=list)
+
+
+def _locate(m: Mutant, root: str) -> tuple[str | None, str]:
+    """``(file, status)``: the first candidate file holding the snippet, and ``"ok"``,
+    ``"stale"`` or ``"ambiguous"``."""
+    for f in m.files:
+        path = os.path.join(root, f)
+        if not os.path.isfile(path):
+            continue
+        n = open(path, encoding="utf-8").read().count(m.old)
+        if n == 1:
+            return f, "ok"
+        if n > 1:
+            return f, "ambiguous"
+    return None, "stale"
+
+
+def _copy_tree(dst: str) -> None:
+    for item in COPY_ITEMS:
+        src = os.path.join(ROOT, item)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(dst, item), ignore=IGNORE)
+        elif os.path.isfile(src):
+            shutil.copy2(src, os.path.join(dst, item))
+
+
+def _env(copy: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(copy, "python")] + [p for p in [env.get("PYTHONPATH")] if p]
+    )
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def _run(cmd: list[str], cwd: str, timeout: float) -> tuple[int | None, str]:
+    """Run ``cmd`` in its own process group; on timeout the whole group is killed."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=_env(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out
+
+
+def _pytest(tests, args) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args, *tests]
+
+
+def check_isolation(tmp: str) -> str:
+    """Make sure a copy imports its own ``sglang`` (not the editable install of the tree)."""
+    copy = tempfile.mkdtemp(prefix="isolation-", dir=tmp)
+    _copy_tree(copy)
+    code = "import sglang.multimodal_gen as m; print(m.__file__)"
+    rc, out = _run([sys.executable, "-c", code], copy, 120)
+    where = out.strip().splitlines()[-1] if out.strip() else ""
+    shutil.rmtree(copy, ignore_errors=True)
+    if rc != 0 or not where.startswith(copy):
+        raise SystemExit(f"mutants: the copy imports sglang from {where!r}, not from {copy}")
+    return where
+
+
+def run_mutant(m: Mutant, tmp: str, timeout: float, keep: bool) -> Result:
+    file, status = _locate(m, ROOT)
+    res = Result(m.name, status, file=file or m.files[0], tests=list(m.tests))
+    if status != "ok":
+        res.detail = f"snippet not found in {', '.join(m.files)}" if status == "stale" else ""
+        return res
+    copy = tempfile.mkdtemp(prefix=f"{m.name}-", dir=tmp)
+    try:
+        _copy_tree(copy)
+        path = os.path.join(copy, file)
+        src = open(path, encoding="utf-8").read()
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(src.replace(m.old, m.new, 1))
+        t0 = time.perf_counter()
+        rc, out = _run(_pytest(m.tests, m.args), copy, timeout)
+        res.seconds = time.perf_counter() - t0
+        tail = [ln for ln in out.strip().splitlines() if ln.strip()]
+        res.detail = tail[-1] if tail else ""
+        if rc is None:
+            res.status = "timeout"
+        elif rc == 0:
+            res.status = "survived"
+        elif rc == 1:
+            res.status = "caught"
+        else:  # 2: interrupted / collection error, 3: internal, 4: usage, 5: nothing collected
+            res.status = "caught" if rc == 2 else "error"
+            res.detail = f"pytest exit {rc}: {res.detail}"
+    finally:
+        if not keep:
+            shutil.rmtree(copy, ignore_errors=True)
+    return res
+
+
+def run_baseline(mutants: list[Mutant], tmp: str, timeout: float) -> tuple[bool, float, str]:
+    """The selected mutants' tests on an unmutated copy (each test file with its own args)."""
+    copy = tempfile.mkdtemp(prefix="baseline-", dir=tmp)
+    _copy_tree(copy)
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for m in mutants:
+        if _locate(m, ROOT)[1] == "ok":
+            files = groups.setdefault(m.args, [])
+            files.extend(t for t in m.tests if t not in files)
+    t0 = time.perf_counter()
+    try:
+        for args, tests in groups.items():
+            rc, out = _run(_pytest(tests, args), copy, timeout * max(1, len(tests)))
+            if rc != 0:
+                tail = "\n".join(out.strip().splitlines()[-15:])
+                return False, time.perf_counter() - t0, f"{' '.join(args)} {tests}:\n{tail}"
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    return True, time.perf_counter() - t0, ""
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| mutant | file | result | seconds |", "|---|---|---|---:|"]
+    for r in results:
+        f = r.file.removeprefix(PKG)
+        secs = f"{r.seconds:.1f}" if r.seconds else "-"
+        lines.append(f"| {r.name} | {f} | {r.status} | {secs} |")
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    return "\n".join(lines) + f"\n\n{len(results)} mutants: {summary}.\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--only", action="append", default=[], help="run only NAME (repeatable)")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per mutant's tests")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    ap.add_argument("--keep", action="store_true", help="keep the mutated copies")
+    ap.add_argument("--report", help="also write the markdown table to this file")
+    ap.add_argument("--json", help="also write the results as JSON to this file")
+    a = ap.parse_args(argv)
+
+    names = {n for item in a.only for n in item.split(",") if n}
+    unknown = names - {m.name for m in MUTANTS}
+    if unknown:
+        ap.error(f"unknown mutant(s): {sorted(unknown)}; see --list")
+    selected = [m for m in MUTANTS if not names or m.name in names]
+
+    if a.list:
+        for m in selected:
+            file, status = _locate(m, ROOT)
+            where = (file or " | ".join(m.files)).removeprefix(PKG)
+            tests = " ".join(t.removeprefix("test/") for t in m.tests)
+            extra = f" {' '.join(m.args)}" if m.args else ""
+            print(f"{m.name:36s} {status:9s} {where:32s} {tests}{extra}")
+            if m.why:
+                print(f"{'':36s} {m.why}")
+        return 0
+
+    tmp = tempfile.mkdtemp(prefix="sglang-mutants-")
+    try:
+        where = check_isolation(tmp)
+        print(f"copies import sglang from the copy ({where})", flush=True)
+        if not a.no_baseline:
+            ok, secs, detail = run_baseline(selected, tmp, a.timeout)
+            print(f"baseline (unmutated): {'pass' if ok else 'FAIL'} in {secs:.1f} s", flush=True)
+            if not ok:
+                print(detail)
+                return 2
+        results: list[Result] = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+            futures = {pool.submit(run_mutant, m, tmp, a.timeout, a.keep): m for m in selected}
+            for fut in concurrent.futures.as_completed(futures):
+                r = fut.result()
+                results.append(r)
+                print(f"{r.name:36s} {r.status:9s} {r.seconds:6.1f} s  {r.detail}", flush=True)
+    finally:
+        if not a.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    order = {m.name: i for i, m in enumerate(MUTANTS)}
+    results.sort(key=lambda r: order[r.name])
+    text = table(results)
+    print()
+    print(text)
+    if a.report:
+        with open(a.report, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as fh:
+            json.dump([r.__dict__ for r in results], fh, indent=1)
+    bad = [r for r in results if r.status not in ("caught", "timeout")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

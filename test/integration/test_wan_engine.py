@@ -1,0 +1,124 @@
+"""Wan2.2 through the engine and the CLI: LoRA on both experts, TP 2 = TP 1, video files.
+
+References: diffusers' ``WanPipeline`` with ``load_lora_weights`` (the high-noise file into
+``transformer``, the low-noise file into ``transformer_2`` with ``load_into_transformer_2``) for
+TP 1, and the TP 1 engine for TP 2 (the upstream project lost consistency exactly there: Wan2.2
+A14B with a LoRA on two GPUs). LoRA files are diffusers/PEFT-format with random non-zero weights
+and alpha != r.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from fixtures.tiny_models import psnr
+from fixtures.tiny_wan import reference_frames, reference_wan
+from PIL import Image
+from safetensors.torch import save_file
+from sglang.cli.main import main as sglang_main
+from sglang.multimodal_gen.errors import InvalidRequestError
+from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+
+REQ = dict(prompt="a paper boat", height=32, width=32, num_frames=5, num_inference_steps=4,
+           guidance_scale=3.0, guidance_scale_2=2.0, negative_prompt="blurry", seed=3)  # fmt: skip
+KW = {k: v for k, v in REQ.items() if k not in ("prompt", "seed")}
+# TP 2 changes only the summation order of the row-parallel GEMMs and of the across-heads q/k
+# RMSNorm: measured >= 80 dB here.
+TP_MIN_PSNR = 60.0
+
+
+def _lora_file(path, seed, r=4, alpha=2.0, d=32, ffn=64):
+    """A diffusers-format Wan LoRA on self/cross attention and the FFN of both blocks."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for b in range(2):
+        for name, (out_f, in_f) in {
+            "attn1.to_q": (d, d), "attn1.to_v": (d, d), "attn1.to_out.0": (d, d),
+            "attn2.to_k": (d, d), "ffn.net.0.proj": (ffn, d), "ffn.net.2": (d, ffn),
+        }.items():  # fmt: skip
+            key = f"transformer.blocks.{b}.{name}"
+            sd[f"{key}.lora_A.weight"] = torch.randn(r, in_f, generator=g) * 0.3
+            sd[f"{key}.lora_B.weight"] = torch.randn(out_f, r, generator=g) * 0.3
+    cfg = {"r": r, "lora_alpha": alpha, "target_modules": ["to_q"]}
+    save_file(sd, str(path), metadata={"format": "pt", "lora_config": json.dumps(cfg)})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def loras(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan_loras")
+    return _lora_file(root / "high.safetensors", 1), _lora_file(root / "low.safetensors", 2)
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny_wan_a14b_dir, loras):
+    with DiffusionEngine(tiny_wan_a14b_dir, device="cpu") as engine:
+        base = engine.generate_video(GenerationRequest(**REQ))[0]
+        engine.set_lora(["high", "low"], list(loras), target=["transformer", "transformer_2"],
+                        strength=[0.8, 1.2], merge_mode="merge")  # fmt: skip
+        with_lora = engine.generate_video(GenerationRequest(**REQ))[0]
+        yield engine, base, with_lora
+
+
+def test_engine_equals_diffusers_with_lora_on_both_experts(tiny_wan_a14b_dir, loras, tp1):
+    engine, base, with_lora = tp1
+    assert engine.modality == "video" and engine.lora_targets[1:] == (
+        "transformer",
+        "transformer_2",
+    )
+    ref = reference_wan(tiny_wan_a14b_dir)
+    assert psnr(base, reference_frames(ref, REQ["prompt"], 3, **KW)[0]) >= 70.0  # measured inf
+    ref.load_lora_weights(loras[0], adapter_name="high")
+    ref.load_lora_weights(loras[1], adapter_name="low", load_into_transformer_2=True)
+    ref.set_adapters(["high", "low"], [0.8, 1.2])
+    expected = reference_frames(ref, REQ["prompt"], 3, **KW)[0]
+    assert psnr(with_lora, expected) >= 70.0
+    assert psnr(with_lora, base) < 45.0  # the adapters change the video
+
+
+def test_image_api_refused_on_a_video_model(tp1):
+    engine, _, _ = tp1
+    with pytest.raises(InvalidRequestError, match="video model") as e:
+        engine.generate(GenerationRequest(prompt="x", height=32, width=32))
+    assert e.value.param == "model"
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1_with_lora_on_both_experts(tiny_wan_a14b_dir, loras, tp1):
+    _, base, with_lora = tp1
+    with DiffusionEngine(tiny_wan_a14b_dir, tp_size=2, device="cpu") as engine:
+        assert psnr(engine.generate_video(GenerationRequest(**REQ))[0], base) >= TP_MIN_PSNR
+        for mode in ("merge", "dynamic"):
+            engine.set_lora(["high", "low"], list(loras), target=["transformer", "transformer_2"],
+                            strength=[0.8, 1.2], merge_mode=mode)  # fmt: skip
+            got = engine.generate_video(GenerationRequest(**REQ))[0]
+            assert psnr(got, with_lora) >= TP_MIN_PSNR, mode
+            assert psnr(got, base) < TP_MIN_PSNR
+
+
+def test_cli_writes_mp4_and_frames(tiny_wan_a14b_dir, tp1, tmp_path):
+    import av
+
+    _, base, _ = tp1
+    common = ["generate", "--model-path", tiny_wan_a14b_dir, "--prompt", REQ["prompt"],
+              "--seed", "3", "--height", "32", "--width", "32", "--num-frames", "5",
+              "--num-inference-steps", "4", "--guidance-scale", "3", "--guidance-scale-2", "2",
+              "--negative-prompt", "blurry", "--fps", "8", "--no-progress"]  # fmt: skip
+    frames_dir = tmp_path / "frames"
+    assert sglang_main(common + ["--output-path", f"{frames_dir}/"]) == 0
+    names = sorted(os.listdir(frames_dir / "video_000"))
+    assert len(names) == 5
+    got = np.stack([np.asarray(Image.open(frames_dir / "video_000" / n)) for n in names])
+    assert np.array_equal(got, base)  # lossless frames equal the engine's
+    mp4 = tmp_path / "clip.mp4"
+    assert sglang_main(common + ["--output-path", str(mp4)]) == 0
+    with av.open(str(mp4)) as c:
+        stream = c.streams.video[0]
+        decoded = [f.to_ndarray(format="rgb24") for f in c.decode(stream)]
+        assert stream.average_rate == 8 and stream.codec_context.name == "h264"
+    assert len(decoded) == 5 and decoded[0].shape == (32, 32, 3)
+    assert sglang_main(common + ["--output-path", str(tmp_path / "x.png")]) == 2  # wrong modality
