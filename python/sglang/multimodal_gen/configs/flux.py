@@ -8,15 +8,16 @@ FLUX.1-dev sets ``guidance_embeds=true`` (guidance-distilled), FLUX.1-schnell le
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from sglang.multimodal_gen.configs.base import DiffusersConfig
 
 FLUX_TRANSFORMER_CLASS = "FluxTransformer2DModel"
 
 
 @dataclass
-class FluxArchConfig:
+class FluxArchConfig(DiffusersConfig):
     """Shapes of one Flux.1 transformer.
 
     Attributes mirror the diffusers config. ``out_channels=None`` means ``in_channels`` (resolved
@@ -29,6 +30,8 @@ class FluxArchConfig:
         ValueError: ``sum(axes_dims_rope) != attention_head_dim``, an odd RoPE axis, or a
             non-positive size.
     """
+
+    DIFFUSERS_CLASS: ClassVar[str] = FLUX_TRANSFORMER_CLASS
 
     patch_size: int = 1
     in_channels: int = 64
@@ -94,39 +97,3 @@ class FluxArchConfig:
     @property
     def out_features(self) -> int:
         return self.patch_size * self.patch_size * self.out_channels
-
-    @classmethod
-    def from_dict(cls, cfg: dict) -> FluxArchConfig:
-        """Build from a diffusers config dict; keys starting with ``_`` are metadata, unknown keys
-        are kept in ``extra``."""
-        names = {f.name for f in fields(cls)} - {"extra"}
-        known = {k: v for k, v in cfg.items() if k in names}
-        extra = {k: v for k, v in cfg.items() if k not in names and not k.startswith("_")}
-        return cls(**known, extra=extra)
-
-    @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> FluxArchConfig:
-        """Read ``transformer/config.json``.
-
-        Raises:
-            FileNotFoundError: the file does not exist.
-            ValueError: invalid JSON, ``_class_name`` is not ``FluxTransformer2DModel``, or an
-                invalid config (see the class).
-        """
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"transformer config not found: {path}")
-        try:
-            with open(path, encoding="utf-8") as f:
-                cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON ({e})") from e
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{path}: expected a JSON object")
-        cls_name = cfg.get("_class_name", FLUX_TRANSFORMER_CLASS)
-        if cls_name != FLUX_TRANSFORMER_CLASS:
-            raise ValueError(
-                f"{path}: _class_name {cls_name!r} is not supported here "
-                f"(expected {FLUX_TRANSFORMER_CLASS!r})"
-            )
-        return cls.from_dict(cfg)

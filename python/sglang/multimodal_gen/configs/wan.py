@@ -15,10 +15,11 @@ and is accepted.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from sglang.multimodal_gen.configs.base import DiffusersConfig
 
 WAN_TRANSFORMER_CLASS = "WanTransformer3DModel"
 
@@ -27,7 +28,7 @@ WAN_QK_NORM = "rms_norm_across_heads"
 
 
 @dataclass
-class WanArchConfig:
+class WanArchConfig(DiffusersConfig):
     """Shapes of one Wan transformer.
 
     Attributes mirror the diffusers config. ``out_channels`` ``None`` / ``0`` means
@@ -46,6 +47,8 @@ class WanArchConfig:
             ``attention_head_dim``, a ``patch_size`` that is not three positive ints, or a
             non-positive size.
     """
+
+    DIFFUSERS_CLASS: ClassVar[str] = WAN_TRANSFORMER_CLASS
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
     num_attention_heads: int = 40
@@ -129,42 +132,3 @@ class WanArchConfig:
         """``(t_dim, h_dim, w_dim)``: RoPE channels of a head for frames, rows, columns."""
         hw = 2 * (self.attention_head_dim // 6)
         return (self.attention_head_dim - 2 * hw, hw, hw)
-
-    @classmethod
-    def from_dict(cls, cfg: dict) -> WanArchConfig:
-        """Build from a diffusers config dict; keys starting with ``_`` are metadata, unknown keys
-        are kept in ``extra``."""
-        names = {f.name for f in fields(cls)} - {"extra"}
-        known = {k: v for k, v in cfg.items() if k in names}
-        extra = {k: v for k, v in cfg.items() if k not in names and not k.startswith("_")}
-        return cls(**known, extra=extra)
-
-    @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> WanArchConfig:
-        """Read ``transformer/config.json`` (or ``transformer_2/config.json``).
-
-        Raises:
-            FileNotFoundError: the file does not exist.
-            ValueError: invalid JSON, ``_class_name`` is not ``WanTransformer3DModel``, or an
-                invalid / unsupported config (see the class).
-        """
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"transformer config not found: {path}")
-        try:
-            with open(path, encoding="utf-8") as f:
-                cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON ({e})") from e
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{path}: expected a JSON object")
-        cls_name = cfg.get("_class_name", WAN_TRANSFORMER_CLASS)
-        if cls_name != WAN_TRANSFORMER_CLASS:
-            raise ValueError(
-                f"{path}: _class_name {cls_name!r} is not supported here "
-                f"(expected {WAN_TRANSFORMER_CLASS!r})"
-            )
-        try:
-            return cls.from_dict(cfg)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from e

@@ -7,21 +7,24 @@ the Z-Image-Turbo (6B) shapes.
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from sglang.multimodal_gen.configs.base import DiffusersConfig
 
 ZIMAGE_TRANSFORMER_CLASS = "ZImageTransformer2DModel"
 
 
 @dataclass
-class ZImageArchConfig:
+class ZImageArchConfig(DiffusersConfig):
     """Shapes and constants of one Z-Image transformer.
 
     Attributes mirror the diffusers config. Derived: ``head_dim = dim // n_heads`` (must equal
     ``sum(axes_dims)``), ``ffn_hidden = int(dim / 3 * 8)``, ``adaln_dim = min(dim, 256)``.
     ``n_kv_heads`` is accepted but, as in diffusers, the attention uses ``n_heads`` for K and V.
     """
+
+    DIFFUSERS_CLASS: ClassVar[str] = ZIMAGE_TRANSFORMER_CLASS
 
     all_patch_size: tuple[int, ...] = (2,)
     all_f_patch_size: tuple[int, ...] = (1,)
@@ -84,36 +87,3 @@ class ZImageArchConfig:
     @property
     def out_channels(self) -> int:
         return self.in_channels
-
-    @classmethod
-    def from_dict(cls, cfg: dict) -> ZImageArchConfig:
-        """Build from a diffusers config dict; keys starting with ``_`` are metadata, unknown keys
-        are kept in ``extra``."""
-        names = {f.name for f in fields(cls)} - {"extra"}
-        known = {k: v for k, v in cfg.items() if k in names}
-        extra = {k: v for k, v in cfg.items() if k not in names and not k.startswith("_")}
-        return cls(**known, extra=extra)
-
-    @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> ZImageArchConfig:
-        """Read ``transformer/config.json``.
-
-        Raises:
-            FileNotFoundError: the file does not exist.
-            ValueError: invalid JSON, or ``_class_name`` is not ``ZImageTransformer2DModel``.
-        """
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"transformer config not found: {path}")
-        try:
-            with open(path, encoding="utf-8") as f:
-                cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON ({e})") from e
-        cls_name = cfg.get("_class_name", ZIMAGE_TRANSFORMER_CLASS)
-        if cls_name != ZIMAGE_TRANSFORMER_CLASS:
-            raise ValueError(
-                f"{path}: _class_name {cls_name!r} is not supported here "
-                f"(expected {ZIMAGE_TRANSFORMER_CLASS!r})"
-            )
-        return cls.from_dict(cfg)

@@ -39,8 +39,8 @@ from torch import nn
 from sglang.multimodal_gen.configs.flux import FluxArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.layers.attention import sdpa_bshd
+from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
@@ -245,48 +245,6 @@ class FluxAdaLNContinuous(nn.Module):
 
 
 # ------------------------------------------------------------------------------- double block
-class FluxGeluProj(nn.Module):
-    """Column-parallel ``proj`` then tanh-approximate GELU (diffusers' ``GELU``,
-    ``approximate="tanh"``). Shapes: ``[..., D] -> [..., hidden / tp]``."""
-
-    def __init__(self, dim: int, hidden: int, prefix: str, tp_rank, tp_size, dtype):
-        super().__init__()
-        self.proj = ColumnParallelLinear(
-            dim, hidden, bias=True, **_tp_kwargs(f"{prefix}.proj", tp_rank, tp_size, dtype)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.proj(x)[0], approximate="tanh")
-
-
-class FluxFeedForward(nn.Module):
-    """``net.2(gelu_tanh(net.0.proj(x)))`` with hidden ``int(4 * D)`` split over TP (diffusers'
-    ``FeedForward(activation_fn="gelu-approximate")``; ``net.1`` is its dropout, an identity here).
-
-    Shapes: ``x [B, S, D]`` -> ``[B, S, D]`` (all-reduced over TP).
-    """
-
-    def __init__(self, cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype):
-        super().__init__()
-        d, h = cfg.inner_dim, cfg.mlp_hidden
-        self.net = nn.ModuleList(
-            [
-                FluxGeluProj(d, h, f"{prefix}.net.0", tp_rank, tp_size, dtype),
-                nn.Identity(),
-                RowParallelLinear(
-                    h,
-                    d,
-                    bias=True,
-                    input_is_parallel=True,
-                    **_tp_kwargs(f"{prefix}.net.2", tp_rank, tp_size, dtype),
-                ),
-            ]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](self.net[0](x))[0]
-
-
 class FluxJointAttention(nn.Module):
     """Joint attention of a double block: image and text tokens have their own fused QKV
     projections, per-head RMSNorms and output projections, and attend together over
@@ -381,9 +339,13 @@ class FluxDoubleBlock(nn.Module):
         self.norm1_context = FluxAdaLNZero(d, 6, eps, f"{prefix}.norm1_context", **kw)
         self.attn = FluxJointAttention(cfg, f"{prefix}.attn", tp_rank, tp_size, dtype)
         self.norm2 = LayerNormNoAffine(d, eps=eps)
-        self.ff = FluxFeedForward(cfg, f"{prefix}.ff", tp_rank, tp_size, dtype)
+        self.ff = GeluTanhFeedForward(
+            cfg.inner_dim, cfg.mlp_hidden, f"{prefix}.ff", tp_rank, tp_size, dtype
+        )
         self.norm2_context = LayerNormNoAffine(d, eps=eps)
-        self.ff_context = FluxFeedForward(cfg, f"{prefix}.ff_context", tp_rank, tp_size, dtype)
+        self.ff_context = GeluTanhFeedForward(
+            cfg.inner_dim, cfg.mlp_hidden, f"{prefix}.ff_context", tp_rank, tp_size, dtype
+        )
 
     def forward(self, x, ctx, temb, cos, sin):
         nx, gate_a, shift_f, scale_f, gate_f = self.norm1(x, temb)

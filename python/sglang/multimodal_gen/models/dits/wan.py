@@ -54,6 +54,7 @@ from sglang.multimodal_gen.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from sglang.multimodal_gen.layers.attention import sdpa_bshd
+from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -452,48 +453,6 @@ class WanFP32LayerNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
-class WanGeluProj(nn.Module):
-    """Column-parallel ``proj`` then tanh-approximate GELU (diffusers' ``GELU``,
-    ``approximate="tanh"``). Shapes: ``[..., D] -> [..., ffn_dim / tp]``."""
-
-    def __init__(self, dim: int, hidden: int, prefix: str, tp_rank, tp_size, dtype):
-        super().__init__()
-        self.proj = ColumnParallelLinear(
-            dim, hidden, bias=True, **_tp_kwargs(f"{prefix}.proj", tp_rank, tp_size, dtype)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.proj(x)[0], approximate="tanh")
-
-
-class WanFeedForward(nn.Module):
-    """``net.2(gelu_tanh(net.0.proj(x)))`` with hidden ``ffn_dim`` split over TP (diffusers'
-    ``FeedForward(activation_fn="gelu-approximate")``; ``net.1`` is its dropout, an identity).
-
-    Shapes: ``x [B, S, D]`` -> ``[B, S, D]`` (all-reduced over TP).
-    """
-
-    def __init__(self, cfg: WanArchConfig, prefix: str, tp_rank, tp_size, dtype):
-        super().__init__()
-        d, h = cfg.inner_dim, cfg.ffn_dim
-        self.net = nn.ModuleList(
-            [
-                WanGeluProj(d, h, f"{prefix}.net.0", tp_rank, tp_size, dtype),
-                nn.Identity(),
-                RowParallelLinear(
-                    h,
-                    d,
-                    bias=True,
-                    input_is_parallel=True,
-                    **_tp_kwargs(f"{prefix}.net.2", tp_rank, tp_size, dtype),
-                ),
-            ]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](self.net[0](x))[0]
-
-
 class WanBlock(nn.Module):
     """One Wan transformer block (diffusers' ``WanTransformerBlock``).
 
@@ -518,7 +477,9 @@ class WanBlock(nn.Module):
         self.attn1 = WanSelfAttention(cfg, f"{prefix}.attn1", tp_rank, tp_size, dtype)
         self.attn2 = WanCrossAttention(cfg, f"{prefix}.attn2", tp_rank, tp_size, dtype)
         self.norm2 = WanFP32LayerNorm(d, eps) if cfg.cross_attn_norm else nn.Identity()
-        self.ffn = WanFeedForward(cfg, f"{prefix}.ffn", tp_rank, tp_size, dtype)
+        self.ffn = GeluTanhFeedForward(
+            cfg.inner_dim, cfg.ffn_dim, f"{prefix}.ffn", tp_rank, tp_size, dtype
+        )
         self.norm3 = LayerNormNoAffine(d, eps=eps)
         # fp32 like diffusers' _keep_in_fp32_modules ("scale_shift_table"); filled by the loader
         self.scale_shift_table = nn.Parameter(
