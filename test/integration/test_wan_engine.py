@@ -122,3 +122,25 @@ def test_cli_writes_mp4_and_frames(tiny_wan_a14b_dir, tp1, tmp_path):
         assert stream.average_rate == 8 and stream.codec_context.name == "h264"
     assert len(decoded) == 5 and decoded[0].shape == (32, 32, 3)
     assert sglang_main(common + ["--output-path", str(tmp_path / "x.png")]) == 2  # wrong modality
+
+
+def test_serve_startup_loras_per_expert(tiny_wan_a14b_dir, loras, tp1):
+    """``sglang serve --lora-path H L --lora-target transformer transformer_2`` applies each file
+    to its expert, as the Python call in ``tp1`` did."""
+    import argparse
+
+    from sglang.multimodal_gen.configs.server_args import ServerArgs
+    from sglang.multimodal_gen.entrypoints.http_server import load_startup_loras
+
+    engine, _, with_lora = tp1
+    parser = ServerArgs.add_cli_args(argparse.ArgumentParser())
+    argv = ["--model-path", tiny_wan_a14b_dir, "--lora-path", *loras, "--lora-nickname", "high",
+            "low", "--lora-scale", "0.8", "1.2", "--lora-target", "transformer",
+            "transformer_2"]  # fmt: skip
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    assert args.startup_lora_targets == ["transformer", "transformer_2"]
+    engine.unset_lora()
+    load_startup_loras(engine, args)
+    assert np.array_equal(engine.generate_video(GenerationRequest(**REQ))[0], with_lora)
+    with pytest.raises(ValueError, match="--lora-target given 3 values for 2"):
+        ServerArgs.from_cli_args(parser.parse_args(argv + ["all"])).validate()

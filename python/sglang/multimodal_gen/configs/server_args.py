@@ -129,6 +129,8 @@ class ServerArgs:
             (nickname defaults to the file or folder name without extension; scale to 1.0).
             They come from the operator's command line and load from anywhere (relative paths
             are looked up in ``lora_dirs`` first).
+        lora_targets: ``--lora-target`` per startup adapter (``all``, ``transformer``,
+            ``transformer_2`` for two-expert models); one value applies to all; default ``all``.
         lora_dirs: allowed roots for local LoRA paths sent to ``/v1/set_lora`` (realpath
             containment), passed to the engine. Empty: ``set_lora`` accepts no local path, only
             Hub ids present in the local Hugging Face cache.
@@ -165,6 +167,7 @@ class ServerArgs:
     lora_paths: list[str] = field(default_factory=list)
     lora_nicknames: list[str] = field(default_factory=list)
     lora_scales: list[float] = field(default_factory=list)
+    lora_targets: list[str] = field(default_factory=list)
     lora_dirs: list[str] = field(default_factory=list)
     max_queue_size: int = 64
     max_image_size: int | None = None
@@ -246,6 +249,11 @@ class ServerArgs:
             raise ValueError(
                 f"--lora-scale given {len(self.lora_scales)} values for {len(self.lora_paths)} "
                 "--lora-path values; give one scale, or one per path"
+            )
+        if self.lora_targets and len(self.lora_targets) not in (1, len(self.lora_paths)):
+            raise ValueError(
+                f"--lora-target given {len(self.lora_targets)} values for "
+                f"{len(self.lora_paths)} --lora-path values; give one target, or one per path"
             )
         for root in self.lora_dirs:
             if not os.path.isdir(root):
@@ -390,6 +398,14 @@ class ServerArgs:
             help="strength per startup adapter (default 1.0)",
         )
         g.add_argument(
+            "--lora-target",
+            action="extend",
+            nargs="+",
+            default=None,
+            help="target per startup adapter: all, transformer, transformer_2 (two-expert "
+            "models); one value applies to all (default all)",
+        )
+        g.add_argument(
             "--lora-dir",
             action="append",
             default=None,
@@ -418,6 +434,7 @@ class ServerArgs:
             lora_paths=list(args.lora_path or []),
             lora_nicknames=list(args.lora_nickname or []),
             lora_scales=list(args.lora_scale or []),
+            lora_targets=list(args.lora_target or []),
             lora_dirs=list(args.lora_dir or []),
             max_queue_size=args.max_queue_size,
             max_image_size=args.max_image_size,
@@ -435,6 +452,15 @@ class ServerArgs:
             served_model_name=args.served_model_name,
             log_level=args.log_level,
         )
+
+    @property
+    def startup_lora_targets(self) -> list[str]:
+        """The target of each startup adapter (``all`` by default)."""
+        if not self.lora_targets:
+            return ["all"] * len(self.lora_paths)
+        if len(self.lora_targets) == 1:
+            return self.lora_targets * len(self.lora_paths)
+        return list(self.lora_targets)
 
     @property
     def startup_loras(self) -> list[tuple[str, str, float]]:

@@ -866,7 +866,8 @@ def load_startup_loras(engine: Any, server_args: ServerArgs) -> None:
     paths = [p for _, p, _ in loras]
     strengths = [s for _, _, s in loras]
     t0 = time.perf_counter()
-    engine.set_lora(names, paths, target="all", strength=strengths, trusted=True)
+    targets = server_args.startup_lora_targets
+    engine.set_lora(names, paths, target=targets, strength=strengths, trusted=True)
     logger.info("startup LoRA active: %s (%.2fs)", names, time.perf_counter() - t0)
 
 
