@@ -144,3 +144,44 @@ def test_serve_startup_loras_per_expert(tiny_wan_a14b_dir, loras, tp1):
     assert np.array_equal(engine.generate_video(GenerationRequest(**REQ))[0], with_lora)
     with pytest.raises(ValueError, match="--lora-target given 3 values for 2"):
         ServerArgs.from_cli_args(parser.parse_args(argv + ["all"])).validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="DiT CPU offload needs a GPU")
+def test_offload_keeps_only_the_active_expert_on_the_gpu(tiny_wan_a14b_dir, loras):
+    """``--dit-cpu-offload`` on a two-expert model: during a generation exactly one expert is on
+    the accelerator; frames equal the non-offloaded engine's, also with a global merged LoRA and
+    a per-request composition (merged into, and restored on, the host copies)."""
+    req = GenerationRequest(**REQ)
+    comp = dict(REQ, lora=[("high", 0.5), ("low", 1.5)])
+    results = {}
+    for offload in (False, True):
+        with DiffusionEngine(tiny_wan_a14b_dir, device="cuda", dtype="float32",
+                             dit_cpu_offload=offload) as engine:  # fmt: skip
+            runner = engine._runner
+            seen = []
+            if offload:
+                activate = runner._activate_expert
+
+                def spy(module, activate=activate, runner=runner, seen=seen):
+                    activate(module)
+                    seen.append(sorted(
+                        n for n, m in runner.pipeline.denoisers.items()
+                        if next(m.parameters()).device.type == "cuda"
+                    ))  # fmt: skip
+
+                runner._activate_expert = spy
+                runner.pipeline.on_denoiser_change = spy
+            out = [engine.generate_video(req)[0]]
+            engine.set_lora(["high", "low"], list(loras), target=["transformer", "transformer_2"],
+                            strength=[0.8, 1.2], merge_mode="merge")  # fmt: skip
+            out.append(engine.generate_video(req)[0])
+            out.append(engine.generate_video(GenerationRequest(**comp))[0])
+            engine.unset_lora()
+            out.append(engine.generate_video(req)[0])  # the composition left nothing behind
+            results[offload] = out
+            if offload:
+                assert ["transformer"] in seen and ["transformer_2"] in seen
+                assert all(len(s) <= 1 for s in seen)  # never both experts on the GPU
+    for a, b in zip(results[False], results[True]):
+        assert np.array_equal(a, b)
+    assert np.array_equal(results[True][0], results[True][3])

@@ -128,6 +128,9 @@ class StagedPipeline:
 
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer")
     family_name: str = ""
+    # Called with the denoiser about to run whenever the loop switches denoisers (two-expert
+    # models): the runner's per-expert CPU offload keeps only that one on the accelerator.
+    on_denoiser_change: Callable[[torch.nn.Module], None] | None = None
 
     def __init__(
         self,
@@ -358,12 +361,29 @@ class StagedPipeline:
         latents = self.prepare_latents(inp, cond)
         scheduler, timesteps = self.prepare_timesteps(inp, latents)
         show = sys.stderr.isatty() if progress is None else progress
-        for i, t in enumerate(tqdm(timesteps, disable=not show, desc="denoise")):
+        plan = [self.select_denoiser(i, t, inp) for i, t in enumerate(timesteps)]
+        names = {id(m): n for n, m in self.denoisers.items()}
+        bar, current = None, None
+        for i, t in enumerate(timesteps):
+            if plan[i] is not current:  # a new expert: its own progress bar (and placement)
+                current = plan[i]
+                if self.on_denoiser_change is not None:
+                    self.on_denoiser_change(current)
+                if bar is not None:
+                    bar.close()
+                steps = sum(1 for m in plan[i:] if m is current)  # its contiguous run
+                desc = (
+                    f"denoise ({names.get(id(current))})" if len(self.denoisers) > 1 else "denoise"
+                )
+                bar = tqdm(total=steps, disable=not show, desc=desc)
             t0 = time.perf_counter()
-            pred = self.predict(self.select_denoiser(i, t, inp), latents, t, i, cond, inp)
+            pred = self.predict(current, latents, t, i, cond, inp)
             latents = self.scheduler_step(scheduler, pred, t, latents)
+            bar.update()
             if step_callback is not None:
                 step_callback(i, time.perf_counter() - t0)
+        if bar is not None:
+            bar.close()
         # non-finite latents would decode to a blank image: fail the request instead (one check)
         check_finite(latents, f"latents after {len(timesteps)} denoising steps", inp)
         if output_type == "latent":

@@ -186,11 +186,27 @@ class ModelRunner:
         self.lora_manager = build_lora_manager(
             self.pipeline.denoisers, self.family, lora_dirs, offload
         )
-        self.offloader = (
-            DiTOffloader(torch.nn.ModuleList(self.pipeline.denoisers.values()), self.device)
+        # One offloader per denoiser; with several (two-expert models) a generation keeps only
+        # the expert that runs on the accelerator, moved in when the loop switches to it.
+        self.offloaders = (
+            {n: DiTOffloader(m, self.device) for n, m in self.pipeline.denoisers.items()}
             if offload
-            else None
+            else {}
         )
+        self.per_expert_offload = len(self.offloaders) > 1
+        if self.per_expert_offload:
+            self.pipeline.on_denoiser_change = self._activate_expert
+
+    def _activate_expert(self, module: torch.nn.Module | None) -> None:
+        """Only ``module`` on the accelerator (``None``: none). Generations never change the
+        host copies: a per-request composition is merged into (and restored on) the host weights
+        while every expert is parked there."""
+        for off in self.offloaders.values():
+            if off.module is not module:
+                off.offload(dirty=False)
+        for off in self.offloaders.values():
+            if off.module is module:
+                off.onload()
 
     @property
     def spatial_factor(self) -> int:
@@ -237,14 +253,22 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _weights_on_device(self, op: str) -> Iterator[None]:
-        if self.offloader is None or op == "noop":
+        if not self.offloaders or op == "noop":
             yield
             return
-        self.offloader.onload()
+        if op == "generate" and self.per_expert_offload:
+            try:  # the pipeline moves each expert in when it starts running
+                yield
+            finally:
+                self._activate_expert(None)
+            return
+        for off in self.offloaders.values():
+            off.onload()
         try:
             yield
         finally:
-            self.offloader.offload(dirty=op not in _READ_ONLY_OPS)
+            for off in self.offloaders.values():
+                off.offload(dirty=op not in _READ_ONLY_OPS)
 
     def execute(
         self,
@@ -321,7 +345,11 @@ class ModelRunner:
         )
         if req.lora is not None:
             with self.lora_manager.use_composition(list(req.lora)):
-                return self.pipeline(**kwargs)
+                try:
+                    return self.pipeline(**kwargs)
+                finally:
+                    if self.per_expert_offload:  # restore the composition on the host copies
+                        self._activate_expert(None)
         return self.pipeline(**kwargs)
 
     def cmd_set_lora(
