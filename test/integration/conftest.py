@@ -14,6 +14,7 @@ if _TEST_ROOT not in sys.path:
 
 from fixtures.tiny_flux import build_tiny_flux  # noqa: E402
 from fixtures.tiny_models import build_tiny_zimage, make_lora  # noqa: E402
+from fixtures.tiny_qwen_image import build_tiny_qwen_image  # noqa: E402
 from fixtures.tiny_wan import build_tiny_wan  # noqa: E402
 
 
@@ -56,3 +57,9 @@ def tiny_wan_a14b_dir(tmp_path_factory) -> str:
 def tiny_wan_ti2v_dir(tmp_path_factory) -> str:
     """A tiny Wan2.2 TI2V-5B-like directory: one expert, per-token timesteps, Wan2.2 VAE."""
     return build_tiny_wan(str(tmp_path_factory.mktemp("tiny_wan_ti2v")), layout="ti2v", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_dir(tmp_path_factory) -> str:
+    """A tiny diffusers-format Qwen-Image directory (Qwen2.5-VL text encoder, 5-D VAE)."""
+    return build_tiny_qwen_image(str(tmp_path_factory.mktemp("tiny_qwen_image")))

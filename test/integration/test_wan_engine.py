@@ -9,7 +9,6 @@ and alpha != r.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -18,7 +17,6 @@ import torch
 from fixtures.tiny_models import psnr
 from fixtures.tiny_wan import reference_frames, reference_wan
 from PIL import Image
-from safetensors.torch import save_file
 from sglang.cli.main import main as sglang_main
 from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
@@ -43,8 +41,16 @@ def _lora_file(path, seed, r=4, alpha=2.0, d=32, ffn=64):
             key = f"transformer.blocks.{b}.{name}"
             sd[f"{key}.lora_A.weight"] = torch.randn(r, in_f, generator=g) * 0.3
             sd[f"{key}.lora_B.weight"] = torch.randn(out_f, r, generator=g) * 0.3
-    cfg = {"r": r, "lora_alpha": alpha, "target_modules": ["to_q"]}
-    save_file(sd, str(path), metadata={"format": "pt", "lora_config": json.dumps(cfg)})
+    from diffusers import WanPipeline
+    from peft import LoraConfig
+
+    targets = ["to_q", "to_v", "to_out.0", "to_k", "proj", "net.2"]
+    meta = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets).to_dict()
+    WanPipeline.save_lora_weights(
+        str(path.parent), weight_name=path.name,
+        transformer_lora_layers={k.removeprefix("transformer."): v for k, v in sd.items()},
+        transformer_lora_adapter_metadata=meta,
+    )  # fmt: skip
     return str(path)
 
 

@@ -5,5 +5,6 @@ outside its own files.
 """
 
 import sglang.multimodal_gen.models.families.flux  # noqa: F401
+import sglang.multimodal_gen.models.families.qwen_image  # noqa: F401
 import sglang.multimodal_gen.models.families.wan  # noqa: F401
 import sglang.multimodal_gen.models.families.zimage  # noqa: F401

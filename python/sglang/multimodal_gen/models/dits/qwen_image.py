@@ -1,0 +1,561 @@
+"""The Qwen-Image DiT on our tensor-parallel layers.
+
+Same architecture and numerics as diffusers' ``QwenImageTransformer2DModel`` (follows diffusers
+0.42.1 ``models/transformers/transformer_qwenimage.py``; Qwen team, Qwen-Image, 2025): an MMDiT
+of ``num_layers`` double-stream blocks only (separate weights for text and image tokens, one
+joint attention over ``[text, image]``), adaLN modulated by the timestep embedding alone (no
+pooled text vector), text features RMS-normalised (``txt_norm``) before ``txt_in``, and a 3-axis
+complex RoPE (frame, height, width) in which the image grid is centred on 0 and text tokens sit
+on the diagonal *after* the largest image half-extent.
+
+Module names equal diffusers' (a diffusers state dict loads 1:1 through ``QWEN_IMAGE_NAME_MAP``
+in ``qwen_image_names.py``) except two fused layers per block:
+
+* ``transformer_blocks.N.attn.to_qkv``: ``QKVParallelLinear`` from ``attn.to_q/to_k/to_v``
+  (shard ids ``"q"``, ``"k"``, ``"v"``);
+* ``transformer_blocks.N.attn.to_added_qkv``: ``QKVParallelLinear`` from
+  ``attn.add_q_proj/add_k_proj/add_v_proj`` (shard ids ``"q"``, ``"k"``, ``"v"``).
+
+Tensor parallelism (``n = tp_size``): attention heads are split over the ranks (each rank attends
+with its ``heads / n`` heads over the whole joint sequence; no communication inside attention),
+``attn.to_out.0`` and ``attn.to_add_out`` are row-parallel, and ``img_mlp`` / ``txt_mlp`` are
+GELU-tanh FFNs (diffusers' ``FeedForward(activation_fn="gelu-approximate")``) split column ->
+row. Four all-reduces per block. The embedders, ``txt_norm``, the adaLN modulations
+(``img_mod.1`` / ``txt_mod.1``), ``norm_out`` and ``proj_out`` are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.multimodal_gen.configs.qwen_image import QwenImageArchConfig
+from sglang.multimodal_gen.distributed import get_tp_world_size
+from sglang.multimodal_gen.layers.attention import sdpa_bshd
+from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
+from sglang.multimodal_gen.layers.linear import (
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglang.multimodal_gen.layers.norm import LayerNormNoAffine, RMSNorm
+from sglang.multimodal_gen.models.dits.qwen_image_names import QWEN_IMAGE_NAME_MAP
+
+__all__ = [
+    "QwenImageRope",
+    "QwenImageTransformer",
+    "apply_rope_complex",
+    "qwen_image_from_diffusers_module",
+]
+
+FP16_MAX = 65504.0
+ROPE_TABLE_LEN = 4096  # positions per direction the reference tabulates
+
+
+def _tp_kwargs(prefix: str, tp_rank: int | None, tp_size: int | None, dtype) -> dict:
+    return dict(prefix=prefix, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------- RoPE
+def _rope_table(index: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
+    """``exp(i * p * theta ** (-2j / dim))`` for positions ``index [N]`` (int64) and pairs
+    ``j < dim / 2``: ``[N, dim / 2]`` complex64, computed in fp32 as the reference's
+    ``QwenEmbedRope.rope_params``."""
+    inv_freq = 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(torch.float32).div(dim))
+    angles = torch.outer(index, inv_freq)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+class QwenImageRope(nn.Module):
+    """Qwen-Image's 3-axis complex rotary tables (diffusers' ``QwenEmbedRope(scale_rope=True)``).
+
+    Head channel pairs are split ``axes_dims / 2`` between the frame, height and width axes. For
+    image ``idx`` of shape ``(F, H, W)`` (several images are concatenated, e.g. the edit
+    model's conditioning images), token ``(f, h, w)`` gets frame position ``idx + f``, height
+    position ``h - (H - H // 2)`` and width position ``w - (W - W // 2)`` (the grid is centred:
+    ``-(H - H//2) .. H//2 - 1``). Text token ``s`` gets position ``m + s`` on all three axes with
+    ``m = max(H // 2, W // 2)`` over the images. The tables are those of the reference bit for
+    bit: the same fp32 formula evaluated over ``[0, 4096)`` and ``[-4096, -1]`` and then indexed.
+
+    Shapes: :meth:`forward` returns ``(img [S_img, hd / 2], txt [S_txt, hd / 2])`` complex64.
+    No parameters (the tables are plain attributes, cached per device).
+    """
+
+    def __init__(self, theta: float, axes_dims):
+        super().__init__()
+        self.theta = theta
+        self.axes_dims = tuple(int(d) for d in axes_dims)
+        pos = torch.arange(ROPE_TABLE_LEN)
+        neg = torch.arange(ROPE_TABLE_LEN).flip(0) * -1 - 1
+        # not buffers: .to(dtype) must never touch complex tables
+        self._pos = torch.cat([_rope_table(pos, d, theta) for d in self.axes_dims], dim=1)
+        self._neg = torch.cat([_rope_table(neg, d, theta) for d in self.axes_dims], dim=1)
+        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._cache:
+            self._cache[device] = (self._pos.to(device), self._neg.to(device))
+        return self._cache[device]
+
+    def _image(self, f: int, h: int, w: int, idx: int, pos, neg) -> torch.Tensor:
+        sizes = [d // 2 for d in self.axes_dims]
+        pf, ph, pw = pos.split(sizes, dim=1)
+        _, nh, nw = neg.split(sizes, dim=1)
+        frame = pf[idx : idx + f].view(f, 1, 1, -1).expand(f, h, w, -1)
+        height = torch.cat([nh[-(h - h // 2) :], ph[: h // 2]], dim=0)
+        height = height.view(1, h, 1, -1).expand(f, h, w, -1)
+        width = torch.cat([nw[-(w - w // 2) :], pw[: w // 2]], dim=0)
+        width = width.view(1, 1, w, -1).expand(f, h, w, -1)
+        return torch.cat([frame, height, width], dim=-1).reshape(f * h * w, -1)
+
+    def forward(
+        self, shapes: list[tuple[int, int, int]], txt_len: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for the images ``shapes`` (``[(F, H, W), ...]`` of one batch item, in token
+        order) and ``txt_len`` text tokens.
+
+        Raises:
+            ValueError: a position beyond the reference's 4096-entry tables.
+        """
+        pos, neg = self._tables(torch.device(device))
+        parts, m = [], 0
+        for idx, (f, h, w) in enumerate(shapes):
+            if idx + f > ROPE_TABLE_LEN or max(h, w) > 2 * ROPE_TABLE_LEN:
+                raise ValueError(f"Qwen-Image RoPE: image shape {(f, h, w)} exceeds the tables")
+            parts.append(self._image(int(f), int(h), int(w), idx, pos, neg))
+            m = max(h // 2, w // 2, m)
+        if m + txt_len > ROPE_TABLE_LEN:
+            raise ValueError(
+                f"Qwen-Image RoPE: {txt_len} text tokens after image offset {m} exceed the "
+                f"{ROPE_TABLE_LEN} positions of the reference's tables"
+            )
+        return torch.cat(parts, dim=0), pos[m : m + txt_len]
+
+    def extra_repr(self) -> str:
+        return f"theta={self.theta}, axes_dims={list(self.axes_dims)}"
+
+
+def apply_rope_complex(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs ``(a, b)`` as the complex number ``a + ib`` times
+    ``freqs``.
+
+    Args:
+        x: ``[B, S, H, D]`` any float dtype.
+        freqs: ``[S, D / 2]`` complex64 (from :class:`QwenImageRope`), broadcast over batch and
+            heads.
+
+    Returns:
+        ``[B, S, H, D]`` in ``x.dtype``, computed in complex64 (diffusers'
+        ``apply_rotary_emb_qwen(use_real=False)``, same operations).
+    """
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs.unsqueeze(1)).flatten(3).type_as(x)
+
+
+# --------------------------------------------------------------------------------- embeddings
+def timestep_sinusoid(t: torch.Tensor, dim: int, scale: float, max_period: float = 10000.0):
+    """Sinusoidal features ``[B] -> [B, dim]`` fp32, ``cos`` half first then ``sin``, of the
+    angles ``scale * (t * w_k)`` with ``w_k = exp(-ln(max_period) * k / (dim / 2))`` (diffusers'
+    ``Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0, scale=scale)``, same order of
+    operations: the scale multiplies the angles, not ``t``)."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
+    freqs = torch.exp(exponent / half)
+    angles = scale * (t[:, None].float() * freqs[None, :])
+    out = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+    return F.pad(out, (0, 1)) if dim % 2 else out
+
+
+class QwenTimestepEmbedder(nn.Module):
+    """``linear_2(silu(linear_1(x)))`` (diffusers' ``TimestepEmbedding``).
+
+    Shapes: ``x [B, in_features]`` -> ``[B, out_features]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, prefix: str, **kw):
+        super().__init__()
+        self.linear_1 = ReplicatedLinear(
+            in_features, out_features, prefix=f"{prefix}.linear_1", **kw
+        )
+        self.linear_2 = ReplicatedLinear(
+            out_features, out_features, prefix=f"{prefix}.linear_2", **kw
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)[0]))[0]
+
+
+class QwenTimeTextEmbed(nn.Module):
+    """``temb = timestep_embedder(sinusoid(1000 t))`` (diffusers' ``QwenTimestepProjEmbeddings``
+    without the additional-t embedding).
+
+    Shapes: ``t [B]`` (already in the model dtype) -> ``[B, D]`` in ``dtype``.
+    """
+
+    def __init__(self, cfg: QwenImageArchConfig, prefix: str, **kw):
+        super().__init__()
+        self.freq_dim = cfg.T_FREQ_DIM
+        self.scale = cfg.TIMESTEP_SCALE
+        self.timestep_embedder = QwenTimestepEmbedder(
+            cfg.T_FREQ_DIM, cfg.inner_dim, f"{prefix}.timestep_embedder", **kw
+        )
+
+    def forward(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.timestep_embedder(timestep_sinusoid(t, self.freq_dim, self.scale).to(dtype))
+
+
+class QwenAdaLNContinuous(nn.Module):
+    """Final norm: ``scale, shift = linear(silu(temb))`` (in that order),
+    ``LayerNorm(x) * (1 + scale) + shift`` (diffusers'
+    ``AdaLayerNormContinuous(elementwise_affine=False, eps=1e-6)``).
+
+    Shapes: ``x [B, S, D]``, ``temb [B, D]`` -> ``[B, S, D]``.
+    """
+
+    def __init__(self, dim: int, eps: float, prefix: str, **kw):
+        super().__init__()
+        self.linear = ReplicatedLinear(dim, 2 * dim, prefix=f"{prefix}.linear", **kw)
+        self.norm = LayerNormNoAffine(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(temb).to(x.dtype))[0].chunk(2, dim=1)
+        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
+# ------------------------------------------------------------------------------- the block
+class QwenJointAttention(nn.Module):
+    """Joint attention of a block: image and text tokens have their own fused QKV projections,
+    per-head RMSNorms (diffusers' ``RMSNorm``, eps 1e-6) and output projections, get the complex
+    RoPE and attend together over ``[text, image]`` with padded text keys masked out (diffusers'
+    ``Attention(added_kv_proj_dim=D, qk_norm="rms_norm")`` + ``QwenDoubleStreamAttnProcessor2_0``).
+    Heads are split over TP.
+
+    Shapes: ``x [B, S_img, D]``, ``ctx [B, S_txt, D]``, ``img_freqs [S_img, hd / 2]``,
+    ``txt_freqs [S_txt, hd / 2]`` complex64, ``key_mask [B, S_txt + S_img]`` bool or ``None``
+    -> ``(x_out [B, S_img, D], ctx_out [B, S_txt, D])`` (all-reduced over TP).
+    """
+
+    def __init__(self, cfg: QwenImageArchConfig, prefix: str, tp_rank, tp_size, dtype):
+        super().__init__()
+        d, hd, heads = cfg.inner_dim, cfg.attention_head_dim, cfg.num_attention_heads
+        self.head_dim = hd
+        eps = cfg.NORM_EPS
+        self.to_qkv = QKVParallelLinear(
+            d,
+            hd,
+            heads,
+            heads,
+            bias=True,
+            **_tp_kwargs(f"{prefix}.to_qkv", tp_rank, tp_size, dtype),
+        )
+        self.to_added_qkv = QKVParallelLinear(
+            d,
+            hd,
+            heads,
+            heads,
+            bias=True,
+            **_tp_kwargs(f"{prefix}.to_added_qkv", tp_rank, tp_size, dtype),
+        )
+        self.num_heads = self.to_qkv.num_heads
+        self.norm_q = RMSNorm(hd, eps=eps)
+        self.norm_k = RMSNorm(hd, eps=eps)
+        self.norm_added_q = RMSNorm(hd, eps=eps)
+        self.norm_added_k = RMSNorm(hd, eps=eps)
+        self.to_out = nn.ModuleList(
+            [
+                RowParallelLinear(
+                    d,
+                    d,
+                    bias=True,
+                    input_is_parallel=True,
+                    **_tp_kwargs(f"{prefix}.to_out.0", tp_rank, tp_size, dtype),
+                )
+            ]
+        )
+        self.to_add_out = RowParallelLinear(
+            d,
+            d,
+            bias=True,
+            input_is_parallel=True,
+            **_tp_kwargs(f"{prefix}.to_add_out", tp_rank, tp_size, dtype),
+        )
+
+    def _heads(self, layer: nn.Module, x: torch.Tensor):
+        """Fused projection -> ``q, k, v`` each ``[B, S, heads_local, hd]``."""
+        qkv = layer(x)[0].unflatten(-1, (3, self.num_heads, self.head_dim))
+        return qkv.unbind(-3)
+
+    def forward(self, x, ctx, img_freqs, txt_freqs, key_mask):
+        q, k, v = self._heads(self.to_qkv, x)
+        cq, ck, cv = self._heads(self.to_added_qkv, ctx)
+        q = apply_rope_complex(self.norm_q(q), img_freqs)
+        k = apply_rope_complex(self.norm_k(k), img_freqs)
+        cq = apply_rope_complex(self.norm_added_q(cq), txt_freqs)
+        ck = apply_rope_complex(self.norm_added_k(ck), txt_freqs)
+        jq = torch.cat([cq, q], dim=1)
+        jk = torch.cat([ck, k], dim=1)
+        jv = torch.cat([cv, v], dim=1)
+        out = sdpa_bshd(jq, jk, jv, key_mask).to(jq.dtype)
+        n_txt = ctx.shape[1]
+        ctx_out, x_out = out[:, :n_txt], out[:, n_txt:]
+        return self.to_out[0](x_out.contiguous())[0], self.to_add_out(ctx_out.contiguous())[0]
+
+
+def _modulate(x: torch.Tensor, params: torch.Tensor):
+    """``shift, scale, gate = params.chunk(3)``; returns ``(x * (1 + scale) + shift, gate)`` with
+    ``x [B, S, D]``, ``params [B, 3D]``, ``gate [B, 1, D]``."""
+    shift, scale, gate = params.chunk(3, dim=-1)
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), gate.unsqueeze(1)
+
+
+class QwenImageBlock(nn.Module):
+    """Double-stream block; diffusers' ``QwenImageTransformerBlock``.
+
+    For each stream ``s`` in (image ``x``, text ``ctx``), with ``s_mod.1(silu(temb))`` split into
+    ``shift_a, scale_a, gate_a, shift_f, scale_f, gate_f``::
+
+        attn_x, attn_ctx = joint_attention(LN(x) * (1 + scale_a) + shift_a, same for ctx)
+        s = s + gate_a * attn_s
+        s = s + gate_f * s_mlp(LN(s) * (1 + scale_f) + shift_f)
+
+    (``LN``: LayerNorm without affine, eps 1e-6; fp16 results are clipped to +-65504.)
+
+    Shapes: ``x [B, S_img, D]``, ``ctx [B, S_txt, D]``, ``temb [B, D]``, RoPE tables and key
+    mask as :class:`QwenJointAttention` -> ``(ctx, x)`` (the reference's order).
+    """
+
+    def __init__(self, cfg: QwenImageArchConfig, prefix: str, tp_rank, tp_size, dtype):
+        super().__init__()
+        d, eps, h = cfg.inner_dim, cfg.NORM_EPS, cfg.mlp_hidden
+        kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+        self.img_mod = nn.ModuleList(
+            [nn.SiLU(), ReplicatedLinear(d, 6 * d, prefix=f"{prefix}.img_mod.1", **kw)]
+        )
+        self.img_norm1 = LayerNormNoAffine(d, eps=eps)
+        self.attn = QwenJointAttention(cfg, f"{prefix}.attn", tp_rank, tp_size, dtype)
+        self.img_norm2 = LayerNormNoAffine(d, eps=eps)
+        self.img_mlp = GeluTanhFeedForward(d, h, f"{prefix}.img_mlp", tp_rank, tp_size, dtype)
+        self.txt_mod = nn.ModuleList(
+            [nn.SiLU(), ReplicatedLinear(d, 6 * d, prefix=f"{prefix}.txt_mod.1", **kw)]
+        )
+        self.txt_norm1 = LayerNormNoAffine(d, eps=eps)
+        self.txt_norm2 = LayerNormNoAffine(d, eps=eps)
+        self.txt_mlp = GeluTanhFeedForward(d, h, f"{prefix}.txt_mlp", tp_rank, tp_size, dtype)
+
+    def forward(self, x, ctx, temb, img_freqs, txt_freqs, key_mask):
+        img_mod1, img_mod2 = self.img_mod[1](F.silu(temb))[0].chunk(2, dim=-1)
+        txt_mod1, txt_mod2 = self.txt_mod[1](F.silu(temb))[0].chunk(2, dim=-1)
+
+        nx, img_gate1 = _modulate(self.img_norm1(x), img_mod1)
+        nc, txt_gate1 = _modulate(self.txt_norm1(ctx), txt_mod1)
+        attn_x, attn_c = self.attn(nx, nc, img_freqs, txt_freqs, key_mask)
+        x = x + img_gate1 * attn_x
+        ctx = ctx + txt_gate1 * attn_c
+
+        hx, img_gate2 = _modulate(self.img_norm2(x), img_mod2)
+        x = x + img_gate2 * self.img_mlp(hx)
+        hc, txt_gate2 = _modulate(self.txt_norm2(ctx), txt_mod2)
+        ctx = ctx + txt_gate2 * self.txt_mlp(hc)
+
+        if ctx.dtype == torch.float16:
+            ctx = ctx.clip(-FP16_MAX, FP16_MAX)
+        if x.dtype == torch.float16:
+            x = x.clip(-FP16_MAX, FP16_MAX)
+        return ctx, x
+
+
+# ---------------------------------------------------------------------------------- the model
+def _first_item_shapes(img_shapes) -> list[tuple[int, int, int]]:
+    """The ``(F, H, W)`` list RoPE uses, as the reference reads ``img_shapes``: a list per batch
+    item (only the first is used) of ``(F, H, W)`` tuples, or a bare ``(F, H, W)`` per item."""
+    if img_shapes is None:
+        raise ValueError("Qwen-Image: img_shapes is required, e.g. [[(1, H/16, W/16)]] * batch")
+    first = img_shapes[0] if isinstance(img_shapes, list) else img_shapes
+    items = first if isinstance(first, list) else [first]
+    out = []
+    for fhw in items:
+        if len(fhw) != 3:
+            raise ValueError(f"Qwen-Image: img_shapes entries are (frames, h, w), got {fhw!r}")
+        out.append(tuple(int(v) for v in fhw))
+    return out
+
+
+class QwenImageTransformer(nn.Module):
+    """Qwen-Image DiT (``QwenImageTransformer2DModel``), tensor-parallel.
+
+    Args:
+        cfg: architecture (``transformer/config.json``).
+        tp_rank, tp_size: explicit TP coordinates (default: the TP group's).
+        dtype: parameter dtype (default: ``torch.get_default_dtype()``).
+        device: where to allocate parameters.
+
+    Raises:
+        ValueError: ``num_attention_heads`` is not divisible by the TP size (both numbers named).
+
+    The linear layers' parameters are allocated uninitialised (the RMSNorm weights start at 1);
+    load them with ``models.loader.load_tensors_into(..., QWEN_IMAGE_NAME_MAP)`` or
+    :func:`qwen_image_from_diffusers_module`.
+    """
+
+    def __init__(
+        self,
+        cfg: QwenImageArchConfig,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        tp = get_tp_world_size() if tp_size is None else tp_size
+        if cfg.num_attention_heads % tp:
+            raise ValueError(
+                f"Qwen-Image: num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                f"tp_size={tp}; use a TP size that divides {cfg.num_attention_heads}"
+            )
+        self.cfg = cfg
+        self.tp_size = tp
+        dtype = dtype or torch.get_default_dtype()
+        kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+        d = cfg.inner_dim
+        with torch.device(device or "cpu"):
+            self.pos_embed = QwenImageRope(cfg.ROPE_THETA, cfg.axes_dims_rope)
+            self.time_text_embed = QwenTimeTextEmbed(cfg, "time_text_embed", **kw)
+            self.txt_norm = RMSNorm(cfg.joint_attention_dim, eps=cfg.NORM_EPS)
+            self.img_in = ReplicatedLinear(cfg.in_channels, d, prefix="img_in", **kw)
+            self.txt_in = ReplicatedLinear(cfg.joint_attention_dim, d, prefix="txt_in", **kw)
+            self.transformer_blocks = nn.ModuleList(
+                QwenImageBlock(cfg, f"transformer_blocks.{i}", tp_rank, tp_size, dtype)
+                for i in range(cfg.num_layers)
+            )
+            self.norm_out = QwenAdaLNContinuous(d, cfg.NORM_EPS, "norm_out", **kw)
+            self.proj_out = ReplicatedLinear(d, cfg.out_features, prefix="proj_out", **kw)
+        self.to(dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.img_in.weight.device
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        timestep: torch.Tensor = None,
+        img_shapes: list | None = None,
+        guidance: torch.Tensor | None = None,
+        attention_kwargs: dict | None = None,
+        controlnet_block_samples: list[torch.Tensor] | None = None,
+        additional_t_cond: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predict the flow for packed latents (diffusers 0.42.1's signature and numerics, minus
+        ``return_dict``: the output tensor is returned).
+
+        Args:
+            hidden_states: ``[B, S_img, in_channels]`` packed latent tokens (2x2 patches of the
+                16-channel VAE latent: ``in_channels = 64``), in the model dtype. With several
+                images (edit models) their tokens are concatenated in ``img_shapes`` order.
+            encoder_hidden_states: ``[B, S_txt, joint_attention_dim]`` Qwen2.5-VL features,
+                right-padded to the longest prompt of the batch.
+            encoder_hidden_states_mask: ``[B, S_txt]`` (bool, or 1/0 of any dtype; True/1 =
+                real token) or ``None`` (every text token is real). Masked text tokens are
+                dropped as attention *keys* (they still produce outputs, which are discarded).
+                RoPE always uses the padded length ``S_txt``.
+            timestep: ``[B]`` in ``[0, 1]`` (the pipeline passes ``t / 1000``); cast to the model
+                dtype and multiplied by 1000 inside the sinusoid, as the reference.
+            img_shapes: ``[[(F, H, W), ...], ...]`` per batch item, ``H``/``W`` in packed tokens
+                (latent size / 2); as in diffusers only the first item's list is used for RoPE,
+                so all items must share it. ``sum(F * H * W)`` must equal ``S_img``.
+            guidance: must be ``None`` (Qwen-Image has no guidance embedder; the reference
+                cannot run with one either).
+            attention_kwargs: ``None`` or a dict with at most ``"scale"`` (diffusers' LoRA
+                scale; LoRA scaling is done by our LoRA layers, so it is ignored here).
+            controlnet_block_samples: optional residuals ``[B, S_img, D]``; block ``i`` adds
+                sample ``i // ceil(num_layers / len(samples))`` to the image stream, as the
+                reference.
+            additional_t_cond: must be ``None`` (``use_additional_t_cond`` models are rejected
+                by the config).
+
+        Returns:
+            ``[B, S_img, patch_size**2 * out_channels]`` in the model dtype.
+
+        Raises:
+            ValueError: a mask whose shape is not ``[B, S_txt]``, missing or inconsistent
+                ``img_shapes``, or an unsupported argument.
+        """
+        if guidance is not None:
+            raise ValueError("Qwen-Image has no guidance embedder: pass guidance=None")
+        if additional_t_cond is not None:
+            raise ValueError("this Qwen-Image model has no additional_t_cond embedding")
+        if attention_kwargs and set(attention_kwargs) - {"scale"}:
+            raise ValueError(f"Qwen-Image: unsupported attention_kwargs {sorted(attention_kwargs)}")
+        shapes = _first_item_shapes(img_shapes)
+        s_img = hidden_states.shape[1]
+        if sum(f * h * w for f, h, w in shapes) != s_img:
+            raise ValueError(
+                f"Qwen-Image: img_shapes {shapes} give {sum(f * h * w for f, h, w in shapes)} "
+                f"image tokens, hidden_states has {s_img}"
+            )
+
+        x = self.img_in(hidden_states)[0]
+        t = timestep.to(x.dtype)
+        ctx = self.txt_in(self.txt_norm(encoder_hidden_states))[0]
+        b, s_txt = ctx.shape[:2]
+        key_mask = None
+        if encoder_hidden_states_mask is not None:
+            if tuple(encoder_hidden_states_mask.shape[:2]) != (b, s_txt):
+                raise ValueError(
+                    f"Qwen-Image: encoder_hidden_states_mask shape "
+                    f"{list(encoder_hidden_states_mask.shape)} must be [{b}, {s_txt}] "
+                    f"(batch, text tokens)"
+                )
+            txt_mask = encoder_hidden_states_mask.to(torch.bool)
+            img_mask = torch.ones((b, s_img), dtype=torch.bool, device=x.device)
+            key_mask = torch.cat([txt_mask, img_mask], dim=1)
+
+        temb = self.time_text_embed(t, x.dtype)
+        img_freqs, txt_freqs = self.pos_embed(shapes, s_txt, x.device)
+
+        n_blocks = len(self.transformer_blocks)
+        interval = None
+        if controlnet_block_samples is not None:
+            interval = int(math.ceil(n_blocks / len(controlnet_block_samples)))
+        for i, block in enumerate(self.transformer_blocks):
+            ctx, x = block(x, ctx, temb, img_freqs, txt_freqs, key_mask)
+            if interval is not None:
+                x = x + controlnet_block_samples[i // interval]
+        return self.proj_out(self.norm_out(x, temb))[0]
+
+
+def qwen_image_from_diffusers_module(
+    reference: nn.Module,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+) -> QwenImageTransformer:
+    """Our DiT with the weights of an in-memory diffusers ``QwenImageTransformer2DModel``
+    (benchmarks and tests; the same name map and weight loaders as file loading, strict: every
+    tensor of the reference is used and every parameter of ours is filled)."""
+    from sglang.multimodal_gen.models.loader import load_tensors_into
+
+    cfg = QwenImageArchConfig.from_dict(dict(reference.config))
+    p = next(reference.parameters())
+    model = QwenImageTransformer(
+        cfg,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dtype=dtype or p.dtype,
+        device=device or p.device,
+    )
+    items = (("<module>", k, v.detach()) for k, v in reference.state_dict().items())
+    load_tensors_into(model, items, QWEN_IMAGE_NAME_MAP, where="<module>")
+    return model.eval()

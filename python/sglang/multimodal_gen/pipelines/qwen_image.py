@@ -1,0 +1,164 @@
+"""Qwen-Image text-to-image: the stages.
+
+Follows diffusers' ``QwenImagePipeline.__call__`` (diffusers 0.42.1,
+``pipelines/qwenimage/pipeline_qwenimage.py``) so that the same weights and seed give the same
+image:
+
+* prompt: the reference's chat template (a system message describing the image, the prompt as the
+  user message, the assistant header), Qwen2.5-VL's last hidden state at the attention-masked
+  tokens, the first 34 (template) tokens dropped, cut to ``--max-sequence-length``; each prompt
+  is encoded on its own, as the reference does;
+* true CFG (``--true-cfg-scale > 1`` with a negative prompt): ``neg + s (pos - neg)`` rescaled to
+  the conditional prediction's norm per token; here positive and negative rows run in ONE batched
+  DiT call, padded to a common text length with a key mask (the reference runs two);
+* latents: ``randn_tensor`` ``[n, 1, C, 2 * (H // 16), 2 * (W // 16)]`` in the text dtype, packed
+  into 2x2 patches; the schedule as Flux's (``calculate_shift`` + ``retrieve_timesteps``, the
+  directory's exponential dynamic shift); the DiT sees ``t / 1000``;
+* decode: unpack to 5-D ``[n, C, 1, h, w]``, ``latents * latents_std + latents_mean``,
+  ``AutoencoderKLQwenImage``, the single frame, ``VaeImageProcessor``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang.multimodal_gen.pipelines.base import GenerationInputs, StagedPipeline, latents_to_uint8
+from sglang.multimodal_gen.pipelines.flux import pack_latents, unpack_latents
+
+__all__ = ["QwenImagePipeline"]
+
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+TEMPLATE_TOKENS = 34  # tokens of the template before the prompt, dropped from the embeddings
+TOKENIZER_MAX_LENGTH = 1024
+
+
+def _pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[L_i, D]`` rows -> zero-padded ``[B, L, D]`` and a ``[B, L]`` mask (``None`` when every
+    row has the same length, as the reference passes no mask then)."""
+    n = max(r.shape[0] for r in rows)
+    if all(r.shape[0] == n for r in rows):
+        return torch.stack(rows), None
+    out = rows[0].new_zeros(len(rows), n, rows[0].shape[1])
+    mask = torch.zeros(len(rows), n, dtype=torch.long, device=rows[0].device)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+        mask[i, : r.shape[0]] = 1
+    return out, mask
+
+
+class QwenImagePipeline(StagedPipeline):
+    """Qwen-Image on our DiT (``models/dits/qwen_image.py``)."""
+
+    family_name = "qwen-image"
+    text_components = ("text_encoder", "tokenizer")
+
+    def compute_vae_scale_factor(self) -> int:
+        return 2 ** len(self.configs.get("vae", {}).get("temperal_downsample", [0, 0, 0]))
+
+    # ------------------------------------------------------------------ text
+    def _encode_one(self, prompt: str, max_sequence_length: int) -> torch.Tensor:
+        tok, enc = self.components["tokenizer"], self.components["text_encoder"]
+        ids = tok(
+            [PROMPT_TEMPLATE.format(prompt)],
+            max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_TOKENS,
+            padding=True,
+            truncation=True,
+            return_tensors="pt",
+        ).to(enc.device)
+        hidden = enc(
+            input_ids=ids.input_ids, attention_mask=ids.attention_mask, output_hidden_states=True
+        ).hidden_states[-1]
+        row = hidden[0][ids.attention_mask[0].bool()][TEMPLATE_TOKENS:]
+        return row[:max_sequence_length].to(dtype=enc.dtype, device=self.device)
+
+    @staticmethod
+    def _true_cfg(inp: GenerationInputs) -> bool:
+        return inp.true_cfg_scale > 1 and inp.negative_prompt is not None
+
+    @torch.no_grad()
+    def encode_prompt(self, inp: GenerationInputs) -> dict[str, Any]:
+        """``{"rows": [pos] (+ [neg] under true CFG)}``, each ``[L_i, D]``."""
+        prompts = [inp.prompt] + ([inp.negative_prompt] if self._true_cfg(inp) else [])
+        return {"rows": [self._encode_one(p, inp.max_sequence_length) for p in prompts]}
+
+    def prepare_conditioning(self, inp, cond):
+        """Rows ``[pos x n, neg x n]`` padded to one length, with the key mask when they differ."""
+        rows = [r for r in cond["rows"] for _ in range(inp.num_images)]
+        embeds, mask = _pad_rows(rows)
+        return {"embeds": embeds, "mask": mask}
+
+    # ------------------------------------------------------------------ latents / schedule
+    def _latent_hw(self, inp: GenerationInputs) -> tuple[int, int]:
+        s = self.vae_scale_factor * 2
+        return 2 * (inp.height // s), 2 * (inp.width // s)
+
+    def prepare_latents(self, inp, cond):
+        from diffusers.utils.torch_utils import randn_tensor
+
+        h, w = self._latent_hw(inp)
+        c = self.transformer.cfg.in_channels // 4
+        noise = randn_tensor(
+            (inp.num_images, 1, c, h, w), generator=inp.generator, device=self.device,
+            dtype=cond["embeds"].dtype,
+        )  # fmt: skip
+        return pack_latents(noise[:, 0])
+
+    def prepare_timesteps(self, inp, latents):
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        n = inp.num_inference_steps
+        sc = self.scheduler_config
+        mu = calculate_shift(
+            latents.shape[1],
+            sc.get("base_image_seq_len", 256),
+            sc.get("max_image_seq_len", 4096),
+            sc.get("base_shift", 0.5),
+            sc.get("max_shift", 1.15),
+        )
+        scheduler = self.new_scheduler()
+        sigmas = np.linspace(1.0, 1 / n, n)
+        timesteps, _ = retrieve_timesteps(scheduler, n, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler, timesteps
+
+    # ------------------------------------------------------------------ denoise
+    def predict(self, denoiser, latents, t, step_index, cond, inp):
+        b = latents.shape[0]
+        rows = cond["embeds"].shape[0] // b  # 2 under true CFG
+        h, w = self._latent_hw(inp)
+        timestep = t.expand(b * rows).to(latents.dtype)
+        guidance = None
+        if getattr(denoiser.cfg, "guidance_embeds", False):
+            guidance = torch.full([b * rows], inp.guidance_scale, device=self.device)
+        x = latents.to(denoiser.dtype).repeat(rows, 1, 1)
+        out = denoiser(
+            hidden_states=x,
+            encoder_hidden_states=cond["embeds"],
+            encoder_hidden_states_mask=cond["mask"],
+            timestep=timestep / 1000,
+            img_shapes=[[(1, h // 2, w // 2)]] * (b * rows),
+            guidance=guidance,
+        )
+        if rows == 1:
+            return out
+        pos, neg = out[:b], out[b:]
+        comb = neg + inp.true_cfg_scale * (pos - neg)
+        cond_norm = torch.norm(pos, dim=-1, keepdim=True)
+        return comb * (cond_norm / torch.norm(comb, dim=-1, keepdim=True))
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, latents, inp) -> np.ndarray:
+        cfg = self.vae.config
+        h, w = self._latent_hw(inp)
+        z = unpack_latents(latents, h, w).unsqueeze(2).to(self.vae.dtype)
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)
+        z = z / inv_std.to(z.device, z.dtype) + mean
+        return latents_to_uint8(self.vae.decode(z, return_dict=False)[0][:, :, 0])
