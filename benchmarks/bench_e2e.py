@@ -27,8 +27,14 @@ Configs (``--family wan``, Wan2.2 T2V-A14B layout: two experts, ``boundary_ratio
         17 frames, 4 steps, bf16, random weights; a one-layer UMT5 of the real width and the real
         Wan2.1 VAE.
 
+Configs (``--family qwen-image``, true CFG 4.0 with a negative prompt):
+    cpu: DiT 4 layers, 8 heads x 32, 256x256, 8 steps, fp32.
+    --gpu: the real Qwen-Image DiT shapes (60 layers, 24 heads x 128, text width 3584),
+        1024x1024, 8 steps, bf16, random weights; a one-layer Qwen2.5-VL of the real width and the
+        real Qwen-Image VAE.
+
 Usage:
-    python benchmarks/bench_e2e.py [--family zimage|flux|wan] [--gpu] [--repeats 5] [--steps N]
+    python benchmarks/bench_e2e.py [--family zimage|flux|wan|qwen-image] [--gpu] [--repeats 5] [--steps N]
         [--size PX]
 """
 
@@ -224,6 +230,71 @@ def build_wan(cfg):
     return ours, ref
 
 
+QWEN_CPU_CFG = dict(
+    transformer=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=4,
+                     attention_head_dim=32, num_attention_heads=8, joint_attention_dim=256,
+                     axes_dims_rope=(8, 12, 12)),
+    text=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2),
+    vae=dict(base_dim=32, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1),
+    size=256, steps=8, true_cfg=4.0, dtype=torch.float32, device="cpu",
+)  # fmt: skip
+QWEN_GPU_CFG = dict(
+    transformer=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60,
+                     attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
+                     axes_dims_rope=(16, 56, 56)),
+    text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=1,
+              num_attention_heads=28, num_key_value_heads=4),
+    vae=dict(base_dim=96, z_dim=16),
+    size=1024, steps=8, true_cfg=4.0, dtype=torch.bfloat16, device="cuda",
+)  # fmt: skip
+
+
+def build_qwen(cfg):
+    """(ours, reference) Qwen-Image pipelines sharing everything but the DiT."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from sglang.multimodal_gen.models.families.qwen_image_tiny import QWEN_SCHEDULER
+    from sglang.multimodal_gen.models.families.zimage_tiny import build_tokenizer
+    from sglang.multimodal_gen.models.loader import denoiser_from_module
+    from sglang.multimodal_gen.models.registry import get_family
+    from sglang.multimodal_gen.pipelines.qwen_image import QwenImagePipeline as OurPipeline
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
+    tok = build_tokenizer()
+    text = dict(cfg["text"], vocab_size=len(tok), max_position_embeddings=4096,
+                rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}
+                if cfg["text"]["hidden_size"] > 256 else {"type": "mrope",
+                "mrope_section": [8, 12, 12]})  # fmt: skip
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                  out_hidden_size=cfg["text"]["hidden_size"])  # fmt: skip
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # a 20B DiT built in fp32 first would need 80 GB on its own
+    try:
+        with torch.device(dev):
+            config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+            te = Qwen2_5_VLForConditionalGeneration(config).eval()
+            dit = QwenImageTransformer2DModel(**cfg["transformer"]).eval()
+            vae = AutoencoderKLQwenImage(**cfg["vae"]).eval()
+    finally:
+        torch.set_default_dtype(default)
+    sched = FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER)
+    comps = dict(text_encoder=te, tokenizer=tok, vae=vae, scheduler=sched)
+    ref = QwenImagePipeline(transformer=dit, **comps)
+    ref.set_progress_bar_config(disable=True)
+    family = get_family("qwen-image")
+    ours_dit = denoiser_from_module(dit, family.denoiser(), dtype=dtype, device=dev)
+    configs = dict(vae=dict(vae.config), scheduler=dict(sched.config))
+    ours = OurPipeline(family, dict(comps, transformer=ours_dit), configs, device=dev)
+    return ours, ref
+
+
 def build(cfg):
     """(ours, reference) pipelines sharing everything but the DiT implementation."""
     from diffusers import (
@@ -285,7 +356,7 @@ class StepTimer:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--family", choices=("zimage", "flux", "wan"), default="zimage")
+    ap.add_argument("--family", choices=("zimage", "flux", "wan", "qwen-image"), default="zimage")
     ap.add_argument("--gpu", action="store_true", help="the real model shapes on CUDA, bf16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=None)
@@ -296,6 +367,8 @@ def main(argv=None) -> int:
         cfg = dict(FLUX_GPU_CFG if args.gpu else FLUX_CPU_CFG)
     elif args.family == "wan":
         cfg = dict(WAN_GPU_CFG if args.gpu else WAN_CPU_CFG)
+    elif args.family == "qwen-image":
+        cfg = dict(QWEN_GPU_CFG if args.gpu else QWEN_CPU_CFG)
     else:
         cfg = dict(GPU_CFG if args.gpu else CPU_CFG)
     if args.gpu and not torch.cuda.is_available():
@@ -308,7 +381,7 @@ def main(argv=None) -> int:
     cuda = cfg["device"] == "cuda"
 
     t0 = time.perf_counter()
-    builders = dict(zimage=build, flux=build_flux, wan=build_wan)
+    builders = {"zimage": build, "flux": build_flux, "wan": build_wan, "qwen-image": build_qwen}
     ours, ref = builders[args.family](cfg)
     print(f"built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     timers = {
@@ -322,6 +395,9 @@ def main(argv=None) -> int:
     kw = dict(height=size, width=size, num_inference_steps=steps, guidance_scale=0.0)
     if args.family == "flux":
         kw.update(guidance_scale=cfg["guidance"], max_sequence_length=cfg["max_sequence_length"])
+    if args.family == "qwen-image":
+        kw.update(true_cfg_scale=cfg["true_cfg"], negative_prompt="blurry, low quality")
+        del kw["guidance_scale"]
     if args.family == "wan":
         kw.update(
             height=args.size or cfg["height"], width=args.size or cfg["width"],
@@ -375,6 +451,11 @@ def main(argv=None) -> int:
         shape = (
             f"{t['num_layers']}+{t['num_single_layers']} blocks, "
             f"{t['num_attention_heads']} heads x {t['attention_head_dim']}"
+        )
+    elif args.family == "qwen-image":
+        shape = (
+            f"{t['num_layers']} layers, {t['num_attention_heads']} heads x "
+            f"{t['attention_head_dim']}, true CFG {cfg['true_cfg']}"
         )
     elif args.family == "wan":
         shape = (
