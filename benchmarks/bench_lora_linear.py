@@ -10,7 +10,7 @@ For each (in, out) shape, token count, rank and number of adapters:
 
 Printed per row: median times (ms), overhead ``t / t_base - 1`` for ours and peft, the FLOP-ratio
 bound ``R * (in + out) / (in * out)`` with ``R = N * r``, ``ours_overhead / bound``, and the speedup
-over peft. Goal (issue 3): ours within 1.5x of the bound, never slower than peft.
+over peft. Goal: ours within 1.5x of the bound, never slower than peft.
 
 Usage::
 

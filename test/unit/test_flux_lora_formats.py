@@ -1,4 +1,4 @@
-"""Flux.1 LoRA layouts, one test per row of shared/cases/family_lora_formats.md (Flux.1 section).
+"""Flux.1 LoRA layouts, one test per layout users share (kohya, BFL/ComfyUI, XLabs, PEFT, LoKr...).
 
 Each test writes the row's key layout as a safetensors file at test size (random non-zero tensors,
 rank 4, alpha != r), applies it to our tiny ``FluxTransformer`` through the ``LoRAManager``

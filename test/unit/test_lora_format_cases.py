@@ -1,4 +1,4 @@
-"""One test per row of shared/cases/lora_formats.md (Z1..Z6, G1..G7), format/loading side.
+"""One test per LoRA-format case (Z1..Z6 for Z-Image, G1..G7 general), format/loading side.
 
 Each builds the case's key pattern as a tiny safetensors file over the tiny diffusers Z-Image
 model's module list (random non-zero tensors), loads and converts it, and compares against deltas
