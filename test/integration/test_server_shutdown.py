@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     engine = FakeEngine(delay_s=2.0)
     http_server.build_engine = lambda args: engine
     import sglang.multimodal_gen.entrypoints.scheduler as sched
-    sched._default_request_factory = lambda: GenerationRequest
+    sched.default_request_factory = lambda: GenerationRequest
     http_server.launch_server(ServerArgs(host="127.0.0.1", port={port}))
     print("ENGINE_ALIVE_AFTER_EXIT", engine.alive, flush=True)
     """

@@ -71,7 +71,7 @@ from sglang.multimodal_gen.entrypoints.protocol import (
     validate_set_lora,
     validate_target,
 )
-from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, _default_request_factory
+from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, default_request_factory
 from sglang.multimodal_gen.entrypoints.videos import add_video_routes
 from sglang.multimodal_gen.errors import (
     EngineDeadError,
@@ -709,7 +709,7 @@ def create_app(
         defaults=defaults,
         modality=str(defaults.get("modality", "image")),
         model_id=model_id,
-        request_factory=request_factory or _default_request_factory(),
+        request_factory=request_factory or default_request_factory(),
     )
 
     @app.get("/health")

@@ -72,7 +72,7 @@ class SchedulerMetrics:
         pass
 
 
-def _default_request_factory() -> Callable[..., Any]:
+def default_request_factory() -> Callable[..., Any]:
     from sglang.multimodal_gen.runtime import GenerationRequest
 
     return GenerationRequest
@@ -374,7 +374,7 @@ class Scheduler:
         steps = None
         try:
             if task.kind == "generate":
-                factory = self._request_factory or _default_request_factory()
+                factory = self._request_factory or default_request_factory()
                 request = factory(**task.kwargs)
                 steps = getattr(request, "num_inference_steps", None)
                 video = task.args == ("video",)

@@ -74,8 +74,9 @@ class NameMap:
     """Resolver from checkpoint module names to our module names and shard ids.
 
     Args:
-        rules: rename rules, tried in order; the first one that matches wins. At most one
-            shard-producing rule applies to a name; the prefix rules compose with it.
+        rules: rename rules, applied in order, each to the name as the rules before it left it
+            (so an original-layout rename can feed a split -> fused rule); the shard id of the
+            last shard-producing rule that matched is the result's.
         strip_prefixes: leading prefixes that wrap the model's own names in checkpoints
             (``"model.diffusion_model."``, ...); removed before the rules run.
 
@@ -125,3 +126,31 @@ class NameMap:
             return param_name, None
         mapped, shard_id = self.resolve(module)
         return f"{mapped}.{leaf}", shard_id
+
+
+@dataclass(frozen=True)
+class BlockRule(NameRule):
+    """A :class:`NameRule` that renames only inside the blocks of one family.
+
+    Matches names ``<blocks>.<index>.<source>[.<rest>]`` (``source`` right after the block index)
+    and rewrites them to ``<blocks>.<index>.<target>[.<rest>]``; ``prefix_only`` is implied.
+    E.g. ``BlockRule("attn.to_q", "to_qkv_mlp", 0, blocks="single_transformer_blocks")`` maps
+    ``single_transformer_blocks.7.attn.to_q`` to ``("single_transformer_blocks.7.to_qkv_mlp", 0)``
+    and leaves ``transformer_blocks.7.attn.to_q`` alone.
+    """
+
+    blocks: str = ""
+
+    def _in_block(self, name: str, old: str, new: str) -> str | None:
+        m = re.match(re.escape(self.blocks) + r"\.\d+\.", name)
+        if m is None:
+            return None
+        out = self._rename(name[m.end() :], old, new, True)
+        return None if out is None else name[: m.end()] + out
+
+    def apply(self, name: str) -> tuple[str, ShardId] | None:
+        out = self._in_block(name, self.source, self.target)
+        return None if out is None else (out, self.shard_id)
+
+    def invert(self, name: str) -> str | None:
+        return self._in_block(name, self.target, self.source)

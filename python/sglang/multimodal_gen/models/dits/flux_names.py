@@ -56,41 +56,10 @@ single block, and a plain :class:`NameRule` cannot see which block it is in.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
-from sglang.multimodal_gen.models.name_map import NameMap, NameRule, ShardId
+from sglang.multimodal_gen.models.name_map import BlockRule, NameMap, NameRule, ShardId
 
 DOUBLE_BLOCKS = "transformer_blocks"
 SINGLE_BLOCKS = "single_transformer_blocks"
-
-
-@dataclass(frozen=True)
-class BlockRule(NameRule):
-    """A :class:`NameRule` that renames only inside the blocks of one family.
-
-    Matches names ``<blocks>.<index>.<source>[.<rest>]`` (``source`` right after the block index)
-    and rewrites them to ``<blocks>.<index>.<target>[.<rest>]``; ``prefix_only`` is implied.
-    E.g. ``BlockRule("attn.to_q", "to_qkv_mlp", 0, blocks="single_transformer_blocks")`` maps
-    ``single_transformer_blocks.7.attn.to_q`` to ``("single_transformer_blocks.7.to_qkv_mlp", 0)``
-    and leaves ``transformer_blocks.7.attn.to_q`` alone.
-    """
-
-    blocks: str = ""
-
-    def _in_block(self, name: str, old: str, new: str) -> str | None:
-        m = re.match(re.escape(self.blocks) + r"\.\d+\.", name)
-        if m is None:
-            return None
-        out = self._rename(name[m.end() :], old, new, True)
-        return None if out is None else name[: m.end()] + out
-
-    def apply(self, name: str) -> tuple[str, ShardId] | None:
-        out = self._in_block(name, self.source, self.target)
-        return None if out is None else (out, self.shard_id)
-
-    def invert(self, name: str) -> str | None:
-        return self._in_block(name, self.target, self.source)
 
 
 def _double(source: str, target: str, shard_id: ShardId = None) -> BlockRule:

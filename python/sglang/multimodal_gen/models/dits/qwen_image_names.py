@@ -25,8 +25,7 @@ and our fused names resolve to themselves with shard ``None`` (the whole layer).
 
 from __future__ import annotations
 
-from sglang.multimodal_gen.models.dits.flux_names import BlockRule
-from sglang.multimodal_gen.models.name_map import NameMap
+from sglang.multimodal_gen.models.name_map import BlockRule, NameMap
 
 __all__ = ["QWEN_IMAGE_NAME_MAP"]
 

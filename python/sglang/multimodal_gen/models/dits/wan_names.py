@@ -55,8 +55,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from sglang.multimodal_gen.models.dits.flux_names import BlockRule
-from sglang.multimodal_gen.models.name_map import NameMap, NameRule, ShardId
+from sglang.multimodal_gen.models.name_map import BlockRule, NameMap, NameRule, ShardId
 
 __all__ = ["WAN_BLOCKS", "WAN_NAME_MAP", "ParamRename", "WanNameMap"]
 
