@@ -83,6 +83,9 @@ def quiet_library_progress_bars() -> None:
 
         tlog.disable_progress_bar()
         dlog.disable_progress_bar()
+        # e.g. "CLIPImageProcessor requires torchvision": optional-backend notices about classes
+        # we never use, printed while diffusers resolves component classes
+        tlog.set_verbosity_error()
     except Exception:  # a missing or changed helper only costs some console noise
         pass
 
