@@ -287,10 +287,17 @@ def denoiser_from_module(
     tp_size: int | None = None,
 ) -> nn.Module:
     """Our DiT with the weights of an in-memory diffusers model of the same architecture
-    (benchmarks and tests; same name map and weight loaders as file loading)."""
+    (benchmarks and tests; same name map and weight loaders as file loading, strict).
+
+    ``dtype`` defaults to the dtype holding most of the reference's parameters (models that keep
+    some modules in fp32, as Wan does, are still "bf16 models"); ``device`` to its device."""
     cfg = resolve_object(spec.config_class).from_dict(dict(reference.config))
-    p = next(reference.parameters())
-    model = build_denoiser(spec, cfg, dtype or p.dtype, device or p.device, tp_rank, tp_size)
+    counts: dict[torch.dtype, int] = defaultdict(int)
+    for p in reference.parameters():
+        counts[p.dtype] += p.numel()
+    main_dtype = max(counts, key=counts.__getitem__)
+    device = device or next(reference.parameters()).device
+    model = build_denoiser(spec, cfg, dtype or main_dtype, device, tp_rank, tp_size)
     items = (("<module>", k, v.detach()) for k, v in reference.state_dict().items())
     load_tensors_into(model, items, resolve_object(spec.name_map), where="<module>")
     return model.eval()

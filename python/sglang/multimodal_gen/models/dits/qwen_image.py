@@ -42,7 +42,6 @@ from sglang.multimodal_gen.layers.linear import (
     RowParallelLinear,
 )
 from sglang.multimodal_gen.layers.norm import LayerNormNoAffine, RMSNorm
-from sglang.multimodal_gen.models.dits.qwen_image_names import QWEN_IMAGE_NAME_MAP
 
 __all__ = [
     "QwenImageRope",
@@ -545,17 +544,8 @@ def qwen_image_from_diffusers_module(
     """Our DiT with the weights of an in-memory diffusers ``QwenImageTransformer2DModel``
     (benchmarks and tests; the same name map and weight loaders as file loading, strict: every
     tensor of the reference is used and every parameter of ours is filled)."""
-    from sglang.multimodal_gen.models.loader import load_tensors_into
+    from sglang.multimodal_gen.models.loader import denoiser_from_module
+    from sglang.multimodal_gen.models.registry import get_family
 
-    cfg = QwenImageArchConfig.from_dict(dict(reference.config))
-    p = next(reference.parameters())
-    model = QwenImageTransformer(
-        cfg,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=dtype or p.dtype,
-        device=device or p.device,
-    )
-    items = (("<module>", k, v.detach()) for k, v in reference.state_dict().items())
-    load_tensors_into(model, items, QWEN_IMAGE_NAME_MAP, where="<module>")
-    return model.eval()
+    spec = get_family("qwen-image").denoiser()
+    return denoiser_from_module(reference, spec, dtype, device, tp_rank, tp_size)

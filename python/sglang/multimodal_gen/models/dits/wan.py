@@ -64,7 +64,6 @@ from sglang.multimodal_gen.layers.linear import (
 )
 from sglang.multimodal_gen.layers.norm import LayerNormNoAffine
 from sglang.multimodal_gen.models.dits.flux import timestep_sinusoid
-from sglang.multimodal_gen.models.dits.wan_names import WAN_NAME_MAP
 
 __all__ = [
     "WanRMSNormAcrossHeads",
@@ -693,17 +692,8 @@ def wan_from_diffusers_module(
     ``dtype`` defaults to the dtype of the reference's first parameter (its patch embedding);
     the fp32-kept modules stay fp32 either way.
     """
-    from sglang.multimodal_gen.models.loader import load_tensors_into
+    from sglang.multimodal_gen.models.loader import denoiser_from_module
+    from sglang.multimodal_gen.models.registry import get_family
 
-    cfg = WanArchConfig.from_dict(dict(reference.config))
-    p = reference.patch_embedding.weight
-    model = WanTransformer(
-        cfg,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=dtype or p.dtype,
-        device=device or p.device,
-    )
-    items = (("<module>", k, v.detach()) for k, v in reference.state_dict().items())
-    load_tensors_into(model, items, WAN_NAME_MAP, where="<module>")
-    return model.eval()
+    spec = get_family("wan").denoiser()
+    return denoiser_from_module(reference, spec, dtype, device, tp_rank, tp_size)
