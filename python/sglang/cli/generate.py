@@ -262,7 +262,7 @@ def _check_output_extension(path: str) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from sglang.multimodal_gen.runtime.engine import quiet_library_progress_bars
+    from sglang.multimodal_gen.runtime.worker import quiet_library_progress_bars
 
     quiet_library_progress_bars()
     loras = lora_pairs(args.lora_path, args.lora_scale)

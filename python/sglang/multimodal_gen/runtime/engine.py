@@ -20,7 +20,6 @@ import os
 import queue as queue_mod
 import secrets
 import threading
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -28,159 +27,13 @@ from typing import Any
 import torch
 
 from sglang.multimodal_gen import errors as errors_mod
-from sglang.multimodal_gen.errors import EngineDeadError, SGLangError
+from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.lora.requests import normalize_set_lora
 from sglang.multimodal_gen.runtime.request import GenerationRequest
 from sglang.multimodal_gen.runtime.runner import ModelRunner
+from sglang.multimodal_gen.runtime.worker import tp_worker_main, unpack_error
 
 logger = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------- error transport
-def _pack_error(e: BaseException) -> dict:
-    return {
-        "type": type(e).__name__,
-        "sglang": isinstance(e, SGLangError),
-        "message": getattr(e, "message", None) or str(e),
-        "param": getattr(e, "param", None),
-        "code": getattr(e, "code", None),
-        "value_error": isinstance(e, ValueError),
-        "lookup_error": isinstance(e, LookupError),
-        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
-    }
-
-
-def _unpack_error(d: dict, rank: int | None = None) -> BaseException:
-    cls = getattr(errors_mod, d["type"], None) if d["sglang"] else None
-    if cls is not None and issubclass(cls, SGLangError):
-        try:
-            return cls(d["message"], param=d["param"], code=d["code"])
-        except TypeError:
-            return cls(d["message"])
-    msg = d["message"] if rank is None else f"rank {rank}: {d['message']}"
-    if d["type"] == "FileNotFoundError":
-        return FileNotFoundError(msg)
-    if d["value_error"]:
-        return ValueError(msg)
-    if d["lookup_error"]:
-        return LookupError(msg)
-    return RuntimeError(f"{d['type']}: {msg}\n{d['traceback']}")
-
-
-def _first_error(errs: list) -> tuple[int, dict] | None:
-    for r, e in enumerate(errs):
-        if e is not None:
-            return r, e
-    return None
-
-
-# ---------------------------------------------------------------------- TP worker process
-def quiet_library_progress_bars() -> None:
-    """Hide transformers'/diffusers' weight-loading bars (our denoising bar stays)."""
-    try:
-        import diffusers.utils.logging as dlog
-        import transformers.utils.logging as tlog
-
-        tlog.disable_progress_bar()
-        dlog.disable_progress_bar()
-        # e.g. "CLIPImageProcessor requires torchvision": optional-backend notices about classes
-        # we never use, printed while diffusers resolves component classes
-        tlog.set_verbosity_error()
-    except Exception:  # a missing or changed helper only costs some console noise
-        pass
-
-
-def _tp_worker_main(
-    rank, world, port, backend, runner_kwargs, cmd_q, res_q, heartbeat_s, worker_setup=None
-):
-    import torch.distributed as dist
-
-    from sglang.multimodal_gen.distributed import (
-        broadcast_object,
-        get_tp_cpu_group,
-        init_worker,
-        shutdown_worker,
-    )
-
-    # N workers would each print the same loading bars; the parent reports progress instead
-    quiet_library_progress_bars()
-    try:
-        init_worker(rank, world, port, backend)
-    except BaseException as e:
-        res_q.put(("ready", False, (rank, _pack_error(e))))
-        return
-
-    def gather(obj):
-        out = [None] * world
-        dist.all_gather_object(out, obj, group=get_tp_cpu_group())
-        return out
-
-    try:
-        runner, err = None, None
-        try:
-            device = runner_kwargs.pop("device")
-            if torch.device(device).type == "cuda":
-                device = f"cuda:{rank}"
-            runner = ModelRunner(device=device, tp_rank=rank, tp_size=world, **runner_kwargs)
-            if worker_setup is not None:
-                worker_setup(runner, rank)
-        except BaseException as e:
-            err = _pack_error(e)
-        errs = gather(err)
-        failed = _first_error(errs)
-        if rank == 0:
-            res_q.put(("ready", failed is None, failed if failed else runner.info()))
-        if failed:
-            return
-        while True:
-            cmd = None
-            if rank == 0:
-                try:
-                    cmd = cmd_q.get(timeout=heartbeat_s)
-                except queue_mod.Empty:
-                    cmd = ("noop", {})
-                if cmd is not None and cmd[0] not in ("noop", "shutdown"):
-                    try:  # set_lora: read the files once, here, and send their contents
-                        cmd = (cmd[0], runner.prepare(*cmd))
-                    except BaseException as e:
-                        res_q.put(("result", False, (0, _pack_error(e))))
-                        continue
-            cmd = broadcast_object(cmd)
-            if cmd is None or cmd[0] == "shutdown":
-                break
-            op, kwargs = cmd
-            decided: list = []
-
-            def agree(exc, decided=decided):
-                first = _first_error(gather(None if exc is None else _pack_error(exc)))
-                decided.append(first)
-                return first is None
-
-            out, err = None, None
-            try:
-                out = runner.execute(op, kwargs, agree=agree)
-            except BaseException as e:
-                err = _pack_error(e)
-            errs = gather(err)
-            # a LoRA change reports the error of the rank that failed, not a rollback notice
-            failed = decided[0] if decided and decided[0] else _first_error(errs)
-            broken = [r for r, e in enumerate(errs) if e and e["type"] == "LoRARollbackError"]
-            if broken:
-                failed = (
-                    broken[0],
-                    _pack_error(
-                        EngineDeadError(
-                            f"{errs[broken[0]]['message']}; the TP workers stop (restart the "
-                            "engine)"
-                        )
-                    ),
-                )
-            if rank == 0 and op != "noop":
-                res_q.put(("result", failed is None, failed if failed else out))
-            if broken:
-                break
-    finally:
-        shutdown_worker()
 
 
 # ---------------------------------------------------------------------- engine
@@ -299,7 +152,7 @@ class DiffusionEngine:
         port = find_free_port()
         self._procs = [
             ctx.Process(
-                target=_tp_worker_main,
+                target=tp_worker_main,
                 args=(
                     r,
                     self.tp_size,
@@ -325,7 +178,7 @@ class DiffusionEngine:
         if not ok:
             self._kill_workers()
             rank, err = payload
-            raise _unpack_error(err, rank)
+            raise unpack_error(err, rank)
         self._info = payload
 
     def _wait_result(self, timeout_s: float | None = None):
@@ -371,7 +224,7 @@ class DiffusionEngine:
             if ok:
                 return payload
             rank, err = payload
-            raise _unpack_error(err, rank)
+            raise unpack_error(err, rank)
 
     # ------------------------------------------------------------------ API
     @property

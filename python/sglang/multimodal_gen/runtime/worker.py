@@ -1,0 +1,168 @@
+"""The TP worker process of :class:`~sglang.multimodal_gen.runtime.engine.DiffusionEngine`.
+
+Each of the N workers builds its :class:`~sglang.multimodal_gen.runtime.runner.ModelRunner` and
+then loops: rank 0 takes the next command from the engine's queue (or a no-op heartbeat while
+idle), reads the LoRA files it names, broadcasts it on the CPU control group, every rank executes
+it, and the outcomes are gathered so that an error on any rank reaches the caller with its type.
+Errors cross the process boundary as plain dicts (:func:`pack_error` / :func:`unpack_error`).
+"""
+
+from __future__ import annotations
+
+import queue as queue_mod
+import traceback
+
+import torch
+
+from sglang.multimodal_gen import errors as errors_mod
+from sglang.multimodal_gen.errors import EngineDeadError, SGLangError
+from sglang.multimodal_gen.runtime.runner import ModelRunner
+
+__all__ = ["pack_error", "quiet_library_progress_bars", "tp_worker_main", "unpack_error"]
+
+
+# ---------------------------------------------------------------------- error transport
+def pack_error(e: BaseException) -> dict:
+    return {
+        "type": type(e).__name__,
+        "sglang": isinstance(e, SGLangError),
+        "message": getattr(e, "message", None) or str(e),
+        "param": getattr(e, "param", None),
+        "code": getattr(e, "code", None),
+        "value_error": isinstance(e, ValueError),
+        "lookup_error": isinstance(e, LookupError),
+        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+    }
+
+
+def unpack_error(d: dict, rank: int | None = None) -> BaseException:
+    cls = getattr(errors_mod, d["type"], None) if d["sglang"] else None
+    if cls is not None and issubclass(cls, SGLangError):
+        try:
+            return cls(d["message"], param=d["param"], code=d["code"])
+        except TypeError:
+            return cls(d["message"])
+    msg = d["message"] if rank is None else f"rank {rank}: {d['message']}"
+    if d["type"] == "FileNotFoundError":
+        return FileNotFoundError(msg)
+    if d["value_error"]:
+        return ValueError(msg)
+    if d["lookup_error"]:
+        return LookupError(msg)
+    return RuntimeError(f"{d['type']}: {msg}\n{d['traceback']}")
+
+
+def first_error(errs: list) -> tuple[int, dict] | None:
+    for r, e in enumerate(errs):
+        if e is not None:
+            return r, e
+    return None
+
+
+# ---------------------------------------------------------------------- TP worker process
+def quiet_library_progress_bars() -> None:
+    """Hide transformers'/diffusers' weight-loading bars (our denoising bar stays)."""
+    try:
+        import diffusers.utils.logging as dlog
+        import transformers.utils.logging as tlog
+
+        tlog.disable_progress_bar()
+        dlog.disable_progress_bar()
+        # e.g. "CLIPImageProcessor requires torchvision": optional-backend notices about classes
+        # we never use, printed while diffusers resolves component classes
+        tlog.set_verbosity_error()
+    except Exception:  # a missing or changed helper only costs some console noise
+        pass
+
+
+def tp_worker_main(
+    rank, world, port, backend, runner_kwargs, cmd_q, res_q, heartbeat_s, worker_setup=None
+):
+    import torch.distributed as dist
+
+    from sglang.multimodal_gen.distributed import (
+        broadcast_object,
+        get_tp_cpu_group,
+        init_worker,
+        shutdown_worker,
+    )
+
+    # N workers would each print the same loading bars; the parent reports progress instead
+    quiet_library_progress_bars()
+    try:
+        init_worker(rank, world, port, backend)
+    except BaseException as e:
+        res_q.put(("ready", False, (rank, pack_error(e))))
+        return
+
+    def gather(obj):
+        out = [None] * world
+        dist.all_gather_object(out, obj, group=get_tp_cpu_group())
+        return out
+
+    try:
+        runner, err = None, None
+        try:
+            device = runner_kwargs.pop("device")
+            if torch.device(device).type == "cuda":
+                device = f"cuda:{rank}"
+            runner = ModelRunner(device=device, tp_rank=rank, tp_size=world, **runner_kwargs)
+            if worker_setup is not None:
+                worker_setup(runner, rank)
+        except BaseException as e:
+            err = pack_error(e)
+        errs = gather(err)
+        failed = first_error(errs)
+        if rank == 0:
+            res_q.put(("ready", failed is None, failed if failed else runner.info()))
+        if failed:
+            return
+        while True:
+            cmd = None
+            if rank == 0:
+                try:
+                    cmd = cmd_q.get(timeout=heartbeat_s)
+                except queue_mod.Empty:
+                    cmd = ("noop", {})
+                if cmd is not None and cmd[0] not in ("noop", "shutdown"):
+                    try:  # set_lora: read the files once, here, and send their contents
+                        cmd = (cmd[0], runner.prepare(*cmd))
+                    except BaseException as e:
+                        res_q.put(("result", False, (0, pack_error(e))))
+                        continue
+            cmd = broadcast_object(cmd)
+            if cmd is None or cmd[0] == "shutdown":
+                break
+            op, kwargs = cmd
+            decided: list = []
+
+            def agree(exc, decided=decided):
+                first = first_error(gather(None if exc is None else pack_error(exc)))
+                decided.append(first)
+                return first is None
+
+            out, err = None, None
+            try:
+                out = runner.execute(op, kwargs, agree=agree)
+            except BaseException as e:
+                err = pack_error(e)
+            errs = gather(err)
+            # a LoRA change reports the error of the rank that failed, not a rollback notice
+            failed = decided[0] if decided and decided[0] else first_error(errs)
+            broken = [r for r, e in enumerate(errs) if e and e["type"] == "LoRARollbackError"]
+            if broken:
+                failed = (
+                    broken[0],
+                    pack_error(
+                        EngineDeadError(
+                            f"{errs[broken[0]]['message']}; the TP workers stop (restart the "
+                            "engine)"
+                        )
+                    ),
+                )
+            if rank == 0 and op != "noop":
+                res_q.put(("result", failed is None, failed if failed else out))
+            if broken:
+                break
+    finally:
+        shutdown_worker()
