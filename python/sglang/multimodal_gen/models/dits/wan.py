@@ -63,7 +63,7 @@ from sglang.multimodal_gen.layers.linear import (
     RowParallelLinear,
 )
 from sglang.multimodal_gen.layers.norm import LayerNormNoAffine
-from sglang.multimodal_gen.models.dits.flux import timestep_sinusoid
+from sglang.multimodal_gen.models.dits.flux_embed import timestep_sinusoid
 
 __all__ = [
     "WanRMSNormAcrossHeads",
