@@ -1,4 +1,4 @@
-"""Tensor-parallel groups, collectives and local process launch."""
+"""Process groups (TP, sequence, CFG), collectives and local process launch."""
 
 from sglang.multimodal_gen.distributed.communication import (
     broadcast_object,
@@ -14,25 +14,45 @@ from sglang.multimodal_gen.distributed.launch import (
     shutdown_worker,
 )
 from sglang.multimodal_gen.distributed.parallel_state import (
+    ParallelLayout,
     destroy_model_parallel,
+    get_cfg_group,
+    get_cfg_rank,
+    get_cfg_world_size,
+    get_parallel_layout,
+    get_sp_group,
+    get_sp_rank,
+    get_sp_world_size,
     get_tp_cpu_group,
     get_tp_group,
     get_tp_rank,
     get_tp_world_size,
+    get_world_cpu_group,
+    get_world_size,
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
 
 __all__ = [
+    "ParallelLayout",
     "broadcast_object",
     "broadcast_tensors_cpu",
     "default_backend",
     "destroy_model_parallel",
     "find_free_port",
+    "get_cfg_group",
+    "get_cfg_rank",
+    "get_cfg_world_size",
+    "get_parallel_layout",
+    "get_sp_group",
+    "get_sp_rank",
+    "get_sp_world_size",
     "get_tp_cpu_group",
     "get_tp_group",
     "get_tp_rank",
     "get_tp_world_size",
+    "get_world_cpu_group",
+    "get_world_size",
     "init_worker",
     "initialize_model_parallel",
     "launch_processes",

@@ -1,4 +1,5 @@
-"""Collectives over the tensor-parallel group (identities at TP size 1)."""
+"""Collectives over the tensor-parallel group and control messages over the whole world
+(identities in a single process)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 from sglang.multimodal_gen.distributed.parallel_state import (
-    get_tp_cpu_group,
     get_tp_group,
     get_tp_world_size,
+    get_world_cpu_group,
+    get_world_size,
 )
 
 
@@ -48,15 +50,16 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
 
 
 def broadcast_object(obj: Any = None, src: int = 0) -> Any:
-    """Send a picklable object from TP rank ``src`` to every TP rank and return it.
+    """Send a picklable object from global rank ``src`` to every rank and return it.
 
-    Ranks other than ``src`` pass anything (ignored). Identity at TP 1. Used by the engine so that
-    every rank applies the same requests and LoRA changes in the same order.
+    Ranks other than ``src`` pass anything (ignored). Identity in a single process. Used by the
+    engine so that every rank (TP, SP and CFG alike) applies the same requests and LoRA changes
+    in the same order.
     """
-    if get_tp_world_size() == 1:
+    if get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=get_tp_cpu_group())
+    dist.broadcast_object_list(box, src=src, group=get_world_cpu_group())
     return box[0]
 
 
@@ -71,14 +74,14 @@ def _map_tensors(obj: Any, fn) -> Any:
 
 
 def broadcast_tensors_cpu(obj: Any, src: int = 0, device: torch.device | str = "cpu") -> Any:
-    """Broadcast a nest of dicts/lists/tuples of tensors from TP rank ``src`` over the CPU group.
+    """Broadcast a nest of dicts/lists/tuples of tensors from rank ``src`` over the CPU group.
 
     Tensors travel through host memory (moved to the CPU on ``src``) and arrive on ``device``
-    with their dtypes and values unchanged. Identity at TP 1.
+    with their dtypes and values unchanged. Identity in a single process.
     """
-    if get_tp_world_size() == 1:
+    if get_world_size() == 1:
         return obj
-    if dist.get_rank(get_tp_cpu_group()) == src:
+    if dist.get_rank(get_world_cpu_group()) == src:
         obj = _map_tensors(obj, lambda t: t.detach().cpu())
     out = broadcast_object(obj, src=src)
     return _map_tensors(out, lambda t: t.to(device))

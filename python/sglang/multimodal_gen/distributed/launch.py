@@ -1,8 +1,9 @@
-"""Launch N local processes that form one TP group and run a function in each.
+"""Launch N local processes that form one parallel layout and run a function in each.
 
 Used by the tests (gloo on the CPU) and by the engine (NCCL when CUDA is available). Each worker
 initializes ``torch.distributed`` over a free localhost TCP port, calls
-:func:`initialize_model_parallel`, runs ``fn(rank, *args)``, and sends back its return value.
+:func:`initialize_model_parallel` (all N ranks in one TP group, or the given
+:class:`ParallelLayout`), runs ``fn(rank, *args)``, and sends back its return value.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sglang.multimodal_gen.distributed.parallel_state import (
+    ParallelLayout,
     destroy_model_parallel,
     initialize_model_parallel,
 )
@@ -36,12 +38,23 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_worker(rank: int, world_size: int, port: int, backend: str | None = None) -> None:
-    """Join the process group as ``rank`` of ``world_size`` and create the TP group.
+def init_worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str | None = None,
+    layout: ParallelLayout | None = None,
+) -> None:
+    """Join the process group as ``rank`` of ``world_size`` and create the parallel groups.
+
+    Args:
+        layout: the TP / Ulysses / ring / CFG sizes (default: every rank in one TP group); its
+            ``world_size`` must equal ``world_size``.
 
     On CUDA each rank uses device ``cuda:rank``. Threads are capped so that N workers on a small
     machine do not oversubscribe its cores.
     """
+    layout = layout or ParallelLayout(tp_size=world_size)
     backend = backend or default_backend()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
@@ -52,7 +65,9 @@ def init_worker(rank: int, world_size: int, port: int, backend: str | None = Non
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
-    initialize_model_parallel(world_size)
+    initialize_model_parallel(
+        layout.tp_size, layout.ulysses_degree, layout.ring_degree, layout.cfg_degree
+    )
 
 
 def shutdown_worker() -> None:
@@ -62,9 +77,9 @@ def shutdown_worker() -> None:
         dist.destroy_process_group()
 
 
-def _worker(rank, world_size, port, backend, fn, args, queue):
+def _worker(rank, world_size, port, backend, fn, args, queue, layout=None):
     try:
-        init_worker(rank, world_size, port, backend)
+        init_worker(rank, world_size, port, backend, layout)
         result = fn(rank, *args)
         # Plain pickle copies tensor bytes; the queue's own pickler would pass shared-memory file
         # descriptors that vanish when this process exits before the parent reads them.
@@ -81,12 +96,14 @@ def launch_processes(
     args: tuple = (),
     backend: str | None = None,
     timeout_s: float = 600.0,
+    layout: ParallelLayout | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, *args)`` in ``nprocs`` freshly spawned processes forming one TP group.
+    """Run ``fn(rank, *args)`` in ``nprocs`` freshly spawned processes forming one layout.
 
     Args:
         fn: a module-level (picklable) function.
-        nprocs: the TP size.
+        nprocs: the number of processes (the TP size when ``layout`` is not given).
+        layout: the parallel layout (``layout.world_size == nprocs``).
         args: extra picklable arguments.
         backend: ``"gloo"`` or ``"nccl"``; default: :func:`default_backend`.
         timeout_s: how long to wait for all results (seconds).
@@ -101,7 +118,11 @@ def launch_processes(
     queue = ctx.Queue()
     port = find_free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, nprocs, port, backend, fn, args, queue), daemon=False)
+        ctx.Process(
+            target=_worker,
+            args=(r, nprocs, port, backend, fn, args, queue, layout),
+            daemon=False,
+        )
         for r in range(nprocs)
     ]
     for p in procs:

@@ -36,7 +36,8 @@ from torch import nn
 
 from sglang.multimodal_gen.configs.flux import FluxArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
-from sglang.multimodal_gen.layers.attention import sdpa_bshd
+from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
+from sglang.multimodal_gen.layers.attention import attention
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
     MergedColumnParallelLinear,
@@ -73,7 +74,7 @@ def _attend(q, k, v, cos, sin) -> torch.Tensor:
     """RoPE on ``q``/``k`` then SDPA: ``[B, S, H, hd]`` each -> ``[B, S, H * hd]`` in ``q.dtype``."""
     q = apply_rope_real(q, cos, sin)
     k = apply_rope_real(k, cos, sin)
-    return sdpa_bshd(q, k, v).to(q.dtype)
+    return attention(q, k, v).to(q.dtype)
 
 
 # ------------------------------------------------------------------------------- double block
@@ -396,16 +397,21 @@ class FluxTransformer(nn.Module):
         temb = self.time_text_embed(t, pooled_projections, g)
         ctx = self.context_embedder(encoder_hidden_states)[0]
         cos, sin = self.rotary_tables(img_ids, txt_ids)
+        # sequence parallelism: each rank keeps its chunk of both streams (identity without SP)
+        xs, ts = SeqSplit.of(s_img), SeqSplit.of(s_txt)
+        x, ctx = xs.local(x), ts.local(ctx)
+        cos, sin = (torch.cat([ts.local(t[:s_txt], 0), xs.local(t[s_txt:], 0)]) for t in (cos, sin))
 
-        for block in self.transformer_blocks:
-            ctx, x = block(x, ctx, temb, cos, sin)
-        # the reference concatenates and splits [text, image] in every single block; doing it
-        # once around all of them is the same arithmetic
-        h = torch.cat([ctx, x], dim=1)
-        for block in self.single_transformer_blocks:
-            h = block(h, temb, cos, sin)
-        x = h[:, s_txt:]
-        return self.proj_out(self.norm_out(x, temb))[0]
+        with sequence_split(ts + xs):
+            for block in self.transformer_blocks:
+                ctx, x = block(x, ctx, temb, cos, sin)
+            # the reference concatenates and splits [text, image] in every single block; doing
+            # it once around all of them is the same arithmetic
+            h = torch.cat([ctx, x], dim=1)
+            for block in self.single_transformer_blocks:
+                h = block(h, temb, cos, sin)
+        x = h[:, ctx.shape[1] :]
+        return xs.gather(self.proj_out(self.norm_out(x, temb))[0])
 
 
 def flux_from_diffusers_module(

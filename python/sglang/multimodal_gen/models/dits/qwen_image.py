@@ -34,7 +34,8 @@ from torch import nn
 
 from sglang.multimodal_gen.configs.qwen_image import QwenImageArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
-from sglang.multimodal_gen.layers.attention import sdpa_bshd
+from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
+from sglang.multimodal_gen.layers.attention import attention
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
     QKVParallelLinear,
@@ -297,7 +298,7 @@ class QwenJointAttention(nn.Module):
         jq = torch.cat([cq, q], dim=1)
         jk = torch.cat([ck, k], dim=1)
         jv = torch.cat([cv, v], dim=1)
-        out = sdpa_bshd(jq, jk, jv, key_mask).to(jq.dtype)
+        out = attention(jq, jk, jv, key_mask).to(jq.dtype)
         n_txt = ctx.shape[1]
         ctx_out, x_out = out[:, :n_txt], out[:, n_txt:]
         return self.to_out[0](x_out.contiguous())[0], self.to_add_out(ctx_out.contiguous())[0]
@@ -522,16 +523,23 @@ class QwenImageTransformer(nn.Module):
 
         temb = self.time_text_embed(t, x.dtype)
         img_freqs, txt_freqs = self.pos_embed(shapes, s_txt, x.device)
+        # sequence parallelism: each rank keeps its chunk of both streams (identity without SP)
+        xs, ts = SeqSplit.of(s_img), SeqSplit.of(s_txt)
+        x, ctx = xs.local(x), ts.local(ctx)
+        img_freqs, txt_freqs = xs.local(img_freqs, 0), ts.local(txt_freqs, 0)
+        if key_mask is not None:
+            key_mask = torch.cat([ts.local(key_mask[:, :s_txt]), xs.local(key_mask[:, s_txt:])], 1)
 
         n_blocks = len(self.transformer_blocks)
         interval = None
         if controlnet_block_samples is not None:
             interval = int(math.ceil(n_blocks / len(controlnet_block_samples)))
-        for i, block in enumerate(self.transformer_blocks):
-            ctx, x = block(x, ctx, temb, img_freqs, txt_freqs, key_mask)
-            if interval is not None:
-                x = x + controlnet_block_samples[i // interval]
-        return self.proj_out(self.norm_out(x, temb))[0]
+        with sequence_split(ts + xs):
+            for i, block in enumerate(self.transformer_blocks):
+                ctx, x = block(x, ctx, temb, img_freqs, txt_freqs, key_mask)
+                if interval is not None:
+                    x = x + xs.local(controlnet_block_samples[i // interval])
+        return xs.gather(self.proj_out(self.norm_out(x, temb))[0])
 
 
 def qwen_image_from_diffusers_module(

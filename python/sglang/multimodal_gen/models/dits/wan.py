@@ -53,7 +53,8 @@ from sglang.multimodal_gen.distributed import (
     get_tp_world_size,
     tensor_model_parallel_all_reduce,
 )
-from sglang.multimodal_gen.layers.attention import sdpa_bshd
+from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
+from sglang.multimodal_gen.layers.attention import attention, sdpa_bshd
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
     ColumnParallelLinear,
@@ -383,7 +384,7 @@ class WanSelfAttention(nn.Module):
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
         q = apply_wan_rope(q, cos, sin)
         k = apply_wan_rope(k, cos, sin)
-        out = sdpa_bshd(q, k, v).type_as(q)
+        out = attention(q, k, v).type_as(q)
         return self.to_out[0](out)[0]
 
 
@@ -661,9 +662,17 @@ class WanTransformer(nn.Module):
         )
         # [B, S, 6, D] per token, else [B, 6, D]
         tproj = tproj.unflatten(2 if per_token else 1, (6, -1))
+        # sequence parallelism: each rank keeps its chunk of the video tokens (identity without
+        # SP); the text keys of the cross-attention stay whole on every rank
+        xs = SeqSplit.of(seq)
+        x = xs.local(x)
+        cos, sin = xs.local(cos, 0), xs.local(sin, 0)
+        if per_token:
+            tproj, temb = xs.local(tproj), xs.local(temb)
 
-        for block in self.blocks:
-            x = block(x, ctx, tproj, cos, sin)
+        with sequence_split(xs):
+            for block in self.blocks:
+                x = block(x, ctx, tproj, cos, sin)
 
         if per_token:  # temb [B, S, D]
             shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
@@ -671,7 +680,7 @@ class WanTransformer(nn.Module):
         else:  # temb [B, D]
             shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
-        x = self.proj_out(x)[0]  # [B, S, p_t * p_h * p_w * C_out]
+        x = xs.gather(self.proj_out(x)[0])  # [B, S, p_t * p_h * p_w * C_out]
 
         x = x.reshape(b, ppf, pph, ppw, p_t, p_h, p_w, -1)
         x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.multimodal_gen.configs.zimage import ZImageArchConfig
-from sglang.multimodal_gen.distributed import get_tp_world_size
-from sglang.multimodal_gen.layers.attention import sdpa_bshd
+from sglang.multimodal_gen.distributed import get_sp_world_size, get_tp_world_size
+from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
+from sglang.multimodal_gen.layers.attention import attention
 from sglang.multimodal_gen.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -101,7 +102,7 @@ class ZImageAttention(nn.Module):
             k = self.norm_k(k)
         q = apply_rope_interleaved(q, cis)
         k = apply_rope_interleaved(k, cis)
-        out = sdpa_bshd(q, k, v.to(q.dtype), key_mask).to(q.dtype)
+        out = attention(q, k, v.to(q.dtype), key_mask).to(q.dtype)
         return self.to_out[0](out)[0]
 
 
@@ -493,6 +494,11 @@ class ZImageTransformer(nn.Module):
             xlens.append(xl)
         h, mask = _pad_batch(seqs)
         cis, _ = _pad_batch(cis_l)
+        if get_sp_world_size() > 1:
+            out = self._layers_sequence_parallel(h, cis, mask, ctx, adaln, key)
+            return [
+                self._unpatchify(out[i], grids[i], patch_size, f_patch_size) for i in range(bsz)
+            ]
         for block in self.noise_refiner:
             h = block(h, cis, mask, adaln)
 
@@ -512,3 +518,40 @@ class ZImageTransformer(nn.Module):
             u = block(u, ucis, umask, adaln)
         out = self.all_final_layer[key](u, adaln)
         return [self._unpatchify(out[i], grids[i], patch_size, f_patch_size) for i in range(bsz)]
+
+    def _layers_sequence_parallel(self, h, cis, mask, ctx: CaptionContext, adaln, key):
+        """Noise refiner, main layers and final layer with the tokens sharded over the SP group.
+
+        Each rank keeps its chunk of the image tokens and of the (already refined, replicated)
+        caption tokens; its unified sequence is ``[image chunk, caption chunk]``, which attention
+        treats as the same key set as the reference's per-item ``[image, caption]`` packing
+        (padding of either stream is masked). Returns the gathered ``[B, X, out]`` image tokens.
+        """
+        xs = SeqSplit.of(h.shape[1])
+        cs = SeqSplit.of(ctx.tokens.shape[1])
+        h, cis = xs.local(h), xs.local(cis)
+        mask = None if mask is None else xs.local(mask)
+        with sequence_split(xs):
+            for block in self.noise_refiner:
+                h = block(h, cis, mask, adaln)
+        cmask = None
+        if any(n != ctx.tokens.shape[1] for n in ctx.lens):
+            pos = torch.arange(ctx.tokens.shape[1], device=h.device)
+            cmask = cs.local(pos[None] < torch.tensor(ctx.lens, device=h.device)[:, None])
+        u = torch.cat([h, cs.local(ctx.tokens)], 1)
+        ucis = torch.cat([cis, cs.local(ctx.cis)], 1)
+        umask = None
+        if mask is not None or cmask is not None:
+            ones = torch.ones(h.shape[0], 1, dtype=torch.bool, device=h.device)
+            umask = torch.cat(
+                [
+                    ones.expand(-1, h.shape[1]) if mask is None else mask,
+                    ones.expand(-1, u.shape[1] - h.shape[1]) if cmask is None else cmask,
+                ],
+                1,
+            )
+        with sequence_split(xs + cs):
+            for block in self.layers:
+                u = block(u, ucis, umask, adaln)
+        out = self.all_final_layer[key](u[:, : h.shape[1]], adaln)
+        return xs.gather(out)
