@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 
+from sglang.multimodal_gen.configs.parallel import add_parallel_args, layout_from_args
 from sglang.multimodal_gen.lora.requests import MERGE_MODES
 
 
@@ -118,7 +119,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         choices=MERGE_MODES,
         help="how adapters are applied (default: the LoRA manager's)",
     )
-    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel processes")
+    add_parallel_args(parser)
     parser.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     parser.add_argument("--dtype", default=None, choices=("auto", "float32", "float16", "bfloat16"))
     parser.add_argument("--no-progress", action="store_true", help="hide the step progress bar")
@@ -266,8 +267,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     quiet_library_progress_bars()
     loras = lora_pairs(args.lora_path, args.lora_scale)
-    if args.tp_size < 1:
-        raise ValueError(f"--tp-size must be >= 1, got {args.tp_size}")
+    layout = layout_from_args(args)  # contradictory degrees: one error before loading
 
     import secrets
 
@@ -287,7 +287,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     engine = None
     try:
         engine = DiffusionEngine(
-            model_path=args.model_path, tp_size=args.tp_size, device=args.device, dtype=args.dtype
+            model_path=args.model_path,
+            tp_size=layout.tp_size,
+            sp_degree=layout.sp_degree,
+            ulysses_degree=args.ulysses_degree,
+            ring_degree=args.ring_degree,
+            cfg_degree=layout.cfg_degree,
+            device=args.device,
+            dtype=args.dtype,
         )
         if loras:
             engine.set_lora(

@@ -15,6 +15,12 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from sglang.multimodal_gen.configs.parallel import (
+    add_parallel_args,
+    layout_from_args,
+    resolve_layout,
+)
+
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("diffusion",)
@@ -122,7 +128,12 @@ class ServerArgs:
             the embedded tiny default model.
         model_type: ``"diffusion"``; detected from ``model_index.json`` when ``None``.
         host, port: where uvicorn listens.
-        tp_size: tensor-parallel size (``--tp-size``, else ``--num-gpus``, else 1).
+        tp_size: tensor-parallel size (``--tp-size``; see ``configs.parallel`` for how
+            ``--num-gpus`` fills it).
+        sp_degree: sequence-parallel size (``--sp-degree`` = Ulysses x ring; 1: off).
+        ulysses_degree / ring_degree: the split of ``sp_degree``; ``None``: chosen by the engine
+            from the model's head count.
+        enable_cfg_parallel: run the two CFG branches on different ranks (doubles the processes).
         api_key: when set, every endpoint but ``/health`` requires ``Authorization: Bearer <key>``.
         admin_api_key: when set, the LoRA admin endpoints require this key instead.
         lora_paths / lora_nicknames / lora_scales: adapters loaded and activated at startup
@@ -162,6 +173,10 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
+    sp_degree: int = 1
+    ulysses_degree: int | None = None
+    ring_degree: int | None = None
+    enable_cfg_parallel: bool = False
     api_key: str | None = None
     admin_api_key: str | None = None
     lora_paths: list[str] = field(default_factory=list)
@@ -206,6 +221,13 @@ class ServerArgs:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if int(self.tp_size) < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        resolve_layout(  # contradictory degrees: one error at startup, naming the numbers
+            tp_size=self.tp_size,
+            sp_degree=self.sp_degree,
+            ulysses_degree=self.ulysses_degree,
+            ring_degree=self.ring_degree,
+            enable_cfg_parallel=self.enable_cfg_parallel,
+        )
         if int(self.max_queue_size) < 1:
             raise ValueError(f"--max-queue-size must be >= 1, got {self.max_queue_size}")
         if self.max_image_size is not None and int(self.max_image_size) < 1:
@@ -290,14 +312,7 @@ class ServerArgs:
             help="keep DiT weights in host memory between denoising runs (GPU only)",
         )
 
-        g = parser.add_argument_group("parallelism")
-        g.add_argument("--tp-size", type=int, default=None, help="tensor-parallel size")
-        g.add_argument(
-            "--num-gpus",
-            type=int,
-            default=None,
-            help="accepted as the tensor-parallel size when --tp-size is absent",
-        )
+        add_parallel_args(parser)
 
         g = parser.add_argument_group("server")
         g.add_argument("--host", default="127.0.0.1")
@@ -422,13 +437,17 @@ class ServerArgs:
         Raises:
             ValueError: see :meth:`validate`.
         """
-        tp_size = args.tp_size if args.tp_size is not None else args.num_gpus
+        layout = layout_from_args(args)
         return cls(
             model_path=args.model_path,
             model_type=args.model_type,
             host=args.host,
             port=args.port,
-            tp_size=tp_size if tp_size is not None else 1,
+            tp_size=layout.tp_size,
+            sp_degree=layout.sp_degree,
+            ulysses_degree=args.ulysses_degree,
+            ring_degree=args.ring_degree,
+            enable_cfg_parallel=bool(args.enable_cfg_parallel),
             api_key=args.api_key,
             admin_api_key=args.admin_api_key,
             lora_paths=list(args.lora_path or []),

@@ -127,7 +127,8 @@ class ModelFamily:
         defaults: ``fn(arch_config) -> SamplingDefaults`` (variants differ, e.g. Flux dev vs
             schnell), or one :class:`SamplingDefaults` for every variant.
         tp_divisors: ``fn(arch_config) -> {what: number}``: every TP size must divide each number
-            (attention heads, FFN hidden size...).
+            (attention heads, FFN hidden size...); the entry whose name mentions "heads" also
+            bounds the Ulysses degree.
         build_tiny: ``"module:function"`` writing an embedded tiny model directory
             (``fn(path, seed=...) -> path``), for the default model and tests.
         default_model_name: the served name of that tiny model.
@@ -179,6 +180,36 @@ class ModelFamily:
                     f"{self.display_name}: {what}={n} is not divisible by tp_size={tp_size}; "
                     f"valid TP sizes: {self.valid_tp_sizes(arch_config)}"
                 )
+
+    def attention_heads(self, arch_config: Any) -> int | None:
+        """The attention head count (the :attr:`tp_divisors` entry that names heads)."""
+        divisors = self.tp_divisors(arch_config) if self.tp_divisors else {}
+        return next((int(n) for what, n in divisors.items() if "heads" in what), None)
+
+    def check_parallel_layout(self, arch_config: Any, layout: Any) -> None:
+        """Check a :class:`~sglang.multimodal_gen.distributed.ParallelLayout` against the model.
+
+        TP must divide every number of :attr:`tp_divisors`; Ulysses must divide the heads left on
+        each TP rank (the entry of :attr:`tp_divisors` whose name mentions heads). Ring and CFG
+        degrees fit any model.
+
+        Raises:
+            ValueError: naming the number that does not divide and the degrees that would.
+        """
+        self.check_tp_size(arch_config, layout.tp_size)
+        u = layout.ulysses_degree
+        heads = self.attention_heads(arch_config)
+        if u == 1 or heads is None:
+            return
+        local = heads // layout.tp_size
+        if local % u:
+            good = [d for d in range(1, local + 1) if local % d == 0 and d <= 8]
+            raise ValueError(
+                f"{self.display_name}: {heads} attention heads / tp_size={layout.tp_size} = "
+                f"{local} heads per rank, not divisible by ulysses_degree={u}; use "
+                f"--ulysses-degree in {good} and --ring-degree for the rest of the sequence "
+                f"parallelism (ring attention has no head constraint)"
+            )
 
     def pipeline_class(self) -> type:
         return resolve_object(self.pipeline)

@@ -33,7 +33,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from sglang.multimodal_gen.distributed import broadcast_tensors_cpu
+from sglang.multimodal_gen.distributed import (
+    broadcast_tensors_cpu,
+    get_cfg_group,
+    get_cfg_rank,
+    get_cfg_world_size,
+)
 from sglang.multimodal_gen.models.components import load_component, read_model_index
 from sglang.multimodal_gen.models.loader import load_denoiser, read_json
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
@@ -110,6 +115,16 @@ def check_finite(x: torch.Tensor, what: str, inp: GenerationInputs | None = None
     )
 
 
+def _branch(value: Any, index: int, rows: int) -> Any:
+    """Branch ``index`` of ``rows`` branches stacked along dim 0 (a tensor, a list, or a sized
+    object with ``select(index_list)``)."""
+    if isinstance(value, torch.Tensor):
+        return value.chunk(rows, 0)[index]
+    n = len(value)
+    lo, hi = index * n // rows, (index + 1) * n // rows
+    return value[lo:hi] if isinstance(value, list) else value.select(list(range(lo, hi)))
+
+
 class StagedPipeline:
     """Base of the family pipelines (see the module docstring for the stages).
 
@@ -120,6 +135,8 @@ class StagedPipeline:
             decode.
         configs: ``{name: config dict}`` of every component (also those not loaded here).
         device: execution device. tp_rank, tp_size: this rank's TP coordinates.
+        rank: this process's global rank (default ``tp_rank``); rank 0 encodes the prompt and
+            broadcasts the conditioning to every rank (TP, sequence- and CFG-parallel alike).
 
     Class attributes for subclasses:
         text_components: components used only by :meth:`encode_prompt` (rank 0 loads them).
@@ -141,6 +158,7 @@ class StagedPipeline:
         tp_rank: int = 0,
         tp_size: int = 1,
         pipeline_config: dict | None = None,
+        rank: int | None = None,
     ):
         self.family = family
         self.pipeline_config = dict(pipeline_config or {})
@@ -149,6 +167,7 @@ class StagedPipeline:
         self.device = torch.device(device)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.rank = tp_rank if rank is None else rank
         self.denoisers = {
             d.component: components[d.component]
             for d in family.denoisers
@@ -173,14 +192,16 @@ class StagedPipeline:
         tp_size: int | None = None,
         load_vae: bool = True,
         load_text: bool = True,
+        rank: int | None = None,
     ) -> StagedPipeline:
         """Load a diffusers directory of ``family``: our denoisers, the rest as diffusers would.
 
         Args:
             family: the family (default: the subclass's ``family_name``).
             load_vae: load the VAE (``False`` on TP ranks that do not decode).
-            load_text: load text encoders and tokenizers (``False`` on TP ranks > 0, which
+            load_text: load text encoders and tokenizers (``False`` on ranks > 0, which
                 receive the conditioning from rank 0).
+            rank: global rank (default ``tp_rank``).
 
         Raises:
             FileNotFoundError / ValueError (``ModelLoadError``): messages name file and tensor.
@@ -222,11 +243,12 @@ class StagedPipeline:
         missing = sorted(required - set(comps))
         if missing:
             raise FileNotFoundError(f"{index.path}: no component {missing[0]!r}")
+        global_rank = rank
         rank = 0 if tp_rank is None else tp_rank
         size = 1 if tp_size is None else tp_size
         return cls(
             family, comps, configs, device=device, tp_rank=rank, tp_size=size,
-            pipeline_config=index.config,
+            pipeline_config=index.config, rank=rank if global_rank is None else global_rank,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ geometry
@@ -298,10 +320,45 @@ class StagedPipeline:
         return type(sched).from_config(copy.deepcopy(dict(sched.config)))
 
     def broadcast_conditioning(self, cond: dict[str, Any] | None) -> dict[str, Any]:
-        """Rank 0's conditioning on every rank (on this rank's device)."""
-        if self.tp_size == 1:
-            return cond
+        """Rank 0's conditioning on every rank (on this rank's device; identity in one process)."""
         return broadcast_tensors_cpu(cond, src=0, device=self.device)
+
+    def run_branches(
+        self, denoiser: torch.nn.Module, rows: int, args: dict[str, Any], batched: tuple[str, ...]
+    ) -> Any:
+        """``denoiser(**args)`` where the ``batched`` arguments stack ``rows`` CFG branches along
+        dim 0, branch-major (``[cond rows, uncond rows]``).
+
+        Without CFG parallelism (or with one branch) it is that one call. With
+        ``--enable-cfg-parallel`` each rank of the CFG group runs only its branch (the TP / SP
+        groups inside it are that branch's) and one all-gather over the CFG group reassembles
+        the output, so the caller sees the same ``[rows * b, ...]`` result.
+
+        Args:
+            rows: number of branches in the batched arguments (1 or 2).
+            args: keyword arguments of the denoiser; a batched value is a tensor, a list, or an
+                object with ``select(index)`` (Z-Image's caption context).
+
+        Returns:
+            The denoiser output: a tensor, or a list of per-item tensors (Z-Image).
+
+        Raises:
+            ValueError: ``rows`` differs from the CFG degree while CFG parallelism is on.
+        """
+        cfg = get_cfg_world_size()
+        if cfg == 1 or rows == 1:
+            return denoiser(**args)
+        if rows != cfg:
+            raise ValueError(f"{rows} CFG branches cannot be split over cfg_degree={cfg}")
+        r = get_cfg_rank()
+        local = {k: (_branch(v, r, rows) if k in batched else v) for k, v in args.items()}
+        out = denoiser(**local)
+        as_list = isinstance(out, list)
+        t = torch.stack(out) if as_list else out
+        parts = [torch.empty_like(t) for _ in range(cfg)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=get_cfg_group())
+        full = torch.cat(parts, 0)
+        return list(full.unbind(0)) if as_list else full
 
     def resolve_inputs(self, **kwargs) -> GenerationInputs:
         """:class:`GenerationInputs` from keyword arguments, unset ones from the defaults."""
@@ -356,7 +413,7 @@ class StagedPipeline:
         if output_type not in ("pil", "np", "latent"):
             raise ValueError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
 
-        cond = self.encode_prompt(inp) if self.tp_rank == 0 else None
+        cond = self.encode_prompt(inp) if self.rank == 0 else None
         cond = self.prepare_conditioning(inp, self.broadcast_conditioning(cond))
         latents = self.prepare_latents(inp, cond)
         scheduler, timesteps = self.prepare_timesteps(inp, latents)

@@ -160,7 +160,7 @@ class FluxPipeline(StagedPipeline):
             x = x.repeat(rows, 1, 1)
             timestep = timestep.repeat(rows)
             guidance = None if guidance is None else guidance.repeat(rows)
-        out = denoiser(
+        args = dict(
             hidden_states=x,
             encoder_hidden_states=cond["embeds"],
             pooled_projections=cond["pooled"],
@@ -168,6 +168,10 @@ class FluxPipeline(StagedPipeline):
             img_ids=cond["img_ids"],
             txt_ids=cond["txt_ids"],
             guidance=guidance,
+        )
+        batched = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
+        out = self.run_branches(
+            denoiser, rows, args, batched + (() if guidance is None else ("guidance",))
         )
         if rows == 1:
             return out

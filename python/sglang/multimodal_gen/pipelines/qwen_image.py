@@ -138,7 +138,7 @@ class QwenImagePipeline(StagedPipeline):
         if getattr(denoiser.cfg, "guidance_embeds", False):
             guidance = torch.full([b * rows], inp.guidance_scale, device=self.device)
         x = latents.to(denoiser.dtype).repeat(rows, 1, 1)
-        out = denoiser(
+        args = dict(
             hidden_states=x,
             encoder_hidden_states=cond["embeds"],
             encoder_hidden_states_mask=cond["mask"],
@@ -146,6 +146,8 @@ class QwenImagePipeline(StagedPipeline):
             img_shapes=[[(1, h // 2, w // 2)]] * (b * rows),
             guidance=guidance,
         )
+        batched = tuple(k for k, v in args.items() if v is not None)
+        out = self.run_branches(denoiser, rows, args, batched)
         if rows == 1:
             return out
         pos, neg = out[:b], out[b:]

@@ -156,7 +156,8 @@ class WanPipeline(StagedPipeline):
         if rows > 1:
             x = x.repeat(rows, 1, 1, 1, 1)
             timestep = timestep.repeat(rows, *([1] * (timestep.dim() - 1)))
-        out = denoiser(hidden_states=x, timestep=timestep, encoder_hidden_states=cond["embeds"])
+        args = dict(hidden_states=x, timestep=timestep, encoder_hidden_states=cond["embeds"])
+        out = self.run_branches(denoiser, rows, args, tuple(args))
         if rows == 1:
             return out
         pos, neg = out[:b], out[b:]

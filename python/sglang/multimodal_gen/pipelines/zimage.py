@@ -149,7 +149,8 @@ class ZImagePipeline(StagedPipeline):
             g = 0.0
         lat = latents.to(denoiser.dtype).unsqueeze(2)
         if cond["do_cfg"] and g > 0:
-            out = denoiser(lat.repeat(2, 1, 1, 1, 1), tt.repeat(2), cond["ctx_full"])
+            args = dict(x=lat.repeat(2, 1, 1, 1, 1), t=tt.repeat(2), cap=cond["ctx_full"])
+            out = self.run_branches(denoiser, 2, args, ("x", "t", "cap"))
             pos = torch.stack(out[:n]).float()
             neg = torch.stack(out[n:]).float()
             pred = pos + g * (pos - neg)

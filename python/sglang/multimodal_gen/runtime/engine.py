@@ -37,13 +37,38 @@ logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- engine
+def _layout_for_model(model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree):
+    """The parallel layout for this model's head count (see ``configs.parallel``)."""
+    from sglang.multimodal_gen.configs.parallel import resolve_layout
+    from sglang.multimodal_gen.models.registry import family_for_model
+
+    heads = None
+    if (ulysses_degree, ring_degree) == (None, None) and (sp_degree or 1) > 1:
+        family = family_for_model(model_path)
+        heads = family.attention_heads(family.read_config(model_path))
+    return resolve_layout(
+        tp_size=tp_size,
+        sp_degree=sp_degree,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        enable_cfg_parallel=int(cfg_degree) == 2,
+        heads=heads,
+    )
+
+
 class DiffusionEngine:
     """Load a model and serve blocking calls (one caller at a time; calls are serialized).
 
     Args:
         model_path: diffusers-format directory; ``None`` uses the embedded tiny default model
             (random weights: noise images), built once under the user cache dir.
-        tp_size: tensor-parallel size (N local processes when > 1).
+        tp_size: tensor-parallel size.
+        sp_degree, ulysses_degree, ring_degree: sequence parallelism (Ulysses all-to-all x ring
+            attention); unset degrees are chosen as ``configs.parallel.resolve_layout`` does,
+            with the model's head count.
+        cfg_degree: 2 runs the two CFG branches on different ranks (``--enable-cfg-parallel``).
+            The engine runs ``tp_size * ulysses_degree * ring_degree * cfg_degree`` local
+            processes when that is > 1.
         device: ``"cpu"``, ``"cuda"``...; default CUDA when available.
         dtype: ``"auto"|"float32"|"float16"|"bfloat16"`` or a ``torch.dtype`` (auto: bf16 on
             CUDA, fp32 on CPU).
@@ -69,6 +94,10 @@ class DiffusionEngine:
         model_path: str | None = None,
         tp_size: int = 1,
         device: str | None = None,
+        sp_degree: int | None = None,
+        ulysses_degree: int | None = None,
+        ring_degree: int | None = None,
+        cfg_degree: int = 1,
         dtype: str | torch.dtype | None = None,
         lora_dirs: Sequence[str] | None = None,
         generator_device: str | None = None,
@@ -91,8 +120,12 @@ class DiffusionEngine:
             self.model_name = os.path.basename(os.path.normpath(model_path))
         if int(tp_size) < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.layout = _layout_for_model(
+            model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree
+        )
         self.model_path = model_path
         self.tp_size = int(tp_size)
+        self.world_size = self.layout.world_size
         device = check_device(device)  # a bad --device is one clear error, before any loading
         self.device = device
         if dit_cpu_offload and torch.device(device).type != "cuda":
@@ -109,12 +142,15 @@ class DiffusionEngine:
             generator_device=generator_device,
             dit_cpu_offload=bool(dit_cpu_offload),
         )
-        if self.tp_size == 1:
+        if self.world_size == 1:
             self._runner = ModelRunner(device=device, **runner_kwargs)
             self._info = self._runner.info()
         else:
             self._start_workers(
-                dict(runner_kwargs, device=device), startup_timeout_s, heartbeat_s, _worker_setup
+                dict(runner_kwargs, device=device, layout=self.layout),
+                startup_timeout_s,
+                heartbeat_s,
+                _worker_setup,
             )
 
     @classmethod
@@ -127,6 +163,10 @@ class DiffusionEngine:
         return cls(
             model_path=server_args.model_path,
             tp_size=server_args.tp_size,
+            sp_degree=server_args.sp_degree,
+            ulysses_degree=server_args.ulysses_degree,
+            ring_degree=server_args.ring_degree,
+            cfg_degree=2 if server_args.enable_cfg_parallel else 1,
             device=server_args.device,
             dtype=server_args.dtype,
             lora_dirs=tuple(server_args.lora_dirs),
@@ -155,7 +195,7 @@ class DiffusionEngine:
                 target=tp_worker_main,
                 args=(
                     r,
-                    self.tp_size,
+                    self.world_size,
                     port,
                     backend,
                     dict(runner_kwargs),
@@ -166,7 +206,7 @@ class DiffusionEngine:
                 ),
                 daemon=True,
             )  # fmt: skip
-            for r in range(self.tp_size)
+            for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.errors import SGLangError
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.models.registry import ModelFamily, family_for_model, resolve_object
@@ -143,7 +144,11 @@ class ModelRunner:
         model_path: diffusers-format directory.
         device: this rank's device.
         dtype: parameter/compute dtype (``None``: see :func:`resolve_dtype`).
-        tp_rank, tp_size: this rank's TP coordinates.
+        tp_rank, tp_size: this rank's TP coordinates (ignored when ``layout`` is given).
+        rank: this process's global rank (default ``tp_rank``): rank 0 loads the text encoder and
+            the VAE, encodes and decodes.
+        layout: the parallel layout (:class:`~sglang.multimodal_gen.distributed.ParallelLayout`);
+            the TP coordinates are derived from it and ``rank``.
         lora_dirs: allowed roots for local LoRA paths (``None``: any local path; empty: none, only
             Hub ids from the local cache and trusted startup adapters).
         generator_device: device of the seeded ``torch.Generator`` (default: the execution
@@ -162,13 +167,19 @@ class ModelRunner:
         lora_dirs: Sequence[str] | None = None,
         generator_device: str | None = None,
         dit_cpu_offload: bool = False,
+        rank: int | None = None,
+        layout: ParallelLayout | None = None,
     ):
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.rank = tp_rank if rank is None else rank
+        self.layout = layout or ParallelLayout(tp_size=tp_size)
+        if layout is not None:
+            tp_rank, tp_size = layout.coords(self.rank)["tp"], layout.tp_size
         self.tp_rank = tp_rank
         self.family = family_for_model(model_path)
         arch = self.family.read_config(model_path)
-        self.family.check_tp_size(arch, tp_size)
+        self.family.check_parallel_layout(arch, self.layout)
         self.pipeline = self.family.pipeline_class().from_pretrained(
             model_path,
             self.family,
@@ -176,8 +187,9 @@ class ModelRunner:
             dtype=self.dtype,
             tp_rank=tp_rank,
             tp_size=tp_size,
-            load_vae=(tp_rank == 0),
-            load_text=(tp_rank == 0),
+            load_vae=(self.rank == 0),
+            load_text=(self.rank == 0),
+            rank=self.rank,
         )
         self.generator_device = generator_device or (
             str(self.device) if self.device.type == "cuda" else self.device.type
@@ -222,6 +234,12 @@ class ModelRunner:
             "spatial_factor": self.spatial_factor,
             "defaults": self.pipeline.defaults.as_dict(),
             "tp_sizes": self.family.valid_tp_sizes(arch),
+            "parallel": {
+                "tp_size": self.layout.tp_size,
+                "ulysses_degree": self.layout.ulysses_degree,
+                "ring_degree": self.layout.ring_degree,
+                "cfg_degree": self.layout.cfg_degree,
+            },
             "dtype": str(self.dtype),
             "lora_targets": list(self.lora_manager.target_names),
         }
@@ -341,7 +359,7 @@ class ModelRunner:
             generator=gen,
             num_images=req.num_images,
             output_type="np",
-            progress=progress if self.tp_rank == 0 else False,
+            progress=progress if self.rank == 0 else False,
         )
         if req.lora is not None:
             with self.lora_manager.use_composition(list(req.lora)):

@@ -81,6 +81,7 @@ def tp_worker_main(
     import torch.distributed as dist
 
     from sglang.multimodal_gen.distributed import (
+        ParallelLayout,
         broadcast_object,
         get_tp_cpu_group,
         init_worker,
@@ -90,7 +91,7 @@ def tp_worker_main(
     # N workers would each print the same loading bars; the parent reports progress instead
     quiet_library_progress_bars()
     try:
-        init_worker(rank, world, port, backend)
+        init_worker(rank, world, port, backend, runner_kwargs.get("layout"))
     except BaseException as e:
         res_q.put(("ready", False, (rank, pack_error(e))))
         return
@@ -106,7 +107,8 @@ def tp_worker_main(
             device = runner_kwargs.pop("device")
             if torch.device(device).type == "cuda":
                 device = f"cuda:{rank}"
-            runner = ModelRunner(device=device, tp_rank=rank, tp_size=world, **runner_kwargs)
+            runner_kwargs.setdefault("layout", ParallelLayout(tp_size=world))
+            runner = ModelRunner(device=device, rank=rank, **runner_kwargs)
             if worker_setup is not None:
                 worker_setup(runner, rank)
         except BaseException as e:

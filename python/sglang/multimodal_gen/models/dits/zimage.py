@@ -260,6 +260,9 @@ class CaptionContext:
     lens: list[int]
     cis: torch.Tensor
 
+    def __len__(self) -> int:
+        return len(self.lens)
+
     def select(self, index: list[int]) -> CaptionContext:
         """The context of the items ``index`` (e.g. to repeat or reorder a batch)."""
         idx = torch.tensor(index, device=self.tokens.device)
