@@ -122,3 +122,24 @@ def test_server_serves_flux(tiny_flux_dev_dir, tp1, kohya):
         assert r.status_code == 200, r.text
         img = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
         assert psnr(np.asarray(img.convert("RGB")), merged) >= 70.0
+
+
+@pytest.mark.slow
+def test_sequence_and_cfg_parallel_equal_one_process(tiny_flux_dev_dir, kohya, tp1):
+    """CFG 2 x Ulysses 2 (4 processes): true CFG with a negative prompt splits its two branches
+    over the CFG group, each sharded over its SP pair; with the kohya LoRA merged and dynamic."""
+    _, base, merged = tp1
+    cfg_req = GenerationRequest(**REQ, negative_prompt="blurry", true_cfg_scale=2.5)
+    with DiffusionEngine(tiny_flux_dev_dir, device="cpu") as one:
+        expected = np.asarray(one.generate(cfg_req)[0])
+    assert psnr(expected, base) < 40.0  # true CFG really changes the image
+    with DiffusionEngine(tiny_flux_dev_dir, cfg_degree=2, sp_degree=2, device="cpu") as engine:
+        assert engine.model_info["parallel"] == dict(
+            tp_size=1, ulysses_degree=2, ring_degree=1, cfg_degree=2
+        )
+        assert psnr(np.asarray(engine.generate(cfg_req)[0]), expected) >= TP_MIN_PSNR
+        assert psnr(np.asarray(engine.generate(GenerationRequest(**REQ))[0]), base) >= TP_MIN_PSNR
+        for mode in ("merge", "dynamic"):
+            engine.set_lora("style", kohya, strength=0.8, merge_mode=mode)
+            got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+            assert psnr(got, merged) >= TP_MIN_PSNR, mode

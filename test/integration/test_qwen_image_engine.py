@@ -122,3 +122,17 @@ def test_cli_and_server(tiny_qwen_image_dir, tp1, tmp_path):
     with running_server(engine, ServerArgs(model_path=tiny_qwen_image_dir)) as (url, _, _):
         card = httpx.get(f"{url}/v1/models").json()["data"][0]
         assert card["family"] == "qwen-image" and card["pipeline_class"] == "QwenImagePipeline"
+
+
+@pytest.mark.slow
+def test_cfg_and_ulysses_parallel_equal_one_process(tiny_qwen_image_dir, files, tp1):
+    """CFG 2 x Ulysses 2 (4 processes): the true-CFG branches (padded text with a mask) on two
+    rank pairs, each sequence-sharded; with the LoRA merged and dynamic."""
+    _, base, with_lora = tp1
+    with DiffusionEngine(tiny_qwen_image_dir, cfg_degree=2, sp_degree=2, device="cpu") as engine:
+        got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+        assert psnr(got, base) >= 60.0
+        for mode in ("merge", "dynamic"):
+            engine.set_lora("style", files["peft"], strength=0.8, merge_mode=mode)
+            got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+            assert psnr(got, with_lora) >= 60.0, mode

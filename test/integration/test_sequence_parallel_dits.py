@@ -98,7 +98,28 @@ def _model_out(model, inp):
     return torch.cat([o.flatten() for o in out]) if isinstance(out, list) else out
 
 
+def _record_attention_tokens(seen: list):
+    """Wrap every DiT module's ``attention`` to record ``(tokens in q, declared split)``."""
+    import importlib
+
+    from sglang.multimodal_gen.distributed.sequence import active_split
+
+    for name in ("zimage", "flux", "wan", "qwen_image"):
+        mod = importlib.import_module(f"sglang.multimodal_gen.models.dits.{name}")
+        real = mod.attention
+
+        def wrapper(q, k, v, *a, _real=real, **kw):
+            split = active_split()
+            if split is not None:  # None: Z-Image's caption refiner (replicated, per request)
+                seen.append((q.shape[1], k.shape[1], split.sizes[split.rank], split.total))
+            return _real(q, k, v, *a, **kw)
+
+        mod.attention = wrapper
+
+
 def _rank_fn(rank, runs):
+    seen: list = []
+    _record_attention_tokens(seen)
     results = []
     for family, config, state, inputs in runs:
         spec = get_family(family).denoiser()
@@ -108,7 +129,7 @@ def _rank_fn(rank, runs):
         load_tensors_into(model, (("<sd>", k, v) for k, v in state.items()), name_map)
         with torch.no_grad():
             results.append([_model_out(model, inp) for inp in inputs])
-    return results, get_tp_world_size(), get_sp_world_size()
+    return results, get_tp_world_size(), get_sp_world_size(), seen
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +158,10 @@ def test_sequence_parallel_equals_one_process(name, runs_and_expected):
     layout = LAYOUTS[name]
     runs, expected = runs_and_expected
     results = launch_processes(_rank_fn, layout.world_size, (runs,), layout=layout)
-    for rank, (per_case, tp, sp) in enumerate(results):
+    for rank, (per_case, tp, sp, seen) in enumerate(results):
         assert (tp, sp) == (layout.tp_size, layout.sp_degree)
+        # memory: every self-attention call on this rank got only its share of the sequence
+        assert seen and all(q == k == mine < total for q, k, mine, total in seen), seen[:3]
         for (family, *_), outs, outs1 in zip(runs, per_case, expected):
             for out, out1 in zip(outs, outs1):
                 assert out.shape == out1.shape

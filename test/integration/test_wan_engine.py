@@ -191,3 +191,16 @@ def test_offload_keeps_only_the_active_expert_on_the_gpu(tiny_wan_a14b_dir, lora
     for a, b in zip(results[False], results[True]):
         assert np.array_equal(a, b)
     assert np.array_equal(results[True][0], results[True][3])
+
+
+@pytest.mark.slow
+def test_cfg_and_ring_parallel_equal_one_process(tiny_wan_a14b_dir, loras, tp1):
+    """CFG 2 x ring 2 (4 processes) on both experts, with their LoRAs merged and dynamic."""
+    _, base, with_lora = tp1
+    with DiffusionEngine(tiny_wan_a14b_dir, cfg_degree=2, ring_degree=2, device="cpu") as engine:
+        assert psnr(engine.generate_video(GenerationRequest(**REQ))[0], base) >= TP_MIN_PSNR
+        for mode in ("merge", "dynamic"):
+            engine.set_lora(["high", "low"], list(loras), target=["transformer", "transformer_2"],
+                            strength=[0.8, 1.2], merge_mode=mode)  # fmt: skip
+            got = engine.generate_video(GenerationRequest(**REQ))[0]
+            assert psnr(got, with_lora) >= TP_MIN_PSNR, mode

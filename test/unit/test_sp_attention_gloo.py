@@ -25,48 +25,67 @@ def _inputs(masked: bool):
     return q, k, v, mask
 
 
-def _run(rank, masked, sizes_only):
-    q, k, v, mask = _inputs(masked)
-    split = SeqSplit.of(S)
-    ql, kl, vl = (split.local(t) for t in (q, k, v))
-    ml = None if mask is None else split.local(mask)
-    with sequence_split(split):
-        out = attention(ql, kl, vl, ml)
-    if sizes_only:
-        return tuple(ql.shape)
-    return split.gather(out)
+def _run(rank):
+    """Both mask cases on this rank: ``(gathered outputs, local q tokens)``."""
+    outs = []
+    for masked in (False, True):
+        q, k, v, mask = _inputs(masked)
+        split = SeqSplit.of(S)
+        ql, kl, vl = (split.local(t) for t in (q, k, v))
+        ml = None if mask is None else split.local(mask)
+        with sequence_split(split):
+            out = attention(ql, kl, vl, ml)
+        assert out.shape[1] == ql.shape[1] == split.sizes[split.rank]
+        outs.append(split.gather(out))
+    return outs, ql.shape[1]
 
 
 LAYOUTS = {
     "ulysses2": ParallelLayout(ulysses_degree=2),
-    "ring2": ParallelLayout(ring_degree=2),
     "ring3": ParallelLayout(ring_degree=3),
     "usp2x2": ParallelLayout(ulysses_degree=2, ring_degree=2),
 }
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_sp_attention_matches_one_process(name, masked):
+def test_sp_attention_matches_one_process(name):
     layout = LAYOUTS[name]
-    q, k, v, mask = _inputs(masked)
-    ref = sdpa_bshd(q, k, v, mask)
-    outs = launch_processes(_run, layout.world_size, (masked, False), layout=layout)
-    for r, out in enumerate(outs):
-        assert out.shape == ref.shape
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"rank {r} of {name}")
+    refs = [sdpa_bshd(*_inputs(m)) for m in (False, True)]
+    results = launch_processes(_run, layout.world_size, layout=layout)
+    for r, (outs, local) in enumerate(results):
+        # each rank held only its chunk of the 23 tokens
+        assert local == even_split(S, layout.sp_degree)[r % layout.sp_degree] < S
+        for out, ref, case in zip(outs, refs, ("nomask", "mask")):
+            assert out.shape == ref.shape
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"rank {r} {case}")
     # a wrong combination (keys of one chunk only) is far from the reference
+    q, k, v, _ = _inputs(False)
     half = sdpa_bshd(q[:, :12], k[:, :12], v[:, :12])
-    assert (half - ref[:, :12]).abs().max() > 1e-2
-
-
-def test_each_rank_holds_only_its_chunk():
-    layout = LAYOUTS["usp2x2"]
-    shapes = launch_processes(_run, 4, (False, True), layout=layout)
-    assert [s[1] for s in shapes] == list(even_split(S, 4)) == [6, 6, 6, 5]
+    assert (half - refs[0][:, :12]).abs().max() > 1e-2
 
 
 def test_ulysses_refuses_indivisible_heads():
-    layout = ParallelLayout(ulysses_degree=3)
     with pytest.raises(RuntimeError, match="not divisible by ulysses_degree=3"):
-        launch_processes(_run, 3, (False, False), layout=layout)
+        launch_processes(_run, 3, layout=ParallelLayout(ulysses_degree=3))
+
+
+def test_block_kernel_with_lse_equals_explicit_softmax():
+    """The fused CPU kernel's log-sum-exp path (ring blocks) equals the fp32 math fallback,
+    including a batch item whose block has no valid key (lse -inf, weight 0 in the merge)."""
+    from sglang.multimodal_gen.layers.attention import _block_attention, _math_block, _merge
+
+    q, k, v, _ = _inputs(False)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1] = False
+    out, lse = _block_attention(qh, kh, vh, mask)
+    out_m, lse_m = _math_block(qh, kh, vh, mask)
+    torch.testing.assert_close(out[0], out_m[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[0], lse_m[0], rtol=1e-5, atol=1e-5)
+    assert torch.isinf(lse[1]).all() and torch.isinf(lse_m[1]).all()
+    # merging two halves of the keys = attention over all of them
+    a = _block_attention(qh, kh[:, :, :10], vh[:, :, :10], None)
+    b = _block_attention(qh, kh[:, :, 10:], vh[:, :, 10:], None)
+    merged, _ = _merge(*a, *b)
+    full = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)
+    torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
