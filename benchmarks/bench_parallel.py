@@ -14,9 +14,16 @@ processes share two cores); the byte counts are what the formulas in docs/parall
 and are the same with NCCL. On a multi-GPU CUDA machine, ``--device cuda`` runs the same layouts on
 NCCL (``--dtype bfloat16`` there).
 
+``--speedup-model`` prints instead the modelled step time of real models on 2/4/8 GPUs of one
+NVLink node: the measured one-GPU step (docs/benchmarks.md) divided by the process count, plus
+the bytes each rank sends per step (the formulas of docs/parallelism.md) over an effective
+``--link-gbps`` (default 350 GB/s: H200 NVLink 4 is 450 GB/s per direction, NCCL reaches about
+80 % of it on large messages), with no overlap of communication and compute (conservative).
+
 Usage:
     python benchmarks/bench_parallel.py [--dim 768 --layers 4 --heads 12 --size 256]
         [--layouts tp2,ulysses2,ring2,usp2x2,tp2xulysses2,cfg2] [--repeats 5] [--device cpu]
+    python benchmarks/bench_parallel.py --speedup-model [--link-gbps 350]
 """
 
 from __future__ import annotations
@@ -122,6 +129,80 @@ def _rank_fn(rank, args):
     return statistics.median(times), sent, out.float().cpu()
 
 
+# Measured one-H200 DiT step (bf16, docs/benchmarks.md) and the shapes that set the traffic:
+# tokens per row, rows per step (2 with CFG batched), width, blocks, TP all-reduces per block.
+REAL = {
+    "Z-Image-Turbo 1024^2 (no CFG)": dict(
+        ms=121.7, tokens=4096 + 128, rows=1, dim=3840, blocks=32, ar=2, cfg=False
+    ),  # fmt: skip
+    "FLUX.1-dev 1024^2 (no true CFG)": dict(
+        ms=180.0, tokens=4096 + 512, rows=1, dim=3072, blocks=57, ar=4 / 3, cfg=False
+    ),  # fmt: skip
+    "Wan2.2-A14B 480x832x17 (CFG)": dict(
+        ms=1077.6, tokens=7800, rows=2, dim=5120, blocks=40, ar=3, cfg=True
+    ),  # fmt: skip
+}
+MODEL_LAYOUTS = {
+    "Z-Image-Turbo 1024^2 (no CFG)": ["tp2", "ulysses2", "ring2", "usp2x2", "tp2xring2", "usp2x4"],
+    "FLUX.1-dev 1024^2 (no true CFG)": ["tp2", "ulysses2", "ulysses4", "tp4", "ulysses8", "usp4x2"],
+    "Wan2.2-A14B 480x832x17 (CFG)": [
+        "cfg2",
+        "ulysses2",
+        "cfg2xulysses2",
+        "ulysses4",
+        "cfg2xulysses4",
+        "ulysses8",
+    ],  # fmt: skip
+}
+
+
+def _parse_layout(name: str) -> ParallelLayout:
+    if name in LAYOUTS:
+        return LAYOUTS[name]
+    kw = {}
+    for part in name.split("x"):
+        for key, field in (("tp", "tp_size"), ("ulysses", "ulysses_degree"),
+                           ("ring", "ring_degree"), ("cfg", "cfg_degree")):  # fmt: skip
+            if part.startswith(key):
+                kw[field] = int(part[len(key) :])
+        if part.startswith("usp"):
+            u, r = part[3:], name.split("x")[1]
+            kw.update(ulysses_degree=int(u), ring_degree=int(r))
+            break
+    return ParallelLayout(**kw)
+
+
+def step_bytes(m: dict, lay: ParallelLayout) -> float:
+    """Bytes one rank sends per step (bf16) under ``lay`` (see docs/parallelism.md)."""
+    rows = m["rows"] // (2 if lay.cfg_degree == 2 and m["cfg"] else 1)
+    a = rows * m["tokens"] * m["dim"] * 2  # one block's activation over the whole sequence
+    u, r, t = lay.ulysses_degree, lay.ring_degree, lay.tp_size
+    local = a / (u * r)  # this SP rank's share
+    per_block = 0.0
+    per_block += 4 * local * (u - 1) / u  # Ulysses: q, k, v and the output, all-to-all
+    per_block += 2 * (local / t) * (r - 1)  # ring: its k/v block (own heads) to the next rank
+    per_block += m["ar"] * local * 2 * (t - 1) / t  # TP: ring all-reduces
+    return per_block * m["blocks"]
+
+
+def speedup_model(link_gbps: float) -> None:
+    print(f"modelled step on one NVLink node ({link_gbps:.0f} GB/s effective per rank, no overlap)")
+    print(
+        f"{'model':>34} {'layout':>15} {'GPUs':>4} {'MB/rank/step':>12} {'step ms':>8} {'speed-up':>8}"
+    )
+    for name, m in REAL.items():
+        print(f"{name:>34} {'one':>15} {1:>4} {0:>12.0f} {m['ms']:>8.1f} {1.0:>8.2f}")
+        for lay_name in MODEL_LAYOUTS[name]:
+            lay = _parse_layout(lay_name)
+            gpus = lay.world_size
+            useful = gpus if (lay.cfg_degree == 1 or m["cfg"]) else gpus // 2
+            byts = step_bytes(m, lay)
+            ms = m["ms"] / useful + byts / (link_gbps * 1e9) * 1e3
+            print(
+                f"{name:>34} {lay_name:>15} {gpus:>4} {byts / 1e6:>12.0f} {ms:>8.1f} {m['ms'] / ms:>8.2f}"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dim", type=int, default=768)
@@ -134,7 +215,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--speedup-model", action="store_true")
+    p.add_argument("--link-gbps", type=float, default=350.0)
     args = p.parse_args()
+    if args.speedup_model:
+        speedup_model(args.link_gbps)
+        return
     backend = "nccl" if args.device == "cuda" else "gloo"
     tokens = (args.size // 16) ** 2
     print(
