@@ -695,6 +695,7 @@ def create_app(
             pipeline_class=info.get("pipeline_class"),
             modality=(info.get("defaults") or {}).get("modality"),
             tp_sizes=info.get("tp_sizes"),
+            parallel=info.get("parallel"),
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 

@@ -156,6 +156,8 @@ class ModelCard(BaseModel):
     pipeline_class: str | None = None
     modality: str | None = None
     tp_sizes: list[int] | None = None
+    # the layout in use: tp_size, ulysses_degree, ring_degree, cfg_degree
+    parallel: dict[str, int] | None = None
 
 
 class ModelList(BaseModel):
