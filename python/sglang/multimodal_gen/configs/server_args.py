@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 MODEL_TYPES = ("diffusion",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEFAULT_MAX_IMAGES_PER_REQUEST = 8
+DEFAULT_MAX_BATCH_SIZE = 8  # measured: docs/benchmarks.md, "Serving"
 DEFAULT_MAX_INFERENCE_STEPS = 1000
 DEFAULT_MAX_IMAGE_SIZE = 2048
 # n x width x height x steps: 1 x 1024^2 x 256 steps, or 8 x 1024^2 x 32 (8 x 1024^2 x 50 is over)
@@ -146,6 +147,9 @@ class ServerArgs:
             containment), passed to the engine. Empty: ``set_lora`` accepts no local path, only
             Hub ids present in the local Hugging Face cache.
         max_queue_size: generation requests waiting or running at once; more get 503 + Retry-After.
+        max_batch_size: generations run in one denoising loop at most (``--max-batch-size``; 1:
+            one at a time).
+        batch_wait_ms: how long a batch that is not full waits for more requests.
         max_image_size: largest allowed width or height in pixels; must not exceed the model's
             own maximum (the server refuses to start otherwise). ``None``: 2048, or the model's
             maximum when that is smaller.
@@ -185,6 +189,8 @@ class ServerArgs:
     lora_targets: list[str] = field(default_factory=list)
     lora_dirs: list[str] = field(default_factory=list)
     max_queue_size: int = 64
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    batch_wait_ms: float = 0.0
     max_image_size: int | None = None
     max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
     max_inference_steps: int = DEFAULT_MAX_INFERENCE_STEPS
@@ -230,6 +236,10 @@ class ServerArgs:
         )
         if int(self.max_queue_size) < 1:
             raise ValueError(f"--max-queue-size must be >= 1, got {self.max_queue_size}")
+        if int(self.max_batch_size) < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if not 0 <= float(self.batch_wait_ms) < float("inf"):
+            raise ValueError(f"--batch-wait-ms must be >= 0, got {self.batch_wait_ms}")
         if self.max_image_size is not None and int(self.max_image_size) < 1:
             raise ValueError(f"--max-image-size must be >= 1, got {self.max_image_size}")
         if int(self.max_images_per_request) < 1:
@@ -326,6 +336,18 @@ class ServerArgs:
             help="separate key required by the LoRA admin endpoints (set/unset/unload/merge)",
         )
         g.add_argument("--max-queue-size", type=int, default=64)
+        g.add_argument(
+            "--max-batch-size",
+            type=int,
+            default=DEFAULT_MAX_BATCH_SIZE,
+            help="generations with the same settings run in one denoising loop, at most this many",
+        )
+        g.add_argument(
+            "--batch-wait-ms",
+            type=float,
+            default=0.0,
+            help="how long a batch that is not full waits for more requests (milliseconds)",
+        )
         g.add_argument(
             "--max-image-size",
             type=int,
@@ -456,6 +478,8 @@ class ServerArgs:
             lora_targets=list(args.lora_target or []),
             lora_dirs=list(args.lora_dir or []),
             max_queue_size=args.max_queue_size,
+            max_batch_size=args.max_batch_size,
+            batch_wait_ms=args.batch_wait_ms,
             max_image_size=args.max_image_size,
             max_images_per_request=args.max_n,
             max_inference_steps=args.max_steps,

@@ -501,6 +501,8 @@ def create_app(
         metrics=metrics,
         request_factory=request_factory,
         stall_timeout_s=args.health_stall_timeout_s or None,
+        max_batch_size=args.max_batch_size,
+        batch_wait_s=float(args.batch_wait_ms) / 1000.0,
     )
     auth = ApiKeyAuth(args.api_key, args.admin_api_key)
     lora_targets = tuple(engine.lora_targets)

@@ -23,6 +23,13 @@ An engine that is alive but stuck (a call that never returns) is noticed too: wi
 ``stall_timeout_s``, :meth:`Scheduler.healthy` is false while work is pending and no task has
 started or finished for that long (``/health`` turns 503; it recovers when the task ends).
 
+Batching (``max_batch_size > 1``): when a generation reaches the head of the queue, the waiting
+generations with the same sampling settings (size, steps, frames, guidance values, whether a
+negative prompt is given, ``lora``) join it, up to ``max_batch_size``, waiting up to ``batch_wait_s``
+for more to arrive; the engine runs them in one denoising loop (``engine.generate_batch``), each
+with its own seed and prompts. Only generations queued before the first waiting admin call can
+join, so admin changes stay ordered with generations exactly as without batching.
+
 This module does not import FastAPI; it is plain threading and ``concurrent.futures``.
 """
 
@@ -78,6 +85,17 @@ def default_request_factory() -> Callable[..., Any]:
     return GenerationRequest
 
 
+_BATCH_FREE = ("prompt", "negative_prompt", "seed", "user")
+
+
+def _batch_key(task: _Task) -> str:
+    """Generations with equal keys can share a denoising loop: everything but the per-row
+    fields must match (a negative prompt's presence, not its text, changes CFG)."""
+    kw = task.kwargs
+    fixed = {k: v for k, v in kw.items() if k not in _BATCH_FREE}
+    return repr((task.args, sorted(fixed.items()), kw.get("negative_prompt") is None))
+
+
 class Scheduler:
     """Runs engine calls on one worker thread, first come first served.
 
@@ -91,6 +109,8 @@ class Scheduler:
         idle_check_s: how often the idle worker polls ``engine.is_alive()``.
         stall_timeout_s: :meth:`healthy` is false while work is pending and nothing started or
             finished for this long (``None``: never).
+        max_batch_size: generations run together at most (1: one at a time).
+        batch_wait_s: how long a batch that is not full waits for more requests (seconds).
     """
 
     ADMIN_METHODS = (
@@ -111,9 +131,15 @@ class Scheduler:
         request_factory: Callable[..., Any] | None = None,
         idle_check_s: float = 0.5,
         stall_timeout_s: float | None = None,
+        max_batch_size: int = 1,
+        batch_wait_s: float = 0.0,
     ):
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.max_batch_size = int(max_batch_size)
+        self.batch_wait_s = max(0.0, float(batch_wait_s))
         self.engine = engine
         self.max_queue_size = max_queue_size
         self.metrics = metrics or SchedulerMetrics()
@@ -329,7 +355,7 @@ class Scheduler:
                 task.future.set_exception(exc)
         self.metrics.set_queue_depth(self._waiting_generations)
 
-    def _next_task(self) -> _Task | None:
+    def _next_task(self) -> list[_Task] | None:
         with self._cond:
             while not self._queue and not self._stop:
                 if not self._cond.wait(timeout=self._idle_check_s):
@@ -337,17 +363,38 @@ class Scheduler:
             if not self._queue:
                 return None
             task = self._queue.popleft()
-            if task.kind == "generate":
-                self._waiting_generations -= 1
-                self.metrics.set_queue_depth(self._waiting_generations)
+            batch = [task]
+            if task.kind == "generate" and self.max_batch_size > 1:
+                self._take_batch_locked(batch)
+            self._waiting_generations -= sum(t.kind == "generate" for t in batch)
+            self.metrics.set_queue_depth(self._waiting_generations)
             self._running = task
             self._progress_at = time.monotonic()
-            return task
+            return batch
+
+    def _take_batch_locked(self, batch: list[_Task]) -> None:
+        """Add to ``batch`` the waiting generations that can share its loop (see the module
+        docstring), waiting up to ``batch_wait_s`` while it is not full."""
+        key = _batch_key(batch[0])
+        deadline = time.monotonic() + self.batch_wait_s
+        while True:
+            for t in list(self._queue):
+                if len(batch) >= self.max_batch_size or t.kind != "generate":
+                    break  # nothing after an admin call may move ahead of it
+                if _batch_key(t) == key:
+                    self._queue.remove(t)
+                    batch.append(t)
+            left = deadline - time.monotonic()
+            if len(batch) >= self.max_batch_size or left <= 0 or self._stop:
+                return
+            if any(t.kind != "generate" for t in self._queue):
+                return  # an admin call waits: do not hold it back
+            self._cond.wait(timeout=left)
 
     def _loop(self) -> None:
         while not self._stop:
-            task = self._next_task()
-            if task is None:
+            batch = self._next_task()
+            if batch is None:
                 if self._stop:
                     break
                 try:
@@ -359,8 +406,12 @@ class Scheduler:
                     break
                 continue
             try:
-                if task.future.set_running_or_notify_cancel():  # skip if the client went away
-                    self._run(task)
+                # skip the tasks whose client went away
+                live = [t for t in batch if t.future.set_running_or_notify_cancel()]
+                if len(live) > 1:
+                    self._run_batch(live)
+                elif live:
+                    self._run(live[0])
             finally:
                 with self._cond:
                     self._running = None
@@ -368,6 +419,48 @@ class Scheduler:
                     self._cond.notify_all()
             if self._dead_reason is not None:
                 break
+
+    def _run_batch(self, tasks: list[_Task]) -> None:
+        """Generations that share one denoising loop; each future gets its own result."""
+        if not hasattr(self.engine, "generate_batch"):  # an engine without batching
+            for t in tasks:
+                self._run(t)
+            return
+        start = time.perf_counter()
+        factory = self._request_factory or default_request_factory()
+        requests, runnable = [], []
+        for t in tasks:
+            try:
+                requests.append(factory(**t.kwargs))
+                runnable.append(t)
+            except BaseException as e:
+                t.future.set_exception(e)
+        if not runnable:
+            return
+        try:
+            results = self.engine.generate_batch(requests)
+        except BaseException as e:
+            for t in runnable:
+                t.future.set_exception(e)
+            try:
+                alive = not isinstance(e, EngineDeadError) and bool(self.engine.is_alive())
+            except Exception:
+                alive = False
+            if not alive:
+                self._mark_dead(getattr(e, "message", None) or type(e).__name__)
+            return
+        run_s = time.perf_counter() - start
+        self._avg_generation_s = (
+            run_s if self._avg_generation_s is None else 0.8 * self._avg_generation_s + 0.2 * run_s
+        )
+        for t, req, res in zip(runnable, requests, results):
+            self.metrics.observe_generation(
+                start - t.enqueued_at, run_s, getattr(req, "num_inference_steps", None)
+            )
+            if isinstance(res, BaseException):
+                t.future.set_exception(res)
+            else:
+                t.future.set_result(res)
 
     def _run(self, task: _Task) -> None:
         start = time.perf_counter()

@@ -21,6 +21,7 @@ every rank sees bit-identical conditioning.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -42,6 +43,7 @@ from sglang.multimodal_gen.distributed import (
 from sglang.multimodal_gen.models.components import load_component, read_model_index
 from sglang.multimodal_gen.models.loader import load_denoiser, read_json
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
+from sglang.multimodal_gen.pipelines.batching import current_batcher
 
 __all__ = ["GenerationInputs", "StagedPipeline", "check_finite", "latents_to_uint8"]
 
@@ -345,6 +347,13 @@ class StagedPipeline:
         Raises:
             ValueError: ``rows`` differs from the CFG degree while CFG parallelism is on.
         """
+        member = current_batcher()
+        if member is not None:  # several requests in one loop: one DiT call per step for all
+            batcher, index = member
+            return batcher.submit(index, self._run_branches, denoiser, rows, args, batched)
+        return self._run_branches(denoiser, rows, args, batched)
+
+    def _run_branches(self, denoiser, rows: int, args: dict[str, Any], batched) -> Any:
         cfg = get_cfg_world_size()
         if cfg == 1 or rows == 1:
             return denoiser(**args)
@@ -413,8 +422,11 @@ class StagedPipeline:
         if output_type not in ("pil", "np", "latent"):
             raise ValueError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
 
-        cond = self.encode_prompt(inp) if self.rank == 0 else None
-        cond = self.prepare_conditioning(inp, self.broadcast_conditioning(cond))
+        member = current_batcher()
+        # in a batch the prologues (collectives) take turns in request order on every rank
+        with member[0].prologue(member[1]) if member else contextlib.nullcontext():
+            cond = self.encode_prompt(inp) if self.rank == 0 else None
+            cond = self.prepare_conditioning(inp, self.broadcast_conditioning(cond))
         latents = self.prepare_latents(inp, cond)
         scheduler, timesteps = self.prepare_timesteps(inp, latents)
         show = sys.stderr.isatty() if progress is None else progress
@@ -447,7 +459,8 @@ class StagedPipeline:
             return latents
         if self.vae is None:
             return None
-        images = self.decode(latents, inp)
+        with member[0].exclusive() if member else contextlib.nullcontext():
+            images = self.decode(latents, inp)
         if output_type == "np" or images.ndim == 5:  # videos stay [B, F, H, W, 3] arrays
             return images
         from PIL import Image

@@ -321,6 +321,42 @@ class DiffusionEngine:
         self._check_modality("video")
         return list(self._call("generate", req=self._prepared(req), progress=progress))
 
+    def generate_batch(self, reqs: Sequence[GenerationRequest], progress: bool | None = None):
+        """Run several requests in one denoising loop (their DiT calls batched step by step).
+
+        Each request gets what :meth:`generate` (image models) or :meth:`generate_video` (video
+        models) would give it alone, up to the batch-size-dependent rounding of the GEMMs.
+        Requests with different sizes, step counts or CFG settings are accepted (their DiT calls
+        then run one after the other); requests with their own ``lora`` must all share it.
+
+        Returns:
+            One entry per request, in order: its images / videos, or the exception it raised (a
+            bad field fails that request only).
+
+        Raises:
+            ValueError: the requests' ``lora`` compositions differ; EngineDeadError.
+        """
+        from PIL import Image
+
+        video = self.modality == "video"
+        results: list = [None] * len(reqs)
+        ready: list[tuple[int, GenerationRequest]] = []
+        for i, r in enumerate(reqs):
+            try:
+                ready.append((i, self._prepared(r)))
+            except errors_mod.SGLangError as e:
+                results[i] = e
+        if ready:
+            out = self._call("generate_batch", reqs=[r for _, r in ready], progress=progress)
+            for (i, _), (ok, val) in zip(ready, out):
+                if not ok:
+                    results[i] = unpack_error(val)
+                elif video:
+                    results[i] = list(val)
+                else:
+                    results[i] = [Image.fromarray(a) for a in val]
+        return results
+
     @property
     def modality(self) -> str:
         """``"image"`` or ``"video"``: what the served model makes."""

@@ -126,7 +126,7 @@ class DiTOffloader:
 
 
 # Commands after which the DiT weights are unchanged (a per-request composition restores them).
-_READ_ONLY_OPS = ("generate", "list_loras", "noop")
+_READ_ONLY_OPS = ("generate", "generate_batch", "list_loras", "noop")
 # Commands that change the LoRA state: all-or-nothing across TP ranks.
 LORA_CHANGE_OPS = (
     "set_lora",
@@ -344,8 +344,60 @@ class ModelRunner:
 
     def cmd_generate(self, req: GenerationRequest, progress: bool | None = None):
         """Returns uint8 ``[n, H, W, 3]`` on rank 0, ``None`` on other ranks."""
+        kwargs = self._pipeline_kwargs(req, progress)
+        with self._request_composition(req.lora):
+            return self.pipeline(**kwargs)
+
+    def cmd_generate_batch(self, reqs: list[GenerationRequest], progress: bool | None = None):
+        """Several requests in one denoising loop (``pipelines.batching``): each keeps its own
+        seed, prompts and guidance; their DiT calls are batched step by step.
+
+        All requests must share the LoRA composition (``lora``), size, step count and CFG
+        setting (the scheduler groups them so). Returns one ``(True, images)`` or ``(False,
+        packed error)`` per request, in order: one request's failure does not fail the others.
+        """
+        import threading
+
+        from sglang.multimodal_gen.pipelines.batching import StepBatcher
+        from sglang.multimodal_gen.runtime.worker import pack_error
+
+        if any(r.lora != reqs[0].lora for r in reqs):
+            raise ValueError("the requests of a batch must share one LoRA composition")
+        batcher = StepBatcher(len(reqs))
+        out: list = [None] * len(reqs)
+
+        def run(i: int) -> None:
+            with batcher.member(i):
+                try:
+                    out[i] = (True, self.pipeline(**self._pipeline_kwargs(reqs[i], False)))
+                except BaseException as e:  # reported per request
+                    out[i] = (False, pack_error(e))
+
+        with self._request_composition(reqs[0].lora):
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        self.last_batched_calls = batcher.batched_calls
+        return out
+
+    @contextlib.contextmanager
+    def _request_composition(self, lora) -> Iterator[None]:
+        """A request's own adapter composition (``None``: the global one) around its run."""
+        if lora is None:
+            yield
+            return
+        with self.lora_manager.use_composition(list(lora)):
+            try:
+                yield
+            finally:
+                if self.per_expert_offload:  # restore the composition on the host copies
+                    self._activate_expert(None)
+
+    def _pipeline_kwargs(self, req: GenerationRequest, progress: bool | None) -> dict:
         gen = torch.Generator(self.generator_device).manual_seed(int(req.seed))
-        kwargs = dict(
+        return dict(
             prompt=req.prompt,
             negative_prompt=req.negative_prompt,
             height=req.height,
@@ -361,14 +413,6 @@ class ModelRunner:
             output_type="np",
             progress=progress if self.rank == 0 else False,
         )
-        if req.lora is not None:
-            with self.lora_manager.use_composition(list(req.lora)):
-                try:
-                    return self.pipeline(**kwargs)
-                finally:
-                    if self.per_expert_offload:  # restore the composition on the host copies
-                        self._activate_expert(None)
-        return self.pipeline(**kwargs)
 
     def cmd_set_lora(
         self,

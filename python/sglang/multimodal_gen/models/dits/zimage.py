@@ -263,6 +263,20 @@ class CaptionContext:
     def __len__(self) -> int:
         return len(self.lens)
 
+    @classmethod
+    def concat(cls, parts: list[CaptionContext]) -> CaptionContext:
+        """The contexts of several batches as one (shorter ones padded; lengths kept)."""
+        m = max(p.tokens.shape[1] for p in parts)
+
+        def pad(t):
+            return F.pad(t, (0, 0, 0, m - t.shape[1])) if t.shape[1] < m else t
+
+        return CaptionContext(
+            torch.cat([pad(p.tokens) for p in parts]),
+            [n for p in parts for n in p.lens],
+            torch.cat([pad(p.cis) for p in parts]),
+        )
+
     def select(self, index: list[int]) -> CaptionContext:
         """The context of the items ``index`` (e.g. to repeat or reorder a batch)."""
         idx = torch.tensor(index, device=self.tokens.device)

@@ -1,0 +1,208 @@
+"""Several generations in one denoising loop: their DiT calls batched step by step.
+
+Each request of a batch runs the ordinary pipeline (``StagedPipeline.__call__``) in its own
+thread, with its own seed, prompt, negative prompt, guidance and scheduler, so everything but the
+DiT is exactly what it would be alone. The DiT calls all go through
+``StagedPipeline.run_branches``; with a :class:`StepBatcher` active, a call waits there until every
+request of the batch has reached the same step, and the last one to arrive runs all of them as one
+DiT call: each batched argument is concatenated branch-major (``[cond rows of every request,
+uncond rows of every request]``, so CFG parallelism still splits it by branch), the output is cut
+back into each request's rows. A request's image therefore differs from its unbatched image only
+by the GEMMs' batch-size-dependent rounding.
+
+Order is deterministic on every rank: the requests' prologues (prompt encoding on rank 0, its
+broadcast, per-request conditioning; all collectives) take turns in request order, and a batched
+call concatenates the requests in request order, so tensor- and sequence-parallel ranks run the
+same collectives on the same rows. Calls that cannot be concatenated (different non-batched
+arguments or shapes, e.g. Qwen-Image prompts of different lengths) run one after the other, in
+request order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+_LOCAL = threading.local()
+
+
+def current_batcher() -> tuple[StepBatcher, int] | None:
+    """``(batcher, request index)`` of the calling thread, or ``None`` outside a batch."""
+    return getattr(_LOCAL, "member", None)
+
+
+class _Call:
+    def __init__(self, index, run, denoiser, rows, args, batched):
+        self.index, self.run, self.denoiser = index, run, denoiser
+        self.rows, self.args, self.batched = rows, args, batched
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class StepBatcher:
+    """Lock-step rendezvous of ``n`` request threads (see the module docstring).
+
+    Args:
+        n: requests in the batch (thread ``i`` calls :meth:`member` with index ``i``).
+    """
+
+    def __init__(self, n: int):
+        self.cv = threading.Condition()
+        self.n = n
+        self.active = set(range(n))
+        self.pending: dict[int, _Call] = {}
+        self.turn = 0  # the request whose prologue may run now
+        self.prologued: set[int] = set()
+        self.batched_calls = 0  # DiT calls that served more than one request (for tests/metrics)
+        self._exclusive = threading.Lock()
+
+    @contextmanager
+    def member(self, index: int) -> Iterator[None]:
+        """Run the body as request ``index`` of the batch; leaving releases the others."""
+        _LOCAL.member = (self, index)
+        try:
+            yield
+        finally:
+            _LOCAL.member = None
+            with self.cv:
+                self.active.discard(index)
+                self.prologued.add(index)  # a request that failed early gives up its turn
+                self._advance_turn_locked()
+                self._maybe_run_locked()
+                self.cv.notify_all()
+
+    @contextmanager
+    def prologue(self, index: int) -> Iterator[None]:
+        """Wait for request ``index``'s turn (request order), run the body, pass the turn on."""
+        with self.cv:
+            while self.turn != index:
+                self.cv.wait()
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.prologued.add(index)
+                self._advance_turn_locked()
+                self.cv.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """One request at a time (decoding: the Wan / Qwen-Image VAEs keep a causal-convolution
+        cache on the module while they decode, so two concurrent decodes corrupt each other)."""
+        with self._exclusive:
+            yield
+
+    def _advance_turn_locked(self) -> None:
+        while self.turn < self.n and self.turn in self.prologued:
+            self.turn += 1
+
+    def submit(self, index: int, run: Callable, denoiser, rows: int, args: dict, batched) -> Any:
+        """Request ``index``'s DiT call; returns its own output once the step's batch ran."""
+        call = _Call(index, run, denoiser, rows, args, tuple(batched))
+        with self.cv:
+            self.pending[index] = call
+            self._maybe_run_locked()
+            while not call.done:
+                self.cv.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def _maybe_run_locked(self) -> None:
+        if not self.pending or set(self.pending) != self.active:
+            return
+        calls = [self.pending[i] for i in sorted(self.pending)]
+        self.pending = {}
+        try:
+            groups = _groups(calls)
+            for group in groups:
+                if len(group) == 1:
+                    c = group[0]
+                    c.result = c.run(c.denoiser, c.rows, c.args, c.batched)
+                else:
+                    self.batched_calls += 1
+                    _run_group(group)
+        except BaseException as e:  # every waiting request fails with the DiT's error
+            for c in calls:
+                if not c.done and c.result is None:
+                    c.error = e
+        for c in calls:
+            c.done = True
+        self.cv.notify_all()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a, b))
+        )
+    return a == b
+
+
+def _row_shape(v: Any) -> tuple | None:
+    return tuple(v.shape[1:]) if isinstance(v, torch.Tensor) else None
+
+
+def _compatible(a: _Call, b: _Call) -> bool:
+    if a.denoiser is not b.denoiser or a.rows != b.rows or a.batched != b.batched:
+        return False
+    if set(a.args) != set(b.args):
+        return False
+    for k, v in a.args.items():
+        if k in a.batched:
+            w = b.args[k]
+            if type(v) is not type(w) or _row_shape(v) != _row_shape(w):
+                return False
+        elif not _same(v, b.args[k]):
+            return False
+    return True
+
+
+def _groups(calls: list[_Call]) -> list[list[_Call]]:
+    """Consecutive runs of calls that can share one DiT call (request order kept)."""
+    groups: list[list[_Call]] = []
+    for c in calls:
+        if groups and _compatible(groups[-1][0], c):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
+def _concat(values: list) -> Any:
+    v0 = values[0]
+    if isinstance(v0, torch.Tensor):
+        return torch.cat(values, 0)
+    if isinstance(v0, list):
+        return [x for v in values for x in v]
+    return type(v0).concat(values)  # e.g. Z-Image's caption context
+
+
+def _run_group(group: list[_Call]) -> None:
+    from sglang.multimodal_gen.pipelines.base import _branch
+
+    c0 = group[0]
+    rows = c0.rows
+    sizes: list[int] = []
+    args = dict(c0.args)
+    for k in c0.batched:
+        parts = [[_branch(c.args[k], r, rows) for c in group] for r in range(rows)]
+        if not sizes:
+            sizes = [len(p) for p in parts[0]]
+        args[k] = _concat([p for branch in parts for p in branch])
+    out = c0.run(c0.denoiser, rows, args, c0.batched)
+    as_list = isinstance(out, list)
+    total = sum(sizes)
+    for i, c in enumerate(group):
+        lo = sum(sizes[:i])
+        pieces = [out[r * total + lo : r * total + lo + sizes[i]] for r in range(rows)]
+        c.result = [x for p in pieces for x in p] if as_list else torch.cat(pieces, 0)
