@@ -262,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-fraction", type=float, default=0.5)
     p.add_argument("--no-direct", action="store_true", help="skip the direct-engine baseline")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
+    p.add_argument(
+        "--max-batch-size", type=int, default=None, help="--launch: the server's batch bound"
+    )
+    p.add_argument("--batch-wait-ms", type=float, default=None, help="--launch: batch window")
     args = p.parse_args(argv)
     if not args.base_url and not args.launch:
         p.error("give --base-url or --launch")
@@ -294,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                 cmd += ["--api-key", args.api_key]
             if args.device:
                 cmd += ["--device", args.device]
+            if args.max_batch_size is not None:
+                cmd += ["--max-batch-size", str(args.max_batch_size)]
+            if args.batch_wait_ms is not None:
+                cmd += ["--batch-wait-ms", str(args.batch_wait_ms)]
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
             base_url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 300

@@ -161,7 +161,8 @@ class ZImagePipeline(StagedPipeline):
                     if norm > cap:
                         pred[j] = pred[j] * (cap / norm)
         else:
-            pred = torch.stack(denoiser(lat, tt, cond["ctx_pos"])).float()
+            args = dict(x=lat, t=tt, cap=cond["ctx_pos"])
+            pred = torch.stack(self.run_branches(denoiser, 1, args, ("x", "t", "cap"))).float()
         return -pred.squeeze(2)
 
     # ------------------------------------------------------------------ decode
