@@ -3,9 +3,9 @@
 Each request of a batch runs the ordinary pipeline (``StagedPipeline.__call__``) in its own
 thread, with its own seed, prompt, negative prompt, guidance and scheduler, so everything but the
 DiT is exactly what it would be alone. The DiT calls all go through
-``StagedPipeline.run_branches``; with a :class:`StepBatcher` active, a call waits there until every
-request of the batch has reached the same step, and the last one to arrive runs all of them as one
-DiT call: each batched argument is concatenated branch-major (``[cond rows of every request,
+``StagedPipeline.run_branches`` (and the VAE decodes through the same rendezvous); with a
+:class:`StepBatcher` active, a call waits there until every request of the batch has reached the
+same step, and the last one to arrive runs all of them as one call: each batched argument is concatenated branch-major (``[cond rows of every request,
 uncond rows of every request]``, so CFG parallelism still splits it by branch), the output is cut
 back into each request's rows. A request's image therefore differs from its unbatched image only
 by the GEMMs' batch-size-dependent rounding.
@@ -15,7 +15,8 @@ broadcast, per-request conditioning; all collectives) take turns in request orde
 call concatenates the requests in request order, so tensor- and sequence-parallel ranks run the
 same collectives on the same rows. Calls that cannot be concatenated (different non-batched
 arguments or shapes, e.g. Qwen-Image prompts of different lengths) run one after the other, in
-request order.
+request order. Decoding is one call for the batch too, which also keeps two decodes from running
+at once (the Wan / Qwen-Image VAEs keep a causal-convolution cache on the module while decoding).
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ class StepBatcher:
         self.turn = 0  # the request whose prologue may run now
         self.prologued: set[int] = set()
         self.batched_calls = 0  # DiT calls that served more than one request (for tests/metrics)
-        self._exclusive = threading.Lock()
 
     @contextmanager
     def member(self, index: int) -> Iterator[None]:
@@ -89,13 +89,6 @@ class StepBatcher:
                 self.prologued.add(index)
                 self._advance_turn_locked()
                 self.cv.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """One request at a time (decoding: the Wan / Qwen-Image VAEs keep a causal-convolution
-        cache on the module while they decode, so two concurrent decodes corrupt each other)."""
-        with self._exclusive:
-            yield
 
     def _advance_turn_locked(self) -> None:
         while self.turn < self.n and self.turn in self.prologued:

@@ -82,9 +82,12 @@ class ZImagePipeline(StagedPipeline):
             )
             for p in prompts
         ]
+        # Padding to the longest prompt, not to max_length as the reference does: the encoder is
+        # causal and only the unmasked tokens are kept, so the pad tokens after them change
+        # nothing but the cost (a 20-token prompt ran 512 tokens through the encoder).
         enc = tokenizer(
             texts,
-            padding="max_length",
+            padding="longest",
             max_length=max_sequence_length,
             truncation=True,
             return_tensors="pt",
