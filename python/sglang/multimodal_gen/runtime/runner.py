@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -206,6 +207,7 @@ class ModelRunner:
             else {}
         )
         self.per_expert_offload = len(self.offloaders) > 1
+        self._expert_lock = threading.Lock()
         if self.per_expert_offload:
             self.pipeline.on_denoiser_change = self._activate_expert
 
@@ -213,12 +215,13 @@ class ModelRunner:
         """Only ``module`` on the accelerator (``None``: none). Generations never change the
         host copies: a per-request composition is merged into (and restored on) the host weights
         while every expert is parked there."""
-        for off in self.offloaders.values():
-            if off.module is not module:
-                off.offload(dirty=False)
-        for off in self.offloaders.values():
-            if off.module is module:
-                off.onload()
+        with self._expert_lock:  # the requests of a batch switch experts at the same step
+            for off in self.offloaders.values():
+                if off.module is not module:
+                    off.offload(dirty=False)
+            for off in self.offloaders.values():
+                if off.module is module:
+                    off.onload()
 
     @property
     def spatial_factor(self) -> int:
@@ -352,12 +355,15 @@ class ModelRunner:
         """Several requests in one denoising loop (``pipelines.batching``): each keeps its own
         seed, prompts and guidance; their DiT calls are batched step by step.
 
-        All requests must share the LoRA composition (``lora``), size, step count and CFG
-        setting (the scheduler groups them so). Returns one ``(True, images)`` or ``(False,
-        packed error)`` per request, in order: one request's failure does not fail the others.
-        """
-        import threading
+        All requests must share the LoRA composition (``lora``); different sizes, step counts or
+        CFG settings are allowed (their DiT calls then run one after the other). Returns one
+        ``(True, images)`` or ``(False, packed error)`` per request, in order: one request's
+        failure does not fail the others.
 
+        Raises:
+            ValueError: the requests' ``lora`` compositions differ.
+            NotFoundError: the shared composition names an adapter that is not loaded.
+        """
         from sglang.multimodal_gen.pipelines.batching import StepBatcher
         from sglang.multimodal_gen.runtime.worker import pack_error
 
