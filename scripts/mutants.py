@@ -513,6 +513,52 @@ MUTANTS: list[Mutant] = [
         ("-k", "true-cfg"),
         why="true CFG without Qwen-Image's per-token norm rescale",
     ),
+    # ------------------------------------------------------------------ sequence / CFG parallel
+    _m(
+        "ring-merge-weights-swapped",
+        "layers/attention.py",
+        "return out * wa + blk_out.float() * wb, new",
+        "return out * wb + blk_out.float() * wa, new",
+        ("test/unit/test_sp_attention_gloo.py",),
+        ("-k", "ring3"),
+        why="ring attention combines two key blocks with each other's softmax weights",
+    ),
+    _m(
+        "ulysses-heads-interleaved",
+        "distributed/sequence.py",
+        "inp = x.reshape(b, s, u, hh, d).permute(2, 0, 1, 3, 4).reshape(u * b * s, hh, d)",
+        "inp = x.reshape(b, s, hh, u, d).permute(3, 0, 1, 2, 4).reshape(u * b * s, hh, d)",
+        ("test/unit/test_sp_attention_gloo.py",),
+        ("-k", "ulysses2"),
+        why="the Ulysses all-to-all sends each rank every u-th head instead of its block",
+    ),
+    _m(
+        "sp-gather-rank-order",
+        "distributed/sequence.py",
+        "for p, n in zip(parts, self.sizes)], dim)",
+        "for p, n in zip(parts[::-1], self.sizes)], dim)",
+        ("test/unit/test_sp_attention_gloo.py",),
+        ("-k", "ulysses2"),
+        why="the sequence chunks come back in reverse rank order",
+    ),
+    _m(
+        "cfg-parallel-same-branch",
+        "pipelines/base.py",
+        "r = get_cfg_rank()",
+        "r = 0",
+        ("test/integration/test_sequence_parallel_engine.py",),
+        ("-k", "cfg2 and not ulysses"),
+        why="both halves of the CFG group run the conditional branch",
+    ),
+    _m(
+        "batch-rows-request-major",
+        "pipelines/batching.py",
+        "args[k] = _concat([p for branch in parts for p in branch])",
+        "args[k] = _concat([parts[r][i] for i in range(len(group)) for r in range(rows)])",
+        ("test/integration/test_batching.py",),
+        ("-k", "zimage_batch"),
+        why="a batched CFG call mixes one request's negative rows into another's positive rows",
+    ),
 ]
 
 

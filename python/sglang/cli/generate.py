@@ -19,7 +19,11 @@ import logging
 import os
 import sys
 
-from sglang.multimodal_gen.configs.parallel import add_parallel_args, layout_from_args
+from sglang.multimodal_gen.configs.parallel import (
+    add_kernel_args,
+    add_parallel_args,
+    layout_from_args,
+)
 from sglang.multimodal_gen.lora.requests import MERGE_MODES
 
 
@@ -120,6 +124,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="how adapters are applied (default: the LoRA manager's)",
     )
     add_parallel_args(parser)
+    add_kernel_args(parser)
     parser.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     parser.add_argument("--dtype", default=None, choices=("auto", "float32", "float16", "bfloat16"))
     parser.add_argument("--no-progress", action="store_true", help="hide the step progress bar")
@@ -295,6 +300,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             cfg_degree=layout.cfg_degree,
             device=args.device,
             dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            enable_torch_compile=args.enable_torch_compile,
         )
         if loras:
             engine.set_lora(

@@ -1,4 +1,4 @@
-"""The parallel layout from SGLang's flags: ``--num-gpus = tp x sp x cfg``, ``sp = ulysses x ring``.
+"""The parallel layout (and the kernel choices) from SGLang's flags: ``--num-gpus = tp x sp x cfg``, ``sp = ulysses x ring``.
 
 Shared by ``sglang serve`` (``ServerArgs``), ``sglang generate`` and the engine, so the same flags
 mean the same layout everywhere. Flags, as SGLang names them:
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
+from sglang.multimodal_gen.layers.attention import ATTENTION_BACKENDS
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,22 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="total processes = tp x sp x cfg; alone it is the tensor-parallel size",
+    )
+
+
+def add_kernel_args(parser: argparse.ArgumentParser) -> None:
+    """``--attention-backend`` and ``--enable-torch-compile`` (SGLang's names)."""
+    g = parser.add_argument_group("kernels")
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="SDPA kernel: auto (PyTorch picks), flash, efficient, cudnn, math (CPU: flash, math)",
+    )
+    g.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="torch.compile the DiT blocks (compile time on the first run of each shape)",
     )
 
 

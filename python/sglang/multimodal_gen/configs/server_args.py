@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from sglang.multimodal_gen.configs.parallel import (
+    add_kernel_args,
     add_parallel_args,
     layout_from_args,
     resolve_layout,
@@ -165,6 +166,9 @@ class ServerArgs:
         health_stall_timeout_s: ``/health`` answers 503 while work is pending and the engine has
             not started or finished a task for this long (0: never).
         dit_cpu_offload: keep DiT weights in host memory between runs (GPU only; no-op on CPU).
+        attention_backend: SDPA kernel (``--attention-backend``: auto, flash, efficient, cudnn,
+            math; the CPU has flash and math).
+        enable_torch_compile: ``torch.compile`` the DiT blocks (``--enable-torch-compile``).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks CUDA when available.
         dtype: ``auto|float32|float16|bfloat16``; ``None`` = ``auto`` (the engine's default).
         served_model_name: id reported by ``/v1/models`` (default: the engine's ``model_name``).
@@ -201,6 +205,8 @@ class ServerArgs:
     limit_concurrency: int = 512
     health_stall_timeout_s: float = 900.0
     dit_cpu_offload: bool = False
+    attention_backend: str = "auto"
+    enable_torch_compile: bool = False
     device: str | None = None
     dtype: str | None = None
     served_model_name: str | None = None
@@ -261,6 +267,13 @@ class ServerArgs:
         if float(self.timeout_keep_alive_s) < 1:
             raise ValueError(
                 f"--timeout-keep-alive must be >= 1 second, got {self.timeout_keep_alive_s}"
+            )
+        from sglang.multimodal_gen.layers.attention import ATTENTION_BACKENDS
+
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, got "
+                f"{self.attention_backend!r}"
             )
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -323,6 +336,7 @@ class ServerArgs:
         )
 
         add_parallel_args(parser)
+        add_kernel_args(parser)
 
         g = parser.add_argument_group("server")
         g.add_argument("--host", default="127.0.0.1")
@@ -490,6 +504,8 @@ class ServerArgs:
             limit_concurrency=args.limit_concurrency,
             health_stall_timeout_s=args.health_stall_timeout,
             dit_cpu_offload=args.dit_cpu_offload,
+            attention_backend=args.attention_backend,
+            enable_torch_compile=bool(args.enable_torch_compile),
             device=args.device,
             dtype=args.dtype,
             served_model_name=args.served_model_name,

@@ -46,6 +46,51 @@ from sglang.multimodal_gen.distributed.sequence import (
 logger = logging.getLogger(__name__)
 
 
+# --attention-backend: the SDPA kernels PyTorch may choose from (None: all, PyTorch's choice)
+ATTENTION_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
+_CPU_BACKENDS = ("auto", "flash", "math")  # PyTorch's CPU SDPA has no efficient/cuDNN kernels
+_SDPA_KERNELS: list | None = None
+
+
+def set_attention_backend(name: str, device: torch.device | str = "cpu") -> None:
+    """Restrict every local attention kernel call to one SDPA backend (process-wide).
+
+    Args:
+        name: ``auto`` (PyTorch picks per call: flash, memory-efficient, cuDNN or math),
+            ``flash``, ``efficient``, ``cudnn`` or ``math``.
+        device: the execution device (the CPU offers ``flash`` and ``math`` only).
+
+    Raises:
+        ValueError: an unknown name, or a backend the device does not have (the message names
+            ``--attention-backend`` and the choices).
+    """
+    global _SDPA_KERNELS
+    from torch.nn.attention import SDPBackend
+
+    allowed = _CPU_BACKENDS if torch.device(device).type == "cpu" else ATTENTION_BACKENDS
+    if name not in allowed:
+        raise ValueError(
+            f"--attention-backend {name!r} is not available on {torch.device(device).type}; "
+            f"choose from {list(allowed)}"
+        )
+    kernels = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    _SDPA_KERNELS = None if name == "auto" else [kernels[name]]
+
+
+def _sdpa(q, k, v, attn_mask=None):
+    if _SDPA_KERNELS is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(_SDPA_KERNELS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+
 def sdpa_bshd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -63,9 +108,7 @@ def sdpa_bshd(
         ``[B, Sq, H * D]`` in ``q.dtype``; softmax scale ``1 / sqrt(D)``.
     """
     mask = None if key_mask is None else key_mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
-    )
+    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
     return out.transpose(1, 2).flatten(2)
 
 

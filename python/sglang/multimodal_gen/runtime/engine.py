@@ -77,6 +77,8 @@ class DiffusionEngine:
             server started without ``--lora-dir``); Hub ids in the local Hugging Face cache and
             ``set_lora(..., trusted=True)`` (startup ``--lora-path``) are accepted in every case.
         generator_device: device of the seeded generator (default: the execution device type).
+        attention_backend: SDPA kernel (``auto``, ``flash``, ``efficient``, ``cudnn``, ``math``).
+        enable_torch_compile: ``torch.compile`` the DiT blocks (opt-in; compile time on first use).
         dit_cpu_offload: on CUDA keep the DiT weights in pinned host memory between calls
             (moved to the GPU for each call); ignored, with one log line, without a GPU.
         startup_timeout_s: how long TP workers may take to load.
@@ -102,6 +104,8 @@ class DiffusionEngine:
         lora_dirs: Sequence[str] | None = None,
         generator_device: str | None = None,
         dit_cpu_offload: bool = False,
+        attention_backend: str = "auto",
+        enable_torch_compile: bool = False,
         startup_timeout_s: float = 900.0,
         heartbeat_s: float = 60.0,
         _worker_setup: Callable[[ModelRunner, int], None] | None = None,
@@ -141,6 +145,8 @@ class DiffusionEngine:
             lora_dirs=None if lora_dirs is None else tuple(lora_dirs),
             generator_device=generator_device,
             dit_cpu_offload=bool(dit_cpu_offload),
+            attention_backend=attention_backend,
+            enable_torch_compile=bool(enable_torch_compile),
         )
         if self.world_size == 1:
             self._runner = ModelRunner(device=device, **runner_kwargs)
@@ -171,6 +177,8 @@ class DiffusionEngine:
             dtype=server_args.dtype,
             lora_dirs=tuple(server_args.lora_dirs),
             dit_cpu_offload=bool(getattr(server_args, "dit_cpu_offload", False)),
+            attention_backend=server_args.attention_backend,
+            enable_torch_compile=server_args.enable_torch_compile,
         )
 
     # ------------------------------------------------------------------ workers

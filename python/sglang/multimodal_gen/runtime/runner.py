@@ -24,6 +24,7 @@ import torch
 
 from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.errors import SGLangError
+from sglang.multimodal_gen.layers.attention import set_attention_backend
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.models.registry import ModelFamily, family_for_model, resolve_object
 from sglang.multimodal_gen.runtime.request import GenerationRequest
@@ -81,6 +82,21 @@ def build_lora_manager(
         model_name=family.display_name,
         **offload_kw,
     )
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """``torch.compile`` every transformer block of ``model`` in place (the modules of its
+    ``ModuleList``s whose class name ends in ``Block``); returns how many. Blocks, not the whole
+    model: the per-request Python around them (patchify, caption padding) would break the graph
+    anyway, and equal blocks share one compiled graph per input shape."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList):
+            for block in mod:
+                if type(block).__name__.endswith("Block"):
+                    block.compile()
+                    n += 1
+    return n
 
 
 class DiTOffloader:
@@ -154,6 +170,9 @@ class ModelRunner:
             Hub ids from the local cache and trusted startup adapters).
         generator_device: device of the seeded ``torch.Generator`` (default: the execution
             device's type, as in diffusers' examples; ``"cpu"`` reproduces a CPU-seeded run).
+        attention_backend: the SDPA kernel (``layers.attention.set_attention_backend``).
+        enable_torch_compile: compile every DiT block with ``torch.compile`` (inductor); the
+            first generation of each shape (and after a LoRA change) pays the compile time.
         dit_cpu_offload: on CUDA, keep the DiT weights in pinned host memory between commands
             (:class:`DiTOffloader`); ignored on other devices.
     """
@@ -169,6 +188,8 @@ class ModelRunner:
         generator_device: str | None = None,
         dit_cpu_offload: bool = False,
         rank: int | None = None,
+        attention_backend: str = "auto",
+        enable_torch_compile: bool = False,
         layout: ParallelLayout | None = None,
     ):
         self.device = torch.device(device)
@@ -192,6 +213,10 @@ class ModelRunner:
             load_text=(self.rank == 0),
             rank=self.rank,
         )
+        set_attention_backend(attention_backend, self.device)
+        if enable_torch_compile:
+            for denoiser in self.pipeline.denoisers.values():
+                compile_blocks(denoiser)
         self.generator_device = generator_device or (
             str(self.device) if self.device.type == "cuda" else self.device.type
         )
