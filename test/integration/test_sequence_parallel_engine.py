@@ -83,3 +83,21 @@ def test_layout_equals_one_process(name, model_and_lora, reference):
     for i, (a, b) in enumerate(zip(got, reference)):
         assert a.shape == b.shape
         assert psnr(a, b) >= MIN_PSNR, f"{name} image {i}: {psnr(a, b):.1f} dB"
+
+
+@pytest.mark.slow
+def test_heads_that_do_not_divide(tmp_path):
+    """3 heads: an explicit --ulysses-degree 2 is refused naming the heads and the degrees that
+    work; --sp-degree 2 alone picks ring attention for it and gives the one-process image."""
+    transformer = dict(TINY_TRANSFORMER, dim=48, n_heads=3, n_kv_heads=3, axes_dims=[4, 6, 6])
+    model = build_zimage_dir(
+        str(tmp_path / "m3"), transformer=transformer, text_encoder=TINY_TEXT_ENCODER, seed=0
+    )
+    req = GenerationRequest(**REQ)
+    with DiffusionEngine(model, device="cpu") as e:
+        ref = np.asarray(e.generate(req)[0])
+    with pytest.raises(ValueError, match=r"3 attention heads.*ulysses_degree=2.*\[1, 3\]"):
+        DiffusionEngine(model, device="cpu", ulysses_degree=2)
+    with DiffusionEngine(model, device="cpu", sp_degree=2) as e:
+        assert (e.layout.ulysses_degree, e.layout.ring_degree) == (1, 2)
+        assert psnr(np.asarray(e.generate(req)[0]), ref) >= MIN_PSNR
