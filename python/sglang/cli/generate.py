@@ -6,6 +6,9 @@ Same engine and defaults as the server, so the same arguments give the same pixe
         --height 1024 --width 1024 --guidance-scale 0 --output-path cat.png \\
         [--lora-path A.safetensors B/ --lora-scale 0.7 1.3] [--tp-size 2]
 
+Across nodes, the same command on each with ``--nnodes N --node-rank K --dist-init-addr
+HOST:PORT`` (or under ``torchrun``): node 0 writes the output, the others exit 0 when it is done.
+
 Without ``--model-path`` the embedded tiny default model is used (random weights: the image is
 noise by construction). Exit code 0 on success, 2 for bad arguments or input, 1 for runtime
 failures, 130 when interrupted; every error is one line ``sglang generate: error: ...`` (see
@@ -19,6 +22,8 @@ import logging
 import os
 import sys
 
+from sglang.multimodal_gen.configs.launch_plan import running_under_torchrun
+from sglang.multimodal_gen.configs.server_args import add_multinode_args
 from sglang.multimodal_gen.lora.requests import MERGE_MODES
 
 
@@ -118,7 +123,13 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         choices=MERGE_MODES,
         help="how adapters are applied (default: the LoRA manager's)",
     )
-    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel processes")
+    parser.add_argument(
+        "--tp-size",
+        type=int,
+        default=None,
+        help="tensor-parallel processes (default 1; under torchrun: its WORLD_SIZE)",
+    )
+    add_multinode_args(parser)
     parser.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     parser.add_argument("--dtype", default=None, choices=("auto", "float32", "float16", "bfloat16"))
     parser.add_argument("--no-progress", action="store_true", help="hide the step progress bar")
@@ -266,8 +277,18 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     quiet_library_progress_bars()
     loras = lora_pairs(args.lora_path, args.lora_scale)
+    if args.tp_size is None:
+        args.tp_size = int(os.environ["WORLD_SIZE"]) if running_under_torchrun() else 1
     if args.tp_size < 1:
         raise ValueError(f"--tp-size must be >= 1, got {args.tp_size}")
+    from sglang.multimodal_gen.runtime.nodes import multinode_kwargs, run_follower_node
+
+    multinode = multinode_kwargs(args)
+    if run_follower_node(
+        model_path=args.model_path, tp_size=args.tp_size, device=args.device, dtype=args.dtype,
+        **multinode,
+    ):  # fmt: skip
+        return 0  # a node without rank 0: it followed node 0, which wrote the output
 
     import secrets
 
@@ -287,8 +308,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     engine = None
     try:
         engine = DiffusionEngine(
-            model_path=args.model_path, tp_size=args.tp_size, device=args.device, dtype=args.dtype
-        )
+            model_path=args.model_path, tp_size=args.tp_size, device=args.device,
+            dtype=args.dtype, **multinode,
+        )  # fmt: skip
         if loras:
             engine.set_lora(
                 [f"lora{i}" for i in range(len(loras))],
