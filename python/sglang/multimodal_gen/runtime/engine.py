@@ -178,11 +178,7 @@ class DiffusionEngine:
             raise
 
     def _kill_workers(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self._procs:
-            p.join(timeout=5)
+        self._workers.kill()
 
     def _call(self, op: str, **kwargs) -> Any:
         with self._lock:

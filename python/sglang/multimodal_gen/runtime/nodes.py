@@ -60,9 +60,10 @@ class Workers:
         return [i for i, p in enumerate(self.procs) if not p.is_alive()]
 
     def kill(self) -> None:
+        """SIGKILL the workers still running (they ignore SIGTERM/SIGINT, see ``tp_worker_main``)."""
         for p in self.procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()
         for p in self.procs:
             p.join(timeout=5)
 
@@ -135,6 +136,21 @@ def wait_message(workers: Workers, timeout_s: float | None = None, who: str = "T
             raise EngineDeadError(f"{who} did not answer within {timeout_s} s")
 
 
+FOLLOWER_STOP_GRACE_S = 30.0
+
+
+def _note_stop_signals() -> list[float]:
+    """Record SIGTERM/SIGINT (their time, in the returned list) instead of dying at once."""
+    import signal
+    import threading
+
+    got: list[float] = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: got.append(time.monotonic()) if not got else None)
+    return got
+
+
 def run_follower(
     plan: LaunchPlan,
     runner_kwargs: dict,
@@ -149,7 +165,7 @@ def run_follower(
         EngineDeadError: the workers lost rank 0 (node 0 died) or stopped on a failed LoRA
             rollback.
     """
-    where = f"node {plan.node_rank} (rank(s) {', '.join(map(str, plan.ranks))})"
+    where = f"rank(s) {', '.join(map(str, plan.ranks))} on node {plan.node_rank}"
     workers = spawn_workers(plan, runner_kwargs, heartbeat_s)
     try:
         _, ok, payload = wait_message(workers, startup_timeout_s, f"{where}: workers")
@@ -157,8 +173,19 @@ def run_follower(
             rank, err = payload
             raise unpack_error(err, rank)
         logger.info("%s ready; following rank 0 at %s:%d", where, plan.host, plan.port)
+        stop_asked = _note_stop_signals()
         while True:
-            kind, ok, payload = wait_message(workers, None, f"{where}: workers")
+            try:
+                kind, ok, payload = wait_message(workers, 1.0, f"{where}: workers")
+            except EngineDeadError:
+                if workers.dead():
+                    raise
+                # SIGTERM (torchrun, Kubernetes) reaches every node at once: give rank 0 time to
+                # shut the job down, then leave anyway
+                if stop_asked and time.monotonic() - stop_asked[0] > FOLLOWER_STOP_GRACE_S:
+                    logger.info("%s: stopped by signal before rank 0 shut down", where)
+                    return
+                continue
             if kind != "stopped":
                 continue
             if not ok:

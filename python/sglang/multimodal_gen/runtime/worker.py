@@ -100,6 +100,12 @@ def tp_worker_main(
 
     # N workers would each print the same loading bars; the parent reports progress instead
     quiet_library_progress_bars()
+    # the launcher owns this process's lifetime (a "shutdown" command, else SIGKILL): a Ctrl-C
+    # or a SIGTERM sent to the whole process group (torchrun does) must not kill one rank early
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     world = plan.world_size
     reporter = rank == plan.ranks[0]
     try:
