@@ -6,6 +6,9 @@ Same engine and defaults as the server, so the same arguments give the same pixe
         --height 1024 --width 1024 --guidance-scale 0 --output-path cat.png \\
         [--lora-path A.safetensors B/ --lora-scale 0.7 1.3] [--tp-size 2]
 
+Across nodes, the same command on each with ``--nnodes N --node-rank K --dist-init-addr
+HOST:PORT`` (or under ``torchrun``): node 0 writes the output, the others exit 0 when it is done.
+
 Without ``--model-path`` the embedded tiny default model is used (random weights: the image is
 noise by construction). Exit code 0 on success, 2 for bad arguments or input, 1 for runtime
 failures, 130 when interrupted; every error is one line ``sglang generate: error: ...`` (see
@@ -24,6 +27,7 @@ from sglang.multimodal_gen.configs.parallel import (
     add_parallel_args,
     layout_from_args,
 )
+from sglang.multimodal_gen.configs.server_args import add_multinode_args
 from sglang.multimodal_gen.lora.requests import MERGE_MODES
 
 
@@ -125,6 +129,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     )
     add_parallel_args(parser)
     add_kernel_args(parser)
+    add_multinode_args(parser.add_argument_group("multi-node"))
     parser.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     parser.add_argument("--dtype", default=None, choices=("auto", "float32", "float16", "bfloat16"))
     parser.add_argument("--no-progress", action="store_true", help="hide the step progress bar")
@@ -273,6 +278,23 @@ def _run_generate(args: argparse.Namespace) -> int:
     quiet_library_progress_bars()
     loras = lora_pairs(args.lora_path, args.lora_scale)
     layout = layout_from_args(args)  # contradictory degrees: one error before loading
+    from sglang.multimodal_gen.runtime.nodes import multinode_kwargs, run_follower_node
+
+    multinode = multinode_kwargs(args)
+    job = dict(
+        model_path=args.model_path,
+        tp_size=layout.tp_size,
+        sp_degree=layout.sp_degree,
+        ulysses_degree=args.ulysses_degree,
+        ring_degree=args.ring_degree,
+        cfg_degree=layout.cfg_degree,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        enable_torch_compile=args.enable_torch_compile,
+    )
+    if run_follower_node(**job, **multinode):
+        return 0  # a node without rank 0: it followed node 0, which wrote the output
 
     import secrets
 
@@ -291,18 +313,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(f"seed: {seed}", file=sys.stderr)
     engine = None
     try:
-        engine = DiffusionEngine(
-            model_path=args.model_path,
-            tp_size=layout.tp_size,
-            sp_degree=layout.sp_degree,
-            ulysses_degree=args.ulysses_degree,
-            ring_degree=args.ring_degree,
-            cfg_degree=layout.cfg_degree,
-            device=args.device,
-            dtype=args.dtype,
-            attention_backend=args.attention_backend,
-            enable_torch_compile=args.enable_torch_compile,
-        )
+        engine = DiffusionEngine(**job, **multinode)
         if loras:
             engine.set_lora(
                 [f"lora{i}" for i in range(len(loras))],

@@ -5,6 +5,13 @@ Example::
     sglang serve --model-path M --model-type diffusion --dit-cpu-offload false --num-gpus 1 \
         --port 8080 --host localhost
 
+Multi-node (node 0 serves HTTP, node 1 runs its ranks only and exits 0 when node 0 stops)::
+
+    sglang serve --tp-size 2 --nnodes 2 --node-rank 0 --dist-init-addr 10.0.0.1:5000   # node 0
+    sglang serve --tp-size 2 --nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:5000   # node 1
+
+and ``torchrun --nproc-per-node 2 -m sglang.cli.main serve ...`` (rank 0 serves).
+
 Flags are those of :class:`~sglang.multimodal_gen.configs.server_args.ServerArgs`. Heavy imports
 (torch, FastAPI, the engine) happen only when the server actually starts, so ``--help`` is fast.
 """
@@ -21,6 +28,32 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return ServerArgs.add_cli_args(parser)
 
 
+def _follow(server_args: ServerArgs) -> bool:
+    """On a node without rank 0 (``--node-rank`` > 0, or a torchrun rank > 0): run this node's
+    ranks, no HTTP server, until node 0 shuts down; ``False`` on the leader."""
+    from sglang.multimodal_gen.runtime.nodes import multinode_kwargs, run_follower_node
+
+    if server_args.world_size == 1 and server_args.nnodes == 1:
+        return False
+    import logging
+
+    logging.basicConfig(level=server_args.log_level.upper(), format="%(levelname)s %(message)s")
+    return run_follower_node(
+        model_path=server_args.model_path,
+        tp_size=server_args.tp_size,
+        device=server_args.device,
+        dtype=server_args.dtype,
+        dit_cpu_offload=server_args.dit_cpu_offload,
+        sp_degree=server_args.sp_degree,
+        ulysses_degree=server_args.ulysses_degree,
+        ring_degree=server_args.ring_degree,
+        cfg_degree=2 if server_args.enable_cfg_parallel else 1,
+        attention_backend=server_args.attention_backend,
+        enable_torch_compile=server_args.enable_torch_compile,
+        **multinode_kwargs(server_args),
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Validate the flags, start the engine and the HTTP server; block until shutdown.
 
@@ -34,6 +67,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         server_args = ServerArgs.from_cli_args(args)
+        if _follow(server_args):
+            return 0
         from sglang.multimodal_gen.entrypoints.http_server import launch_server
 
         launch_server(server_args)

@@ -17,6 +17,7 @@ ring attention: Z-Image-Turbo's 30 heads with ``--sp-degree 4`` run as Ulysses 2
 from __future__ import annotations
 
 import argparse
+import os
 
 from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.layers.attention import ATTENTION_BACKENDS
@@ -68,14 +69,20 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
 
 
 def layout_from_args(args: argparse.Namespace, heads: int | None = None) -> ParallelLayout:
-    """:func:`resolve_layout` of a namespace filled by :func:`add_parallel_args`."""
+    """:func:`resolve_layout` of a namespace filled by :func:`add_parallel_args`. Under
+    ``torchrun`` (one process per rank) ``--num-gpus`` defaults to its ``WORLD_SIZE``."""
+    from sglang.multimodal_gen.configs.launch_plan import running_under_torchrun
+
+    num_gpus = args.num_gpus
+    if num_gpus is None and running_under_torchrun():
+        num_gpus = int(os.environ["WORLD_SIZE"])
     return resolve_layout(
         tp_size=args.tp_size,
         sp_degree=args.sp_degree,
         ulysses_degree=args.ulysses_degree,
         ring_degree=args.ring_degree,
         enable_cfg_parallel=bool(args.enable_cfg_parallel),
-        num_gpus=args.num_gpus,
+        num_gpus=num_gpus,
         heads=heads,
     )
 

@@ -15,6 +15,11 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from sglang.multimodal_gen.configs.launch_plan import (
+    DEFAULT_DIST_TIMEOUT_S,
+    plan_launch,
+    running_under_torchrun,
+)
 from sglang.multimodal_gen.configs.parallel import (
     add_kernel_args,
     add_parallel_args,
@@ -173,6 +178,10 @@ class ServerArgs:
         dtype: ``auto|float32|float16|bfloat16``; ``None`` = ``auto`` (the engine's default).
         served_model_name: id reported by ``/v1/models`` (default: the engine's ``model_name``).
         log_level: Python logging level name for the server.
+        nnodes, node_rank, dist_init_addr: multi-node launch (``--nnodes``, ``--node-rank``,
+            ``--dist-init-addr HOST:PORT`` of node 0); node 0 serves HTTP, the others run their
+            ranks only. Under ``torchrun`` these come from its environment instead.
+        dist_timeout_s: seconds the start-up rendezvous waits for every node (``--dist-timeout``).
         graceful_shutdown_timeout_s: how long SIGTERM waits for in-flight work.
     """
 
@@ -212,6 +221,10 @@ class ServerArgs:
     served_model_name: str | None = None
     log_level: str = "info"
     graceful_shutdown_timeout_s: float = 300.0
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S
 
     def __post_init__(self) -> None:
         self.validate()
@@ -303,6 +316,19 @@ class ServerArgs:
         for root in self.lora_dirs:
             if not os.path.isdir(root):
                 raise ValueError(f"--lora-dir {root!r} is not an existing directory")
+        if self.nnodes != 1 or self.dist_init_addr or running_under_torchrun():
+            # the same checks as at launch (port 1: no free port is looked for here)
+            plan_launch(
+                self.world_size, self.nnodes, self.node_rank, self.dist_init_addr,
+                self.dist_timeout_s, free_port=1,
+            )  # fmt: skip
+        elif self.node_rank != 0:
+            raise ValueError(f"--node-rank must be 0 without --nnodes, got {self.node_rank}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job: ``tp x sp x cfg``."""
+        return int(self.tp_size) * int(self.sp_degree) * (2 if self.enable_cfg_parallel else 1)
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
@@ -337,6 +363,7 @@ class ServerArgs:
 
         add_parallel_args(parser)
         add_kernel_args(parser)
+        add_multinode_args(parser.add_argument_group("multi-node"))
 
         g = parser.add_argument_group("server")
         g.add_argument("--host", default="127.0.0.1")
@@ -510,6 +537,10 @@ class ServerArgs:
             dtype=args.dtype,
             served_model_name=args.served_model_name,
             log_level=args.log_level,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            dist_init_addr=args.dist_init_addr,
+            dist_timeout_s=args.dist_timeout,
         )
 
     @property
@@ -543,6 +574,36 @@ class ServerArgs:
             if out[key] is not None:
                 out[key] = "***"
         return out
+
+
+def add_multinode_args(parser) -> None:
+    """``--nnodes``, ``--node-rank``, ``--dist-init-addr``, ``--dist-timeout`` on ``parser`` (an
+    ``argparse`` parser or group; shared by ``sglang serve`` and ``sglang generate``)."""
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="nodes in the job; each runs --tp-size / --nnodes ranks (default 1)",
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index in [0, nnodes); node 0 serves HTTP / writes the output",
+    )
+    parser.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="rendezvous address on node 0, reachable from every node (needed with --nnodes > 1)",
+    )
+    parser.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=DEFAULT_DIST_TIMEOUT_S,
+        help="seconds the start-up rendezvous waits for every node before failing (default "
+        f"{DEFAULT_DIST_TIMEOUT_S:g})",
+    )
 
 
 def default_lora_nickname(path: str) -> str:

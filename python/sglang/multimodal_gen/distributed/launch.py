@@ -1,7 +1,8 @@
 """Launch N local processes that form one parallel layout and run a function in each.
 
 Used by the tests (gloo on the CPU) and by the engine (NCCL when CUDA is available). Each worker
-initializes ``torch.distributed`` over a free localhost TCP port, calls
+initializes ``torch.distributed`` over a free localhost TCP port (the engine: over the
+rendezvous of its :class:`~.multinode.LaunchPlan`, possibly on several nodes), calls
 :func:`initialize_model_parallel` (all N ranks in one TP group, or the given
 :class:`ParallelLayout`), runs ``fn(rank, *args)``, and sends back its return value.
 """
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sglang.multimodal_gen.configs.launch_plan import LaunchPlan
+from sglang.multimodal_gen.distributed.multinode import checked_rendezvous
 from sglang.multimodal_gen.distributed.parallel_state import (
     ParallelLayout,
     destroy_model_parallel,
@@ -44,27 +47,42 @@ def init_worker(
     port: int,
     backend: str | None = None,
     layout: ParallelLayout | None = None,
+    *,
+    plan: LaunchPlan | None = None,
+    fingerprint: dict | None = None,
 ) -> None:
     """Join the process group as ``rank`` of ``world_size`` and create the parallel groups.
 
-    Args:
-        layout: the TP / Ulysses / ring / CFG sizes (default: every rank in one TP group); its
-            ``world_size`` must equal ``world_size``.
+    ``layout``: the TP / Ulysses / ring / CFG sizes (default: every rank in one TP group); its
+    ``world_size`` must equal ``world_size``.
 
-    On CUDA each rank uses device ``cuda:rank``. Threads are capped so that N workers on a small
-    machine do not oversubscribe its cores.
+    Without ``plan``: all ranks on this machine, rendezvous at ``127.0.0.1:port``, ``cuda:rank``.
+    With a :class:`~sglang.multimodal_gen.distributed.multinode.LaunchPlan` (multi-node or
+    torchrun): rendezvous at ``plan.host:plan.port`` through
+    :func:`~sglang.multimodal_gen.distributed.multinode.checked_rendezvous` (every rank's
+    ``fingerprint`` must equal rank 0's; ``port`` is unused) and ``cuda:<local rank>``. Threads
+    are capped so that N workers on a small machine do not oversubscribe its cores.
+
+    Raises:
+        RendezvousTimeoutError, ValueError: see ``checked_rendezvous``.
     """
     layout = layout or ParallelLayout(tp_size=world_size)
     backend = backend or default_backend()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+    device_index = rank if plan is None else plan.device_index(rank)
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(device_index)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+        local = world_size if plan is None else len(plan.ranks)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if plan is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+    else:
+        store = checked_rendezvous(plan, rank, fingerprint or {})
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     initialize_model_parallel(
         layout.tp_size, layout.ulysses_degree, layout.ring_degree, layout.cfg_degree
     )

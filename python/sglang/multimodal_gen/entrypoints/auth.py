@@ -1,7 +1,7 @@
 """API-key checks for the HTTP server.
 
-With ``--api-key`` every endpoint except ``/health`` requires ``Authorization: Bearer <key>``. With
-``--admin-api-key`` the LoRA admin endpoints require that key instead (the admin key is also
+With ``--api-key`` every endpoint except ``/health`` and ``/ready`` (probes) requires
+``Authorization: Bearer <key>``. With ``--admin-api-key`` the LoRA admin endpoints require that key instead (the admin key is also
 accepted on the other endpoints). Keys are compared with :func:`hmac.compare_digest` so the time
 taken does not reveal how much of a guess was right.
 """
@@ -21,7 +21,7 @@ ADMIN_PATHS = frozenset(
     }
 )
 #: Paths open to everyone.
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health", "/ready"})
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -11,7 +11,8 @@ Routes (see ``docs/serving.md``)::
     POST /v1/unmerge_lora_weights   restore the base weights
     GET  /v1/list_loras             loaded adapters and the active composition
     GET  /v1/models                 the served model
-    GET  /health                    200 while the engine serves, 503 otherwise (no auth)
+    GET  /health                    liveness: 200 while the engine serves, 503 otherwise (no auth)
+    GET  /ready                     readiness: /health and room in the queue, else 503 (no auth)
     GET  /metrics                   Prometheus text format
 
 The app only talks to the engine through a :class:`~.scheduler.Scheduler` (one thread, arrival
@@ -404,6 +405,7 @@ _KNOWN_ENDPOINTS = frozenset(
         "/v1/models",
         "/v1/list_loras",
         "/health",
+        "/ready",
         "/metrics",
     }
     | ADMIN_PATHS
@@ -715,12 +717,27 @@ def create_app(
         request_factory=request_factory or default_request_factory(),
     )
 
-    @app.get("/health")
+    def unavailable(reason: str) -> JSONResponse:
+        return JSONResponse(error_body(reason, 503), 503, headers={"Retry-After": "1"})
+
+    # GET and HEAD: load balancers and Kubernetes probes use either
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        """Liveness: the engine is alive and makes progress (restart the replica if not)."""
         if await run_in_threadpool(scheduler.healthy):
             return JSONResponse({"status": "ok"})
-        reason = scheduler.unhealthy_reason() or "the server is shutting down"
-        return JSONResponse(error_body(reason, 503), 503, headers={"Retry-After": "1"})
+        return unavailable(scheduler.unhealthy_reason() or "the server is shutting down")
+
+    @app.api_route("/ready", methods=["GET", "HEAD"])
+    async def ready():
+        """Readiness: healthy, the model loaded (the app exists only after it has) and the queue
+        has room, so a load balancer sends new work elsewhere while this replica is full."""
+        if not await run_in_threadpool(scheduler.healthy):
+            return unavailable(scheduler.unhealthy_reason() or "the server is shutting down")
+        depth = scheduler.queue_depth
+        if depth >= scheduler.max_queue_size:
+            return unavailable(f"the request queue is full ({depth} waiting)")
+        return JSONResponse({"status": "ready", "queue_depth": depth})
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -1,8 +1,9 @@
 """``DiffusionEngine``: the blocking generation API over one model, at any TP size.
 
 TP 1 runs the :class:`~sglang.multimodal_gen.runtime.runner.ModelRunner` in the calling process.
-TP N spawns N worker processes that form one TP group (gloo on CPU, NCCL on CUDA; rank ``r`` uses
-``cuda:r``). Every call becomes a command ``(op, kwargs)`` put on rank 0's queue; rank 0
+TP N spawns N worker processes that form one TP group (gloo on CPU, NCCL on CUDA; each rank uses
+the CUDA device of its local rank); with ``nnodes > 1`` (or under ``torchrun``) only this node's
+ranks, the others being started by :func:`~.nodes.run_follower` on their nodes. Every call becomes a command ``(op, kwargs)`` put on rank 0's queue; rank 0
 reads the LoRA files a ``set_lora`` names (a read error is answered at once, no other rank is
 involved), broadcasts the command with the files' contents (``broadcast_object``), and all ranks
 execute it in the same order, then gather their outcomes so a failure on any rank is reported;
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue as queue_mod
 import secrets
 import threading
 from collections.abc import Callable, Sequence
@@ -27,11 +27,18 @@ from typing import Any
 import torch
 
 from sglang.multimodal_gen import errors as errors_mod
+from sglang.multimodal_gen.configs.launch_plan import DEFAULT_DIST_TIMEOUT_S, LaunchPlan
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.lora.requests import normalize_set_lora
+from sglang.multimodal_gen.runtime.nodes import (
+    launch_plan,
+    multinode_kwargs,
+    spawn_workers,
+    wait_message,
+)
 from sglang.multimodal_gen.runtime.request import GenerationRequest
 from sglang.multimodal_gen.runtime.runner import ModelRunner
-from sglang.multimodal_gen.runtime.worker import tp_worker_main, unpack_error
+from sglang.multimodal_gen.runtime.worker import unpack_error
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +88,10 @@ class DiffusionEngine:
         enable_torch_compile: ``torch.compile`` the DiT blocks (opt-in; compile time on first use).
         dit_cpu_offload: on CUDA keep the DiT weights in pinned host memory between calls
             (moved to the GPU for each call); ignored, with one log line, without a GPU.
+        nnodes, node_rank, dist_init_addr, dist_timeout_s: multi-node launch (``--nnodes``,
+            ``--node-rank``, ``--dist-init-addr HOST:PORT``, ``--dist-timeout``); the engine runs
+            on the node with rank 0 (node 0, or torchrun's ``RANK=0``) and starts that node's
+            ranks. Under ``torchrun`` the placement comes from its environment.
         startup_timeout_s: how long TP workers may take to load.
         heartbeat_s: idle period after which rank 0 pings the other ranks.
         _worker_setup: tests only: ``fn(runner, rank)`` run in every TP worker after its runner
@@ -88,7 +99,9 @@ class DiffusionEngine:
 
     Raises:
         ValueError / FileNotFoundError: bad model directory or TP size (e.g. ``n_heads`` not
-            divisible), with the message of the failing rank.
+            divisible), with the message of the failing rank; this is not the node of rank 0;
+            another node was started with other settings.
+        RendezvousTimeoutError: a node did not join within ``dist_timeout_s``.
     """
 
     def __init__(
@@ -106,27 +119,28 @@ class DiffusionEngine:
         dit_cpu_offload: bool = False,
         attention_backend: str = "auto",
         enable_torch_compile: bool = False,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        dist_init_addr: str | None = None,
+        dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S,
         startup_timeout_s: float = 900.0,
         heartbeat_s: float = 60.0,
         _worker_setup: Callable[[ModelRunner, int], None] | None = None,
     ):
-        if model_path is None:
-            from sglang.multimodal_gen.models.default_model import (
-                default_model_name,
-                default_model_path,
-            )
-
-            model_path = default_model_path()
-            self.model_name = default_model_name()
-        else:
-            if not os.path.isdir(model_path):
-                model_path = _resolve_hub_cache(model_path)
-            self.model_name = os.path.basename(os.path.normpath(model_path))
         if int(tp_size) < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        model_path, self.model_name = resolve_model_path(model_path)
         self.layout = _layout_for_model(
             model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree
         )
+        plan = launch_plan(
+            self.layout.world_size, nnodes, node_rank, dist_init_addr, dist_timeout_s
+        )
+        if plan is not None and not plan.is_leader:
+            raise ValueError(
+                f"node {plan.node_rank} does not run rank 0; start it with "
+                "sglang.multimodal_gen.runtime.nodes.run_follower (sglang serve/generate do)"
+            )
         self.model_path = model_path
         self.tp_size = int(tp_size)
         self.world_size = self.layout.world_size
@@ -148,11 +162,12 @@ class DiffusionEngine:
             attention_backend=attention_backend,
             enable_torch_compile=bool(enable_torch_compile),
         )
-        if self.world_size == 1:
+        if plan is None:
             self._runner = ModelRunner(device=device, **runner_kwargs)
             self._info = self._runner.info()
         else:
             self._start_workers(
+                plan,
                 dict(runner_kwargs, device=device, layout=self.layout),
                 startup_timeout_s,
                 heartbeat_s,
@@ -179,45 +194,21 @@ class DiffusionEngine:
             dit_cpu_offload=bool(getattr(server_args, "dit_cpu_offload", False)),
             attention_backend=server_args.attention_backend,
             enable_torch_compile=server_args.enable_torch_compile,
+            **multinode_kwargs(server_args),
         )
 
     # ------------------------------------------------------------------ workers
     def _start_workers(
         self,
+        plan: LaunchPlan,
         runner_kwargs: dict,
         timeout_s: float,
         heartbeat_s: float,
         worker_setup: Callable | None = None,
     ) -> None:
-        import torch.multiprocessing as mp
-
-        from sglang.multimodal_gen.distributed import find_free_port
-
-        backend = "nccl" if torch.device(runner_kwargs["device"]).type == "cuda" else "gloo"
-        ctx = mp.get_context("spawn")
-        self._cmd_q = ctx.Queue()
-        self._res_q = ctx.Queue()
-        port = find_free_port()
-        self._procs = [
-            ctx.Process(
-                target=tp_worker_main,
-                args=(
-                    r,
-                    self.world_size,
-                    port,
-                    backend,
-                    dict(runner_kwargs),
-                    self._cmd_q,
-                    self._res_q,
-                    heartbeat_s,
-                    worker_setup,
-                ),
-                daemon=True,
-            )  # fmt: skip
-            for r in range(self.world_size)
-        ]
-        for p in self._procs:
-            p.start()
+        self._workers = spawn_workers(plan, runner_kwargs, heartbeat_s, worker_setup)
+        self._cmd_q, self._res_q = self._workers.cmd_q, self._workers.res_q
+        self._procs = self._workers.procs
         try:
             kind, ok, payload = self._wait_result(timeout_s)
         except BaseException:
@@ -230,34 +221,14 @@ class DiffusionEngine:
         self._info = payload
 
     def _wait_result(self, timeout_s: float | None = None):
-        import time
-
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            try:
-                return self._res_q.get(timeout=0.5)
-            except queue_mod.Empty:
-                pass
-            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-            if dead:
-                self._dead = True
-                # a last result may have been queued just before the exit
-                try:
-                    return self._res_q.get(timeout=0.5)
-                except queue_mod.Empty:
-                    pass
-                codes = [self._procs[r].exitcode for r in dead]
-                raise EngineDeadError(f"TP worker(s) {dead} exited (exit codes {codes})")
-            if deadline is not None and time.monotonic() > deadline:
-                self._dead = True
-                raise EngineDeadError(f"TP workers did not answer within {timeout_s} s")
+        try:
+            return wait_message(self._workers, timeout_s)
+        except EngineDeadError:
+            self._dead = True
+            raise
 
     def _kill_workers(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self._procs:
-            p.join(timeout=5)
+        self._workers.kill()
 
     def _call(self, op: str, **kwargs) -> Any:
         with self._lock:
@@ -507,6 +478,21 @@ def check_device(device: str | None) -> str:
         f"--device {device!r}: {dev.type} is not available on this machine; use cpu or cuda",
         param="device",
     )
+
+
+def resolve_model_path(model_path: str | None) -> tuple[str, str]:
+    """``(directory, served name)``: the embedded default model (built once) for ``None``, a
+    directory as given, else a Hub id from the local cache (``FileNotFoundError`` if absent)."""
+    if model_path is None:
+        from sglang.multimodal_gen.models.default_model import (
+            default_model_name,
+            default_model_path,
+        )
+
+        return default_model_path(), default_model_name()
+    if not os.path.isdir(model_path):
+        model_path = _resolve_hub_cache(model_path)
+    return model_path, os.path.basename(os.path.normpath(model_path))
 
 
 def _resolve_hub_cache(model_id: str) -> str:

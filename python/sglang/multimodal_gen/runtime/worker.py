@@ -45,6 +45,10 @@ def unpack_error(d: dict, rank: int | None = None) -> BaseException:
     msg = d["message"] if rank is None else f"rank {rank}: {d['message']}"
     if d["type"] == "FileNotFoundError":
         return FileNotFoundError(msg)
+    if d["type"] == "RendezvousTimeoutError":  # a node missing at start-up: its own line suffices
+        from sglang.multimodal_gen.distributed.multinode import RendezvousTimeoutError
+
+        return RendezvousTimeoutError(d["message"])
     if d["value_error"]:
         return ValueError(msg)
     if d["lookup_error"]:
@@ -76,13 +80,20 @@ def quiet_library_progress_bars() -> None:
 
 
 def tp_worker_main(
-    rank, world, port, backend, runner_kwargs, cmd_q, res_q, heartbeat_s, worker_setup=None
+    rank, plan, backend, runner_kwargs, cmd_q, res_q, heartbeat_s, worker_setup=None, fp=None
 ):
+    """One TP rank: join the group of ``plan`` (a ``LaunchPlan``), build the runner, then lead
+    (rank 0: commands from ``cmd_q``) or follow (every other rank, possibly on another node).
+
+    The first rank of each launcher reports on ``res_q``: ``("ready", ok, info | (rank, error))``
+    once the model is loaded everywhere; rank 0 then one ``("result", ...)`` per command; the
+    first rank of a follower launcher ``("stopped", ok, None | (rank, error))`` when it leaves
+    (``ok``: rank 0 sent ``shutdown``).
+    """
     import torch.distributed as dist
 
     from sglang.multimodal_gen.distributed import (
         ParallelLayout,
-        broadcast_object,
         get_tp_cpu_group,
         init_worker,
         shutdown_worker,
@@ -90,8 +101,18 @@ def tp_worker_main(
 
     # N workers would each print the same loading bars; the parent reports progress instead
     quiet_library_progress_bars()
+    # the launcher owns this process's lifetime (a "shutdown" command, else SIGKILL): a Ctrl-C
+    # or a SIGTERM sent to the whole process group (torchrun does) must not kill one rank early
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    world = plan.world_size
+    reporter = rank == plan.ranks[0]
     try:
-        init_worker(rank, world, port, backend, runner_kwargs.get("layout"))
+        init_worker(
+            rank, world, 0, backend, layout=runner_kwargs.get("layout"), plan=plan, fingerprint=fp
+        )
     except BaseException as e:
         res_q.put(("ready", False, (rank, pack_error(e))))
         return
@@ -106,7 +127,7 @@ def tp_worker_main(
         try:
             device = runner_kwargs.pop("device")
             if torch.device(device).type == "cuda":
-                device = f"cuda:{rank}"
+                device = f"cuda:{plan.device_index(rank)}"
             runner_kwargs.setdefault("layout", ParallelLayout(tp_size=world))
             runner = ModelRunner(device=device, rank=rank, **runner_kwargs)
             if worker_setup is not None:
@@ -115,56 +136,69 @@ def tp_worker_main(
             err = pack_error(e)
         errs = gather(err)
         failed = first_error(errs)
-        if rank == 0:
+        if reporter:
             res_q.put(("ready", failed is None, failed if failed else runner.info()))
         if failed:
             return
-        while True:
-            cmd = None
-            if rank == 0:
-                try:
-                    cmd = cmd_q.get(timeout=heartbeat_s)
-                except queue_mod.Empty:
-                    cmd = ("noop", {})
-                if cmd is not None and cmd[0] not in ("noop", "shutdown"):
-                    try:  # set_lora: read the files once, here, and send their contents
-                        cmd = (cmd[0], runner.prepare(*cmd))
-                    except BaseException as e:
-                        res_q.put(("result", False, (0, pack_error(e))))
-                        continue
-            cmd = broadcast_object(cmd)
-            if cmd is None or cmd[0] == "shutdown":
-                break
-            op, kwargs = cmd
-            decided: list = []
-
-            def agree(exc, decided=decided):
-                first = first_error(gather(None if exc is None else pack_error(exc)))
-                decided.append(first)
-                return first is None
-
-            out, err = None, None
-            try:
-                out = runner.execute(op, kwargs, agree=agree)
-            except BaseException as e:
-                err = pack_error(e)
-            errs = gather(err)
-            # a LoRA change reports the error of the rank that failed, not a rollback notice
-            failed = decided[0] if decided and decided[0] else first_error(errs)
-            broken = [r for r, e in enumerate(errs) if e and e["type"] == "LoRARollbackError"]
-            if broken:
-                failed = (
-                    broken[0],
-                    pack_error(
-                        EngineDeadError(
-                            f"{errs[broken[0]]['message']}; the TP workers stop (restart the "
-                            "engine)"
-                        )
-                    ),
-                )
-            if rank == 0 and op != "noop":
-                res_q.put(("result", failed is None, failed if failed else out))
-            if broken:
-                break
+        stopped = _follow_commands(rank, runner, cmd_q, res_q, heartbeat_s, gather)
+        if reporter and rank != 0:
+            res_q.put(("stopped", stopped is None, stopped))
+    except BaseException as e:  # lost contact with another rank: say so, then exit non-zero
+        if reporter and rank != 0:
+            res_q.put(("stopped", False, (rank, pack_error(e))))
+        raise
     finally:
         shutdown_worker()
+
+
+def _follow_commands(rank, runner, cmd_q, res_q, heartbeat_s, gather):
+    """The command loop of every rank; returns ``None`` after ``shutdown``, or the
+    ``(rank, error)`` that stopped the workers (a failed LoRA rollback)."""
+    from sglang.multimodal_gen.distributed import broadcast_object
+
+    while True:
+        cmd = None
+        if rank == 0:
+            try:
+                cmd = cmd_q.get(timeout=heartbeat_s)
+            except queue_mod.Empty:
+                cmd = ("noop", {})
+            if cmd is not None and cmd[0] not in ("noop", "shutdown"):
+                try:  # set_lora: read the files once, here, and send their contents
+                    cmd = (cmd[0], runner.prepare(*cmd))
+                except BaseException as e:
+                    res_q.put(("result", False, (0, pack_error(e))))
+                    continue
+        cmd = broadcast_object(cmd)
+        if cmd is None or cmd[0] == "shutdown":
+            return None
+        op, kwargs = cmd
+        decided: list = []
+
+        def agree(exc, decided=decided):
+            first = first_error(gather(None if exc is None else pack_error(exc)))
+            decided.append(first)
+            return first is None
+
+        out, err = None, None
+        try:
+            out = runner.execute(op, kwargs, agree=agree)
+        except BaseException as e:
+            err = pack_error(e)
+        errs = gather(err)
+        # a LoRA change reports the error of the rank that failed, not a rollback notice
+        failed = decided[0] if decided and decided[0] else first_error(errs)
+        broken = [r for r, e in enumerate(errs) if e and e["type"] == "LoRARollbackError"]
+        if broken:
+            failed = (
+                broken[0],
+                pack_error(
+                    EngineDeadError(
+                        f"{errs[broken[0]]['message']}; the TP workers stop (restart the engine)"
+                    )
+                ),
+            )
+        if rank == 0 and op != "noop":
+            res_q.put(("result", failed is None, failed if failed else out))
+        if broken:
+            return failed
