@@ -150,6 +150,8 @@ class ServerArgs:
         health_stall_timeout_s: ``/health`` answers 503 while work is pending and the engine has
             not started or finished a task for this long (0: never).
         dit_cpu_offload: keep DiT weights in host memory between runs (GPU only; no-op on CPU).
+        lora_merge_cache_gb: bound of the LoRA merge cache per rank in GiB (``None``: 1).
+        max_loaded_lora_gb: bound of the loaded LoRA adapters per rank in GiB (``None``: 8).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks CUDA when available.
         dtype: ``auto|float32|float16|bfloat16``; ``None`` = ``auto`` (the engine's default).
         served_model_name: id reported by ``/v1/models`` (default: the engine's ``model_name``).
@@ -185,6 +187,8 @@ class ServerArgs:
     served_model_name: str | None = None
     log_level: str = "info"
     graceful_shutdown_timeout_s: float = 300.0
+    lora_merge_cache_gb: float | None = None
+    max_loaded_lora_gb: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -255,6 +259,12 @@ class ServerArgs:
                 f"--lora-target given {len(self.lora_targets)} values for "
                 f"{len(self.lora_paths)} --lora-path values; give one target, or one per path"
             )
+        for flag, gb in (
+            ("--lora-merge-cache-gb", self.lora_merge_cache_gb),
+            ("--max-loaded-lora-gb", self.max_loaded_lora_gb),
+        ):
+            if gb is not None and not (0 <= gb < float("inf")):
+                raise ValueError(f"{flag} must be a finite number of GiB >= 0, got {gb}")
         for root in self.lora_dirs:
             if not os.path.isdir(root):
                 raise ValueError(f"--lora-dir {root!r} is not an existing directory")
@@ -413,6 +423,20 @@ class ServerArgs:
             "outside are refused, and without --lora-dir every local path is (Hub ids from the "
             "local cache are accepted)",
         )
+        g.add_argument(
+            "--lora-merge-cache-gb",
+            type=float,
+            default=None,
+            help="GiB of merged weights cached per rank for fast switching back (default 1; 0 "
+            "disables); kept in host memory when the GPU could not hold it",
+        )
+        g.add_argument(
+            "--max-loaded-lora-gb",
+            type=float,
+            default=None,
+            help="GiB of loaded adapters per rank (default 8); least recently used inactive "
+            "adapters are unloaded to make room, a larger adapter is refused with HTTP 400",
+        )
         return parser
 
     @classmethod
@@ -451,6 +475,8 @@ class ServerArgs:
             dtype=args.dtype,
             served_model_name=args.served_model_name,
             log_level=args.log_level,
+            lora_merge_cache_gb=getattr(args, "lora_merge_cache_gb", None),
+            max_loaded_lora_gb=getattr(args, "max_loaded_lora_gb", None),
         )
 
     @property

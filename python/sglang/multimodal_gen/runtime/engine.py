@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from sglang.multimodal_gen import errors as errors_mod
+from sglang.multimodal_gen.engine_ops import get_op
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.lora.requests import normalize_set_lora
 from sglang.multimodal_gen.runtime.request import GenerationRequest
@@ -56,6 +57,8 @@ class DiffusionEngine:
             (moved to the GPU for each call); ignored, with one log line, without a GPU.
         startup_timeout_s: how long TP workers may take to load.
         heartbeat_s: idle period after which rank 0 pings the other ranks.
+        lora_merge_cache_gb: bound of the LoRA merge cache per rank, GiB (default 1).
+        max_loaded_lora_gb: bound of the loaded LoRA adapters per rank, GiB (default 8).
         _worker_setup: tests only: ``fn(runner, rank)`` run in every TP worker after its runner
             is built (a picklable module-level function).
 
@@ -75,6 +78,8 @@ class DiffusionEngine:
         dit_cpu_offload: bool = False,
         startup_timeout_s: float = 900.0,
         heartbeat_s: float = 60.0,
+        lora_merge_cache_gb: float | None = None,
+        max_loaded_lora_gb: float | None = None,
         _worker_setup: Callable[[ModelRunner, int], None] | None = None,
     ):
         if model_path is None:
@@ -108,6 +113,8 @@ class DiffusionEngine:
             lora_dirs=None if lora_dirs is None else tuple(lora_dirs),
             generator_device=generator_device,
             dit_cpu_offload=bool(dit_cpu_offload),
+            lora_merge_cache_gb=lora_merge_cache_gb,
+            max_loaded_lora_gb=max_loaded_lora_gb,
         )
         if self.tp_size == 1:
             self._runner = ModelRunner(device=device, **runner_kwargs)
@@ -131,6 +138,8 @@ class DiffusionEngine:
             dtype=server_args.dtype,
             lora_dirs=tuple(server_args.lora_dirs),
             dit_cpu_offload=bool(getattr(server_args, "dit_cpu_offload", False)),
+            lora_merge_cache_gb=getattr(server_args, "lora_merge_cache_gb", None),
+            max_loaded_lora_gb=getattr(server_args, "max_loaded_lora_gb", None),
         )
 
     # ------------------------------------------------------------------ workers
@@ -212,13 +221,18 @@ class DiffusionEngine:
             p.join(timeout=5)
 
     def _call(self, op: str, **kwargs) -> Any:
+        get_op(op)  # the op table is the vocabulary (ValueError otherwise)
         with self._lock:
             if self._closed:
                 raise EngineDeadError("the engine has been shut down")
             if self._dead or not self.is_alive():
                 raise EngineDeadError("the engine's worker processes are not running")
             if self._runner is not None:
-                return self._runner.execute(op, kwargs)
+                try:
+                    return self._runner.execute(op, kwargs)
+                except EngineDeadError:  # e.g. a LoRA restore failed: stop serving mixed weights
+                    self._dead = True
+                    raise
             self._cmd_q.put((op, kwargs))
             _, ok, payload = self._wait_result()
             if ok:
