@@ -238,7 +238,10 @@ class DiffusionEngine:
             if ok:
                 return payload
             rank, err = payload
-            raise unpack_error(err, rank)
+            exc = unpack_error(err, rank)
+            if isinstance(exc, EngineDeadError):  # the workers stopped (LoRA state lost)
+                self._dead = True
+            raise exc
 
     # ------------------------------------------------------------------ API
     @property
