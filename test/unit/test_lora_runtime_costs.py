@@ -279,7 +279,7 @@ def test_merge_cache_bound_and_snapshot_memory(files):
         report = mgr.memory_report()
         assert report["merge_cache_bytes"] <= report["merge_cache_max_bytes"]
         # one snapshot per merged layer, no more than the weights the adapters touch
-        assert 0 < report["snapshot_bytes"] <= 1.1 * report["lora_weight_bytes"]
+        assert 0 < report["snapshot_bytes"] <= 1.1 * report["affected_weight_bytes"]
     assert mgr.cache.stats()["evictions"] > 0
     mgr.unset_lora()
     assert mgr.memory_report()["snapshot_bytes"] == 0

@@ -9,7 +9,8 @@ Memory (bytes, this rank; see docs/lora.md "Memory model"):
   now shares its storage with the parameter);
 * ``compiled_bytes``: fused ``A_cat``/``B_cat``/offsets of dynamic layers and request overlays;
 * ``workspace``: fp32 merge workspace held now (0 between operations) and its peak;
-* ``lora_weight_bytes``: all weights of the LoRA-able layers (the most a snapshot set can reach).
+* ``lora_weight_bytes``: all weights of the LoRA-able layers (the most a snapshot set can reach);
+  ``affected_weight_bytes``: those of the layers an active adapter touches.
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ class ReportMixin:
     def memory_report(self) -> dict[str, Any]:
         """Bytes held by the LoRA runtime on this rank (see the module docstring)."""
         snapshots: dict[str, int] = {}
-        compiled = weights = 0
+        compiled = weights = affected = 0
         for layers in self._layers.values():
             for layer in layers.values():
                 weights += _nbytes(layer.base_layer.weight)
+                if layer.active or layer.merged:
+                    affected += _nbytes(layer.base_layer.weight)
                 if layer.merged and layer._snapshot is not None:
                     dev = str(layer._snapshot.device)
                     snapshots[dev] = snapshots.get(dev, 0) + _nbytes(layer._snapshot)
@@ -79,6 +82,7 @@ class ReportMixin:
             "workspace_bytes": ws["live"],
             "workspace_peak_bytes": ws["peak"],
             "lora_weight_bytes": weights,
+            "affected_weight_bytes": affected,
         }
 
     def list_loras(self) -> dict[str, Any]:
