@@ -1,33 +1,39 @@
 """Adapter switching cost: our LoRAManager vs diffusers' LoRA API on the same model and files.
 
-Model: a Z-Image transformer with real layer shapes (dim 3840, 30 heads, FFN 10240) and
-``--blocks`` main blocks (no refiner blocks), random weights, built once in diffusers
+Model: a Z-Image transformer with the real Z-Image-Turbo layer shapes (dim 3840, 30 heads, FFN
+10240) and ``--blocks`` main blocks (no refiner blocks), random weights, built once in diffusers
 (``ZImageTransformer2DModel``) and copied into ours (``zimage_from_diffusers_module``). Two LoRA
-files in diffusers format (rank ``--rank`` on to_q/k/v, to_out.0, w1/w2/w3 of every block).
+files in diffusers format (rank ``--rank`` on to_q/k/v, to_out.0, w1/w2/w3 of every block). Every
+cost below is per block times the number of blocks, so the full model (30 blocks) is
+``per-block x 30`` (the table prints per-block times).
 
 Timed operations (median of ``--repeats``):
 
-=====================  =============================================  =============================
-operation              ours (merge mode)                              diffusers
-=====================  =============================================  =============================
-cold set               ``set_lora("a", path)``: read+convert+merge   ``load_lora_weights`` +
-                                                                      ``fuse_lora``
-load only              ``load_adapter("b", path)``                    ``load_lora_weights``
-warm switch            ``set_lora("b")``, merge cache cleared          ``unfuse_lora`` +
-                                                                      ``set_adapters`` + ``fuse_lora``
-cache hit              ``set_lora("a")`` after it was merged once      (same as warm switch)
-dynamic switch         ``set_lora("b", merge_mode="dynamic")``         ``set_adapters`` (unfused)
-unset                  ``unset_lora()`` (snapshot restore)             ``unfuse_lora`` +
-                                                                      ``disable_lora``
-=====================  =============================================  =============================
+=====================  ==============================================  ============================
+operation              ours (merge mode)                               diffusers
+=====================  ==============================================  ============================
+cold set               ``set_lora("a", path)``: read+convert+merge     ``load_lora_weights`` +
+                                                                       ``fuse_lora``
+load only              ``load_adapter("b", path)``                     ``load_lora_weights``
+warm switch            ``set_lora("b")``, merge cache cleared           ``unfuse_lora`` +
+                                                                       ``set_adapters`` + ``fuse_lora``
+cache hit              ``set_lora("a")`` after it was merged once       (same as warm switch)
+per-request switch     ``use_composition([b])`` entered and left on     switch to b and back
+                       the merged target (overlay: nothing merged)      (two warm switches)
+set, unchanged file    ``set_lora("a", path)`` again (stat, no read)    ``load_lora_weights`` +
+                                                                       ``fuse_lora`` again
+unset                  ``unset_lora()`` (snapshot swapped back)         ``unfuse_lora`` +
+                                                                       ``disable_lora``
+=====================  ==============================================  ============================
 
-A correctness check compares one merged weight of both sides. Memory: with ``--blocks 4`` in bf16
-the two models, our pre-merge snapshot and two cached compositions stay under 12 GB.
+Memory: our manager's own report (``LoRAManager.memory_report``): the snapshot kept while merged
+(compared with the bytes of the adapter-affected weights), the merge cache, and the peak fp32
+merge workspace. A correctness check compares one merged weight of both sides.
 
 Usage::
 
-    python benchmarks/bench_lora_switch.py --blocks 4               # CPU
-    python benchmarks/bench_lora_switch.py --blocks 8 --device cuda
+    python benchmarks/bench_lora_switch.py --blocks 2              # CPU, about 3 GB of RAM
+    python benchmarks/bench_lora_switch.py --blocks 30 --device cuda
 """
 
 from __future__ import annotations
@@ -83,34 +89,41 @@ def write_lora(path, model, rank, seed, dtype):
 
 
 def run_ours(ours, paths, tmp, args, device):
-    """Time our manager; returns (rows, merged to_q weight of block 0, unset bit-exact?, stats)."""
+    """Time our manager; returns (rows, merged to_q of block 0, unset bit-exact?, memory, stats)."""
+    from sglang.multimodal_gen.layers.lora import workspace_stats
     from sglang.multimodal_gen.lora.manager import LoRAManager
     from sglang.multimodal_gen.models.dits.zimage_names import ZIMAGE_NAME_MAP
 
     rows = {}
     mgr = LoRAManager(
-        {"transformer": ours}, ZIMAGE_NAME_MAP, allowed_roots=[tmp], merge_cache_bytes=16 << 30
+        {"transformer": ours},
+        ZIMAGE_NAME_MAP,
+        allowed_roots=[tmp],
+        merge_cache_bytes=int(args.merge_cache_gb * 2**30),
     )
     base_bits = {k: v.clone() for k, v in ours.state_dict().items() if k.endswith("weight")}
+    workspace_stats(reset_peak=True)
     rows["cold set (load + merge)"] = timed(lambda: mgr.set_lora("a", paths["a"]), device)
+    memory = mgr.memory_report()
     rows["load only"] = timed(lambda: mgr.load_adapter("b", paths["b"]), device)
-    # warm switch, merge cache cleared each time: a -> b recomputes every merged weight
     mgr.set_lora("a")
-
     rows["warm switch (merge)"] = median_of(
         lambda: mgr.set_lora("b"), device, args.repeats, before=_prep(mgr, "a")
     )
-    # cache hit: both compositions merged once -> switching is a copy per layer
+    # cache hit: both compositions merged once -> switching swaps storage
     mgr.set_lora("a")
     mgr.set_lora("b")
     rows["cache hit (switch back)"] = median_of(
         lambda: mgr.set_lora("a"), device, args.repeats, before=lambda: mgr.set_lora("b")
     )
-    rows["dynamic switch"] = median_of(
-        lambda: mgr.set_lora("b", merge_mode="dynamic"),
-        device,
-        args.repeats,
-        before=lambda: mgr.set_lora("a", merge_mode="dynamic"),
+
+    def per_request():
+        with mgr.use_composition([("b", 1.0)]):
+            pass
+
+    rows["per-request switch"] = median_of(per_request, device, args.repeats)
+    rows["set, unchanged file"] = median_of(
+        lambda: mgr.set_lora("a", paths["a"]), device, args.repeats
     )
     rows["unset"] = median_of(
         lambda: mgr.unset_lora(), device, args.repeats, before=lambda: mgr.set_lora("a")
@@ -121,25 +134,84 @@ def run_ours(ours, paths, tmp, args, device):
     qkv = ours.state_dict()["layers.0.attention.to_qkv.base_layer.weight"]
     ours_w = qkv[: args.dim].float().clone()
     mgr.unset_lora()
-    return rows, ours_w, unchanged, stats
+    memory["workspace_peak_bytes"] = workspace_stats()["peak"]
+    return rows, ours_w, unchanged, memory, stats
+
+
+def run_diffusers(ref, paths, args, device, rows):
+    """Time diffusers' LoRA API on ``ref``; appends to ``rows``; returns merged to_q of block 0."""
+    from diffusers import ZImagePipeline
+
+    pipe = ZImagePipeline(
+        scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=ref
+    )
+    rows["cold set (load + merge)"].append(
+        timed(
+            lambda: (
+                pipe.load_lora_weights(paths["a"], adapter_name="a"),
+                pipe.fuse_lora(adapter_names=["a"]),
+            ),
+            device,
+        )
+    )
+    ref_w = ref.layers[0].attention.to_q.base_layer.weight.float().clone()
+    rows["load only"].append(
+        timed(lambda: pipe.load_lora_weights(paths["b"], adapter_name="b"), device)
+    )
+
+    def d_switch(to):
+        pipe.unfuse_lora()
+        pipe.set_adapters([to])
+        pipe.fuse_lora(adapter_names=[to])
+
+    rows["warm switch (merge)"].append(
+        median_of(lambda: d_switch("b"), device, args.repeats, before=lambda: d_switch("a"))
+    )
+    rows["cache hit (switch back)"].append(
+        median_of(lambda: d_switch("a"), device, args.repeats, before=lambda: d_switch("b"))
+    )
+    rows["per-request switch"].append(
+        median_of(lambda: (d_switch("b"), d_switch("a")), device, args.repeats)
+    )
+
+    def d_reload():
+        pipe.unfuse_lora()
+        pipe.delete_adapters("a")
+        pipe.load_lora_weights(paths["a"], adapter_name="a")
+        pipe.set_adapters(["a"])
+        pipe.fuse_lora(adapter_names=["a"])
+
+    rows["set, unchanged file"].append(median_of(d_reload, device, args.repeats))
+
+    def d_unset():
+        pipe.unfuse_lora()
+        pipe.disable_lora()
+
+    def d_prep():
+        pipe.enable_lora()
+        d_switch("a")
+
+    rows["unset"].append(median_of(d_unset, device, args.repeats, before=d_prep))
+    return ref_w
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--dim", type=int, default=3840)
     p.add_argument("--heads", type=int, default=30)
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32", "fp16"))
+    p.add_argument("--merge-cache-gb", type=float, default=4.0, help="our merge cache bound")
     p.add_argument("--skip-diffusers", action="store_true")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
     torch.set_grad_enabled(False)
 
-    from diffusers import ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import ZImageTransformer2DModel
     from sglang.multimodal_gen.models.families.zimage import zimage_from_diffusers_module
 
     head_dim = args.dim // args.heads
@@ -155,12 +227,12 @@ def main(argv=None):
     ).to(device=device, dtype=dtype)
     ours = zimage_from_diffusers_module(ref, dtype=dtype, device=device)
     n_params = sum(p.numel() for p in ref.parameters())
+    ffn = ref.layers[0].feed_forward.w1.out_features
     print(
-        f"model: {args.blocks} blocks of dim {args.dim}, {n_params / 1e9:.2f} B params "
-        f"({n_params * ref.dtype.itemsize / 2**30:.2f} GiB), {dtype}, {device}; "
-        f"built in {time.perf_counter() - t0:.1f} s; LoRA rank {args.rank}"
+        f"model: {args.blocks} blocks of dim {args.dim}, {args.heads} heads, FFN {ffn}, "
+        f"{n_params / 1e9:.2f} B params ({n_params * ref.dtype.itemsize / 2**30:.2f} GiB), "
+        f"{dtype}, {device}; built in {time.perf_counter() - t0:.1f} s; LoRA rank {args.rank}"
     )
-
     tmp = tempfile.mkdtemp(prefix="bench_lora_switch_")
     paths = {}
     for i, name in enumerate(("a", "b")):
@@ -168,69 +240,32 @@ def main(argv=None):
         n_mod = write_lora(paths[name], ref, args.rank, i, dtype)
     size = os.path.getsize(paths["a"]) / 2**20
     print(f"LoRA files: {n_mod} modules, {size:.1f} MiB each")
-    ours_times, ours_w, unchanged, stats = run_ours(ours, paths, tmp, args, device)
+    ours_times, ours_w, unchanged, memory, stats = run_ours(ours, paths, tmp, args, device)
     del ours
     gc.collect()
     rows = {k: [v] for k, v in ours_times.items()}
-
-    # ------------------------------------------------------------------ diffusers
     if not args.skip_diffusers:
-        pipe = ZImagePipeline(
-            scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=ref
-        )
-        rows["cold set (load + merge)"].append(
-            timed(
-                lambda: (
-                    pipe.load_lora_weights(paths["a"], adapter_name="a"),
-                    pipe.fuse_lora(adapter_names=["a"]),
-                ),
-                device,
-            )
-        )
-        ref_w = ref.layers[0].attention.to_q.base_layer.weight.float().clone()
-        rows["load only"].append(
-            timed(lambda: pipe.load_lora_weights(paths["b"], adapter_name="b"), device)
-        )
-
-        def d_switch(to):
-            pipe.unfuse_lora()
-            pipe.set_adapters([to])
-            pipe.fuse_lora(adapter_names=[to])
-
-        rows["warm switch (merge)"].append(
-            median_of(lambda: d_switch("b"), device, args.repeats, before=lambda: d_switch("a"))
-        )
-        rows["cache hit (switch back)"].append(
-            median_of(lambda: d_switch("a"), device, args.repeats, before=lambda: d_switch("b"))
-        )
-        pipe.unfuse_lora()
-
-        def d_set(to):
-            pipe.set_adapters([to])
-
-        rows["dynamic switch"].append(
-            median_of(lambda: d_set("b"), device, args.repeats, before=lambda: d_set("a"))
-        )
-
-        def d_unset():
-            pipe.unfuse_lora()
-            pipe.disable_lora()
-
-        def d_prep():
-            pipe.enable_lora()
-            d_switch("a")
-
-        rows["unset"].append(median_of(d_unset, device, args.repeats, before=d_prep))
+        ref_w = run_diffusers(ref, paths, args, device, rows)
         diff = (ours_w - ref_w).abs().max().item()
         print(f"merged layers.0 to_q: max |ours - diffusers| = {diff:.3g} ({dtype})")
 
+    gib = 2**30
+    affected = memory["affected_weight_bytes"]
     print(f"weights bit-identical to the start after unset: {unchanged}; merge cache: {stats}")
+    print(
+        f"memory after the cold set: snapshot {memory['snapshot_bytes'] / gib:.2f} GiB = "
+        f"{memory['snapshot_bytes'] / affected:.2f}x the adapter-affected weights "
+        f"({affected / gib:.2f} GiB); merge cache {memory['merge_cache_bytes'] / gib:.2f} GiB "
+        f"(shares storage with the merged weights); peak fp32 workspace "
+        f"{memory['workspace_peak_bytes'] / 2**20:.0f} MiB"
+    )
     print()
-    print(f"{'operation':<26} {'ours ms':>10} {'diffusers ms':>13} {'speedup':>8}")
-    print("-" * 60)
+    n = args.blocks
+    print(f"| operation | ours ms/block | diffusers ms/block | speedup | ours ms ({n} blocks) |")
+    print("|---|---:|---:|---:|---:|")
     for name, vals in rows.items():
-        d = f"{vals[1]:13.1f} {vals[1] / vals[0]:7.1f}x" if len(vals) > 1 else ""
-        print(f"{name:<26} {vals[0]:10.1f} {d}")
+        d = f"{vals[1] / n:.1f} | {vals[1] / vals[0]:.1f}x" if len(vals) > 1 else "- | -"
+        print(f"| {name} | {vals[0] / n:.1f} | {d} | {vals[0]:.1f} |")
 
 
 def _prep(mgr, name):

@@ -154,7 +154,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ layers/lora/layer.py
     _m(
         "lora-row-a-first-columns",
-        "layers/lora/layer.py",
+        "layers/lora/wrappers.py",
         "return self.base_layer.shard_input_tensor(lora_a, dim=-1)",
         "return lora_a[:, : self.base_layer.input_size_per_partition]",
         LORA_TP,
@@ -163,7 +163,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "lora-column-b-fused-rows",
-        "layers/lora/layer.py",
+        "layers/lora/wrappers.py",
         "return self.base_layer.shard_output_tensor(lora_b, shard_id)",
         "return lora_b[: self.base_layer.shard_spec(shard_id).local_size]",
         LORA_TP,
@@ -172,7 +172,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "lora-compose-rows-at-zero",
-        "layers/lora/layer.py",
+        "layers/lora/compute.py",
         "b_cat[w.row_start : w.row_start + w.rows, col : col + w.rank].copy_(",
         "b_cat[0 : w.rows, col : col + w.rank].copy_(",
         LORA_TP,
@@ -181,9 +181,9 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "lora-merge-ignores-scale",
-        "layers/lora/layer.py",
-        "rows.addmm_(w.lora_B.float(), w.lora_A.float(), alpha=eff)",
-        "rows.addmm_(w.lora_B.float(), w.lora_A.float(), alpha=1.0)",
+        "layers/lora/compute.py",
+        "acc[lo - r0 : hi - r0].addmm_(b, a32[id(w)], alpha=eff)",
+        "acc[lo - r0 : hi - r0].addmm_(b, a32[id(w)], alpha=1.0)",
         LORA_TP,
         NOT_GLOO,
         why="merged weight W + B A, without strength and alpha / r",
@@ -200,7 +200,7 @@ MUTANTS: list[Mutant] = [
     _m(
         "lora-unmerge-keeps-merged-weight",
         "layers/lora/layer.py",
-        "        self._write_weight(self._snapshot)\n        self._snapshot = None\n",
+        "        self._set_weight(snap)\n        self._snapshot = None\n",
         "        self._snapshot = None\n",
         CACHE + ("test/unit/test_lora_pipeline.py",),
         NOT_GLOO,
@@ -321,7 +321,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ merge cache
     _m(
         "cache-key-ignores-strength",
-        "lora/manager.py",
+        "lora/compose.py",
         "keys.append(AdapterKey(adapter.identity, strength, scales))",
         "keys.append(AdapterKey(adapter.identity, 1.0, scales))",
         CACHE,
@@ -329,7 +329,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "cache-key-ignores-target",
-        "lora/manager.py",
+        "lora/compose.py",
         'key = MergeKey(f"{tname}:{module}", self._state[tname].base_version, tuple(keys))',
         "key = MergeKey(module, self._state[tname].base_version, tuple(keys))",
         CACHE,

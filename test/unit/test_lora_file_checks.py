@@ -144,19 +144,19 @@ class _CountingFile:
 
 
 def test_sparse_2gib_file_refused_without_reading_it(tmp_path, monkeypatch):
-    import sglang.multimodal_gen.lora.loading as loading
+    import sglang.multimodal_gen.lora.safetensors_io as sio
 
     p = tmp_path / "huge.safetensors"
     with open(p, "wb") as f:
         f.truncate(2 << 30)  # sparse: no disk used
     counter: list[int] = []
-    real_open = loading._open_regular
+    real_open = sio.open_regular
 
     def counting_open(path):
         f, size = real_open(path)
         return _CountingFile(f, counter), size
 
-    monkeypatch.setattr(loading, "_open_regular", counting_open)
+    monkeypatch.setattr(sio, "open_regular", counting_open)
     with pytest.raises(LoRAFormatError, match="not a safetensors file"):
         load_lora_state_dict(p)
     assert sum(counter) <= 64, counter

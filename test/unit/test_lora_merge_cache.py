@@ -91,7 +91,10 @@ def test_cached_merge_restores_exact_bytes():
 
 
 def test_merge_results_do_not_alias_a_shared_buffer():
-    """Two fp32 layers merged one after the other: the first result is unchanged (safe to cache)."""
+    """Two fp32 layers merged one after the other: the first result is unchanged (safe to cache).
+
+    The parameter is pointed at the merged tensor (swapped in, not copied), and neither a later
+    merge of another layer nor the unmerge writes into it."""
     layers = []
     for seed in (5, 6):
         w, b = full_weights("column", seed)
@@ -104,6 +107,9 @@ def test_merge_results_do_not_alias_a_shared_buffer():
     layers[1].merge()
     assert torch.equal(first, first_bits)
     assert torch.equal(first, layers[0].base_layer.weight)
+    assert first.data_ptr() == layers[0].base_layer.weight.data_ptr()
+    layers[0].unmerge()
+    assert torch.equal(first, first_bits)
     assert first.data_ptr() != layers[0].base_layer.weight.data_ptr()
 
 

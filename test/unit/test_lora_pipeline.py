@@ -418,10 +418,12 @@ def test_use_composition_per_request(files):
         torch.testing.assert_close(_out(model, x), want, atol=ATOL, rtol=RTOL)
     assert_params_equal(model, before)
     assert mgr.list_loras()["active"]["transformer"]["merged_layers"] == 8
-    # an extra adapter on one layer: only that layer runs unmerged for the request
+    # an extra adapter on one layer: that layer alone runs the difference as an overlay, on top
+    # of its merged weight (nothing is unmerged)
     mgr.load_adapter("attn", files["attn"][0])
     with mgr.use_composition([("a", 1.0), ("attn", 2.0)]):
-        assert mgr.list_loras()["active"]["transformer"]["merged_layers"] == 7
+        active = mgr.list_loras()["active"]["transformer"]
+        assert (active["merged_layers"], active["overlay_layers"]) == (8, 1)
         want = reference_output(x, [(files["a"][1], 1.0), (files["attn"][1], 2.0)])
         torch.testing.assert_close(_out(model, x), want, atol=ATOL, rtol=RTOL)
     assert_params_equal(model, before)

@@ -174,6 +174,8 @@ class ServerArgs:
         attention_backend: SDPA kernel (``--attention-backend``: auto, flash, efficient, cudnn,
             math; the CPU has flash and math).
         enable_torch_compile: ``torch.compile`` the DiT blocks (``--enable-torch-compile``).
+        lora_merge_cache_gb: bound of the LoRA merge cache per rank in GiB (``None``: 1).
+        max_loaded_lora_gb: bound of the loaded LoRA adapters per rank in GiB (``None``: 8).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks CUDA when available.
         dtype: ``auto|float32|float16|bfloat16``; ``None`` = ``auto`` (the engine's default).
         served_model_name: id reported by ``/v1/models`` (default: the engine's ``model_name``).
@@ -225,6 +227,8 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S
+    lora_merge_cache_gb: float | None = None
+    max_loaded_lora_gb: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -313,6 +317,12 @@ class ServerArgs:
                 f"--lora-target given {len(self.lora_targets)} values for "
                 f"{len(self.lora_paths)} --lora-path values; give one target, or one per path"
             )
+        for flag, gb in (
+            ("--lora-merge-cache-gb", self.lora_merge_cache_gb),
+            ("--max-loaded-lora-gb", self.max_loaded_lora_gb),
+        ):
+            if gb is not None and not (0 <= gb < float("inf")):
+                raise ValueError(f"{flag} must be a finite number of GiB >= 0, got {gb}")
         for root in self.lora_dirs:
             if not os.path.isdir(root):
                 raise ValueError(f"--lora-dir {root!r} is not an existing directory")
@@ -491,6 +501,20 @@ class ServerArgs:
             "outside are refused, and without --lora-dir every local path is (Hub ids from the "
             "local cache are accepted)",
         )
+        g.add_argument(
+            "--lora-merge-cache-gb",
+            type=float,
+            default=None,
+            help="GiB of merged weights cached per rank for fast switching back (default 1; 0 "
+            "disables); kept in host memory when the GPU could not hold it",
+        )
+        g.add_argument(
+            "--max-loaded-lora-gb",
+            type=float,
+            default=None,
+            help="GiB of loaded adapters per rank (default 8); least recently used inactive "
+            "adapters are unloaded to make room, a larger adapter is refused with HTTP 400",
+        )
         return parser
 
     @classmethod
@@ -541,6 +565,8 @@ class ServerArgs:
             node_rank=args.node_rank,
             dist_init_addr=args.dist_init_addr,
             dist_timeout_s=args.dist_timeout,
+            lora_merge_cache_gb=getattr(args, "lora_merge_cache_gb", None),
+            max_loaded_lora_gb=getattr(args, "max_loaded_lora_gb", None),
         )
 
     @property

@@ -10,16 +10,10 @@ from __future__ import annotations
 
 import hmac
 
-#: Paths that change engine state; they take the admin key when one is configured.
-ADMIN_PATHS = frozenset(
-    {
-        "/v1/set_lora",
-        "/v1/unset_lora",
-        "/v1/unload_lora",
-        "/v1/merge_lora_weights",
-        "/v1/unmerge_lora_weights",
-    }
-)
+# Paths that change engine state (they take the admin key when one is configured): the op table's
+from sglang.multimodal_gen.engine_ops import ADMIN_PATHS
+
+__all__ = ["ADMIN_PATHS", "PUBLIC_PATHS", "ApiKeyAuth", "bearer_token"]
 #: Paths open to everyone.
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
 

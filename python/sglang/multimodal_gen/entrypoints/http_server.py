@@ -53,6 +53,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang.multimodal_gen.configs.server_args import DEFAULT_MAX_IMAGE_SIZE, ServerArgs
+from sglang.multimodal_gen.engine_ops import OPS
 from sglang.multimodal_gen.entrypoints.auth import ADMIN_PATHS, ApiKeyAuth
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception, error_body
@@ -409,6 +410,7 @@ _KNOWN_ENDPOINTS = frozenset(
         "/metrics",
     }
     | ADMIN_PATHS
+    | {op.path for op in OPS.values() if op.path}
 )
 
 
@@ -744,7 +746,16 @@ def create_app(
         metrics.set_queue_depth(scheduler.queue_depth)
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    _check_op_routes(app)
     return app
+
+
+def _check_op_routes(app: FastAPI) -> None:
+    """Every route of the engine op table is served, with its method (a missing one is a bug)."""
+    served = {(m, r.path) for r in app.routes for m in getattr(r, "methods", ()) or ()}
+    missing = [op.name for op in OPS.values() if op.path and (op.method, op.path) not in served]
+    if missing:
+        raise RuntimeError(f"engine ops without their HTTP route: {missing}")
 
 
 def resolve_max_image_size(requested: int | None, defaults: dict) -> int:

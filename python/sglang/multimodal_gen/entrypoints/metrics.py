@@ -14,6 +14,9 @@ tests) do not collide. Metric names (all prefixed ``sglang_``):
   the steps);
 - ``sglang_lora_admin_seconds{op}``: ``set_lora`` (load + switch), ``unset_lora`` (switch),
   ``merge_lora_weights``, ``unmerge_lora_weights``, ``unload_lora``;
+- ``sglang_lora_memory_bytes{kind}``: the LoRA runtime's memory after the last LoRA command
+  (``loaded``, ``max_loaded``, ``snapshot``, ``merge_cache``, ``merge_cache_max``, ``compiled``,
+  ``workspace_peak``; see ``list_loras()["memory"]``);
 - ``sglang_images_generated_total``.
 """
 
@@ -32,6 +35,10 @@ from sglang.multimodal_gen.entrypoints.scheduler import SchedulerMetrics
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600,
+)  # fmt: skip
+_LORA_MEMORY_KINDS = (
+    "loaded", "max_loaded", "snapshot", "merge_cache", "merge_cache_max", "compiled",
+    "workspace_peak",
 )  # fmt: skip
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -72,6 +79,10 @@ class ServerMetrics(SchedulerMetrics):
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.images = Counter("sglang_images_generated", "images returned", registry=r)
+        self.lora_memory = Gauge(
+            "sglang_lora_memory_bytes", "LoRA runtime memory by kind (rank 0)", ["kind"],
+            registry=r,
+        )  # fmt: skip
 
     # SchedulerMetrics hooks -------------------------------------------------------------
     def set_queue_depth(self, depth: int) -> None:
@@ -85,6 +96,12 @@ class ServerMetrics(SchedulerMetrics):
 
     def observe_admin(self, op: str, seconds: float) -> None:
         self.lora_admin.labels(op=op).observe(seconds)
+
+    def observe_lora_memory(self, memory: dict) -> None:
+        for kind in _LORA_MEMORY_KINDS:
+            value = memory.get(f"{kind}_bytes")
+            if isinstance(value, int | float):
+                self.lora_memory.labels(kind=kind).set(value)
 
     def set_engine_alive(self, alive: bool) -> None:
         self.engine_alive.set(1 if alive else 0)

@@ -45,6 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang.multimodal_gen.engine_ops import OPS, SCHEDULER_CALLS
 from sglang.multimodal_gen.errors import EngineDeadError, QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ class SchedulerMetrics:
 
     def observe_generation(self, wait_s: float, run_s: float, steps: int | None) -> None:
         pass  # pragma: no cover - trivial
+
+    def observe_lora_memory(self, memory: dict) -> None:  # pragma: no cover - trivial
+        """The LoRA manager's memory report after a LoRA command (``list_loras()["memory"]``)."""
 
     def observe_admin(self, op: str, seconds: float) -> None:  # pragma: no cover - trivial
         pass
@@ -113,14 +117,7 @@ class Scheduler:
         batch_wait_s: how long a batch that is not full waits for more requests (seconds).
     """
 
-    ADMIN_METHODS = (
-        "set_lora",
-        "unset_lora",
-        "unload_lora",
-        "merge_lora_weights",
-        "unmerge_lora_weights",
-        "list_loras",
-    )
+    ADMIN_METHODS = SCHEDULER_CALLS  # the op table's scheduled commands
 
     def __init__(
         self,
@@ -495,6 +492,8 @@ class Scheduler:
                 else 0.8 * self._avg_generation_s + 0.2 * run_s
             )
             self.metrics.observe_generation(start - task.enqueued_at, run_s, steps)
-        elif task.kind != "list_loras":
+        elif OPS[task.kind].changes_lora:
             self.metrics.observe_admin(task.kind, end - start)
+        if isinstance(result, dict) and isinstance(result.get("memory"), dict):
+            self.metrics.observe_lora_memory(result["memory"])
         task.future.set_result(result)

@@ -27,6 +27,7 @@ _EXPORTS = {
     # adapter manager and merge cache
     "AdapterKey": "merge_cache",
     "LoRAManager": "manager",
+    "LoRAStateError": "transactions",
     "MergeCache": "merge_cache",
     "MergeKey": "merge_cache",
 }
@@ -38,6 +39,7 @@ __all__ = [
     "CanonicalLoRA",
     "LoRAManager",
     "LoRAModelSpec",
+    "LoRAStateError",
     "MergeCache",
     "MergeKey",
     "config_from_sources",
@@ -71,6 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover
         normalize_set_lora,
         validate_composition,
     )
+    from sglang.multimodal_gen.lora.transactions import LoRAStateError
 
 
 def __getattr__(name: str) -> Any:

@@ -28,6 +28,7 @@ import torch
 
 from sglang.multimodal_gen import errors as errors_mod
 from sglang.multimodal_gen.configs.launch_plan import DEFAULT_DIST_TIMEOUT_S, LaunchPlan
+from sglang.multimodal_gen.engine_ops import get_op
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.lora.requests import normalize_set_lora
 from sglang.multimodal_gen.runtime.nodes import (
@@ -94,6 +95,8 @@ class DiffusionEngine:
             ranks. Under ``torchrun`` the placement comes from its environment.
         startup_timeout_s: how long TP workers may take to load.
         heartbeat_s: idle period after which rank 0 pings the other ranks.
+        lora_merge_cache_gb: bound of the LoRA merge cache per rank, GiB (default 1).
+        max_loaded_lora_gb: bound of the loaded LoRA adapters per rank, GiB (default 8).
         _worker_setup: tests only: ``fn(runner, rank)`` run in every TP worker after its runner
             is built (a picklable module-level function).
 
@@ -125,6 +128,8 @@ class DiffusionEngine:
         dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S,
         startup_timeout_s: float = 900.0,
         heartbeat_s: float = 60.0,
+        lora_merge_cache_gb: float | None = None,
+        max_loaded_lora_gb: float | None = None,
         _worker_setup: Callable[[ModelRunner, int], None] | None = None,
     ):
         if int(tp_size) < 1:
@@ -161,6 +166,8 @@ class DiffusionEngine:
             dit_cpu_offload=bool(dit_cpu_offload),
             attention_backend=attention_backend,
             enable_torch_compile=bool(enable_torch_compile),
+            lora_merge_cache_gb=lora_merge_cache_gb,
+            max_loaded_lora_gb=max_loaded_lora_gb,
         )
         if plan is None:
             self._runner = ModelRunner(device=device, **runner_kwargs)
@@ -195,6 +202,8 @@ class DiffusionEngine:
             attention_backend=server_args.attention_backend,
             enable_torch_compile=server_args.enable_torch_compile,
             **multinode_kwargs(server_args),
+            lora_merge_cache_gb=getattr(server_args, "lora_merge_cache_gb", None),
+            max_loaded_lora_gb=getattr(server_args, "max_loaded_lora_gb", None),
         )
 
     # ------------------------------------------------------------------ workers
@@ -231,19 +240,27 @@ class DiffusionEngine:
         self._workers.kill()
 
     def _call(self, op: str, **kwargs) -> Any:
+        get_op(op)  # the op table is the vocabulary (ValueError otherwise)
         with self._lock:
             if self._closed:
                 raise EngineDeadError("the engine has been shut down")
             if self._dead or not self.is_alive():
                 raise EngineDeadError("the engine's worker processes are not running")
             if self._runner is not None:
-                return self._runner.execute(op, kwargs)
+                try:
+                    return self._runner.execute(op, kwargs)
+                except EngineDeadError:  # e.g. a LoRA restore failed: stop serving mixed weights
+                    self._dead = True
+                    raise
             self._cmd_q.put((op, kwargs))
             _, ok, payload = self._wait_result()
             if ok:
                 return payload
             rank, err = payload
-            raise unpack_error(err, rank)
+            exc = unpack_error(err, rank)
+            if isinstance(exc, EngineDeadError):  # the workers stopped (LoRA state lost)
+                self._dead = True
+            raise exc
 
     # ------------------------------------------------------------------ API
     @property

@@ -9,7 +9,10 @@ the latter case rank 0 receives every command, reads the LoRA files it names
 :meth:`ModelRunner.execute` with the same command in the same order, so weights (base and LoRA)
 stay identical across ranks. LoRA changes are all-or-nothing across ranks: each rank applies the
 change under a savepoint, the ranks agree on the outcome, and when any rank failed every rank
-rolls back (:meth:`ModelRunner.execute` with ``agree``).
+rolls back (:meth:`ModelRunner.execute` with ``agree``). A generation with its own LoRA
+composition joins the same protocol: the composition is applied on every rank or none, and a
+failed restore on any rank stops the engine. Which command needs what is the op table's
+(:mod:`sglang.multimodal_gen.engine_ops`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ from typing import Any
 import torch
 
 from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
+from sglang.multimodal_gen.engine_ops import LORA_CHANGE_OPS, get_op
 from sglang.multimodal_gen.errors import SGLangError
 from sglang.multimodal_gen.layers.attention import set_attention_backend
+from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA
 from sglang.multimodal_gen.lora.manager import LoRAManager
+from sglang.multimodal_gen.lora.staging import UNCHANGED
+from sglang.multimodal_gen.lora.transactions import LoRAStateError
 from sglang.multimodal_gen.models.registry import ModelFamily, family_for_model, resolve_object
 from sglang.multimodal_gen.runtime.request import GenerationRequest
 
@@ -36,7 +43,7 @@ class LoRAChangeAborted(SGLangError):
     """This rank's LoRA change succeeded but was undone because another TP rank failed."""
 
 
-class LoRARollbackError(RuntimeError):
+class LoRARollbackError(LoRAStateError):
     """Undoing a LoRA change failed: this rank's LoRA state may differ from the other ranks'."""
 
 
@@ -61,6 +68,8 @@ def build_lora_manager(
     family: ModelFamily,
     lora_dirs: Sequence[str] | None = None,
     cpu_offload: bool = False,
+    merge_cache_gb: float | None = None,
+    max_loaded_gb: float | None = None,
 ) -> LoRAManager:
     """The LoRA manager over the denoisers' LoRA-able layers.
 
@@ -72,15 +81,27 @@ def build_lora_manager(
         cpu_offload: the DiT weights live in host memory between commands (``--dit-cpu-offload``
             on CUDA): pre-merge snapshots and cached merges are kept in host memory too, so the
             accelerator holds one copy of the model.
+        merge_cache_gb: bound of the merge cache in GiB (``--lora-merge-cache-gb``; default 1).
+            It is kept in host memory when the accelerator could not hold it next to what is
+            free now (:func:`merge_cache_device`).
+        max_loaded_gb: bound of the loaded adapters in GiB (``--max-loaded-lora-gb``; default 8).
     """
-    offload_kw = dict(snapshot_device="cpu", merge_cache_device="cpu") if cpu_offload else {}
+    cache_bytes = int((1.0 if merge_cache_gb is None else merge_cache_gb) * 2**30)
+    kw: dict = dict(merge_cache_bytes=cache_bytes)
+    if max_loaded_gb is not None:
+        kw["max_loaded_bytes"] = int(max_loaded_gb * 2**30)
+    if cpu_offload:
+        kw.update(snapshot_device="cpu", merge_cache_device="cpu")
+    else:
+        weight = next(iter(denoisers.values())).parameters().__next__()
+        kw["merge_cache_device"] = merge_cache_device(weight.device, cache_bytes)
     targets = {family.denoiser(c).lora_target: m for c, m in denoisers.items()}
     return LoRAManager(
         targets,
         resolve_object(family.denoisers[0].name_map),
         allowed_roots=None if lora_dirs is None else list(lora_dirs),
         model_name=family.display_name,
-        **offload_kw,
+        **kw,
     )
 
 
@@ -99,6 +120,16 @@ def compile_blocks(model: torch.nn.Module) -> int:
     return n
 
 
+def merge_cache_device(device: torch.device, cache_bytes: int) -> torch.device | None:
+    """Where the merge cache lives: host memory when ``device`` is an accelerator whose free
+    memory is less than twice the cache bound (the cache must not starve activations), else
+    ``None`` (the weights' device, where a hit swaps storage instead of copying)."""
+    if device.type != "cuda" or cache_bytes == 0:
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return torch.device("cpu") if free < 2 * cache_bytes else None
+
+
 class DiTOffloader:
     """Keeps a module's parameters in pinned host memory between commands (``--dit-cpu-offload``).
 
@@ -112,6 +143,9 @@ class DiTOffloader:
     def __init__(self, module: torch.nn.Module, device: torch.device):
         self.module = module
         self.device = device
+        for m in module.modules():  # parked weights are written in place, never re-pointed
+            if isinstance(m, BaseLayerWithLoRA):
+                m.swap_storage = False
         self.params = [p for p in module.parameters()]
         self.host = []
         for p in self.params:
@@ -142,16 +176,7 @@ class DiTOffloader:
         self.on_device = False
 
 
-# Commands after which the DiT weights are unchanged (a per-request composition restores them).
-_READ_ONLY_OPS = ("generate", "generate_batch", "list_loras", "noop")
-# Commands that change the LoRA state: all-or-nothing across TP ranks.
-LORA_CHANGE_OPS = (
-    "set_lora",
-    "unset_lora",
-    "unload_lora",
-    "merge_lora_weights",
-    "unmerge_lora_weights",
-)
+__all__ = ["LORA_CHANGE_OPS", "LoRAChangeAborted", "LoRARollbackError", "ModelRunner"]
 
 
 class ModelRunner:
@@ -175,6 +200,7 @@ class ModelRunner:
             first generation of each shape (and after a LoRA change) pays the compile time.
         dit_cpu_offload: on CUDA, keep the DiT weights in pinned host memory between commands
             (:class:`DiTOffloader`); ignored on other devices.
+        lora_merge_cache_gb, max_loaded_lora_gb: LoRA memory bounds (:func:`build_lora_manager`).
     """
 
     def __init__(
@@ -191,6 +217,8 @@ class ModelRunner:
         attention_backend: str = "auto",
         enable_torch_compile: bool = False,
         layout: ParallelLayout | None = None,
+        lora_merge_cache_gb: float | None = None,
+        max_loaded_lora_gb: float | None = None,
     ):
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -222,7 +250,12 @@ class ModelRunner:
         )
         offload = dit_cpu_offload and self.device.type == "cuda"
         self.lora_manager = build_lora_manager(
-            self.pipeline.denoisers, self.family, lora_dirs, offload
+            self.pipeline.denoisers,
+            self.family,
+            lora_dirs,
+            offload,
+            merge_cache_gb=lora_merge_cache_gb,
+            max_loaded_gb=max_loaded_lora_gb,
         )
         # One offloader per denoiser; with several (two-expert models) a generation keeps only
         # the expert that runs on the accelerator, moved in when the loop switches to it.
@@ -278,7 +311,8 @@ class ModelRunner:
 
         ``set_lora``: every path is read here (:meth:`LoRAManager.read_source`) and the command
         carries the contents (``sources``) instead of the ``trusted`` flag, so every rank converts
-        and applies the same tensors. Other commands are returned unchanged.
+        and applies the same tensors; a path whose loaded adapter's files are unchanged is not
+        read (it is sent as ``"unchanged"``). Other commands are returned unchanged.
 
         Raises:
             InvalidRequestError / LoRAFormatError: a path that cannot be read (``lora_path``).
@@ -287,20 +321,32 @@ class ModelRunner:
             return kwargs
         kwargs = dict(kwargs)
         trusted = bool(kwargs.pop("trusted", False))
-        kwargs["sources"] = self._read_sources(kwargs.get("paths") or (), trusted)
+        kwargs["sources"] = self._read_sources(
+            kwargs.get("nicknames") or (), kwargs.get("paths") or (), trusted
+        )
         return kwargs
 
-    def _read_sources(self, paths: Sequence[str | None], trusted: bool) -> dict[str, tuple]:
+    def _read_sources(
+        self, nicknames: Sequence[str], paths: Sequence[str | None], trusted: bool
+    ) -> dict[str, Any]:
+        """``{path: (state_dict, metadata) or "unchanged"}``: each path read at most once, and
+        not at all when every nickname given it holds its unchanged file."""
+        manager = self.lora_manager
+        users: dict[str, list[str]] = {}
+        for name, path in zip(nicknames, paths):
+            if path is not None:
+                users.setdefault(path, []).append(name)
         return {
-            p: self.lora_manager.read_source(p, trusted)
-            for p in dict.fromkeys(paths)
-            if p is not None
+            p: UNCHANGED
+            if all(manager.unchanged(n, p, trusted) for n in names)
+            else manager.read_source(p, trusted)
+            for p, names in users.items()
         }
 
     @contextlib.contextmanager
     def _weights_on_device(self, op: str) -> Iterator[None]:
-        if not self.offloaders or op == "noop":
-            yield
+        if not self.offloaders or not get_op(op).needs_weights:
+            yield  # read-only commands (list_loras, the heartbeat) never move weights
             return
         if op == "generate" and self.per_expert_offload:
             try:  # the pipeline moves each expert in when it starts running
@@ -314,7 +360,7 @@ class ModelRunner:
             yield
         finally:
             for off in self.offloaders.values():
-                off.offload(dirty=op not in _READ_ONLY_OPS)
+                off.offload(dirty=get_op(op).changes_lora)
 
     def execute(
         self,
@@ -335,12 +381,17 @@ class ModelRunner:
             LoRAChangeAborted: this rank's change was rolled back because another rank failed.
             LoRARollbackError: the rollback itself failed (this rank may now differ).
         """
-        fn = getattr(self, f"cmd_{op}", None)
-        if fn is None:
-            raise ValueError(f"unknown engine command {op!r}")
+        fn = getattr(self, f"cmd_{get_op(op).name}")
+        if op in ("generate", "generate_batch") and agree is not None:
+            kwargs = dict(kwargs, agree=agree)  # a per-request composition joins the protocol
         if agree is None or op not in LORA_CHANGE_OPS:
             with self._weights_on_device(op):
-                return fn(**kwargs)
+                try:
+                    return fn(**kwargs)
+                except LoRAStateError as e:
+                    if agree is None or isinstance(e, LoRARollbackError):
+                        raise
+                    raise LoRARollbackError(f"TP rank {self.tp_rank}: {e.message}") from e
         manager = self.lora_manager
         out, err, began = None, None, False
         with contextlib.ExitStack() as stack:
@@ -357,7 +408,7 @@ class ModelRunner:
             elif began:
                 try:
                     manager.rollback_change()
-                except BaseException as e:
+                except BaseException as e:  # the manager already reset its layers
                     raise LoRARollbackError(
                         f"TP rank {self.tp_rank}: undoing a failed LoRA change failed ({e}); the "
                         "ranks' LoRA states may differ"
@@ -370,13 +421,16 @@ class ModelRunner:
             )
         return out
 
-    def cmd_generate(self, req: GenerationRequest, progress: bool | None = None):
-        """Returns uint8 ``[n, H, W, 3]`` on rank 0, ``None`` on other ranks."""
+    def cmd_generate(self, req: GenerationRequest, progress: bool | None = None, agree=None):
+        """Returns uint8 ``[n, H, W, 3]`` on rank 0, ``None`` on other ranks. ``agree``: TP, for
+        a per-request composition (:meth:`LoRAManager.use_composition`)."""
         kwargs = self._pipeline_kwargs(req, progress)
-        with self._request_composition(req.lora):
+        with self._request_composition(req.lora, agree):
             return self.pipeline(**kwargs)
 
-    def cmd_generate_batch(self, reqs: list[GenerationRequest], progress: bool | None = None):
+    def cmd_generate_batch(
+        self, reqs: list[GenerationRequest], progress: bool | None = None, agree=None
+    ):
         """Several requests in one denoising loop (``pipelines.batching``): each keeps its own
         seed, prompts and guidance; their DiT calls are batched step by step.
 
@@ -404,7 +458,7 @@ class ModelRunner:
                 except BaseException as e:  # reported per request
                     out[i] = (False, pack_error(e))
 
-        with self._request_composition(reqs[0].lora):
+        with self._request_composition(reqs[0].lora, agree):
             threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
             for t in threads:
                 t.start()
@@ -414,12 +468,12 @@ class ModelRunner:
         return out
 
     @contextlib.contextmanager
-    def _request_composition(self, lora) -> Iterator[None]:
+    def _request_composition(self, lora, agree=None) -> Iterator[None]:
         """A request's own adapter composition (``None``: the global one) around its run."""
         if lora is None:
             yield
             return
-        with self.lora_manager.use_composition(list(lora)):
+        with self.lora_manager.use_composition(list(lora), agree=agree):
             try:
                 yield
             finally:
@@ -456,7 +510,7 @@ class ModelRunner:
         trusted=False,
     ):
         if sources is None:
-            sources = self._read_sources(paths, trusted)
+            sources = self._read_sources(nicknames, paths, trusted)
         return self.lora_manager.set_lora(
             nicknames, paths, targets, strengths, merge_mode, sources=sources
         )

@@ -188,7 +188,11 @@ def _follow_commands(rank, runner, cmd_q, res_q, heartbeat_s, gather):
         errs = gather(err)
         # a LoRA change reports the error of the rank that failed, not a rollback notice
         failed = decided[0] if decided and decided[0] else first_error(errs)
-        broken = [r for r, e in enumerate(errs) if e and e["type"] == "LoRARollbackError"]
+        broken = [
+            r
+            for r, e in enumerate(errs)
+            if e and e["type"] in ("LoRARollbackError", "LoRAStateError")
+        ]
         if broken:
             failed = (
                 broken[0],

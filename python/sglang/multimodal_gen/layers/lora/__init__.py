@@ -1,19 +1,21 @@
 """LoRA layers: one generic forward around the ParallelLinear family (ARCHITECTURE.md section 3)."""
 
-from sglang.multimodal_gen.layers.lora.layer import (
-    BaseLayerWithLoRA,
+from sglang.multimodal_gen.layers.lora.compute import (
+    get_runtime_lora_scale,
+    runtime_lora_scale,
+    workspace_stats,
+)
+from sglang.multimodal_gen.layers.lora.layer import BaseLayerWithLoRA
+from sglang.multimodal_gen.layers.lora.weights import LoRAWeights
+from sglang.multimodal_gen.layers.lora.wrappers import (
     ColumnParallelLinearWithLoRA,
     MergedColumnParallelLinearWithLoRA,
     QKVParallelLinearWithLoRA,
     ReplicatedLinearWithLoRA,
     RowParallelLinearWithLoRA,
-    get_runtime_lora_scale,
-    release_merge_workspace,
     replace_submodule,
-    runtime_lora_scale,
     wrap_with_lora,
 )
-from sglang.multimodal_gen.layers.lora.weights import LoRAWeights
 
 __all__ = [
     "BaseLayerWithLoRA",
@@ -24,8 +26,8 @@ __all__ = [
     "ReplicatedLinearWithLoRA",
     "RowParallelLinearWithLoRA",
     "get_runtime_lora_scale",
-    "release_merge_workspace",
     "replace_submodule",
     "runtime_lora_scale",
+    "workspace_stats",
     "wrap_with_lora",
 ]

@@ -11,160 +11,41 @@ the base GEMM sees, the delta is added before the base layer's collective, and t
     y_local += offset   (on the rank that adds the bias)   # optional per-adapter constant term
     return base.package_output(base.reduce_output(y_local))
 
-Subclasses only say how a full ``A`` ``[r, in]`` and ``B`` ``[out_of_shard, r]`` are cut to this
-rank (:meth:`BaseLayerWithLoRA.slice_lora_a_weights`, :meth:`~BaseLayerWithLoRA.slice_lora_b_weights`),
-driven by the base layer's shard map.
-
-Fused compose: the active adapters ``i`` (strength ``s_i``, scale ``c_i``) on shards ``k`` become
-``A_cat = [A_1k; A_2k; ...]`` ``[R, in_local]`` (R = sum of ranks) and a block matrix
-``B_cat`` ``[out_local, R]`` whose block for (adapter i, shard k) holds ``s_i c_i B_ik`` at the
-shard's local rows and zeros elsewhere (q/k/v or gate/up sections of unequal height compose
-block-diagonally). N adapters cost one pair of GEMMs of rank ``R``.
-
-Merge: ``W' = W + sum_i s_i c_i B_i A_i`` in fp32, rounded once to the weight dtype; the pre-merge
-weight is kept as a snapshot and :meth:`~BaseLayerWithLoRA.unmerge` copies it back (never
-subtracts), so unmerging is bit-exact. LoRA itself: Hu et al. 2021, "LoRA: Low-Rank Adaptation of
-Large Language Models", eq. 3.
+Subclasses (``wrappers.py``) only say how a full ``A`` and ``B`` are cut to this rank; the
+arithmetic (fused compose, chunked fp32 merge) is in ``compute.py``. Merge keeps the pre-merge
+weight as a snapshot that unmerge puts back (never subtracts: bit-exact); the parameter is
+re-pointed rather than written (``swap_storage``). A request overlay runs another composition on a
+merged layer as ``merged + (request - merged)``. LoRA: Hu et al. 2021, eq. 3.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.multimodal_gen.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    ParallelLinear,
-    QKVParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-    ShardId,
+from sglang.multimodal_gen.layers.linear import ParallelLinear, ShardId
+from sglang.multimodal_gen.layers.lora import compute as _compute
+from sglang.multimodal_gen.layers.lora.compute import (
+    Entry,
+    LocalLoRA,
+    compile_entries,
+    get_runtime_lora_scale,
+    merged_weight,
 )
-from sglang.multimodal_gen.layers.lora.weights import LoRAWeights, all_finite
+from sglang.multimodal_gen.layers.lora.weights import LoRAWeights, all_finite, check_weights, own
 
-__all__ = [
-    "BaseLayerWithLoRA",
-    "ColumnParallelLinearWithLoRA",
-    "MergedColumnParallelLinearWithLoRA",
-    "QKVParallelLinearWithLoRA",
-    "ReplicatedLinearWithLoRA",
-    "RowParallelLinearWithLoRA",
-    "get_runtime_lora_scale",
-    "release_merge_workspace",
-    "replace_submodule",
-    "runtime_lora_scale",
-    "wrap_with_lora",
-]
-
-# ---------------------------------------------------------------------------- runtime scale
-_RUNTIME_SCALE: float = 1.0
+__all__ = ["BaseLayerWithLoRA"]
 
 
-def get_runtime_lora_scale() -> float:
-    """The multiplier currently applied to every active adapter's scale in forwards (default 1)."""
-    return _RUNTIME_SCALE
-
-
-@contextlib.contextmanager
-def runtime_lora_scale(scale: float) -> Iterator[None]:
-    """Multiply every active adapter's scale by ``scale`` for the forwards inside the block.
-
-    Stored state (weights, composition, merged weights) is not touched. Nested blocks multiply.
-    On a merged layer the forward adds ``(scale - 1) * delta`` on top of the merged weight, so the
-    result is the same as in unmerged mode.
-
-    Raises:
-        ValueError: ``scale`` is not finite.
-    """
-    global _RUNTIME_SCALE
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"runtime_lora_scale: scale must be finite, got {scale}")
-    previous = _RUNTIME_SCALE
-    _RUNTIME_SCALE = previous * scale
-    try:
-        yield
-    finally:
-        _RUNTIME_SCALE = previous
-
-
-# ---------------------------------------------------------------------------- helpers
-_WORKSPACE: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_workspace(shape: torch.Size, device: torch.device) -> torch.Tensor:
-    """A reusable fp32 buffer of ``shape`` (grow-only, one per device).
-
-    Merges run one layer at a time (not thread-safe: one merging thread per process); reusing
-    one buffer avoids allocating (and, on the CPU,
-    page-faulting in) a fresh ``[out, in]`` fp32 tensor for every layer of every switch.
-    """
-    numel = math.prod(shape)
-    buf = _WORKSPACE.get(device)
-    if buf is None or buf.numel() < numel:
-        with torch.inference_mode(False):
-            buf = torch.empty(numel, dtype=torch.float32, device=device)
-        _WORKSPACE[device] = buf
-    return buf[:numel].view(shape)
-
-
-def release_merge_workspace() -> None:
-    """Free the fp32 merge buffers (they are re-created by the next merge)."""
-    _WORKSPACE.clear()
-
-
-@dataclass
-class _LocalLoRA:
-    """This rank's slices of one shard of one adapter (dtype as given, device of the weight)."""
-
-    lora_A: torch.Tensor  # [r, in_local]
-    lora_B: torch.Tensor  # [rows_local, r]
-    scale: float
-    offset: torch.Tensor | None  # [rows_local]
-    row_start: int  # first local row of the base weight this shard covers
-    rows: int  # number of local rows
-    offset_scale: float = 1.0  # the offset's multiplier besides the strength
-
-    @property
-    def rank(self) -> int:
-        return int(self.lora_A.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        n = self.lora_A.numel() * self.lora_A.element_size()
-        n += self.lora_B.numel() * self.lora_B.element_size()
-        if self.offset is not None:
-            n += self.offset.numel() * self.offset.element_size()
-        return n
-
-
-def _own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A contiguous normal (non-inference) tensor on ``device`` that owns its storage."""
-    with torch.inference_mode(False), torch.no_grad():
-        out = t.detach().to(device=device)
-        if out.data_ptr() == t.data_ptr() or not out.is_contiguous() or out.is_inference():
-            out = out.clone(memory_format=torch.contiguous_format)
-        return out
-
-
-def _check_finite(t: torch.Tensor, what: str, module: str) -> None:
-    if not all_finite(t):
-        raise ValueError(f"LoRA {what} for module {module!r} contains NaN or Inf")
-
-
-# ---------------------------------------------------------------------------- base wrapper
 class BaseLayerWithLoRA(nn.Module):
     """A :class:`ParallelLinear` plus any number of LoRA adapters, merged or not.
 
     Args:
-        base_layer: the layer to wrap; its ``weight`` is modified in place by :meth:`merge`.
+        base_layer: the layer to wrap; :meth:`merge` changes its ``weight``.
         snapshot_device: where :meth:`merge` keeps the pre-merge weight (default: the weight's
             device; ``"cpu"`` trades unmerge speed for accelerator memory).
 
@@ -172,10 +53,9 @@ class BaseLayerWithLoRA(nn.Module):
         base_layer: the wrapped layer.
         prefix: the module's dotted name (from the base layer), used in error messages.
 
-    Forward: ``x`` ``[..., in]`` (``[..., in_local]`` for a row-parallel layer with
-    ``input_is_parallel=True``) -> ``(output, output_bias)`` exactly like the base layer.
-    With nothing active, or everything merged (and no offsets, runtime scale 1), the forward is
-    ``base_layer(x)`` itself: bit-identical.
+    Forward: ``x`` ``[..., in]`` (``[..., in_local]`` row-parallel with ``input_is_parallel``) ->
+    ``(output, output_bias)`` like the base layer; ``base_layer(x)`` itself (bit-identical) with
+    nothing active, or everything merged without offsets at runtime scale 1.
     """
 
     def __init__(
@@ -189,10 +69,9 @@ class BaseLayerWithLoRA(nn.Module):
         self.base_layer = base_layer
         self.prefix = base_layer.prefix
         self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
-        self._adapters: dict[str, dict[ShardId, _LocalLoRA]] = {}
+        self._adapters: dict[str, dict[ShardId, LocalLoRA]] = {}
         self._composition: list[tuple[str, float]] = []
-        # compiled state of the active composition: built on first use by an unmerged forward
-        # (_ensure_compiled), so switches in merge mode never pay for it
+        # compiled active composition: built by the first unmerged forward (_ensure_compiled)
         self._any_active = False  # some active adapter has a non-zero strength here
         self._any_offset = False  # ... and one of them carries an output offset
         self._dirty = False
@@ -201,6 +80,12 @@ class BaseLayerWithLoRA(nn.Module):
         self._offset: torch.Tensor | None = None  # [out_local], weight dtype, scales folded in
         self._snapshot: torch.Tensor | None = None  # pre-merge weight while merged
         self._merged = False
+        self._overlay: list[tuple[str, float]] | None = None  # request composition (merged only)
+        self._ov: tuple = (None, None, None)  # its compiled difference to the active one
+        self.merges = 0  # merges done (computed or from a cached tensor); tests and stats
+        # False: merge/unmerge copy into the parameter's storage instead of re-pointing it, for
+        # owners that keep a reference to that storage (DiTOffloader)
+        self.swap_storage = True
 
     # ------------------------------------------------------------------ slicing hooks
     def slice_lora_a_weights(self, lora_a: torch.Tensor, shard_id: ShardId) -> torch.Tensor:
@@ -208,10 +93,7 @@ class BaseLayerWithLoRA(nn.Module):
         return lora_a
 
     def slice_lora_b_weights(self, lora_b: torch.Tensor, shard_id: ShardId) -> torch.Tensor:
-        """Full ``B`` ``[rows_of_shard, r]`` (or an offset ``[rows_of_shard]``) -> this rank's rows.
-
-        Default: whole (the output dim is not split).
-        """
+        """Full ``B`` ``[rows_of_shard, r]`` (or an offset) -> this rank's rows. Default: whole."""
         return lora_b
 
     def __getattr__(self, name: str):
@@ -246,7 +128,8 @@ class BaseLayerWithLoRA(nn.Module):
 
     @property
     def active(self) -> bool:
-        """Whether an adapter contributes to the output (in either mode)."""
+        """Whether an adapter of the active composition contributes to the output (merged or
+        not; a request overlay is not counted)."""
         return self._any_active
 
     @property
@@ -288,38 +171,9 @@ class BaseLayerWithLoRA(nn.Module):
             full_rows, _, _ = self._rows_of(shard_id)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-        a, b = w.lora_A, w.lora_B
-        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-            raise ValueError(f"{where}: lora_A and lora_B must be tensors")
-        if a.dim() != 2 or b.dim() != 2:
-            raise ValueError(
-                f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} must both be 2-D"
-            )
-        r = a.shape[0]
-        if (r == 0 or b.shape[1] == 0) and w.offset is None:
-            raise ValueError(f"{where}: rank 0 (lora_A {list(a.shape)}, lora_B {list(b.shape)})")
-        expected_a = [r, self.base_layer.input_size]
-        expected_b = [full_rows, r]
-        if list(a.shape) != expected_a or list(b.shape) != expected_b:
-            raise ValueError(
-                f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the layer; "
-                f"expected lora_A {expected_a} and lora_B {expected_b}"
-            )
-        if not (a.is_floating_point() and b.is_floating_point()):
-            raise ValueError(
-                f"{where}: lora_A/lora_B must be floating point ({a.dtype}, {b.dtype})"
-            )
-        for what, scale in (("scale", w.scale), ("offset_scale", w.effective_offset_scale)):
-            if not math.isfinite(float(scale)):
-                raise ValueError(f"{where}: {what} {float(scale)} is not finite")
-        _check_finite(a, "lora_A", f"{module}[{shard_id!r}] of {name!r}")
-        _check_finite(b, "lora_B", f"{module}[{shard_id!r}] of {name!r}")
-        if w.offset is not None:
-            if list(w.offset.shape) != [full_rows]:
-                raise ValueError(
-                    f"{where}: offset {list(w.offset.shape)} does not fit; expected [{full_rows}]"
-                )
-            _check_finite(w.offset, "offset", f"{module}[{shard_id!r}] of {name!r}")
+        check_weights(
+            w, full_rows, self.base_layer.input_size, where, f"{module}[{shard_id!r}] of {name!r}"
+        )
 
     def add_adapter(self, name: str, weights: Mapping[ShardId, LoRAWeights]) -> None:
         """Store this rank's slices of adapter ``name`` (replacing one of the same name).
@@ -342,15 +196,15 @@ class BaseLayerWithLoRA(nn.Module):
         for shard_id, w in weights.items():
             self._validate(name, shard_id, w)
         device = self.base_layer.weight.device
-        local: dict[ShardId, _LocalLoRA] = {}
+        local: dict[ShardId, LocalLoRA] = {}
         for shard_id, w in weights.items():
             _, start, rows = self._rows_of(shard_id)
-            a = _own(self.slice_lora_a_weights(w.lora_A, shard_id), device)
-            b = _own(self.slice_lora_b_weights(w.lora_B, shard_id), device)
+            a = own(self.slice_lora_a_weights(w.lora_A, shard_id), device)
+            b = own(self.slice_lora_b_weights(w.lora_B, shard_id), device)
             off = None
             if w.offset is not None:
-                off = _own(self.slice_lora_b_weights(w.offset, shard_id), device)
-            local[shard_id] = _LocalLoRA(
+                off = own(self.slice_lora_b_weights(w.offset, shard_id), device)
+            local[shard_id] = LocalLoRA(
                 a, b, float(w.scale), off, start, rows, w.effective_offset_scale
             )
         self._adapters[name] = local
@@ -361,6 +215,8 @@ class BaseLayerWithLoRA(nn.Module):
         """Forget adapter ``name`` (a no-op if absent); if it was active, it is deactivated."""
         if self._adapters.pop(name, None) is None:
             return
+        if self._overlay is not None and any(n == name for n, _ in self._overlay):
+            self._drop_overlay()
         if any(n == name for n, _ in self._composition):
             self._composition = [(n, s) for n, s in self._composition if n != name]
             self._refresh()
@@ -368,20 +224,25 @@ class BaseLayerWithLoRA(nn.Module):
     def set_active(
         self, composition: Sequence[tuple[str, float]], cached: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Make ``composition`` ``[(name, strength), ...]`` the active adapters.
+        """Make ``composition`` ``[(name, strength), ...]`` the active adapters (effective scale
+        ``strength * LoRAWeights.scale``; names not stored here are ignored; empty: LoRA off).
 
-        Effective scale of adapter ``i`` = ``strength_i * LoRAWeights.scale``. Names not stored on
-        this layer are ignored (an adapter need not touch every module). An empty composition
-        disables LoRA. An unmerged layer stays unmerged; a merged layer is re-merged with the new
-        composition from its snapshot (``cached``: the merged weight of the new composition, as
-        for :meth:`merge`), or unmerged when the composition is empty.
+        An unmerged layer stays unmerged; a merged one is re-merged from its snapshot (``cached``
+        as for :meth:`merge`), or unmerged when the composition is empty. A request overlay is
+        cleared.
 
         Returns:
-            The new merged local weight when the layer was re-merged (as :meth:`merge`), else None.
+            The new merged local weight when the layer was re-merged, else None.
 
         Raises:
             ValueError: a strength that is not finite (nothing changes); errors of :meth:`merge`.
         """
+        comp = self._present(composition)
+        self._drop_overlay()
+        self._composition = comp
+        return self._refresh(cached)
+
+    def _present(self, composition: Sequence[tuple[str, float]]) -> list[tuple[str, float]]:
         comp = []
         for name, strength in composition:
             strength = float(strength)
@@ -389,8 +250,7 @@ class BaseLayerWithLoRA(nn.Module):
                 raise ValueError(f"strength {strength} for adapter {name!r} is not finite")
             if name in self._adapters:
                 comp.append((name, strength))
-        self._composition = comp
-        return self._refresh(cached)
+        return comp
 
     def _refresh(self, cached: torch.Tensor | None = None) -> torch.Tensor | None:
         self._rebuild()
@@ -401,11 +261,11 @@ class BaseLayerWithLoRA(nn.Module):
                 return self.merge(cached=cached)
         return None
 
-    def _entries(self) -> list[tuple[float, float, _LocalLoRA]]:
-        """``(strength * scale, strength * offset_scale, local weights)`` of every active shard,
-        strength 0 skipped."""
+    def _entries(self, composition: Sequence[tuple[str, float]] | None = None) -> list[Entry]:
+        """``(strength * scale, strength * offset_scale, local weights)`` of every shard of
+        ``composition`` (default: the active one), strength 0 skipped."""
         out = []
-        for name, strength in self._composition:
+        for name, strength in self._composition if composition is None else composition:
             if strength == 0.0:
                 continue
             for w in self._adapters[name].values():
@@ -432,73 +292,80 @@ class BaseLayerWithLoRA(nn.Module):
         if not self._dirty:
             return
         self._dirty = False
-        entries = self._entries()
-        weight = self.base_layer.weight
-        dtype, device = weight.dtype, weight.device
-        out_local, in_local = weight.shape
-        if not entries:
-            self._a_cat = self._b_cat = self._offset = None
-            return
-        with torch.inference_mode(False), torch.no_grad():
-            total_r = sum(w.rank for _, _, w in entries)
-            a_cat = torch.empty(total_r, in_local, dtype=dtype, device=device)
-            b_cat = torch.zeros(out_local, total_r, dtype=dtype, device=device)
-            offset = None
-            col = 0
-            for eff, eff_offset, w in entries:
-                a_cat[col : col + w.rank].copy_(w.lora_A)
-                b_cat[w.row_start : w.row_start + w.rows, col : col + w.rank].copy_(
-                    w.lora_B.float() * eff
-                )
-                col += w.rank
-                if w.offset is not None:
-                    if offset is None:
-                        offset = torch.zeros(out_local, dtype=torch.float32, device=device)
-                    offset[w.row_start : w.row_start + w.rows] += w.offset.float() * eff_offset
-        # bias deltas alone (rank 0) leave no GEMM to run
-        self._a_cat, self._b_cat = (a_cat, b_cat) if total_r else (None, None)
-        self._offset = None if offset is None else offset.to(dtype)
+        self._a_cat, self._b_cat, self._offset = compile_entries(
+            self._entries(), self.base_layer.weight
+        )
 
-    # ------------------------------------------------------------------ merge
-    def _merged_weight(self, base: torch.Tensor) -> torch.Tensor:
-        """``base + sum_i s_i c_i B_i A_i`` accumulated in one fp32 buffer, rounded once.
+    # ------------------------------------------------------------------ request overlay
+    @property
+    def overlay(self) -> list[tuple[str, float]] | None:
+        """The request composition run on top of a merged layer (:meth:`set_overlay`), or None."""
+        return None if self._overlay is None else list(self._overlay)
 
-        One fp32 ``[out_local, in_local]`` buffer and the rounded result are the only large
-        allocations (the pairs are accumulated in place with ``addmm_``).
-        """
-        acc = _merge_workspace(base.shape, base.device)
-        acc.copy_(base)
-        for eff, _, w in self._entries():
-            if not w.rank:
-                continue
-            rows = acc[w.row_start : w.row_start + w.rows]
-            rows.addmm_(w.lora_B.float(), w.lora_A.float(), alpha=eff)
-        return acc.to(base.dtype, copy=True)  # never hand out the workspace itself
+    def set_overlay(self, composition: Sequence[tuple[str, float]]) -> None:
+        """Run ``composition`` for the next forwards without touching the (merged) weight.
 
-    def _write_weight(self, value: torch.Tensor) -> None:
-        # inference_mode allows in-place updates of both inference and normal tensors
-        with torch.inference_mode():
-            self.base_layer.weight.copy_(value)
-
-    def merge(self, cached: torch.Tensor | None = None, safe: bool = False) -> torch.Tensor:
-        """Merge the active composition into ``base_layer.weight``.
-
-        ``W' = W + sum_i strength_i * scale_i * B_i @ A_i``, computed in fp32 from the stored
-        (unrounded) A/B and rounded once to the weight dtype. The pre-merge weight is kept so
-        :meth:`unmerge` restores it bit-exactly. Offsets are not merged (the forward adds them).
-
-        Args:
-            cached: a merged local weight ``[out_local, in_local]`` previously returned by this
-                method for the same composition; it is copied in instead of recomputed.
-            safe: check the merged weight for NaN/Inf before writing it.
-
-        Returns:
-            The merged local weight (a new tensor, not the parameter; safe to cache).
+        The forward adds the difference ``delta(composition) - delta(active)`` as one fused
+        low-rank term (the active composition's adapters with negated strengths), so a
+        per-request composition on a merged layer costs no merge and no weight copy;
+        :meth:`clear_overlay` ends it. On an unmerged layer use :meth:`set_active` instead.
 
         Raises:
-            ValueError: the layer cannot merge (names the module and the reason), ``cached`` has
-                the wrong shape/dtype, or ``safe`` and the result is not finite (the weight is
-                left unchanged).
+            ValueError: the layer is not merged, or a strength is not finite.
+        """
+        if not self._merged:
+            raise ValueError(f"module {self.prefix!r}: an overlay needs a merged layer")
+        comp = self._present(composition)
+        diff: dict[str, float] = dict(comp)
+        for name, strength in self._composition:
+            diff[name] = diff.get(name, 0.0) - strength
+        self._overlay = comp
+        self._ov = compile_entries(
+            self._entries([(n, s) for n, s in diff.items() if s != 0.0]), self.base_layer.weight
+        )
+
+    def clear_overlay(self) -> None:
+        """End the overlay of :meth:`set_overlay` (a no-op without one)."""
+        self._drop_overlay()
+
+    def _drop_overlay(self) -> None:
+        self._overlay = None
+        self._ov = (None, None, None)
+
+    # ------------------------------------------------------------------ merge
+    def _can_swap(self, value: torch.Tensor) -> bool:
+        """Whether the parameter can be pointed at ``value`` (same device and inference-ness)."""
+        w = self.base_layer.weight
+        same = value.device == w.device and value.is_inference() == w.is_inference()
+        return self.swap_storage and same
+
+    def _set_weight(self, value: torch.Tensor) -> None:
+        """Point the parameter at ``value``'s storage when :meth:`_can_swap` (no copy; ``value``
+        must not be written by anyone afterwards: merged weights are only ever swapped in), else
+        copy ``value`` into the parameter's own storage."""
+        if self._can_swap(value):
+            with torch.no_grad():
+                self.base_layer.weight.data = value
+        else:
+            with torch.inference_mode():  # in-place updates of inference and normal tensors
+                self.base_layer.weight.copy_(value)
+
+    def merge(self, cached: torch.Tensor | None = None, safe: bool = False) -> torch.Tensor:
+        """Merge the active composition: ``W' = W + sum_i strength_i * scale_i * B_i @ A_i``.
+
+        Computed in fp32 from the stored A/B, rounded once (:func:`compute.merged_weight`, chunked),
+        or ``cached`` (a tensor this method returned for the same composition) is used as is. The
+        parameter is pointed at the result (copied in instead when :meth:`_can_swap` says no); the
+        pre-merge weight stays as the snapshot :meth:`unmerge` restores bit-exactly (the base's own
+        storage on the weight's device, else a copy on ``snapshot_device``). Offsets are not
+        merged; a request overlay is cleared. ``safe``: refuse a non-finite result.
+
+        Returns:
+            The merged local weight ``[out_local, in_local]`` (safe to cache, never to write into).
+
+        Raises:
+            ValueError: the layer cannot merge, ``cached`` does not match the weight, or ``safe``
+                and the result is not finite (the weight is left unchanged).
         """
         module = self.prefix or type(self.base_layer).__name__
         if not self.can_merge:
@@ -512,6 +379,7 @@ class BaseLayerWithLoRA(nn.Module):
                 f"module {module!r}: cached merged weight {list(cached.shape)} {cached.dtype} does "
                 f"not match the weight {list(weight.shape)} {weight.dtype}"
             )
+        self._drop_overlay()
         if cached is None and not self._any_active:
             if self._merged:
                 self.unmerge()
@@ -520,8 +388,9 @@ class BaseLayerWithLoRA(nn.Module):
         with torch.inference_mode(False), torch.no_grad():
             if cached is None:
                 # already merged: the snapshot is the base (no unmerge copy needed)
-                base = self._snapshot.to(weight.device) if self._merged else weight
-                merged = self._merged_weight(base)
+                base = self._snapshot.to(weight.device) if self._merged else weight.detach()
+                merged = merged_weight(base, self._entries(), _compute.MERGE_CHUNK_BYTES)
+                del base
             else:
                 merged = cached.to(weight.device)
             if safe and not all_finite(merged):
@@ -530,27 +399,34 @@ class BaseLayerWithLoRA(nn.Module):
                 )
             if not self._merged:
                 device = self.snapshot_device or weight.device
-                self._snapshot = weight.detach().to(device, copy=True)
-        self._write_weight(merged)
+                old = weight.detach()
+                keep = old.device == device and self._can_swap(merged)
+                self._snapshot = old if keep else old.to(device, copy=True)
+        self._set_weight(merged)
         self._merged = True
+        self.merges += 1
         return merged
 
     def unmerge(self) -> None:
-        """Restore the pre-merge weight bit-exactly (copy of the snapshot). No-op if not merged."""
+        """Restore the pre-merge weight bit-exactly (its storage, or a copy from the snapshot
+        device). No-op if not merged. A request overlay is cleared."""
+        self._drop_overlay()
         if not self._merged:
             return
-        self._write_weight(self._snapshot)
+        weight = self.base_layer.weight
+        snap = self._snapshot
+        if snap.device != weight.device:
+            with torch.inference_mode(False), torch.no_grad():
+                snap = snap.to(weight.device)
+        self._set_weight(snap)
         self._snapshot = None
         self._merged = False
 
     def commit_as_base(self) -> None:
-        """Make the current composition part of the base weight.
-
-        Merges the active composition if it is not merged yet, then drops the snapshot: the merged
-        weight is the new base that :meth:`unmerge` restores, and the composition is cleared (its
-        delta is in the weight now; adapters stay stored). Offsets of the committed adapters are
-        folded into the bias when the layer has one, else :class:`ValueError`.
-        No-op when nothing is active.
+        """Make the current composition part of the base weight: merge it if needed, drop the
+        snapshot (the merged weight is the new base :meth:`unmerge` restores), clear the
+        composition (adapters stay stored) and fold its offsets into the bias. No-op when nothing
+        is active.
 
         Raises:
             ValueError: as :meth:`merge`; or the composition has offsets and the layer no bias.
@@ -569,6 +445,11 @@ class BaseLayerWithLoRA(nn.Module):
             with torch.inference_mode():
                 # every rank keeps its rows; Row layers add the bias once, like the offset
                 bias.copy_((bias.float() + self._offset.float()).to(bias.dtype))
+        weight = self.base_layer.weight
+        if self._can_swap(weight):
+            with torch.inference_mode(weight.is_inference()), torch.no_grad():
+                # the merged tensor may be shared with the merge cache: the base owns a copy
+                self._set_weight(weight.detach().clone())
         self._snapshot = None
         self._merged = False
         self._composition = []
@@ -580,99 +461,40 @@ class BaseLayerWithLoRA(nn.Module):
         return base._bias_on_this_rank()  # Row: only the rank that adds the bias
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Same contract as ``base_layer.forward``: ``x`` -> ``(output, output_bias)``."""
-        if not self._any_active:
+        """Same contract as ``base_layer.forward``: ``x`` -> ``(output, output_bias)``.
+
+        Terms added to the base GEMM, with ``s`` the runtime scale: unmerged,
+        ``s * delta(active)``; merged, ``(s - 1) * delta(active)``; with a request overlay also
+        ``s * (delta(request) - delta(active))``; offsets at ``s`` (never merged).
+        """
+        overlay = self._overlay is not None
+        if not self._any_active and not overlay:
             return self.base_layer(x)
-        s = _RUNTIME_SCALE
+        s = get_runtime_lora_scale()
         coef = s - 1.0 if self._merged else s
-        if self._merged and coef == 0.0 and not self._any_offset:
+        if self._merged and coef == 0.0 and not self._any_offset and not overlay:
             return self.base_layer(x)
         self._ensure_compiled()
         base = self.base_layer
         x_local = base.parallel_input(x)
         y = base.apply_gemm(x_local, base.gemm_bias())
-        if self._a_cat is not None and coef != 0.0:
-            h = F.linear(x_local, self._a_cat)  # [..., R]
-            y2 = y.view(-1, y.shape[-1])
-            y2.addmm_(h.view(-1, h.shape[-1]), self._b_cat.t(), alpha=coef)
-        if self._offset is not None and s != 0.0 and self._adds_offset_here():
-            y.add_(self._offset, alpha=s)
+        y2 = y.view(-1, y.shape[-1])
+        terms = [(self._a_cat, self._b_cat, coef)]
+        ov_a, ov_b, ov_offset = self._ov
+        if overlay:
+            terms.append((ov_a, ov_b, s))
+        for a_cat, b_cat, c in terms:
+            if a_cat is not None and c != 0.0:
+                h = F.linear(x_local, a_cat)  # [..., R]
+                y2.addmm_(h.view(-1, h.shape[-1]), b_cat.t(), alpha=c)
+        if s != 0.0 and self._adds_offset_here():
+            for off in (self._offset, ov_offset if overlay else None):
+                if off is not None:
+                    y.add_(off, alpha=s)
         return base.package_output(base.reduce_output(y))
 
     def extra_repr(self) -> str:
-        return f"adapters={self.adapter_names}, active={self._composition}, merged={self._merged}"
-
-
-# ---------------------------------------------------------------------------- subclasses
-class ReplicatedLinearWithLoRA(BaseLayerWithLoRA):
-    """Nothing is split: ``A`` and ``B`` are used whole."""
-
-
-class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
-    """The output dim is split: ``A`` whole, ``B`` cut to this rank's rows by the shard map."""
-
-    def slice_lora_b_weights(self, lora_b, shard_id):
-        return self.base_layer.shard_output_tensor(lora_b, shard_id)
-
-
-class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
-    """gate/up sections: ``B`` of shard ``i`` (or of the fused ``[gate|up]``) cut per section."""
-
-
-class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
-    """q/k/v sections (GQA aware through the shard map): ``B`` of ``"q"|"k"|"v"`` or fused."""
-
-
-class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
-    """The input dim is split: ``A`` cut to this rank's columns, ``B`` whole; the partial deltas
-    are summed by the base layer's all-reduce together with the partial base outputs."""
-
-    def slice_lora_a_weights(self, lora_a, shard_id):
-        return self.base_layer.shard_input_tensor(lora_a, dim=-1)
-
-
-# most specific first: the first isinstance match wins
-_WRAPPER_TABLE: tuple[tuple[type[ParallelLinear], type[BaseLayerWithLoRA]], ...] = (
-    (QKVParallelLinear, QKVParallelLinearWithLoRA),
-    (MergedColumnParallelLinear, MergedColumnParallelLinearWithLoRA),
-    (ColumnParallelLinear, ColumnParallelLinearWithLoRA),
-    (RowParallelLinear, RowParallelLinearWithLoRA),
-    (ReplicatedLinear, ReplicatedLinearWithLoRA),
-)
-
-
-def wrap_with_lora(layer: nn.Module, **kwargs) -> BaseLayerWithLoRA:
-    """Wrap a parallel linear layer in its LoRA class (an already wrapped layer is returned as is).
-
-    Args:
-        layer: a :class:`ParallelLinear` subclass instance.
-        kwargs: passed to the wrapper (``snapshot_device``).
-
-    Raises:
-        TypeError: ``layer`` is not a known :class:`ParallelLinear` type.
-    """
-    if isinstance(layer, BaseLayerWithLoRA):
-        return layer
-    for base_type, wrapper in _WRAPPER_TABLE:
-        if isinstance(layer, base_type):
-            return wrapper(layer, **kwargs)
-    raise TypeError(f"no LoRA wrapper for {type(layer).__name__} ({getattr(layer, 'prefix', '')})")
-
-
-def replace_submodule(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    """Replace the submodule at dotted ``name`` of ``model`` by ``new``; returns ``new``.
-
-    Raises:
-        ValueError: ``name`` is empty or does not name an existing submodule.
-    """
-    if not name:
-        raise ValueError("replace_submodule: empty module name")
-    parent_name, _, leaf = name.rpartition(".")
-    try:
-        parent = model.get_submodule(parent_name) if parent_name else model
-    except AttributeError as e:
-        raise ValueError(f"replace_submodule: no submodule {parent_name!r} ({e})") from None
-    if leaf not in parent._modules:
-        raise ValueError(f"replace_submodule: {type(parent).__name__} has no child {leaf!r}")
-    parent._modules[leaf] = new
-    return new
+        return (
+            f"adapters={self.adapter_names}, active={self._composition}, merged={self._merged}, "
+            f"overlay={self._overlay}"
+        )

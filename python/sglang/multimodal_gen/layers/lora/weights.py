@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,10 +11,15 @@ import torch
 def all_finite(t: torch.Tensor) -> bool:
     """Whether a tensor holds no NaN/Inf (non-float tensors: always).
 
-    ``max |t|`` is NaN/Inf iff some element is: one reduction, about 10x faster than
-    ``isfinite(t).all()`` on bf16 CPU tensors. The one finiteness check of the LoRA code.
+    The min and max are finite iff every element is (NaN propagates through both): one fused
+    ``aminmax`` pass without a temporary, about 3.5x faster than ``abs().amax()`` and 13x faster
+    than ``isfinite(t).all()`` on a bf16 ``[20480, 3840]`` CPU tensor. The one finiteness check
+    of the LoRA code.
     """
-    return not (t.is_floating_point() and t.numel()) or bool(torch.isfinite(t.abs().amax()))
+    if not (t.is_floating_point() and t.numel()):
+        return True
+    lo, hi = torch.aminmax(t.detach())
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 @dataclass
@@ -57,3 +63,56 @@ class LoRAWeights:
     def delta_weight(self) -> torch.Tensor:
         """``scale * B @ A`` in fp32, shape ``[out, in]`` (reference form, used by tests and merge)."""
         return self.scale * (self.lora_B.float() @ self.lora_A.float())
+
+
+def own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous normal (non-inference) tensor on ``device`` that owns its storage."""
+    with torch.inference_mode(False), torch.no_grad():
+        out = t.detach().to(device=device)
+        if out.data_ptr() == t.data_ptr() or not out.is_contiguous() or out.is_inference():
+            out = out.clone(memory_format=torch.contiguous_format)
+        return out
+
+
+def _check_finite(t: torch.Tensor, what: str, module: str) -> None:
+    if not all_finite(t):
+        raise ValueError(f"LoRA {what} for module {module!r} contains NaN or Inf")
+
+
+def check_weights(w: LoRAWeights, full_rows: int, in_size: int, where: str, module: str) -> None:
+    """Check one pair against a layer shard of ``full_rows`` output rows and ``in_size`` inputs:
+    2-D float tensors ``A [r, in_size]``, ``B [full_rows, r]``, rank > 0 unless there is an offset
+    ``[full_rows]``, finite scales and values.
+
+    Raises:
+        ValueError: prefixed with ``where``; NaN/Inf messages name ``module``.
+    """
+    a, b = w.lora_A, w.lora_B
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise ValueError(f"{where}: lora_A and lora_B must be tensors")
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(
+            f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} must both be 2-D"
+        )
+    r = a.shape[0]
+    if (r == 0 or b.shape[1] == 0) and w.offset is None:
+        raise ValueError(f"{where}: rank 0 (lora_A {list(a.shape)}, lora_B {list(b.shape)})")
+    expected_a, expected_b = [r, in_size], [full_rows, r]
+    if list(a.shape) != expected_a or list(b.shape) != expected_b:
+        raise ValueError(
+            f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the layer; "
+            f"expected lora_A {expected_a} and lora_B {expected_b}"
+        )
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise ValueError(f"{where}: lora_A/lora_B must be floating point ({a.dtype}, {b.dtype})")
+    for what, scale in (("scale", w.scale), ("offset_scale", w.effective_offset_scale)):
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"{where}: {what} {float(scale)} is not finite")
+    _check_finite(a, "lora_A", module)
+    _check_finite(b, "lora_B", module)
+    if w.offset is not None:
+        if list(w.offset.shape) != [full_rows]:
+            raise ValueError(
+                f"{where}: offset {list(w.offset.shape)} does not fit; expected [{full_rows}]"
+            )
+        _check_finite(w.offset, "offset", module)

@@ -1,0 +1,102 @@
+"""From a path to a staged adapter: reading (once), reuse of an unchanged file, conversion.
+
+Nothing here touches a layer. A file is read under the manager's path policy
+(:func:`~sglang.multimodal_gen.lora.loading.read_source`); a ``set_lora`` that names the unchanged
+file of a loaded adapter (same :func:`~sglang.multimodal_gen.lora.loading.file_key`) reads nothing;
+a file that was rewritten is read, and reused anyway when its content digest is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from sglang.multimodal_gen.errors import InvalidRequestError
+from sglang.multimodal_gen.lora.adapters import Adapter, stage_adapter
+from sglang.multimodal_gen.lora.formats import CanonicalLoRA, convert_to_canonical
+from sglang.multimodal_gen.lora.loading import file_key, locate_source, read_source
+
+__all__ = ["UNCHANGED", "StagingMixin"]
+
+#: ``sources[path]`` value meaning "rank 0 checked: the file of the loaded adapter is unchanged".
+UNCHANGED = "unchanged"
+
+
+class StagingMixin:
+    """Reading and converting adapter files for the LoRA manager (uses ``allowed_roots``,
+    ``_registry``, ``_specs``, ``_uids``)."""
+
+    def read_source(
+        self, path: str, trusted: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Read one adapter as this manager's roots allow
+        (:func:`~sglang.multimodal_gen.lora.loading.read_source`); no layer is touched. TP rank 0
+        reads each file once and sends the result to every rank (``set_lora(..., sources=...)``).
+        The metadata gains ``file_key`` (see :meth:`unchanged`).
+        """
+        # the key is taken before the read: a rewrite during the read makes the next call re-read
+        key = file_key(locate_source(path, self.allowed_roots, trusted))
+        sd, metadata = read_source(path, self.allowed_roots, trusted)
+        metadata["file_key"] = key
+        return sd, metadata
+
+    def unchanged(self, nickname: str, path: str, trusted: bool = False) -> bool:
+        """Whether ``nickname`` is loaded from ``path`` and its files were not rewritten since
+        (same :func:`~sglang.multimodal_gen.lora.loading.file_key`): a ``set_lora`` then reuses
+        it without reading anything. Errors count as "changed" (the read reports them)."""
+        adapter = self._registry.get(nickname)
+        if adapter is None or adapter.source != path or adapter.file_key is None:
+            return False
+        try:
+            return file_key(locate_source(path, self.allowed_roots, trusted)) == adapter.file_key
+        except Exception:
+            return False
+
+    def _stage(
+        self, nickname: str, path: str, sources: Mapping[str, Any] | None
+    ) -> tuple[Adapter, dict] | None:
+        """Read (or take from ``sources``) and convert one file; ``None`` when the loaded
+        adapter ``nickname`` is the same file, unchanged. No layer is touched."""
+        given = None if sources is None else sources.get(path)
+        if given == UNCHANGED or (given is None and self.unchanged(nickname, path)):
+            return None
+        state_dict, metadata = given if given is not None else self.read_source(path)
+        converted = self._convert(state_dict, metadata)
+        adapter = stage_adapter(
+            nickname, f"{nickname}#{next(self._uids)}", path, converted, metadata
+        )
+        old = self._registry.get(nickname)
+        if old is not None and old.identity == adapter.identity:
+            old.file_key = adapter.file_key  # same content (e.g. touched): keep the loaded one
+            return None
+        return adapter, converted
+
+    # ------------------------------------------------------------------ conversion
+    def _convert(
+        self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]
+    ) -> dict[str, CanonicalLoRA]:
+        """The file converted for every target it matches (keys carry the component prefix,
+        ``"transformer_2."``, or, as diffusers writes a second expert's file, the first one's).
+
+        Raises:
+            InvalidRequestError: it matches no target (the first target's reason).
+        """
+        converted: dict[str, CanonicalLoRA] = {}
+        errors = []
+        for tname, spec in self._specs.items():
+            for component in dict.fromkeys((tname, "transformer")):
+                try:
+                    converted[tname] = convert_to_canonical(
+                        state_dict, metadata, spec, component=component
+                    )
+                    break
+                except InvalidRequestError as e:
+                    errors.append(e)
+        if not converted:
+            err = errors[0]
+            if err.param is None:
+                err.param = "lora_path"
+            raise err
+        return converted

@@ -1,0 +1,285 @@
+"""What the LoRA runtime costs at any model size, counted rather than timed.
+
+- the fp32 merge workspace is bounded by its chunk size and freed after every manager operation;
+- a ``set_lora`` of an unchanged file reads nothing, a new or rewritten one is read exactly once,
+  and the one-pass content digest equals the digest of the file's bytes;
+- a per-request composition on a merged target merges nothing, before or after, and leaves the
+  weight tensors themselves in place (no copy);
+- a failed per-request restore resets every layer to its base weights and refuses later calls;
+- the adapter memory bound evicts least recently used adapters and refuses one adapter larger
+  than the bound with a 4xx naming ``lora_path``; the merge cache stays within its bound.
+
+References: fp64 dense forwards of the same adapters (``reference_output``); tolerances as in
+``test_lora_pipeline`` (1e-3: outputs grow to ~1e2 through the residual blocks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import test_lora_pipeline  # noqa: I001
+import torch
+from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError
+from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA, compute, workspace_stats
+from sglang.multimodal_gen.lora import safetensors_io
+from sglang.multimodal_gen.lora.transactions import LoRAStateError
+from test_lora_pipeline import (  # noqa: I001  (sibling test module)
+    ATOL,
+    RTOL,
+    _manager,
+    _out,
+    _x,
+    assert_params_equal,
+    build_model,
+    params,
+    reference_output,
+    write_lora,
+)
+
+files = test_lora_pipeline.files  # the sibling module's adapter-files fixture
+
+
+def _layers(mgr):
+    return mgr.layers("transformer").values()
+
+
+def _merges(mgr) -> int:
+    return sum(layer.merges for layer in _layers(mgr))
+
+
+# ------------------------------------------------------------------------------ workspace
+def test_merge_workspace_bounded_and_freed_after_every_op(files, monkeypatch):
+    chunk = 4 * 32 * 5  # five rows of a 32-wide fp32 workspace: every layer needs several chunks
+    monkeypatch.setattr(compute, "MERGE_CHUNK_BYTES", chunk)
+    model = build_model()
+    mgr = _manager(model, files)
+    x = _x(1)
+    workspace_stats(reset_peak=True)
+    before = workspace_stats()["allocations"]
+    ops = [
+        lambda: mgr.set_lora("a", files["a"][0], merge_mode="merge"),
+        lambda: mgr.set_lora("b", files["b"][0], strengths=0.5, merge_mode="merge"),
+        lambda: mgr.unmerge(),
+        lambda: mgr.merge(),
+        lambda: mgr.unset_lora(),
+        lambda: mgr.set_lora(["a", "b"], [None, None], strengths=[1.0, -0.5]),
+        lambda: mgr.unload_adapter("b"),
+        lambda: mgr.commit_as_base(),
+    ]
+    for op in ops:
+        op()
+        assert workspace_stats()["live"] == 0
+        assert mgr.memory_report()["workspace_bytes"] == 0
+    with mgr.use_composition([("a", 0.3)]):
+        assert workspace_stats()["live"] == 0
+    stats = workspace_stats()
+    assert stats["allocations"] > before  # the merges did use (and free) workspaces
+    assert 0 < stats["peak"] <= chunk
+    # chunked merges are the merges: the committed model computes the adapter at strength 1
+    torch.testing.assert_close(
+        _out(model, x), reference_output(x, [(files["a"][1], 1.0)]), atol=ATOL, rtol=RTOL
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_merge_frees_cuda_memory():
+    from sglang.multimodal_gen.layers.lora.compute import LocalLoRA, merged_weight
+
+    dev = torch.device("cuda")
+    base = torch.randn(4096, 1024, device=dev, dtype=torch.bfloat16)
+    w = LocalLoRA(
+        torch.randn(8, 1024, device=dev), torch.randn(4096, 8, device=dev), 0.5, None, 0, 4096
+    )
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated(dev)
+    out = merged_weight(base, [(1.0, 1.0, w)], chunk_bytes=1 << 20)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(dev) - start == out.numel() * out.element_size()
+
+
+def test_chunked_merge_equals_whole_merge_in_fp32():
+    g = torch.Generator().manual_seed(7)
+    from sglang.multimodal_gen.layers.lora.compute import LocalLoRA, merged_weight
+
+    base = torch.randn(37, 16, generator=g).to(torch.bfloat16)
+    entries = [
+        (0.7, 0.7, LocalLoRA(torch.randn(3, 16, generator=g), torch.randn(20, 3, generator=g), 1.0, None, 5, 20)),
+        (-1.5, -1.5, LocalLoRA(torch.randn(2, 16, generator=g), torch.randn(37, 2, generator=g), 1.0, None, 0, 37)),
+    ]  # fmt: skip
+    want = base.double().clone()
+    for eff, _, w in entries:
+        want[w.row_start : w.row_start + w.rows] += eff * (w.lora_B.double() @ w.lora_A.double())
+    for chunk in (4 * 16 * 1, 4 * 16 * 6, 1 << 20):
+        got = merged_weight(base, entries, chunk_bytes=chunk)
+        assert got.dtype == torch.bfloat16
+        # rounded once from fp32: within one bf16 ulp of the fp64 sum
+        torch.testing.assert_close(got.double(), want, atol=0, rtol=2**-7)
+
+
+# ------------------------------------------------------------------------------ reads
+def test_unchanged_file_is_not_read_again(files, tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    write_lora(path, 31)
+    model = build_model()
+    mgr = _manager(model, {"root": str(tmp_path)})
+    reads = safetensors_io.READ_STATS["files"]
+    mgr.set_lora("x", path, merge_mode="merge")
+    assert safetensors_io.READ_STATS["files"] == reads + 1
+    uid = mgr._registry["x"].uid
+    for _ in range(3):
+        mgr.set_lora("x", path, strengths=0.5, merge_mode="merge")
+    assert safetensors_io.READ_STATS["files"] == reads + 1  # stat only
+    # touched (mtime changes), same content: read once more, the loaded adapter kept
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    mgr.set_lora("x", path)
+    assert safetensors_io.READ_STATS["files"] == reads + 2
+    assert mgr._registry["x"].uid == uid
+    mgr.set_lora("x", path)
+    assert safetensors_io.READ_STATS["files"] == reads + 2
+    # rewritten: read and reloaded
+    new = write_lora(path, 32)
+    mgr.set_lora("x", path, merge_mode="merge")
+    assert safetensors_io.READ_STATS["files"] == reads + 3
+    assert mgr._registry["x"].uid != uid
+    x = _x(3)
+    torch.testing.assert_close(
+        _out(model, x), reference_output(x, [(new, 1.0)]), atol=ATOL, rtol=RTOL
+    )
+
+
+def test_one_pass_digest_is_the_file_digest(files):
+    path = files["b"][0]
+    _, _, digest = safetensors_io.read_safetensors(path)
+    with open(path, "rb") as f:
+        assert digest == hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+
+
+# ------------------------------------------------------------------------------ per request
+@pytest.mark.parametrize("runtime_scale", [1.0, 0.5])
+def test_request_on_merged_target_merges_nothing(files, runtime_scale):
+    from sglang.multimodal_gen.layers.lora import runtime_lora_scale
+
+    model = build_model()
+    mgr = _manager(model, files)
+    mgr.load_adapter("b", files["b"][0])
+    mgr.set_lora("a", files["a"][0], strengths=0.8, merge_mode="merge")
+    before = params(model)
+    ptrs = [layer.base_layer.weight.data_ptr() for layer in _layers(mgr)]
+    merged = [layer.merged for layer in _layers(mgr)]
+    assert any(merged)
+    merges = _merges(mgr)
+    x = _x(4)
+    a, b = files["a"][1], files["b"][1]
+    for comp in ([("b", 0.5)], [("a", 0.3), ("b", -1.0)], [], [("a", 0.8)]):
+        with mgr.use_composition(comp), runtime_lora_scale(runtime_scale):
+            want = reference_output(x, [({"a": a, "b": b}[n], s * runtime_scale) for n, s in comp])
+            torch.testing.assert_close(_out(model, x), want, atol=ATOL, rtol=RTOL)
+            assert [layer.merged for layer in _layers(mgr)] == merged
+        assert _merges(mgr) == merges  # nothing merged for the request, nor after it
+        assert [layer.base_layer.weight.data_ptr() for layer in _layers(mgr)] == ptrs
+        assert all(layer.overlay is None for layer in _layers(mgr))
+    assert_params_equal(model, before)
+    torch.testing.assert_close(
+        _out(model, x), reference_output(x, [(a, 0.8)]), atol=ATOL, rtol=RTOL
+    )
+
+
+def test_failed_request_restore_resets_to_base_and_refuses_later_calls(files, monkeypatch):
+    model = build_model()
+    base = params(model)
+    mgr = _manager(model, files)
+    mgr.load_adapter("b", files["b"][0])
+    mgr.set_lora("a", files["a"][0], merge_mode="merge")
+    victim = next(iter(_layers(mgr)))
+    real = type(victim).clear_overlay
+
+    def failing_clear(self):
+        if self is victim and self.overlay is not None:
+            raise torch.cuda.OutOfMemoryError("simulated: out of memory while restoring")
+        real(self)
+
+    monkeypatch.setattr(type(victim), "clear_overlay", failing_clear)
+    with pytest.raises(LoRAStateError) as e, mgr.use_composition([("b", 1.0)]):
+        pass
+    assert isinstance(e.value, EngineDeadError) and e.value.status_code == 503
+    # every layer is at a known state: its base weight, nothing active, not merged
+    for layer in _layers(mgr):
+        assert not layer.merged and not layer.active and layer.overlay is None
+    assert_params_equal(model, base)
+    x = _x(5)
+    torch.testing.assert_close(_out(model, x), reference_output(x, []), atol=ATOL, rtol=RTOL)
+    for call in (lambda: mgr.set_lora("a"), mgr.list_loras, lambda: mgr.unset_lora()):
+        with pytest.raises(LoRAStateError):
+            call()
+
+
+def test_failed_apply_of_a_request_changes_nothing(files, monkeypatch):
+    model = build_model()
+    mgr = _manager(model, files)
+    mgr.load_adapter("b", files["b"][0])
+    mgr.set_lora("a", files["a"][0], merge_mode="auto")
+    before, state = params(model), mgr.list_loras()["active"]
+    layers = list(_layers(mgr))
+    real = BaseLayerWithLoRA.set_overlay
+    calls = []
+
+    def failing_overlay(self, comp):
+        calls.append(self)
+        if len(calls) == 3:  # some layers already switched
+            raise MemoryError("simulated")
+        real(self, comp)
+
+    monkeypatch.setattr(BaseLayerWithLoRA, "set_overlay", failing_overlay)
+    with pytest.raises(MemoryError), mgr.use_composition([("b", 1.0)]):
+        pytest.fail("the block must not run")
+    assert_params_equal(model, before)
+    assert mgr.list_loras()["active"] == state
+    assert len(calls) == 3 and all(layer.overlay is None for layer in layers)
+
+
+# ------------------------------------------------------------------------------ budgets
+def test_adapter_budget_lru_and_one_adapter_too_large(files):
+    probe = _manager(build_model(), files)
+    probe.load_adapter("a", files["a"][0])
+    size_a = probe.loaded_bytes()
+    model = build_model()
+    mgr = _manager(model, files, max_loaded_bytes=int(2.5 * size_a))
+    mgr.load_adapter("a1", files["a"][0])
+    mgr.load_adapter("a2", files["a"][0])
+    mgr.set_lora("a1")  # a1 used last: a2 is the LRU one
+    mgr.load_adapter("a3", files["a"][0])
+    assert mgr.loaded_nicknames == ["a1", "a3"]
+    report = mgr.memory_report()
+    assert report["loaded_bytes"] <= report["max_loaded_bytes"] and report["adapter_evictions"] == 1
+    before, listed = params(model), mgr.list_loras()
+    small = _manager(build_model(), files, max_loaded_bytes=size_a // 2)
+    with pytest.raises(InvalidRequestError, match="more than the whole adapter memory bound") as e:
+        small.set_lora("a", files["a"][0])
+    assert e.value.param == "lora_path" and e.value.status_code == 400
+    assert small.loaded_nicknames == []
+    with pytest.raises(InvalidRequestError, match="bound") as e:
+        mgr.set_lora(["a1", "a3", "a4"], [None, None, files["a"][0]])  # all pinned: no room
+    assert e.value.param == "lora_path"
+    assert_params_equal(model, before)
+    assert mgr.list_loras()["loaded"] == listed["loaded"]
+
+
+def test_merge_cache_bound_and_snapshot_memory(files):
+    model = build_model()
+    probe = _manager(build_model(), files)
+    weights = probe.memory_report()["lora_weight_bytes"]
+    mgr = _manager(model, files, merge_cache_bytes=weights // 2)
+    mgr.load_adapter("b", files["b"][0])
+    mgr.load_adapter("a", files["a"][0])
+    for name in ("a", "b", "a", "b"):
+        mgr.set_lora(name, merge_mode="merge")
+        report = mgr.memory_report()
+        assert report["merge_cache_bytes"] <= report["merge_cache_max_bytes"]
+        # one snapshot per merged layer, no more than the weights the adapters touch
+        assert 0 < report["snapshot_bytes"] <= 1.1 * report["affected_weight_bytes"]
+    assert mgr.cache.stats()["evictions"] > 0
+    mgr.unset_lora()
+    assert mgr.memory_report()["snapshot_bytes"] == 0
