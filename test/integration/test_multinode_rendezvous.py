@@ -88,11 +88,12 @@ def _join(members):
     """Run checked_rendezvous for every ``(plan, fp, rank)`` in threads;
     ``{rank: ("ok" or the exception, seconds)}``."""
     out: dict = {}
+    stores: list = []  # rank 0's store serves the others: keep every store until all are done
 
     def run(plan, fp, rank):
         t0 = time.monotonic()
         try:
-            checked_rendezvous(plan, rank, fp)
+            stores.append(checked_rendezvous(plan, rank, fp))
             out[rank] = ("ok", time.monotonic() - t0)
         except Exception as e:
             out[rank] = (e, time.monotonic() - t0)

@@ -133,8 +133,8 @@ def plan_launch(
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         if world != world_size:
             raise ValueError(
-                f"--tp-size {world_size} does not match torchrun's WORLD_SIZE={world}; the "
-                "number of processes must equal the parallel size"
+                f"the parallel size {world_size} (tp x sp x cfg) does not match torchrun's "
+                f"WORLD_SIZE={world}; the number of processes must equal it"
             )
         local_world = int(env.get("LOCAL_WORLD_SIZE") or world)
         prefix = f"sglang/{env.get('TORCHELASTIC_RUN_ID', '')}/"
@@ -157,7 +157,7 @@ def plan_launch(
         raise ValueError(f"--node-rank must be in [0, {nnodes - 1}] for --nnodes {nnodes}")
     if world_size % nnodes:
         raise ValueError(
-            f"the parallel size {world_size} (--tp-size) is not divisible by --nnodes {nnodes}; "
+            f"the parallel size {world_size} (tp x sp x cfg) is not divisible by --nnodes {nnodes}; "
             "every node runs the same number of ranks"
         )
     if dist_init_addr:

@@ -113,7 +113,9 @@ def _leader_verdict(store, plan: LaunchPlan, mine: dict, deadline: float, where:
     """Rank 0: wait for every rank's fingerprint; ``""`` when all agree, else the error line."""
     waiting = set(range(1, plan.world_size))
     nodes_seen: set[int] = set()
-    while waiting and time.monotonic() < deadline:
+    # every node's record too, not only every rank's: a node started with other flags may post
+    # rank numbers that happen to complete the set before its node record is read
+    while (waiting or len(nodes_seen) < plan.nnodes - 1) and time.monotonic() < deadline:
         for n in set(range(1, plan.nnodes)) - nodes_seen:
             if store.check([f"node/{n}"]):
                 nodes_seen.add(n)
@@ -121,10 +123,11 @@ def _leader_verdict(store, plan: LaunchPlan, mine: dict, deadline: float, where:
                 if diff:
                     return _mismatch(n, diff)
         waiting = {r for r in waiting if not store.check([f"fp/{r}"])}
-        if waiting:
+        if waiting or len(nodes_seen) < plan.nnodes - 1:
             time.sleep(0.05)
-    if waiting:
-        nodes = sorted({plan.node_of(r) for r in waiting})
+    if waiting or len(nodes_seen) < plan.nnodes - 1:
+        unseen = set(range(1, plan.nnodes)) - nodes_seen
+        nodes = sorted({plan.node_of(r) for r in waiting} | unseen)
         return "timeout:" + (
             f"multi-node start-up: node(s) {', '.join(map(str, nodes))} (rank(s) "
             f"{', '.join(map(str, sorted(waiting)))} of {plan.world_size}) did not join the "
