@@ -157,7 +157,7 @@ def render_scene(
 def _templates(n: int = 48) -> list[tuple[str, np.ndarray]]:
     """Each shape drawn to fill an ``n x n`` box, sharp and blurred by about 1 and 2 pixels of a
     64-pixel picture, then cut at half height (how a soft generated edge thresholds)."""
-    from PIL import Image, ImageFilter
+    from PIL import ImageFilter
 
     out = []
     for shape in SHAPES:
