@@ -272,6 +272,10 @@ def main(argv=None) -> int:
     ap.add_argument("--vae-steps", type=int, default=600)
     ap.add_argument("--dit-steps", type=int, default=4500)
     ap.add_argument("--lora-steps", type=int, default=1000)
+    ap.add_argument(
+        "--init-from", help="continue from this model directory (its VAE and DiT; no VAE stage)"
+    )
+    ap.add_argument("--dit-lr", type=float, default=1e-3)
     ap.add_argument("--dit-minutes", type=float, default=0, help="wall-time bound (0: none)")
     ap.add_argument("--lora-minutes", type=float, default=0, help="wall-time bound (0: none)")
     ap.add_argument("--batch", type=int, default=16)
@@ -302,15 +306,19 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed + 10)  # fresh default inits for the trained modules
     vae = AutoencoderKL(**VAE)
     dit = ZImageTransformer2DModel(**DIT)
-
-    log("stage 1: VAE")
-    train_vae(vae, args.vae_steps, args.batch, rng)
+    if args.init_from:
+        vae = AutoencoderKL.from_pretrained(os.path.join(args.init_from, "vae"))
+        dit = ZImageTransformer2DModel.from_pretrained(os.path.join(args.init_from, "transformer"))
+    else:
+        log("stage 1: VAE")
+        train_vae(vae, args.vae_steps, args.batch, rng)
     scenes = ds.all_scenes()
     vae_acc = vae_accuracy(vae, args.eval_prompts)
     log(f"VAE round trip (decode(pooled_latent(x))) accuracy: {vae_acc}")
     lat, idx = encode_dataset(vae, scenes, args.renders_per_scene, rng)
     shift, std = lat.mean().item(), lat.std().item()
-    vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(1.0 / std, 4))
+    if not args.init_from:
+        vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(1.0 / std, 4))
     lat = (lat - vae.config.shift_factor) * vae.config.scaling_factor
     log(f"latents {tuple(lat.shape)} shift {shift:.4f} std {std:.4f}")
 
@@ -321,7 +329,7 @@ def main(argv=None) -> int:
 
     log("stage 3: DiT flow matching")
     dit_steps = train_flow(
-        dit, lat, idx, caps, args.dit_steps, args.batch, 1e-3, gen, list(dit.parameters()),
+        dit, lat, idx, caps, args.dit_steps, args.batch, args.dit_lr, gen, list(dit.parameters()),
         args.dit_minutes,
     )  # fmt: skip
     dit.requires_grad_(False)
