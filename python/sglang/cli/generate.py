@@ -9,8 +9,9 @@ Same engine and defaults as the server, so the same arguments give the same pixe
 Across nodes, the same command on each with ``--nnodes N --node-rank K --dist-init-addr
 HOST:PORT`` (or under ``torchrun``): node 0 writes the output, the others exit 0 when it is done.
 
-Without ``--model-path`` the embedded tiny default model is used (random weights: the image is
-noise by construction). Exit code 0 on success, 2 for bad arguments or input, 1 for runtime
+Without ``--model-path`` the embedded demo model is used (a tiny Z-Image trained on simple scenes:
+"a red circle on a blue background, top left"; 64x64 by default; see docs/models.md). Exit code 0
+on success, 2 for bad arguments or input, 1 for runtime
 failures, 130 when interrupted; every error is one line ``sglang generate: error: ...`` (see
 :mod:`sglang.cli.errors`, shared with ``sglang serve``).
 """
@@ -54,8 +55,18 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="denoising steps (default: the model family's, e.g. 8 for Z-Image-Turbo, 28 for "
         "FLUX.1-dev, 4 for FLUX.1-schnell)",
     )
-    parser.add_argument("--height", type=int, default=None, help="pixels (default: 1024)")
-    parser.add_argument("--width", type=int, default=None, help="pixels (default: 1024)")
+    parser.add_argument(
+        "--height",
+        type=int,
+        default=None,
+        help="pixels (default: the model's, 1024 for Z-Image-Turbo)",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="pixels (default: the model's, 1024 for Z-Image-Turbo)",
+    )
     parser.add_argument(
         "--guidance-scale",
         type=float,

@@ -22,15 +22,19 @@ class DiffusersConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> Any:
-        """Build from a diffusers config dict; keys starting with ``_`` are metadata, unknown keys
-        are kept in ``extra``.
+        """Build from a diffusers config dict; keys starting with ``_`` are metadata (dropped, but
+        ``_sglang_*`` keys, our own, which diffusers ignores), unknown keys are kept in ``extra``.
 
         Raises:
             ValueError: an invalid value (the dataclass's own checks).
         """
         names = {f.name for f in fields(cls)} - {"extra"}
         known = {k: v for k, v in cfg.items() if k in names}
-        extra = {k: v for k, v in cfg.items() if k not in names and not k.startswith("_")}
+        extra = {
+            k: v
+            for k, v in cfg.items()
+            if k not in names and (not k.startswith("_") or k.startswith("_sglang_"))
+        }
         return cls(**known, extra=extra)
 
     @classmethod

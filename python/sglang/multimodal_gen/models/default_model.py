@@ -1,13 +1,16 @@
-"""The embedded default models: one tiny model directory per family, built once and cached.
+"""The default models: ``sglang generate`` / ``sglang serve`` without ``--model-path``.
 
-``sglang generate`` / ``sglang serve`` without ``--model-path`` serve the default family's tiny
-model (:data:`DEFAULT_FAMILY`). Each family declares how to build its own
-(``ModelFamily.build_tiny``); this module only caches the result under ``$SGLANG_CACHE_DIR``
-(default ``~/.cache/sglang``), written atomically so concurrent first uses are safe.
+The default family (:data:`DEFAULT_FAMILY`, Z-Image) ships a trained demo model inside the package
+(``ModelFamily.embedded_model``: ``models/demo/zimage-shapes``, made by
+``scripts/train_demo_model.py``; it draws simple captioned scenes, see ``models/demo_scenes.py``),
+with a demo LoRA next to it (:func:`demo_lora_path`). A family without one gets a seeded tiny
+random-weight model (``ModelFamily.build_tiny``), built once under ``$SGLANG_CACHE_DIR`` (default
+``~/.cache/sglang``), written atomically so concurrent first uses are safe.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -18,7 +21,36 @@ from sglang.multimodal_gen.models.registry import get_family, resolve_object
 DEFAULT_FAMILY = "zimage"
 DEFAULT_SEED = 1234
 
-__all__ = ["DEFAULT_FAMILY", "default_cache_dir", "default_model_name", "default_model_path"]
+DEMO_LORA = "sglang.multimodal_gen.models:demo/lora-swap-colors"
+
+__all__ = [
+    "DEFAULT_FAMILY",
+    "default_cache_dir",
+    "default_model_name",
+    "default_model_path",
+    "demo_lora_path",
+]
+
+
+def _package_path(spec: str) -> str:
+    """``"package:relative/path"`` -> the absolute path inside the installed package."""
+    package, _, rel = spec.partition(":")
+    root = os.path.dirname(os.path.abspath(importlib.import_module(package).__file__))
+    return os.path.join(root, *rel.split("/"))
+
+
+def demo_lora_path() -> str:
+    """Folder of the demo LoRA of the embedded default model ("swap colours": the object takes
+    the background's colour and the background the object's; diffusers
+    ``pytorch_lora_weights.safetensors``).
+
+    Raises:
+        FileNotFoundError: the package was installed without its package data.
+    """
+    path = _package_path(DEMO_LORA)
+    if not os.path.isfile(os.path.join(path, "pytorch_lora_weights.safetensors")):
+        raise FileNotFoundError(f"demo LoRA missing at {path}: reinstall the package")
+    return path
 
 
 def default_cache_dir() -> str:
@@ -31,23 +63,33 @@ def default_cache_dir() -> str:
 
 
 def default_model_name(family: str = DEFAULT_FAMILY) -> str:
-    """The served name of ``family``'s tiny model (``sglang-default-zimage-tiny``)."""
+    """The served name of ``family``'s default model (``sglang-default-zimage-tiny``)."""
     fam = get_family(family)
     return fam.default_model_name or f"sglang-default-{fam.name}-tiny"
 
 
 def default_model_path(cache_dir: str | None = None, family: str = DEFAULT_FAMILY) -> str:
-    """Path of ``family``'s tiny model, building it on first use.
+    """Path of ``family``'s default model: its embedded trained model, else its tiny random
+    model, built on first use.
 
-    The directory is written to a temporary sibling and renamed into place, so concurrent first
+    The tiny model is written to a temporary sibling and renamed into place, so concurrent first
     uses cannot see a half-written model (the loser of the race discards its copy).
 
     Raises:
-        ValueError: the family declares no tiny model.
+        ValueError: the family declares neither.
+        FileNotFoundError: the embedded model is missing (package installed without its data).
     """
     fam = get_family(family)
+    if fam.embedded_model is not None:
+        path = _package_path(fam.embedded_model)
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            raise FileNotFoundError(
+                f"embedded default model missing at {path}: reinstall the package "
+                "(the model ships as package data)"
+            )
+        return path
     if fam.build_tiny is None:
-        raise ValueError(f"model family {family!r} has no embedded tiny model")
+        raise ValueError(f"model family {family!r} has no default model")
     build = resolve_object(fam.build_tiny)
     version = getattr(build, "version", "1")
     root = cache_dir or default_cache_dir()

@@ -18,7 +18,7 @@ import importlib
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
@@ -32,6 +32,11 @@ __all__ = [
     "register_family",
     "resolve_object",
 ]
+
+
+# A model directory's own sampling defaults (see ModelFamily.sampling_defaults).
+MODEL_DEFAULTS_KEY = "_sglang_defaults"
+MODEL_DEFAULT_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "max_image_size")
 
 
 class UnknownModelError(ValueError):
@@ -129,9 +134,12 @@ class ModelFamily:
         tp_divisors: ``fn(arch_config) -> {what: number}``: every TP size must divide each number
             (attention heads, FFN hidden size...); the entry whose name mentions "heads" also
             bounds the Ulysses degree.
-        build_tiny: ``"module:function"`` writing an embedded tiny model directory
-            (``fn(path, seed=...) -> path``), for the default model and tests.
-        default_model_name: the served name of that tiny model.
+        build_tiny: ``"module:function"`` writing a tiny random-weight model directory
+            (``fn(path, seed=...) -> path``), for tests, and the default model of a family
+            without :attr:`embedded_model`.
+        embedded_model: ``"package:relative/dir"`` of a trained diffusers-format directory
+            shipped inside the package (package data); the family's default model when set.
+        default_model_name: the served name of the default model.
         lora_family_hint: words a LoRA file of this family may show (used in error messages).
     """
 
@@ -143,6 +151,7 @@ class ModelFamily:
     defaults: Callable[[Any], SamplingDefaults] | SamplingDefaults = SamplingDefaults()
     tp_divisors: Callable[[Any], Mapping[str, int]] | None = None
     build_tiny: str | None = None
+    embedded_model: str | None = None
     default_model_name: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -161,8 +170,26 @@ class ModelFamily:
         return cfg_cls.from_json_file(os.path.join(model_path, component, "config.json"))
 
     def sampling_defaults(self, arch_config: Any) -> SamplingDefaults:
+        """The family's defaults for ``arch_config``, with the model directory's own overrides.
+
+        A denoiser ``config.json`` may carry ``"_sglang_defaults": {"height": 64, ...}`` (keys
+        :data:`MODEL_DEFAULT_KEYS`; diffusers ignores ``_`` keys), e.g. the embedded demo model,
+        which is trained at 64x64; real checkpoints keep the family's defaults.
+
+        Raises:
+            ValueError: ``_sglang_defaults`` is not an object or names another key.
+        """
         d = self.defaults
-        return d if isinstance(d, SamplingDefaults) else d(arch_config)
+        d = d if isinstance(d, SamplingDefaults) else d(arch_config)
+        own = (getattr(arch_config, "extra", None) or {}).get(MODEL_DEFAULTS_KEY)
+        if own is None:
+            return d
+        if not isinstance(own, dict) or set(own) - set(MODEL_DEFAULT_KEYS):
+            raise ValueError(
+                f"{MODEL_DEFAULTS_KEY} must be an object with keys among "
+                f"{list(MODEL_DEFAULT_KEYS)}, got {own!r}"
+            )
+        return replace(d, **own)
 
     def valid_tp_sizes(self, arch_config: Any, limit: int = 8) -> list[int]:
         """TP sizes in ``[1, limit]`` that divide every number of :attr:`tp_divisors`."""

@@ -52,6 +52,7 @@ ZIMAGE = register_family(
         defaults=_defaults,
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.zimage_tiny:build_zimage_dir",
+        embedded_model=f"{_PKG}.models:demo/zimage-shapes",  # scripts/train_demo_model.py
         default_model_name="sglang-default-zimage-tiny",
     )
 )
