@@ -93,6 +93,15 @@ def test_validate_generation_defaults_leave_engine_defaults():
     assert validate_generation(ImageGenerationRequest(prompt="p", size="auto"), small).size == (
         "496x496"
     )
+    # without a size the model's own default size is used (the demo model's 64x64)
+    own = validate_generation(
+        ImageGenerationRequest(prompt="p"), LIMITS, {"height": 64, "width": 64}
+    )
+    assert own.engine_kwargs["height"] == own.engine_kwargs["width"] == 64
+    wide = validate_generation(
+        ImageGenerationRequest(prompt="p"), small, {"height": 480, "width": 832}
+    )
+    assert wide.size == "496x480"  # capped at the server's maximum, on the model's grid
     assert (
         validate_generation(ImageGenerationRequest(prompt="p", lora=[]), LIMITS).engine_kwargs[
             "lora"
