@@ -413,13 +413,9 @@ def validate_generation(
     d = defaults or {}
     if req.size in (None, "auto") and d.get("width") and d.get("height"):
         # the model's own default size (a family's, or a model directory's, e.g. the demo's 64x64)
-        w, h = int(d["width"]), int(d["height"])
-        cap = limits.max_image_size
-        size = f"{w}x{h}" if max(w, h) <= cap else f"{min(w, cap)}x{min(h, cap)}"
-        size = "x".join(
-            str(v // limits.spatial_factor * limits.spatial_factor)
-            for v in map(int, size.split("x"))
-        )
+        f, cap = limits.spatial_factor, limits.max_image_size
+        w, h = (min(int(d[k]), cap) // f * f for k in ("width", "height"))
+        size = f"{w}x{h}"
     elif req.size in (None, "auto"):
         # DEFAULT_SIZE, shrunk when the server's own limit is smaller.
         side = min(1024, limits.max_image_size // limits.spatial_factor * limits.spatial_factor)
