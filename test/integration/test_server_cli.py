@@ -123,7 +123,11 @@ def test_seed_command_line_serves_and_matches_generate(tmp_path, tiny_zimage_dir
     done = subprocess.run(gen, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     ref = _pixels(png.read_bytes())
-    np.testing.assert_array_equal(got, ref)
+    # "lora": [] on a server whose startup adapter is merged runs the merged weights minus that
+    # adapter's delta as a low-rank overlay (nothing is unmerged for one request), so the base
+    # image comes back up to rounding: measured one value off by one level of 12288
+    diff = np.abs(got.astype(np.int16) - ref.astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() <= 0.001, (int(diff.max()), (diff > 0).mean())
 
 
 def test_tp2_server_equals_tp1(tiny_zimage_dir):
