@@ -31,6 +31,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _follow(server_args: ServerArgs) -> bool:
     """On a node without rank 0 (``--node-rank`` > 0, or a torchrun rank > 0): run this node's
     ranks, no HTTP server, until node 0 shuts down; ``False`` on the leader."""
+    from sglang.multimodal_gen.runtime.model_source import job_kwargs
     from sglang.multimodal_gen.runtime.nodes import multinode_kwargs, run_follower_node
 
     if server_args.world_size == 1 and server_args.nnodes == 1:
@@ -38,20 +39,7 @@ def _follow(server_args: ServerArgs) -> bool:
     import logging
 
     logging.basicConfig(level=server_args.log_level.upper(), format="%(levelname)s %(message)s")
-    return run_follower_node(
-        model_path=server_args.model_path,
-        tp_size=server_args.tp_size,
-        device=server_args.device,
-        dtype=server_args.dtype,
-        dit_cpu_offload=server_args.dit_cpu_offload,
-        sp_degree=server_args.sp_degree,
-        ulysses_degree=server_args.ulysses_degree,
-        ring_degree=server_args.ring_degree,
-        cfg_degree=2 if server_args.enable_cfg_parallel else 1,
-        attention_backend=server_args.attention_backend,
-        enable_torch_compile=server_args.enable_torch_compile,
-        **multinode_kwargs(server_args),
-    )
+    return run_follower_node(**job_kwargs(server_args), **multinode_kwargs(server_args))
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -17,7 +17,6 @@ collectives never time out.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 from collections.abc import Callable, Sequence
@@ -31,6 +30,12 @@ from sglang.multimodal_gen.configs.launch_plan import DEFAULT_DIST_TIMEOUT_S, La
 from sglang.multimodal_gen.engine_ops import get_op
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.lora.requests import normalize_set_lora
+from sglang.multimodal_gen.runtime.model_source import (
+    check_device,
+    job_kwargs,
+    layout_for_model,
+    resolve_model_path,
+)
 from sglang.multimodal_gen.runtime.nodes import (
     launch_plan,
     multinode_kwargs,
@@ -42,26 +47,6 @@ from sglang.multimodal_gen.runtime.runner import ModelRunner
 from sglang.multimodal_gen.runtime.worker import unpack_error
 
 logger = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------- engine
-def _layout_for_model(model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree):
-    """The parallel layout for this model's head count (see ``configs.parallel``)."""
-    from sglang.multimodal_gen.configs.parallel import resolve_layout
-    from sglang.multimodal_gen.models.registry import family_for_model
-
-    heads = None
-    if (ulysses_degree, ring_degree) == (None, None) and (sp_degree or 1) > 1:
-        family = family_for_model(model_path)
-        heads = family.attention_heads(family.read_config(model_path))
-    return resolve_layout(
-        tp_size=tp_size,
-        sp_degree=sp_degree,
-        ulysses_degree=ulysses_degree,
-        ring_degree=ring_degree,
-        enable_cfg_parallel=int(cfg_degree) == 2,
-        heads=heads,
-    )
 
 
 class DiffusionEngine:
@@ -135,7 +120,7 @@ class DiffusionEngine:
         if int(tp_size) < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         model_path, self.model_name = resolve_model_path(model_path)
-        self.layout = _layout_for_model(
+        self.layout = layout_for_model(
             model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree
         )
         plan = launch_plan(
@@ -189,21 +174,11 @@ class DiffusionEngine:
         accepted (startup ``--lora-path`` adapters are loaded with ``trusted=True``).
         """
         return cls(
-            model_path=server_args.model_path,
-            tp_size=server_args.tp_size,
-            sp_degree=server_args.sp_degree,
-            ulysses_degree=server_args.ulysses_degree,
-            ring_degree=server_args.ring_degree,
-            cfg_degree=2 if server_args.enable_cfg_parallel else 1,
-            device=server_args.device,
-            dtype=server_args.dtype,
+            **job_kwargs(server_args),
             lora_dirs=tuple(server_args.lora_dirs),
-            dit_cpu_offload=bool(getattr(server_args, "dit_cpu_offload", False)),
-            attention_backend=server_args.attention_backend,
-            enable_torch_compile=server_args.enable_torch_compile,
-            **multinode_kwargs(server_args),
             lora_merge_cache_gb=getattr(server_args, "lora_merge_cache_gb", None),
             max_loaded_lora_gb=getattr(server_args, "max_loaded_lora_gb", None),
+            **multinode_kwargs(server_args),
         )
 
     # ------------------------------------------------------------------ workers
@@ -453,77 +428,4 @@ class DiffusionEngine:
         self.shutdown()
 
 
-def check_device(device: str | None) -> str:
-    """The execution device for ``device`` (``None``: CUDA when available, else the CPU).
-
-    Raises:
-        InvalidRequestError: ``param="device"``; not a device name, or a device this machine
-            does not have (CUDA without a GPU or a CUDA build of torch, ``cuda:N`` past the GPU
-            count, ``mps`` off macOS...).
-    """
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise errors_mod.InvalidRequestError(
-            f"--device {device!r} is not a device; use cpu, cuda or cuda:N", param="device"
-        ) from None
-    if dev.type == "cpu":
-        return device
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "torch was built without CUDA" if torch.version.cuda is None else "no GPU found"
-            raise errors_mod.InvalidRequestError(
-                f"--device {device!r}: CUDA is not available on this machine ({why}); use "
-                "--device cpu",
-                param="device",
-            )
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise errors_mod.InvalidRequestError(
-                f"--device {device!r}: this machine has {count} GPU(s) (cuda:0 to "
-                f"cuda:{count - 1})",
-                param="device",
-            )
-        return device
-    backend = getattr(torch, dev.type, None)
-    available = getattr(backend, "is_available", None)
-    if callable(available) and available():
-        return device
-    raise errors_mod.InvalidRequestError(
-        f"--device {device!r}: {dev.type} is not available on this machine; use cpu or cuda",
-        param="device",
-    )
-
-
-def resolve_model_path(model_path: str | None) -> tuple[str, str]:
-    """``(directory, served name)``: the embedded default model (built once) for ``None``, a
-    directory as given, else a Hub id from the local cache (``FileNotFoundError`` if absent)."""
-    if model_path is None:
-        from sglang.multimodal_gen.models.default_model import (
-            default_model_name,
-            default_model_path,
-        )
-
-        return default_model_path(), default_model_name()
-    if not os.path.isdir(model_path):
-        model_path = _resolve_hub_cache(model_path)
-    return model_path, os.path.basename(os.path.normpath(model_path))
-
-
-def _resolve_hub_cache(model_id: str) -> str:
-    """Resolve ``owner/name`` from the local Hugging Face cache only (no download).
-
-    Raises:
-        FileNotFoundError: not a directory and not in the local cache.
-    """
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model_id, local_files_only=True)
-    except Exception as e:
-        raise FileNotFoundError(
-            f"model path {model_id!r} is not a directory and is not in the local Hugging Face "
-            "cache (nothing is downloaded)"
-        ) from e
+__all__ = ["DiffusionEngine", "check_device", "resolve_model_path"]

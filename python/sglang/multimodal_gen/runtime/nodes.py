@@ -226,9 +226,9 @@ def run_follower_node(
     Raises:
         as :func:`~.nodes.run_follower`, and ``InvalidRequestError`` for a bad ``device``.
     """
-    from sglang.multimodal_gen.runtime.engine import (
-        _layout_for_model,
+    from sglang.multimodal_gen.runtime.model_source import (
         check_device,
+        layout_for_model,
         resolve_model_path,
     )
 
@@ -236,7 +236,7 @@ def run_follower_node(
     if int(multinode.get("nnodes", 1) or 1) == 1 and not torchrun:
         return False  # one node, no torchrun: this launcher leads
     model_path, _ = resolve_model_path(model_path)
-    layout = _layout_for_model(
+    layout = layout_for_model(
         model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree
     )
     plan = launch_plan(layout.world_size, **multinode)

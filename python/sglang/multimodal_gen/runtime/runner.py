@@ -29,11 +29,16 @@ from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.engine_ops import LORA_CHANGE_OPS, get_op
 from sglang.multimodal_gen.errors import SGLangError
 from sglang.multimodal_gen.layers.attention import set_attention_backend
-from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.lora.staging import UNCHANGED
 from sglang.multimodal_gen.lora.transactions import LoRAStateError
 from sglang.multimodal_gen.models.registry import ModelFamily, family_for_model, resolve_object
+from sglang.multimodal_gen.runtime.placement import (
+    DiTOffloader,
+    compile_blocks,
+    merge_cache_device,
+    resolve_dtype,
+)
 from sglang.multimodal_gen.runtime.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -45,22 +50,6 @@ class LoRAChangeAborted(SGLangError):
 
 class LoRARollbackError(LoRAStateError):
     """Undoing a LoRA change failed: this rank's LoRA state may differ from the other ranks'."""
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None``/``"auto"`` -> bf16 on CUDA, fp32 elsewhere; names -> ``torch.dtype``.
-
-    Raises:
-        ValueError: unknown dtype name.
-    """
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)} or 'auto'")
-    return table[dtype]
 
 
 def build_lora_manager(
@@ -105,78 +94,15 @@ def build_lora_manager(
     )
 
 
-def compile_blocks(model: torch.nn.Module) -> int:
-    """``torch.compile`` every transformer block of ``model`` in place (the modules of its
-    ``ModuleList``s whose class name ends in ``Block``); returns how many. Blocks, not the whole
-    model: the per-request Python around them (patchify, caption padding) would break the graph
-    anyway, and equal blocks share one compiled graph per input shape."""
-    n = 0
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.ModuleList):
-            for block in mod:
-                if type(block).__name__.endswith("Block"):
-                    block.compile()
-                    n += 1
-    return n
-
-
-def merge_cache_device(device: torch.device, cache_bytes: int) -> torch.device | None:
-    """Where the merge cache lives: host memory when ``device`` is an accelerator whose free
-    memory is less than twice the cache bound (the cache must not starve activations), else
-    ``None`` (the weights' device, where a hit swaps storage instead of copying)."""
-    if device.type != "cuda" or cache_bytes == 0:
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return torch.device("cpu") if free < 2 * cache_bytes else None
-
-
-class DiTOffloader:
-    """Keeps a module's parameters in pinned host memory between commands (``--dit-cpu-offload``).
-
-    :meth:`onload` moves every parameter to the execution device; :meth:`offload` points it back
-    at its host buffer, copying the device values into that buffer first when the command may
-    have changed them (LoRA merge/unmerge/commit). Only parameters move: small LoRA tensors stay
-    on the device; pre-merge snapshots and cached merges are kept in host memory
-    (:func:`build_lora_manager` with ``cpu_offload``).
-    """
-
-    def __init__(self, module: torch.nn.Module, device: torch.device):
-        self.module = module
-        self.device = device
-        for m in module.modules():  # parked weights are written in place, never re-pointed
-            if isinstance(m, BaseLayerWithLoRA):
-                m.swap_storage = False
-        self.params = [p for p in module.parameters()]
-        self.host = []
-        for p in self.params:
-            buf = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
-            buf.copy_(p.data)
-            self.host.append(buf)
-        self.on_device = True
-        self.offload(dirty=False)
-
-    def onload(self) -> None:
-        if self.on_device:
-            return
-        for p, buf in zip(self.params, self.host):
-            p.data = buf.to(self.device, non_blocking=True)
-        torch.cuda.synchronize(self.device)
-        self.on_device = True
-
-    def offload(self, dirty: bool) -> None:
-        if not self.on_device:
-            return
-        for p, buf in zip(self.params, self.host):
-            if dirty:
-                buf.copy_(p.data, non_blocking=True)
-        if dirty:
-            torch.cuda.synchronize(self.device)
-        for p, buf in zip(self.params, self.host):
-            p.data = buf
-        self.on_device = False
-
-
-__all__ = ["LORA_CHANGE_OPS", "LoRAChangeAborted", "LoRARollbackError", "ModelRunner"]
+__all__ = [
+    "LORA_CHANGE_OPS",
+    "DiTOffloader",
+    "LoRAChangeAborted",
+    "LoRARollbackError",
+    "ModelRunner",
+    "compile_blocks",
+    "resolve_dtype",
+]
 
 
 class ModelRunner:

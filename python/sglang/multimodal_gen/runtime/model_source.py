@@ -1,0 +1,126 @@
+"""Where a job's model and layout come from: the model directory (a path, a Hub id in the local
+cache, or the embedded default), the device, the parallel layout for the model's head count, and
+the engine arguments a ``ServerArgs`` implies (shared by the engine and follower nodes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sglang.multimodal_gen import errors as errors_mod
+
+
+def job_kwargs(server_args) -> dict:
+    """The :class:`~sglang.multimodal_gen.runtime.engine.DiffusionEngine` arguments that shape a
+    job (model, device, dtype, layout, kernels), from a ``ServerArgs``: the same for the engine on
+    node 0 and for the ranks of follower nodes."""
+    return dict(
+        model_path=server_args.model_path,
+        tp_size=server_args.tp_size,
+        sp_degree=server_args.sp_degree,
+        ulysses_degree=server_args.ulysses_degree,
+        ring_degree=server_args.ring_degree,
+        cfg_degree=2 if server_args.enable_cfg_parallel else 1,
+        device=server_args.device,
+        dtype=server_args.dtype,
+        dit_cpu_offload=bool(getattr(server_args, "dit_cpu_offload", False)),
+        attention_backend=server_args.attention_backend,
+        enable_torch_compile=server_args.enable_torch_compile,
+    )
+
+
+def layout_for_model(model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree):
+    """The parallel layout for this model's head count (see ``configs.parallel``)."""
+    from sglang.multimodal_gen.configs.parallel import resolve_layout
+    from sglang.multimodal_gen.models.registry import family_for_model
+
+    heads = None
+    if (ulysses_degree, ring_degree) == (None, None) and (sp_degree or 1) > 1:
+        family = family_for_model(model_path)
+        heads = family.attention_heads(family.read_config(model_path))
+    return resolve_layout(
+        tp_size=tp_size,
+        sp_degree=sp_degree,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        enable_cfg_parallel=int(cfg_degree) == 2,
+        heads=heads,
+    )
+
+
+def check_device(device: str | None) -> str:
+    """The execution device for ``device`` (``None``: CUDA when available, else the CPU).
+
+    Raises:
+        InvalidRequestError: ``param="device"``; not a device name, or a device this machine
+            does not have (CUDA without a GPU or a CUDA build of torch, ``cuda:N`` past the GPU
+            count, ``mps`` off macOS...).
+    """
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise errors_mod.InvalidRequestError(
+            f"--device {device!r} is not a device; use cpu, cuda or cuda:N", param="device"
+        ) from None
+    if dev.type == "cpu":
+        return device
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "no GPU found"
+            raise errors_mod.InvalidRequestError(
+                f"--device {device!r}: CUDA is not available on this machine ({why}); use "
+                "--device cpu",
+                param="device",
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise errors_mod.InvalidRequestError(
+                f"--device {device!r}: this machine has {count} GPU(s) (cuda:0 to "
+                f"cuda:{count - 1})",
+                param="device",
+            )
+        return device
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if callable(available) and available():
+        return device
+    raise errors_mod.InvalidRequestError(
+        f"--device {device!r}: {dev.type} is not available on this machine; use cpu or cuda",
+        param="device",
+    )
+
+
+def resolve_model_path(model_path: str | None) -> tuple[str, str]:
+    """``(directory, served name)``: the embedded default model (built once) for ``None``, a
+    directory as given, else a Hub id from the local cache (``FileNotFoundError`` if absent)."""
+    if model_path is None:
+        from sglang.multimodal_gen.models.default_model import (
+            default_model_name,
+            default_model_path,
+        )
+
+        return default_model_path(), default_model_name()
+    if not os.path.isdir(model_path):
+        model_path = _resolve_hub_cache(model_path)
+    return model_path, os.path.basename(os.path.normpath(model_path))
+
+
+def _resolve_hub_cache(model_id: str) -> str:
+    """Resolve ``owner/name`` from the local Hugging Face cache only (no download).
+
+    Raises:
+        FileNotFoundError: not a directory and not in the local cache.
+    """
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model_id, local_files_only=True)
+    except Exception as e:
+        raise FileNotFoundError(
+            f"model path {model_id!r} is not a directory and is not in the local Hugging Face "
+            "cache (nothing is downloaded)"
+        ) from e
