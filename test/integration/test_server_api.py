@@ -655,7 +655,8 @@ def test_graceful_shutdown_finishes_in_flight(lora_dir):
             while True:  # the listener closes: no longer accepting
                 try:
                     httpx.get(f"{url}/health", timeout=2)
-                except httpx.ConnectError:
+                except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                    # refused, or accepted by the kernel backlog and reset while closing
                     break
                 assert time.monotonic() < deadline, "still accepting after shutdown began"
                 time.sleep(0.05)
