@@ -25,9 +25,9 @@ started or finished for that long (``/health`` turns 503; it recovers when the t
 
 Batching (``max_batch_size > 1``): when a generation reaches the head of the queue, the waiting
 generations with the same sampling settings (size, steps, frames, guidance values, whether a
-negative prompt is given, ``lora``) join it, up to ``max_batch_size``, waiting up to ``batch_wait_s``
+negative prompt is given; the LoRA composition may differ) join it, up to ``max_batch_size``, waiting up to ``batch_wait_s``
 for more to arrive; the engine runs them in one denoising loop (``engine.generate_batch``), each
-with its own seed and prompts. Only generations queued before the first waiting admin call can
+with its own seed, prompts and LoRA composition. Only generations queued before the first waiting admin call can
 join, so admin changes stay ordered with generations exactly as without batching.
 
 This module does not import FastAPI; it is plain threading and ``concurrent.futures``.
@@ -89,7 +89,7 @@ def default_request_factory() -> Callable[..., Any]:
     return GenerationRequest
 
 
-_BATCH_FREE = ("prompt", "negative_prompt", "seed", "user")
+_BATCH_FREE = ("prompt", "negative_prompt", "seed", "user", "lora")
 
 
 def _batch_key(task: _Task) -> str:

@@ -1,4 +1,6 @@
-"""Per-request LoRA compositions: apply for one generation, then restore exactly.
+"""Per-request LoRA compositions: apply for one generation, then restore exactly; or, for a
+batch whose requests use different compositions, resolve each one to a row of a
+:class:`~sglang.multimodal_gen.layers.lora.rows.RowPlan` (:meth:`PerRequestMixin.row_composition`).
 
 Under a savepoint (:mod:`~sglang.multimodal_gen.lora.transactions`) the request's composition is
 applied with mode ``"request"`` (:mod:`~sglang.multimodal_gen.lora.compose`): merged layers run it
@@ -21,6 +23,33 @@ __all__ = ["PerRequestMixin"]
 
 class PerRequestMixin:
     """``use_composition`` of the LoRA manager."""
+
+    def _checked_composition(self, composition):
+        """``(composition, {target: its part})`` after every check of :meth:`use_composition`."""
+        self._check_usable()
+        comp = validate_composition(composition, "lora")
+        for name, _ in comp:
+            self._registry.require(name, param="lora")
+        per_target = {
+            t: [(n, s) for n, s in comp if t in self._registry[n].modules] for t in self._targets
+        }
+        self._check_strengths(per_target, self._registry.__getitem__, "lora")
+        return comp, per_target
+
+    def row_composition(
+        self, composition: Sequence[tuple[str, float]] | Sequence[Mapping[str, Any]]
+    ) -> list[tuple[str, float]]:
+        """A request's composition as a row of a mixed batch: ``[(layer adapter id, strength)]``
+        for :class:`~sglang.multimodal_gen.layers.lora.rows.RowPlan`, after the checks of
+        :meth:`use_composition`. Nothing changes on the layers: each row's adapters are applied
+        in the batched forward itself, so requests with different compositions share a batch.
+
+        Raises:
+            NotFoundError, InvalidRequestError: as :meth:`use_composition` (``param="lora"``).
+        """
+        comp, _ = self._checked_composition(composition)
+        self._touch([n for n, _ in comp])
+        return [(self._registry[n].uid, s) for n, s in comp]
 
     @contextlib.contextmanager
     def use_composition(
@@ -54,15 +83,7 @@ class PerRequestMixin:
         err: BaseException | None = None
         began = False
         try:
-            self._check_usable()
-            comp = validate_composition(composition, "lora")
-            for name, _ in comp:
-                self._registry.require(name, param="lora")
-            per_target = {
-                t: [(n, s) for n, s in comp if t in self._registry[n].modules]
-                for t in self._targets
-            }
-            self._check_strengths(per_target, self._registry.__getitem__, "lora")
+            comp, per_target = self._checked_composition(composition)
             self._begin()
             began = True
             self._request_composition = comp

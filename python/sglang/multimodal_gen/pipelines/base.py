@@ -40,6 +40,7 @@ from sglang.multimodal_gen.distributed import (
     get_cfg_rank,
     get_cfg_world_size,
 )
+from sglang.multimodal_gen.layers.lora.rows import current_row_plan, lora_rows
 from sglang.multimodal_gen.models.components import load_component, read_model_index
 from sglang.multimodal_gen.models.loader import load_denoiser, read_json
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
@@ -361,7 +362,12 @@ class StagedPipeline:
             raise ValueError(f"{rows} CFG branches cannot be split over cfg_degree={cfg}")
         r = get_cfg_rank()
         local = {k: (_branch(v, r, rows) if k in batched else v) for k, v in args.items()}
-        out = denoiser(**local)
+        plan = current_row_plan()  # a mixed-LoRA batch: this branch's rows
+        if plan is not None:
+            n = len(plan.rows)
+            plan = plan.select(r * n // rows, (r + 1) * n // rows)
+        with lora_rows(plan):
+            out = denoiser(**local)
         as_list = isinstance(out, list)
         t = torch.stack(out) if as_list else out
         parts = [torch.empty_like(t) for _ in range(cfg)]

@@ -15,7 +15,9 @@ broadcast, per-request conditioning; all collectives) take turns in request orde
 call concatenates the requests in request order, so tensor- and sequence-parallel ranks run the
 same collectives on the same rows. Calls that cannot be concatenated (different non-batched
 arguments or shapes, e.g. Qwen-Image prompts of different lengths) run one after the other, in
-request order. Decoding is one call for the batch too, which also keeps two decodes from running
+request order. Requests with different LoRA compositions share a call: each request thread runs
+under its own one-row :class:`~sglang.multimodal_gen.layers.lora.rows.RowPlan`, and the batched
+call runs under the plan of its rows (``layers.lora.rows``). Decoding is one call for the batch too, which also keeps two decodes from running
 at once (the Wan / Qwen-Image VAEs keep a causal-convolution cache on the module while decoding).
 """
 
@@ -27,6 +29,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from sglang.multimodal_gen.layers.lora.rows import RowPlan, current_row_plan, lora_rows
 
 _LOCAL = threading.local()
 
@@ -40,6 +44,7 @@ class _Call:
     def __init__(self, index, run, denoiser, rows, args, batched):
         self.index, self.run, self.denoiser = index, run, denoiser
         self.rows, self.args, self.batched = rows, args, batched
+        self.plan = current_row_plan()  # the request's LoRA composition (mixed batches)
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
@@ -116,7 +121,8 @@ class StepBatcher:
             for group in groups:
                 if len(group) == 1:
                     c = group[0]
-                    c.result = c.run(c.denoiser, c.rows, c.args, c.batched)
+                    with lora_rows(c.plan):
+                        c.result = c.run(c.denoiser, c.rows, c.args, c.batched)
                 else:
                     self.batched_calls += 1
                     _run_group(group)
@@ -180,6 +186,17 @@ def _concat(values: list) -> Any:
     return type(v0).concat(values)  # e.g. Z-Image's caption context
 
 
+def _row_plan(group: list[_Call], sizes: list[int], rows: int) -> RowPlan | None:
+    """The LoRA rows of a batched call, in its row order (branch-major, then request order);
+    the requests' own plan when they all share one."""
+    plans = {c.plan for c in group}
+    if len(plans) == 1:
+        return group[0].plan
+    comps = [None if c.plan is None else c.plan.rows[0] for c in group]
+    per_branch = [comp for comp, n in zip(comps, sizes) for _ in range(n)]
+    return RowPlan(tuple(per_branch * rows))
+
+
 def _run_group(group: list[_Call]) -> None:
     from sglang.multimodal_gen.pipelines.base import _branch
 
@@ -192,7 +209,8 @@ def _run_group(group: list[_Call]) -> None:
         if not sizes:
             sizes = [len(p) for p in parts[0]]
         args[k] = _concat([p for branch in parts for p in branch])
-    out = c0.run(c0.denoiser, rows, args, c0.batched)
+    with lora_rows(_row_plan(group, sizes, rows)):
+        out = c0.run(c0.denoiser, rows, args, c0.batched)
     as_list = isinstance(out, list)
     total = sum(sizes)
     for i, c in enumerate(group):

@@ -298,14 +298,16 @@ class DiffusionEngine:
         Each request gets what :meth:`generate` (image models) or :meth:`generate_video` (video
         models) would give it alone, up to the batch-size-dependent rounding of the GEMMs.
         Requests with different sizes, step counts or CFG settings are accepted (their DiT calls
-        then run one after the other); requests with their own ``lora`` must all share it.
+        then run one after the other); requests with different ``lora`` compositions share the
+        DiT calls, each row with its own adapters (``layers.lora.rows``).
 
         Returns:
             One entry per request, in order: its images / videos, or the exception it raised (a
-            bad field fails that request only).
+            bad field or an unknown adapter fails that request only).
 
         Raises:
-            ValueError: the requests' ``lora`` compositions differ; EngineDeadError.
+            NotFoundError, InvalidRequestError: a ``lora`` composition shared by every request is
+                invalid; EngineDeadError.
         """
         from PIL import Image
 

@@ -29,6 +29,7 @@ from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.engine_ops import LORA_CHANGE_OPS, get_op
 from sglang.multimodal_gen.errors import SGLangError
 from sglang.multimodal_gen.layers.attention import set_attention_backend
+from sglang.multimodal_gen.layers.lora.rows import RowPlan, lora_rows
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.lora.staging import UNCHANGED
 from sglang.multimodal_gen.lora.transactions import LoRAStateError
@@ -358,34 +359,54 @@ class ModelRunner:
         self, reqs: list[GenerationRequest], progress: bool | None = None, agree=None
     ):
         """Several requests in one denoising loop (``pipelines.batching``): each keeps its own
-        seed, prompts and guidance; their DiT calls are batched step by step.
+        seed, prompts, guidance and LoRA composition; their DiT calls are batched step by step.
 
-        All requests must share the LoRA composition (``lora``); different sizes, step counts or
-        CFG settings are allowed (their DiT calls then run one after the other). Returns one
-        ``(True, images)`` or ``(False, packed error)`` per request, in order: one request's
-        failure does not fail the others.
+        Requests that share one composition (``lora``) run under it (``use_composition``).
+        Different compositions run as rows of the same batch (``layers.lora.rows``): nothing is
+        applied to the layers, each row's adapters are added in the forward itself, so no row
+        sees another's adapters (merged layers subtract their merged composition per row). A
+        request whose composition is invalid fails alone. With per-expert DiT offload the
+        compositions run one after the other (each a batch of its own).
+
+        Returns one ``(True, images)`` or ``(False, packed error)`` per request, in order: one
+        request's failure does not fail the others.
 
         Raises:
-            ValueError: the requests' ``lora`` compositions differ.
-            NotFoundError: the shared composition names an adapter that is not loaded.
+            NotFoundError, InvalidRequestError: a composition shared by every request is invalid.
         """
         from sglang.multimodal_gen.pipelines.batching import StepBatcher
         from sglang.multimodal_gen.runtime.worker import pack_error
 
-        if any(r.lora != reqs[0].lora for r in reqs):
-            raise ValueError("the requests of a batch must share one LoRA composition")
-        batcher = StepBatcher(len(reqs))
         out: list = [None] * len(reqs)
+        loras = [None if r.lora is None else list(r.lora) for r in reqs]
+        shared = all(c == loras[0] for c in loras)
+        if not shared and self.per_expert_offload:
+            for comp in {repr(c): c for c in loras}.values():
+                idx = [i for i, c in enumerate(loras) if c == comp]
+                part = self.cmd_generate_batch([reqs[i] for i in idx], progress, agree)
+                for i, res in zip(idx, part):
+                    out[i] = res
+            return out
+        plans: list = [None] * len(reqs)
+        if not shared:
+            for i, comp in enumerate(loras):
+                if comp is not None:
+                    try:
+                        plans[i] = RowPlan.of([self.lora_manager.row_composition(comp)])
+                    except Exception as e:  # the same outcome on every rank: same registry
+                        out[i] = (False, pack_error(e))
+        live = [i for i in range(len(reqs)) if out[i] is None]
+        batcher = StepBatcher(len(live))
 
-        def run(i: int) -> None:
-            with batcher.member(i):
+        def run(k: int, i: int) -> None:
+            with batcher.member(k), lora_rows(plans[i]):
                 try:
                     out[i] = (True, self.pipeline(**self._pipeline_kwargs(reqs[i], False)))
                 except BaseException as e:  # reported per request
                     out[i] = (False, pack_error(e))
 
-        with self._request_composition(reqs[0].lora, agree):
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+        with self._request_composition(loras[0] if shared else None, agree):
+            threads = [threading.Thread(target=run, args=(k, i)) for k, i in enumerate(live)]
             for t in threads:
                 t.start()
             for t in threads:

@@ -15,7 +15,8 @@ Subclasses (``wrappers.py``) only say how a full ``A`` and ``B`` are cut to this
 arithmetic (fused compose, chunked fp32 merge) is in ``compute.py``. Merge keeps the pre-merge
 weight as a snapshot that unmerge puts back (never subtracts: bit-exact); the parameter is
 re-pointed rather than written (``swap_storage``). A request overlay runs another composition on a
-merged layer as ``merged + (request - merged)``. LoRA: Hu et al. 2021, eq. 3.
+merged layer as ``merged + (request - merged)``. Rows of one batch with different compositions
+run through the same forward with per-row coefficients (``rows.py``). LoRA: Hu et al. 2021, eq. 3.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from sglang.multimodal_gen.layers.lora.compute import (
     get_runtime_lora_scale,
     merged_weight,
 )
+from sglang.multimodal_gen.layers.lora.rows import RowPlan, current_row_plan, row_delta
 from sglang.multimodal_gen.layers.lora.weights import LoRAWeights, all_finite, check_weights, own
 
 __all__ = ["BaseLayerWithLoRA"]
@@ -467,6 +469,9 @@ class BaseLayerWithLoRA(nn.Module):
         ``s * delta(active)``; merged, ``(s - 1) * delta(active)``; with a request overlay also
         ``s * (delta(request) - delta(active))``; offsets at ``s`` (never merged).
         """
+        plan = current_row_plan()
+        if plan is not None and self._adapters and any(r is not None for r in plan.rows):
+            return self._forward_rows(x, plan)
         overlay = self._overlay is not None
         if not self._any_active and not overlay:
             return self.base_layer(x)
@@ -491,6 +496,17 @@ class BaseLayerWithLoRA(nn.Module):
             for off in (self._offset, ov_offset if overlay else None):
                 if off is not None:
                     y.add_(off, alpha=s)
+        return base.package_output(base.reduce_output(y))
+
+    def _forward_rows(
+        self, x: torch.Tensor, plan: RowPlan
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward with per-row compositions (:mod:`.rows`): one base GEMM, one LoRA GEMM
+        pair over the union of the rows' adapters with per-row coefficients."""
+        base = self.base_layer
+        x_local = base.parallel_input(x)
+        y = base.apply_gemm(x_local, base.gemm_bias())
+        row_delta(self, plan, x_local, y, get_runtime_lora_scale())
         return base.package_output(base.reduce_output(y))
 
     def extra_repr(self) -> str:

@@ -45,6 +45,7 @@ from sglang.multimodal_gen.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from sglang.multimodal_gen.layers.lora.rows import lora_row_tokens
 from sglang.multimodal_gen.layers.norm import LayerNormNoAffine, RMSNorm
 from sglang.multimodal_gen.layers.rotary import MultiAxisRope, apply_rope_interleaved
 
@@ -410,7 +411,8 @@ class ZImageTransformer(nn.Module):
         if min(lens) == 0:
             raise ValueError("a caption has zero tokens")
         norm, lin = self.cap_embedder
-        emb = lin(norm(torch.cat(cap_feats, 0)))[0]
+        with lora_row_tokens(lens):  # items concatenated: tell per-row LoRA which rows are whose
+            emb = lin(norm(torch.cat(cap_feats, 0)))[0]
         seqs, cis_l, plens = [], [], []
         for e, n in zip(emb.split(lens, 0), lens):
             c = _round_up(n, self.cfg.SEQ_MULTI_OF)
@@ -494,7 +496,8 @@ class ZImageTransformer(nn.Module):
             patches.append(tok)
             grids.append(grid)
             nlens.append(tok.shape[0])
-        emb = self.all_x_embedder[key](torch.cat(patches, 0))[0]
+        with lora_row_tokens(nlens):
+            emb = self.all_x_embedder[key](torch.cat(patches, 0))[0]
         seqs, cis_l, xlens = [], [], []
         for i, (e, n, grid) in enumerate(zip(emb.split(nlens, 0), nlens, grids)):
             xl = _round_up(n, self.cfg.SEQ_MULTI_OF)
