@@ -5,14 +5,15 @@ as diffusers resolves it, prompt encoding on one rank with the result broadcast,
 timing, the denoiser switch hook, decoding through diffusers' ``VaeImageProcessor``). A family
 subclass overrides stages, never the loop:
 
-=====================  ===========================================================================
-``encode_prompt``      text -> conditioning (a dict of tensors); runs on TP rank 0 only
-``prepare_latents``    initial noise in the family's latent layout (diffusers' ``randn_tensor``)
-``prepare_timesteps``  a fresh scheduler from the directory's config + its timesteps
-``select_denoiser``    which denoiser runs step ``i`` (Wan2.2 switches experts mid-loop)
-``predict``            one model evaluation with the family's CFG policy -> scheduler input
-``decode``             latents -> uint8 pixels ``[B, H, W, 3]`` (VAE ranks only)
-=====================  ===========================================================================
+======================  ===========================================================================
+``prompt_list``         the texts a request encodes (prompt; negative prompt under CFG)
+``encode_prompt_list``  texts -> conditioning (a dict of tensors); runs on TP rank 0 only
+``prepare_latents``     initial noise in the family's latent layout (diffusers' ``randn_tensor``)
+``prepare_timesteps``   a fresh scheduler from the directory's config + its timesteps
+``select_denoiser``     which denoiser runs step ``i`` (Wan2.2 switches experts mid-loop)
+``predict``             one model evaluation with the family's CFG policy -> scheduler input
+``decode``              latents -> uint8 pixels ``[B, H, W, 3]`` (VAE ranks only)
+======================  ===========================================================================
 
 Under tensor parallelism every rank runs the same loop on the same inputs; the text encoders
 are loaded and run on rank 0 only, and their output is broadcast on the CPU control group, so
@@ -275,9 +276,44 @@ class StagedPipeline:
                 raise ValueError(f"{name} must be <= {self.defaults.max_image_size}, got {v}")
 
     # ------------------------------------------------------------------ stages
-    def encode_prompt(self, inp: GenerationInputs) -> dict[str, Any]:
-        """Text -> conditioning tensors (rank 0 only; the result is broadcast)."""
+    def prompt_list(self, inp: GenerationInputs) -> list[str]:
+        """The texts a request encodes (its prompt, and its negative prompt under CFG)."""
         raise NotImplementedError
+
+    def encode_prompt_list(self, prompts: list[str], max_sequence_length: int) -> dict[str, Any]:
+        """Texts -> conditioning: each value holds one entry per prompt along dim 0 (a tensor
+        ``[P, ...]`` or a list of ``P`` tensors). Rank 0 only; the result is broadcast."""
+        raise NotImplementedError
+
+    def encode_prompt(self, inp: GenerationInputs) -> dict[str, Any]:
+        """One request's conditioning: :meth:`encode_prompt_list` of its :meth:`prompt_list`."""
+        return self.encode_prompt_list(self.prompt_list(inp), inp.max_sequence_length)
+
+    def encode_prompts(self, inps: list[GenerationInputs]) -> list[dict[str, Any]]:
+        """:meth:`encode_prompt` of several requests with ONE encoder call (the batch's texts
+        concatenated, the result cut back per request). Requests with different
+        ``max_sequence_length`` are encoded one by one."""
+        if len({i.max_sequence_length for i in inps}) > 1:
+            return [self.encode_prompt(i) for i in inps]
+        lists = [self.prompt_list(i) for i in inps]
+        out = self.encode_prompt_list([p for ps in lists for p in ps], inps[0].max_sequence_length)
+        bounds = np.cumsum([0] + [len(ps) for ps in lists]).tolist()
+        return [{k: v[lo:hi] for k, v in out.items()} for lo, hi in zip(bounds, bounds[1:])]
+
+    def _encode(self, inp: GenerationInputs, member) -> dict[str, Any]:
+        """:meth:`encode_prompt`; in a batch, one encoder call for every request of the batch
+        (a rendezvous like the DiT calls, before the prologue turns)."""
+        if member is None:
+            return self.encode_prompt(inp)
+        out = member[0].submit(
+            member[1],
+            lambda _self, _rows, args, _batched: self.encode_prompts(args["inps"]),
+            self,
+            1,
+            dict(inps=[inp], max_sequence_length=inp.max_sequence_length),
+            ("inps",),
+        )
+        return out[0]
 
     def prepare_latents(self, inp: GenerationInputs, cond: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
@@ -429,9 +465,9 @@ class StagedPipeline:
             raise ValueError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
 
         member = current_batcher()
+        cond = self._encode(inp, member) if self.rank == 0 else None
         # in a batch the prologues (collectives) take turns in request order on every rank
         with member[0].prologue(member[1]) if member else contextlib.nullcontext():
-            cond = self.encode_prompt(inp) if self.rank == 0 else None
             cond = self.prepare_conditioning(inp, self.broadcast_conditioning(cond))
         latents = self.prepare_latents(inp, cond)
         scheduler, timesteps = self.prepare_timesteps(inp, latents)

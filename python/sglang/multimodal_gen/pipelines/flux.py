@@ -86,16 +86,17 @@ class FluxPipeline(StagedPipeline):
         out = enc(ids.to(enc.device), output_hidden_states=False)[0]
         return out.to(dtype=enc.dtype, device=self.device)
 
+    def prompt_list(self, inp: GenerationInputs) -> list[str]:
+        """The prompt, and the negative prompt when true CFG runs."""
+        return [inp.prompt] + ([inp.negative_prompt] if self._true_cfg(inp) else [])
+
     @torch.no_grad()
-    def encode_prompt(self, inp: GenerationInputs) -> dict[str, Any]:
-        """``{"embeds": [P, L, D], "pooled": [P, D_pool]}``; ``P`` is 2 (positive, negative)
-        when true CFG runs, else 1."""
-        prompts = [inp.prompt]
-        if self._true_cfg(inp):
-            prompts.append(inp.negative_prompt)
+    def encode_prompt_list(self, prompts: list[str], max_sequence_length: int) -> dict[str, Any]:
+        """``{"embeds": [P, L, D], "pooled": [P, D_pool]}`` (both encoders pad to fixed
+        lengths, so prompts of several requests encode together exactly)."""
         return {
             "pooled": self._clip_pooled(prompts),
-            "embeds": self._t5_embeds(prompts, inp.max_sequence_length),
+            "embeds": self._t5_embeds(prompts, max_sequence_length),
         }
 
     @staticmethod

@@ -82,11 +82,15 @@ class QwenImagePipeline(StagedPipeline):
     def _true_cfg(inp: GenerationInputs) -> bool:
         return inp.true_cfg_scale > 1 and inp.negative_prompt is not None
 
+    def prompt_list(self, inp: GenerationInputs) -> list[str]:
+        """The prompt, and the negative prompt under true CFG."""
+        return [inp.prompt] + ([inp.negative_prompt] if self._true_cfg(inp) else [])
+
     @torch.no_grad()
-    def encode_prompt(self, inp: GenerationInputs) -> dict[str, Any]:
-        """``{"rows": [pos] (+ [neg] under true CFG)}``, each ``[L_i, D]``."""
-        prompts = [inp.prompt] + ([inp.negative_prompt] if self._true_cfg(inp) else [])
-        return {"rows": [self._encode_one(p, inp.max_sequence_length) for p in prompts]}
+    def encode_prompt_list(self, prompts: list[str], max_sequence_length: int) -> dict[str, Any]:
+        """``{"rows": [L_i, D] per prompt}``: one prompt per encoder call, as the reference
+        (its template drop and unpadded length make a padded batch differ)."""
+        return {"rows": [self._encode_one(p, max_sequence_length) for p in prompts]}
 
     def prepare_conditioning(self, inp, cond):
         """Rows ``[pos x n, neg x n]`` padded to one length, with the key mask when they differ."""

@@ -85,13 +85,15 @@ class WanPipeline(StagedPipeline):
     def _do_cfg(inp: GenerationInputs) -> bool:
         return inp.guidance_scale > 1.0
 
+    def prompt_list(self, inp: GenerationInputs) -> list[str]:
+        """The prompt, and the negative prompt (empty when not given) with CFG."""
+        neg = inp.negative_prompt if inp.negative_prompt is not None else ""
+        return [inp.prompt] + ([neg] if self._do_cfg(inp) else [])
+
     @torch.no_grad()
-    def encode_prompt(self, inp: GenerationInputs) -> dict[str, Any]:
-        """``{"embeds": [P, L, D]}`` in the DiT dtype; ``P`` is 2 (prompt, negative) with CFG."""
-        prompts = [inp.prompt]
-        if self._do_cfg(inp):
-            prompts.append(inp.negative_prompt if inp.negative_prompt is not None else "")
-        return {"embeds": self._t5(prompts, inp.max_sequence_length).to(self.transformer.dtype)}
+    def encode_prompt_list(self, prompts: list[str], max_sequence_length: int) -> dict[str, Any]:
+        """``{"embeds": [P, L, D]}`` in the DiT dtype (padded to ``max_sequence_length``)."""
+        return {"embeds": self._t5(prompts, max_sequence_length).to(self.transformer.dtype)}
 
     def prepare_conditioning(self, inp, cond):
         """Rows ``[pos x n, neg x n]``."""

@@ -59,13 +59,15 @@ class ZImagePipeline(StagedPipeline):
     cfg_truncation: float = 1.0
 
     # ------------------------------------------------------------------ text
-    def encode_prompt(self, inp: GenerationInputs) -> dict[str, Any]:
-        """``{"embeds": [pos] (+ [neg] with CFG)}``: per prompt ``[L_i, hidden]``, the text
-        encoder's second-to-last hidden layer at the unmasked tokens."""
-        prompts = [inp.prompt]
-        if inp.guidance_scale > 0:
-            prompts.append(inp.negative_prompt if inp.negative_prompt is not None else "")
-        return {"embeds": self.encode_texts(prompts, inp.max_sequence_length)}
+    def prompt_list(self, inp: GenerationInputs) -> list[str]:
+        """The prompt, and the negative prompt (empty when not given) with CFG."""
+        neg = inp.negative_prompt if inp.negative_prompt is not None else ""
+        return [inp.prompt] + ([neg] if inp.guidance_scale > 0 else [])
+
+    def encode_prompt_list(self, prompts: list[str], max_sequence_length: int) -> dict[str, Any]:
+        """``{"embeds": [L_i, hidden] per prompt}``: the text encoder's second-to-last hidden
+        layer at the unmasked tokens."""
+        return {"embeds": self.encode_texts(prompts, max_sequence_length)}
 
     @torch.no_grad()
     def encode_texts(
