@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 from PIL import Image
@@ -264,6 +265,40 @@ def running_server(engine: Any, server_args: Any = None, **app_kwargs):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def wait_until(cond: Any, what: str, timeout: float = 30.0) -> None:
+    """Poll ``cond()`` every 10 ms until true; ``AssertionError(what)`` after ``timeout`` s.
+
+    Tests synchronise on observable state this way, never on a fixed ``sleep`` (which a loaded
+    machine outlasts)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def wait_not_accepting(url: str, timeout: float = 10.0) -> None:
+    """Poll ``url/health`` until the server no longer accepts connections.
+
+    "Not accepting" is every way a closing listener can answer a new connection: refused
+    (``ConnectError``), or accepted by the kernel backlog and then reset or closed before or
+    after the request was written (``WriteError``, ``ReadError``, ``RemoteProtocolError``). A
+    timeout proves nothing (a loaded machine can be slow to answer), so it polls again.
+
+    Raises:
+        AssertionError: still answering after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+        except (httpx.NetworkError, httpx.RemoteProtocolError):
+            return
+        except httpx.TimeoutException:
+            pass
+        assert time.monotonic() < deadline, "still accepting after shutdown began"
+        time.sleep(0.05)
 
 
 def assert_envelope(response: Any, status: int, param: str | None = "__any__") -> dict:
