@@ -246,18 +246,25 @@ def running_server(engine: Any, server_args: Any = None, **app_kwargs):
     from sglang.multimodal_gen.configs.server_args import ServerArgs
     from sglang.multimodal_gen.entrypoints.http_server import create_app, uvicorn_config
 
-    port = free_port()
+    # listen before uvicorn starts: a port picked free and bound later could be taken meanwhile
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    port = sock.getsockname()[1]
     args = (server_args or ServerArgs()).replace(host="127.0.0.1", port=port)
     app_kwargs.setdefault("request_factory", GenerationRequest)
     app = create_app(engine, args, **app_kwargs)
     # the server's own connection bounds (header/body timeouts, connection cap)
     config = uvicorn_config(app, args, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            sock.close()
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
@@ -265,6 +272,7 @@ def running_server(engine: Any, server_args: Any = None, **app_kwargs):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        sock.close()  # uvicorn closed it already unless it failed to start
 
 
 def wait_until(cond: Any, what: str, timeout: float = 30.0) -> None:
