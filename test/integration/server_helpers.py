@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 from PIL import Image
@@ -245,18 +246,25 @@ def running_server(engine: Any, server_args: Any = None, **app_kwargs):
     from sglang.multimodal_gen.configs.server_args import ServerArgs
     from sglang.multimodal_gen.entrypoints.http_server import create_app, uvicorn_config
 
-    port = free_port()
+    # listen before uvicorn starts: a port picked free and bound later could be taken meanwhile
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    port = sock.getsockname()[1]
     args = (server_args or ServerArgs()).replace(host="127.0.0.1", port=port)
     app_kwargs.setdefault("request_factory", GenerationRequest)
     app = create_app(engine, args, **app_kwargs)
     # the server's own connection bounds (header/body timeouts, connection cap)
     config = uvicorn_config(app, args, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            sock.close()
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
@@ -264,6 +272,41 @@ def running_server(engine: Any, server_args: Any = None, **app_kwargs):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        sock.close()  # uvicorn closed it already unless it failed to start
+
+
+def wait_until(cond: Any, what: str, timeout: float = 30.0) -> None:
+    """Poll ``cond()`` every 10 ms until true; ``AssertionError(what)`` after ``timeout`` s.
+
+    Tests synchronise on observable state this way, never on a fixed ``sleep`` (which a loaded
+    machine outlasts)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def wait_not_accepting(url: str, timeout: float = 10.0) -> None:
+    """Poll ``url/health`` until the server no longer accepts connections.
+
+    "Not accepting" is every way a closing listener can answer a new connection: refused
+    (``ConnectError``), or accepted by the kernel backlog and then reset or closed before or
+    after the request was written (``WriteError``, ``ReadError``, ``RemoteProtocolError``). A
+    timeout proves nothing (a loaded machine can be slow to answer), so it polls again.
+
+    Raises:
+        AssertionError: still answering after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+        except (httpx.NetworkError, httpx.RemoteProtocolError):
+            return
+        except httpx.TimeoutException:
+            pass
+        assert time.monotonic() < deadline, "still accepting after shutdown began"
+        time.sleep(0.05)
 
 
 def assert_envelope(response: Any, status: int, param: str | None = "__any__") -> dict:

@@ -28,6 +28,8 @@ from server_helpers import (
     fake_reference_image,
     free_port,
     running_server,
+    wait_not_accepting,
+    wait_until,
     write_lora_file,
 )
 from sglang.multimodal_gen.configs.server_args import ServerArgs
@@ -542,13 +544,6 @@ def test_s12_queue_full_503_retry_after_and_keeps_serving(lora_dir):
         scheduler = app.state.scheduler
         with ThreadPoolExecutor(max_workers=3) as pool:
             try:
-
-                def wait_until(cond, what):
-                    deadline = time.monotonic() + 30
-                    while not cond():
-                        assert time.monotonic() < deadline, what
-                        time.sleep(0.01)
-
                 futures = [pool.submit(gen, url, seed=0)]
                 wait_until(lambda: scheduler.busy, "first request did not start")
                 futures += [pool.submit(gen, url, seed=i) for i in (1, 2)]
@@ -577,18 +572,23 @@ def test_disconnected_client_queued_request_is_dropped():
         with ThreadPoolExecutor(max_workers=1) as pool:
             try:
                 first = pool.submit(gen, url, seed=1)
-                while not scheduler.busy:
-                    time.sleep(0.01)
-                with pytest.raises(httpx.ReadTimeout):
-                    httpx.post(
-                        f"{url}/v1/images/generations",
-                        json={"prompt": "gone", "size": "32x32", "num_inference_steps": 1},
-                        timeout=0.5,
+                wait_until(lambda: scheduler.busy, "first request did not start")
+                # a client that goes away once its request is queued (not on a client-side
+                # timeout, which a loaded server can outlast before it even queued the request)
+                body = json.dumps({"prompt": "gone", "size": "32x32", "num_inference_steps": 1})
+                host, port = url.removeprefix("http://").split(":")
+                with socket.create_connection((host, int(port)), timeout=10) as s:
+                    s.sendall(
+                        (
+                            "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n"
+                            "Content-Type: application/json\r\n"
+                            f"Content-Length: {len(body)}\r\n\r\n{body}"
+                        ).encode()
                     )
-                deadline = time.monotonic() + 10
-                while scheduler.queue_depth:  # dropped from the queue once noticed
-                    assert time.monotonic() < deadline, "queued request of a gone client kept"
-                    time.sleep(0.05)
+                    wait_until(lambda: scheduler.queue_depth == 1, "request not queued")
+                wait_until(  # dropped from the queue once noticed
+                    lambda: scheduler.queue_depth == 0, "queued request of a gone client kept", 10
+                )
             finally:
                 engine.release.set()
             assert first.result().status_code == 200
@@ -628,7 +628,7 @@ def test_dead_engine_health_503_and_requests_503(lora_dir):
         assert httpx.get(f"{url}/health").json() == {"status": "ok"}
         with ThreadPoolExecutor(max_workers=1) as pool:
             inflight = pool.submit(gen, url)
-            time.sleep(0.2)
+            wait_until(lambda: "generate" in engine.calls, "the request did not reach the engine")
             engine.alive = False  # a worker died while a request runs (and never returns)
             t0 = time.monotonic()
             r = inflight.result(timeout=20)
@@ -648,18 +648,9 @@ def test_graceful_shutdown_finishes_in_flight(lora_dir):
     with running_server(engine, ServerArgs()) as (url, app, server):
         with ThreadPoolExecutor(max_workers=1) as pool:
             inflight = pool.submit(gen, url)
-            while not app.state.scheduler.busy:
-                time.sleep(0.01)
+            wait_until(lambda: app.state.scheduler.busy, "the request did not start")
             server.should_exit = True  # what SIGTERM does
-            deadline = time.monotonic() + 10
-            while True:  # the listener closes: no longer accepting
-                try:
-                    httpx.get(f"{url}/health", timeout=2)
-                except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
-                    # refused, or accepted by the kernel backlog and reset while closing
-                    break
-                assert time.monotonic() < deadline, "still accepting after shutdown began"
-                time.sleep(0.05)
+            wait_not_accepting(url)  # the listener closes
             assert not inflight.done()
             engine.release.set()
             r = inflight.result(timeout=20)
@@ -871,23 +862,21 @@ def test_body_size_and_time_are_bounded_before_reading(engine):
 
 
 def test_connection_cap(engine):
-    with running_server(engine, ServerArgs(limit_concurrency=2, timeout_headers_s=30)) as (
-        url,
-        _,
-        _,
-    ):
+    args = ServerArgs(limit_concurrency=2, timeout_headers_s=30)
+    with running_server(engine, args) as (url, _, server):
+        open_connections = server.server_state.connections
         host, port = url.removeprefix("http://").split(":")
         idle = [socket.create_connection((host, int(port))) for _ in range(2)]
         try:
-            time.sleep(0.2)
+            wait_until(lambda: len(open_connections) == 2, "idle connections not accepted")
             answer, first = _raw_exchange(url, b"")
             status, err = _status_and_error(answer)
             assert status == 503 and "too many open connections" in err["message"]
-            assert first < 2
+            assert first < 10  # at once, not after the 30 s header timeout
         finally:
             for s in idle:
                 s.close()
-        time.sleep(0.2)
+        wait_until(lambda: not open_connections, "closed connections still counted")
         assert gen(url).status_code == 200
 
 
@@ -899,6 +888,8 @@ def test_health_503_when_the_engine_makes_no_progress(engine):
         with ThreadPoolExecutor(max_workers=1) as pool:
             try:
                 pending = pool.submit(gen, url)
+                # running, so the stall names it (a request still queued would say "nothing")
+                wait_until(lambda: app.state.scheduler.busy, "the request did not start")
                 deadline = time.monotonic() + 10
                 while (r := httpx.get(f"{url}/health")).status_code == 200:
                     assert time.monotonic() < deadline, "stall not reported"

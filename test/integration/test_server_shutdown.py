@@ -15,19 +15,29 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from server_helpers import free_port
+from server_helpers import free_port, wait_not_accepting, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 SCRIPT = textwrap.dedent(
     """
-    import sys
+    import os, sys, time
     sys.path.insert(0, {here!r})
     from server_helpers import FakeEngine, GenerationRequest
     from sglang.multimodal_gen.configs.server_args import ServerArgs
     from sglang.multimodal_gen.entrypoints import http_server
 
-    engine = FakeEngine(delay_s=2.0)
+    engine = FakeEngine()
+    fake_generate = engine.generate
+
+    def gated_generate(req):  # runs until the test creates the release file
+        open({started!r}, "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists({release!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return fake_generate(req)
+
+    engine.generate = gated_generate
     http_server.build_engine = lambda args: engine
     import sglang.multimodal_gen.entrypoints.scheduler as sched
     sched.default_request_factory = lambda: GenerationRequest
@@ -37,7 +47,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
@@ -50,11 +60,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise AssertionError("server did not become healthy")
 
 
-def test_sigterm_finishes_in_flight_then_exits():
+def test_sigterm_finishes_in_flight_then_exits(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    started, release = tmp_path / "started", tmp_path / "release"
+    script = SCRIPT.format(here=HERE, port=port, started=str(started), release=str(release))
     proc = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT.format(here=HERE, port=port)],
+        [sys.executable, "-c", script],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -64,19 +76,15 @@ def test_sigterm_finishes_in_flight_then_exits():
         body = {"prompt": "x", "size": "32x32", "num_inference_steps": 1, "seed": 1}
         with ThreadPoolExecutor(max_workers=1) as pool:
             inflight = pool.submit(
-                httpx.post, f"{url}/v1/images/generations", json=body, timeout=30
+                httpx.post, f"{url}/v1/images/generations", json=body, timeout=120
             )
-            time.sleep(0.5)  # the request is running (2 s)
+            wait_until(lambda: started.exists() or inflight.done(), "the request did not start")
+            assert not inflight.done(), inflight.result()
             proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    httpx.get(f"{url}/health", timeout=1)
-                except httpx.HTTPError:
-                    break  # no longer accepting
-                assert time.monotonic() < deadline, "server still accepting after SIGTERM"
-                time.sleep(0.05)
-            r = inflight.result(timeout=30)
+            wait_not_accepting(url)
+            assert not inflight.done()  # still running: held until the release file exists
+            release.touch()
+            r = inflight.result(timeout=60)
         assert r.status_code == 200, r.text
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0, out

@@ -258,6 +258,9 @@ def add_video_routes(
             seed=kwargs["seed"],
         )  # fmt: skip
         store.add(job)
+        # the answer is the job as created ("queued"): a fast engine may finish it before this
+        # handler runs again, and the answer should not depend on that race
+        created = job.as_dict()
         try:
             job.future = scheduler.submit_video(**kwargs)
         except BaseException:
@@ -277,7 +280,7 @@ def add_video_routes(
             store.finish(job, content, None)
 
         job.future.add_done_callback(done)
-        return JSONResponse(job.as_dict())
+        return JSONResponse(created)
 
     @app.get("/v1/videos")
     async def list_videos():
