@@ -29,6 +29,7 @@ from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.engine_ops import LORA_CHANGE_OPS, get_op
 from sglang.multimodal_gen.errors import SGLangError
 from sglang.multimodal_gen.layers.attention import set_attention_backend
+from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA
 from sglang.multimodal_gen.layers.lora.rows import RowPlan, lora_rows
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.lora.staging import UNCHANGED
@@ -411,6 +412,11 @@ class ModelRunner:
                 t.start()
             for t in threads:
                 t.join()
+        if not shared:  # free the per-layer union forms (at real size a copy of every adapter)
+            for module in self.pipeline.denoisers.values():
+                for m in module.modules():
+                    if isinstance(m, BaseLayerWithLoRA):
+                        m.drop_row_cache()
         self.last_batched_calls = batcher.batched_calls
         return out
 
