@@ -120,7 +120,9 @@ def main(argv=None) -> int:
     )
     for c in cases:
         print(f"  {c:7s} {med[c] * 1e3:9.1f} ms/step   {med[c] / med['none']:.3f}x none")
-    print(f"  mixed ({args.compositions} compositions) / shared: {med['mixed'] / med['shared']:.3f}x")
+    print(
+        f"  mixed ({args.compositions} compositions) / shared: {med['mixed'] / med['shared']:.3f}x"
+    )
     return 0
 
 

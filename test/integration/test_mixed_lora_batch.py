@@ -95,6 +95,18 @@ def test_zimage_mixed_compositions(tiny_zimage_dir, tmp_path, merged):
     assert out[0][0] and out[2][0]
     assert not out[1][0] and out[1][1]["type"] == NotFoundError.__name__, out[1][1]
     assert psnr(out[0][1], runner.cmd_generate(reqs[0])) >= MIN_PSNR
+    # the union forms are per batch: none is left on the layers afterwards
+    layers = [m for m in runner.pipeline.transformer.modules() if hasattr(m, "drop_row_cache")]
+    assert layers and all(m._rows_cache is None for m in layers)
+    if merged:
+        return
+    # per-expert offload runs each composition as a batch of its own: an unknown adapter still
+    # fails its own request only (the expert switch is a no-op on this one-expert CPU model)
+    runner.per_expert_offload = True
+    runner._activate_expert = lambda module: None
+    out = runner.cmd_generate_batch(reqs)
+    assert out[0][0] and out[2][0]
+    assert not out[1][0] and out[1][1]["type"] == NotFoundError.__name__, out[1][1]
 
 
 def test_flux_mixed_compositions(tiny_flux_dev_dir, tmp_path):

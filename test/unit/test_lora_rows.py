@@ -146,3 +146,30 @@ def test_gloo_tp2_rows():
             torch.testing.assert_close(
                 torch.from_numpy(res[(kind, mode)]).double(), want, atol=ATOL, rtol=RTOL
             )
+
+
+def test_replaced_adapter_is_not_served_from_the_union_cache():
+    """An adapter removed and added again under the same name (other weights) after a mixed
+    forward: the next mixed forward uses the new weights, not the union compiled from the old
+    ones (a freed adapter's storage may be reused by the next one, so identity is no key)."""
+    kind, seed = "column", 11
+    layer = _layer(kind, seed, "unmerged")
+    w, b = full_weights(kind, seed)
+    x = torch.randn(2, 3, IN, generator=torch.Generator().manual_seed(2))
+    plan = RowPlan.of([[("a0", 1.0)], []])
+    versions = [random_adapter(kind, seed + 50 + i, ranks=(3,)) for i in range(2)]
+    for i in range(4):
+        with lora_rows(plan):
+            layer(x)
+        new = versions[i % 2]
+        layer.remove_adapter("a0")
+        layer.add_adapter("a0", new)
+        with lora_rows(plan):
+            got = layer(x)[0]
+        want = torch.stack(
+            [dense_reference(kind, w, b, x[0], [(new, 1.0)]), dense_reference(kind, w, b, x[1], [])]
+        )
+        torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=RTOL)
+    assert layer._rows_cache is not None
+    layer.remove_adapter("a1")  # removing an adapter frees the union that holds a copy of it
+    assert layer._rows_cache is None

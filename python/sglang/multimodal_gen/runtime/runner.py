@@ -27,8 +27,9 @@ import torch
 
 from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.engine_ops import LORA_CHANGE_OPS, get_op
-from sglang.multimodal_gen.errors import SGLangError
+from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError, SGLangError
 from sglang.multimodal_gen.layers.attention import set_attention_backend
+from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA
 from sglang.multimodal_gen.layers.lora.rows import RowPlan, lora_rows
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.lora.staging import UNCHANGED
@@ -383,7 +384,10 @@ class ModelRunner:
         if not shared and self.per_expert_offload:
             for comp in {repr(c): c for c in loras}.values():
                 idx = [i for i, c in enumerate(loras) if c == comp]
-                part = self.cmd_generate_batch([reqs[i] for i in idx], progress, agree)
+                try:
+                    part = self.cmd_generate_batch([reqs[i] for i in idx], progress, agree)
+                except (NotFoundError, InvalidRequestError) as e:  # this composition's requests
+                    part = [(False, pack_error(e))] * len(idx)
                 for i, res in zip(idx, part):
                     out[i] = res
             return out
@@ -411,6 +415,11 @@ class ModelRunner:
                 t.start()
             for t in threads:
                 t.join()
+        if not shared:  # free the per-layer union forms (at real size a copy of every adapter)
+            for module in self.pipeline.denoisers.values():
+                for m in module.modules():
+                    if isinstance(m, BaseLayerWithLoRA):
+                        m.drop_row_cache()
         self.last_batched_calls = batcher.batched_calls
         return out
 

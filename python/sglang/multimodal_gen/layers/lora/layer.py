@@ -84,6 +84,8 @@ class BaseLayerWithLoRA(nn.Module):
         self._merged = False
         self._overlay: list[tuple[str, float]] | None = None  # request composition (merged only)
         self._ov: tuple = (None, None, None)  # its compiled difference to the active one
+        # the union form of the last row plan (rows.py); dropped when the stored adapters change
+        self._rows_cache: tuple | None = None
         self.merges = 0  # merges done (computed or from a cached tensor); tests and stats
         # False: merge/unmerge copy into the parameter's storage instead of re-pointing it, for
         # owners that keep a reference to that storage (DiTOffloader)
@@ -210,6 +212,7 @@ class BaseLayerWithLoRA(nn.Module):
                 a, b, float(w.scale), off, start, rows, w.effective_offset_scale
             )
         self._adapters[name] = local
+        self._rows_cache = None
         if any(n == name for n, _ in self._composition):
             self._refresh()
 
@@ -217,6 +220,7 @@ class BaseLayerWithLoRA(nn.Module):
         """Forget adapter ``name`` (a no-op if absent); if it was active, it is deactivated."""
         if self._adapters.pop(name, None) is None:
             return
+        self._rows_cache = None  # it holds a copy of the adapter's weights
         if self._overlay is not None and any(n == name for n, _ in self._overlay):
             self._drop_overlay()
         if any(n == name for n, _ in self._composition):
@@ -508,6 +512,11 @@ class BaseLayerWithLoRA(nn.Module):
         y = base.apply_gemm(x_local, base.gemm_bias())
         row_delta(self, plan, x_local, y, get_runtime_lora_scale())
         return base.package_output(base.reduce_output(y))
+
+    def drop_row_cache(self) -> None:
+        """Free the union form compiled for the last mixed-composition batch (``rows.py``); the
+        next one compiles it again."""
+        self._rows_cache = None
 
     def extra_repr(self) -> str:
         return (

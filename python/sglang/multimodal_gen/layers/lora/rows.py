@@ -181,7 +181,8 @@ def row_delta(layer, plan: RowPlan, x_local: torch.Tensor, y: torch.Tensor, s: f
     """Add ``plan``'s per-row LoRA terms to ``y`` (the base GEMM's local output, in place).
 
     Args:
-        layer: the ``BaseLayerWithLoRA``; its union form is cached per plan and state.
+        layer: the ``BaseLayerWithLoRA``; its union form is cached per plan and state (the
+            layer drops it when its stored adapters change).
         x_local: ``[n, ..., in_local]`` the input the base GEMM saw; ``n`` is the plan's row
             count (or ``sum(plan.tokens)``).
         y: ``[n, ..., out_local]``.
@@ -194,11 +195,10 @@ def row_delta(layer, plan: RowPlan, x_local: torch.Tensor, y: torch.Tensor, s: f
         s,
         layer.merged,
         tuple(layer._composition),
-        tuple((n, id(v)) for n, v in layer._adapters.items()),
         layer.base_layer.weight.dtype,
         layer.base_layer.weight.device,
     )
-    cached = getattr(layer, "_rows_cache", None)
+    cached = layer._rows_cache
     if cached is None or cached[0] != key:
         cached = (key, compile_rows(layer, plan, s))
         layer._rows_cache = cached
