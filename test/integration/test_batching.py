@@ -95,6 +95,22 @@ def test_failed_request_fails_alone(tiny_zimage_dir):
     out = runner.cmd_generate_batch([reqs[0], replace(reqs[1], height=40)])  # 40: not 16k
     assert out[0][0] and psnr(out[0][1], alone) >= MIN_PSNR
     assert not out[1][0] and "40" in out[1][1]["message"]
+    # the batch's prompts are encoded in one call; a text the encoder refuses fails its own
+    # request only (the others are encoded again one by one)
+    pipe, encode = runner.pipeline, runner.pipeline.encode_prompt_list
+
+    def refuse_boom(prompts, max_len):
+        if any("boom" in p for p in prompts):
+            raise RuntimeError("encoder refused boom")
+        return encode(prompts, max_len)
+
+    pipe.encode_prompt_list = refuse_boom
+    try:
+        out = runner.cmd_generate_batch([reqs[0], replace(reqs[1], prompt="boom"), reqs[0]])
+    finally:
+        del pipe.encode_prompt_list
+    assert out[0][0] and out[2][0] and psnr(out[0][1], alone) >= MIN_PSNR
+    assert not out[1][0] and "refused boom" in out[1][1]["message"]
     # an unknown adapter shared by every request of the batch fails them all
     with pytest.raises(NotFoundError):
         runner.cmd_generate_batch([replace(r, lora=[("missing", 1.0)]) for r in reqs])

@@ -289,16 +289,29 @@ class StagedPipeline:
         """One request's conditioning: :meth:`encode_prompt_list` of its :meth:`prompt_list`."""
         return self.encode_prompt_list(self.prompt_list(inp), inp.max_sequence_length)
 
-    def encode_prompts(self, inps: list[GenerationInputs]) -> list[dict[str, Any]]:
+    def encode_prompts(self, inps: list[GenerationInputs]) -> list[dict[str, Any] | Exception]:
         """:meth:`encode_prompt` of several requests with ONE encoder call (the batch's texts
         concatenated, the result cut back per request). Requests with different
-        ``max_sequence_length`` are encoded one by one."""
-        if len({i.max_sequence_length for i in inps}) > 1:
-            return [self.encode_prompt(i) for i in inps]
-        lists = [self.prompt_list(i) for i in inps]
-        out = self.encode_prompt_list([p for ps in lists for p in ps], inps[0].max_sequence_length)
-        bounds = np.cumsum([0] + [len(ps) for ps in lists]).tolist()
-        return [{k: v[lo:hi] for k, v in out.items()} for lo, hi in zip(bounds, bounds[1:])]
+        ``max_sequence_length`` are encoded one by one, and so is every request when the joint
+        call fails, so that a failure is returned (not raised) for the requests it belongs to."""
+        if len(inps) > 1 and len({i.max_sequence_length for i in inps}) == 1:
+            lists = [self.prompt_list(i) for i in inps]
+            try:
+                out = self.encode_prompt_list(
+                    [p for ps in lists for p in ps], inps[0].max_sequence_length
+                )
+            except Exception:
+                pass  # find out whose texts fail
+            else:
+                bounds = np.cumsum([0] + [len(ps) for ps in lists]).tolist()
+                return [{k: v[lo:hi] for k, v in out.items()} for lo, hi in zip(bounds, bounds[1:])]
+        results: list[dict[str, Any] | Exception] = []
+        for inp in inps:
+            try:
+                results.append(self.encode_prompt(inp))
+            except Exception as e:
+                results.append(e)
+        return results
 
     def _encode(self, inp: GenerationInputs, member) -> dict[str, Any]:
         """:meth:`encode_prompt`; in a batch, one encoder call for every request of the batch
@@ -313,6 +326,8 @@ class StagedPipeline:
             dict(inps=[inp], max_sequence_length=inp.max_sequence_length),
             ("inps",),
         )
+        if isinstance(out[0], Exception):
+            raise out[0]
         return out[0]
 
     def prepare_latents(self, inp: GenerationInputs, cond: dict[str, Any]) -> torch.Tensor:

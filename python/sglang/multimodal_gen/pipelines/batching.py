@@ -116,9 +116,8 @@ class StepBatcher:
             return
         calls = [self.pending[i] for i in sorted(self.pending)]
         self.pending = {}
-        try:
-            groups = _groups(calls)
-            for group in groups:
+        for group in _groups(calls):
+            try:
                 if len(group) == 1:
                     c = group[0]
                     with lora_rows(c.plan):
@@ -126,9 +125,8 @@ class StepBatcher:
                 else:
                     self.batched_calls += 1
                     _run_group(group)
-        except BaseException as e:  # every waiting request fails with the DiT's error
-            for c in calls:
-                if not c.done and c.result is None:
+            except BaseException as e:  # the group's requests fail with its error, no others
+                for c in group:
                     c.error = e
         for c in calls:
             c.done = True

@@ -85,7 +85,7 @@ class BaseLayerWithLoRA(nn.Module):
         self._overlay: list[tuple[str, float]] | None = None  # request composition (merged only)
         self._ov: tuple = (None, None, None)  # its compiled difference to the active one
         # the union form of the last row plan (rows.py); dropped when the stored adapters change
-        self._rows_cache: tuple | None = None
+        self._rows_cache = None  # rows._Union of the last mixed batch
         self.merges = 0  # merges done (computed or from a cached tensor); tests and stats
         # False: merge/unmerge copy into the parameter's storage instead of re-pointing it, for
         # owners that keep a reference to that storage (DiTOffloader)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,11 +58,6 @@ class RowPlan:
     def of(cls, rows: Sequence[Sequence[tuple[str, float]] | None]) -> RowPlan:
         """A plan from per-row compositions (lists of ``(adapter, strength)`` or ``None``)."""
         return cls(tuple(None if r is None else tuple((n, float(s)) for n, s in r) for r in rows))
-
-    @property
-    def uniform(self) -> bool:
-        """Whether every row has the same composition."""
-        return len(set(self.rows)) <= 1
 
     def select(self, lo: int, hi: int) -> RowPlan:
         """Rows ``lo:hi`` (a CFG branch of the batch); a uniform plan is returned as is."""
@@ -103,86 +98,123 @@ def lora_row_tokens(tokens: Sequence[int]) -> Iterator[None]:
 
 
 @dataclass
-class _Compiled:
-    """A layer's union form for one plan (see the module docstring)."""
+class _Union:
+    """A layer's adapters concatenated for per-row coefficients (see the module docstring)."""
 
+    names: frozenset[str]  # the adapters it holds
+    cols: list[tuple[str, int, int]]  # per shard: (adapter, first column, rank)
+    offs: list[str]  # per offset row of ``offsets``: its adapter
     a_u: torch.Tensor | None  # [R, in_local]
     b_u: torch.Tensor | None  # [out_local, R], scale alpha/r folded in
-    coef: torch.Tensor | None  # [rows, R]
     offsets: torch.Tensor | None  # [E, out_local], offset scale folded in
-    off_coef: torch.Tensor | None  # [rows, E]
+    coefs: dict = field(default_factory=dict)  # plan key -> (coef [n, R], off_coef [n, E])
 
 
-def compile_rows(layer, plan: RowPlan, s: float) -> _Compiled:
-    """The union form of ``plan`` on ``layer`` (a ``BaseLayerWithLoRA``) at runtime scale ``s``,
-    in the weight's dtype and device."""
+#: Coefficient sets a layer keeps per union (one per distinct plan seen in a batch).
+MAX_PLANS = 16
+
+
+def _union(layer, names: set[str]) -> _Union:
+    """``layer``'s union form of adapters ``names`` (stored order), in the weight's dtype/device."""
     weight = layer.base_layer.weight
-    active = dict(layer._composition)
-    merged = layer.merged
-    strengths = []  # per row: {adapter: strength} of the adapters stored on this layer
-    for row in plan.rows:
-        comp = active if row is None else {n: v for n, v in row if n in layer._adapters}
-        strengths.append(comp)
-    names = list(dict.fromkeys([n for comp in strengths for n in comp] + list(active)))
-    cols, offs = [], []  # per shard: (adapter, LocalLoRA)
-    for name in names:
-        for w in layer._adapters[name].values():
-            cols.append((name, w))
+    out_local, _ = weight.shape
+    dtype, device = weight.dtype, weight.device
+    cols, offs, shards = [], [], []
+    col = 0
+    for name, local in layer._adapters.items():
+        if name not in names:
+            continue
+        for w in local.values():
+            cols.append((name, col, w.rank))
+            shards.append(w)
+            col += w.rank
             if w.offset is not None:
                 offs.append((name, w))
-    out_local, in_local = weight.shape
-    dtype, device = weight.dtype, weight.device
-    rows = len(plan.rows)
+    a_u = b_u = offsets = None
     with torch.inference_mode(False), torch.no_grad():
-        a_u = b_u = coef = None
-        total_r = sum(w.rank for _, w in cols)
-        if total_r:
-            a_u = torch.cat([w.lora_A.to(dtype) for _, w in cols], 0)
-            b_u = torch.zeros(out_local, total_r, dtype=dtype, device=device)
-            c = torch.zeros(rows, total_r, dtype=torch.float32)
-            col = 0
-            for name, w in cols:
-                b_u[w.row_start : w.row_start + w.rows, col : col + w.rank].copy_(
-                    w.lora_B.float() * w.scale
-                )
-                for b, comp in enumerate(strengths):
-                    c[b, col : col + w.rank] = s * comp.get(name, 0.0) - (
-                        active.get(name, 0.0) if merged else 0.0
-                    )
-                col += w.rank
-            coef = None if not c.any() else c.to(device=device, dtype=dtype)
-        offsets = off_coef = None
+        if col:
+            a_u = torch.cat([w.lora_A.to(device=device, dtype=dtype) for w in shards], 0)
+            b_u = torch.zeros(out_local, col, dtype=dtype, device=device)
+            for (_, c0, r), w in zip(cols, shards):
+                rows = slice(w.row_start, w.row_start + w.rows)
+                b_u[rows, c0 : c0 + r].copy_(w.lora_B.float() * w.scale)
         if offs:
             offsets = torch.zeros(len(offs), out_local, dtype=torch.float32, device=device)
-            oc = torch.zeros(rows, len(offs), dtype=torch.float32)
-            for e, (name, w) in enumerate(offs):
+            for e, (_, w) in enumerate(offs):
                 offsets[e, w.row_start : w.row_start + w.rows] = w.offset.float() * w.offset_scale
-                for b, comp in enumerate(strengths):
-                    oc[b, e] = s * comp.get(name, 0.0)
             offsets = offsets.to(dtype)
-            off_coef = None if not oc.any() else oc.to(device=device, dtype=dtype)
-    return _Compiled(a_u, b_u, coef, offsets, off_coef)
+    return _Union(frozenset(names), cols, [n for n, _ in offs], a_u, b_u, offsets)
 
 
-def _per_entry(coef: torch.Tensor, plan: RowPlan, n: int, prefix: str) -> torch.Tensor:
-    """``coef`` ``[rows, K]`` expanded to the input's ``n`` leading entries ``[n, K]``."""
-    rows = coef.shape[0]
-    if rows == 1 or n == rows and plan.tokens is None:
-        return coef
-    if plan.tokens is not None and sum(plan.tokens) == n:
-        return coef.repeat_interleave(torch.tensor(plan.tokens, device=coef.device), 0)
-    raise ValueError(
-        f"module {prefix!r}: input with {n} leading entries does not match the LoRA row plan of "
-        f"{rows} rows (a model that flattens rows must declare them with lora_row_tokens)"
-    )
+def _coefficients(layer, u: _Union, plan: RowPlan, s: float):
+    """``(coef [n, R] or None, off_coef [n, E] or None)`` of ``plan`` over union ``u``, expanded
+    to the plan's tokens when it has them (``n`` = rows or ``sum(tokens)``)."""
+    active = dict(layer._composition)
+    merged = layer.merged
+    strengths = [
+        active if row is None else {n: v for n, v in row if n in layer._adapters}
+        for row in plan.rows
+    ]
+    rows = len(plan.rows)
+    c = torch.zeros(rows, u.a_u.shape[0] if u.a_u is not None else 0)
+    for name, c0, r in u.cols:
+        sub = active.get(name, 0.0) if merged else 0.0
+        for b, comp in enumerate(strengths):
+            c[b, c0 : c0 + r] = s * comp.get(name, 0.0) - sub
+    oc = torch.zeros(rows, len(u.offs))
+    for e, name in enumerate(u.offs):
+        for b, comp in enumerate(strengths):
+            oc[b, e] = s * comp.get(name, 0.0)
+    if plan.tokens is not None and rows > 1:
+        idx = torch.tensor(plan.tokens)
+        c, oc = c.repeat_interleave(idx, 0), oc.repeat_interleave(idx, 0)
+    weight = layer.base_layer.weight
+
+    def out(t):
+        return t.to(device=weight.device, dtype=weight.dtype) if t.numel() and t.any() else None
+
+    return out(c), out(oc)
+
+
+def _compiled(layer, plan: RowPlan, s: float):
+    """``(union, coef, off_coef)`` for ``plan``, from the layer's cache when possible."""
+    weight = layer.base_layer.weight
+    needed = {n for row in plan.rows if row is not None for n, _ in row if n in layer._adapters}
+    if any(row is None for row in plan.rows) or layer.merged:
+        needed |= {n for n, _ in layer._composition}
+    u: _Union | None = layer._rows_cache
+    if (
+        u is None
+        or not needed <= u.names
+        or (u.a_u is not None and (u.a_u.dtype, u.a_u.device) != (weight.dtype, weight.device))
+    ):
+        u = _union(layer, needed | (u.names if u is not None else set()))
+        layer._rows_cache = u
+    key = (plan.rows, plan.tokens, s, layer.merged, tuple(layer._composition))
+    coefs = u.coefs.get(key)
+    if coefs is None:
+        if len(u.coefs) >= MAX_PLANS:
+            u.coefs.pop(next(iter(u.coefs)))
+        coefs = u.coefs[key] = _coefficients(layer, u, plan, s)
+    return u, coefs
+
+
+def _check_rows(n: int, coef: torch.Tensor, prefix: str) -> None:
+    if coef.shape[0] not in (1, n):
+        raise ValueError(
+            f"module {prefix!r}: input with {n} leading entries does not match the LoRA row plan "
+            f"of {coef.shape[0]} rows (a model that flattens rows must declare them with "
+            "lora_row_tokens)"
+        )
 
 
 def row_delta(layer, plan: RowPlan, x_local: torch.Tensor, y: torch.Tensor, s: float) -> None:
     """Add ``plan``'s per-row LoRA terms to ``y`` (the base GEMM's local output, in place).
 
     Args:
-        layer: the ``BaseLayerWithLoRA``; its union form is cached per plan and state (the
-            layer drops it when its stored adapters change).
+        layer: the ``BaseLayerWithLoRA``; it caches one union form (grown when a plan needs
+            more adapters; dropped when its stored adapters change or the batch ends) and the
+            coefficients of up to :data:`MAX_PLANS` plans over it.
         x_local: ``[n, ..., in_local]`` the input the base GEMM saw; ``n`` is the plan's row
             count (or ``sum(plan.tokens)``).
         y: ``[n, ..., out_local]``.
@@ -190,28 +222,17 @@ def row_delta(layer, plan: RowPlan, x_local: torch.Tensor, y: torch.Tensor, s: f
     Raises:
         ValueError: the input's leading dimension does not match the plan.
     """
-    key = (
-        plan.rows,
-        s,
-        layer.merged,
-        tuple(layer._composition),
-        layer.base_layer.weight.dtype,
-        layer.base_layer.weight.device,
-    )
-    cached = layer._rows_cache
-    if cached is None or cached[0] != key:
-        cached = (key, compile_rows(layer, plan, s))
-        layer._rows_cache = cached
-    comp: _Compiled = cached[1]
+    u, (coef, off_coef) = _compiled(layer, plan, s)
     n = x_local.shape[0]
 
-    def lead(t: torch.Tensor) -> torch.Tensor:  # [rows or 1 or n, K] -> broadcastable to y
+    def lead(t: torch.Tensor) -> torch.Tensor:  # [1 or n, K] -> broadcastable to y
         return t.view((t.shape[0],) + (1,) * (y.dim() - 2) + (-1,))
 
-    if comp.coef is not None:
-        coef = _per_entry(comp.coef, plan, n, layer.prefix)
-        h = F.linear(x_local, comp.a_u)  # [n, ..., R]
+    if coef is not None:
+        _check_rows(n, coef, layer.prefix)
+        h = F.linear(x_local, u.a_u)  # [n, ..., R]
         h = (h * lead(coef)).reshape(-1, h.shape[-1])
-        y.view(-1, y.shape[-1]).addmm_(h, comp.b_u.t())
-    if comp.off_coef is not None and layer._adds_offset_here():
-        y.add_(lead(_per_entry(comp.off_coef, plan, n, layer.prefix) @ comp.offsets))
+        y.view(-1, y.shape[-1]).addmm_(h, u.b_u.t())
+    if off_coef is not None and layer._adds_offset_here():
+        _check_rows(n, off_coef, layer.prefix)
+        y.add_(lead(off_coef @ u.offsets))
