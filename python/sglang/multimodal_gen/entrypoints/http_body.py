@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from sglang.multimodal_gen.entrypoints.protocol import schema_error_message
+from sglang.multimodal_gen.entrypoints.schema_errors import schema_error_message
 from sglang.multimodal_gen.errors import (
     InvalidRequestError,
     PayloadTooLargeError,
@@ -146,7 +146,7 @@ def parse_json_body(raw: bytes, model: type[BaseModel], *, allow_empty: bool = F
         BodyError: 400; invalid UTF-8 or JSON, with line and column of the first error; nesting,
             integers or text no field can take (:func:`_check_parsed`).
         SchemaError: 422; the JSON does not fit ``model`` (one sentence per field at fault,
-            :func:`~.protocol.schema_error_message`).
+            :func:`~.schema_errors.schema_error_message`).
     """
     if len(raw) > MAX_BODY_BYTES:
         raise PayloadTooLargeError(

@@ -41,14 +41,10 @@ from sglang.multimodal_gen.entrypoints.images import ImageStore, add_image_route
 from sglang.multimodal_gen.entrypoints.lora_admin import add_lora_routes
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import error_body
-from sglang.multimodal_gen.entrypoints.protocol import (
-    Limits,
-    ModelCard,
-    ModelList,
-    schema_error_message,
-)
+from sglang.multimodal_gen.entrypoints.protocol import Limits, ModelCard, ModelList
 from sglang.multimodal_gen.entrypoints.routing import AuthAndCount, EnvelopeRoute, RouteContext
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, default_request_factory
+from sglang.multimodal_gen.entrypoints.schema_errors import schema_error_message
 from sglang.multimodal_gen.entrypoints.transport import run_uvicorn, uvicorn_config
 from sglang.multimodal_gen.entrypoints.videos import add_video_routes
 
