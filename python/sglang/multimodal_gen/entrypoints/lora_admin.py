@@ -24,6 +24,13 @@ from sglang.multimodal_gen.entrypoints.protocol import (
 )
 from sglang.multimodal_gen.entrypoints.routing import RouteContext
 
+#: The commands that take only a ``target``, and what their answer says.
+_TARGET_OPS = {
+    "unset_lora": "LoRA deactivated on target {target!r} (adapters stay loaded)",
+    "merge_lora_weights": "merged the active LoRA into target {target!r}",
+    "unmerge_lora_weights": "restored the base weights of target {target!r}",
+}
+
 
 def _status(message: str, detail: Any = None) -> dict:
     """The body of a LoRA admin answer (:class:`~.protocol.StatusResponse`)."""
@@ -42,34 +49,25 @@ def add_lora_routes(app: FastAPI, ctx: RouteContext, targets: tuple[str, ...]) -
         names = req.lora_nickname if isinstance(req.lora_nickname, list) else [req.lora_nickname]
         return _status(f"active on target {req.target!r}: {', '.join(names)}", result)
 
-    @app.post("/v1/unset_lora")
-    async def unset_lora(request: Request):
-        req = parse_json_body(await ctx.read_body(request), TargetRequest, allow_empty=True)
-        target = validate_target(req.target, targets)
-        result = await ctx.wait_for(ctx.scheduler.submit_call("unset_lora", target=target))
-        return _status(f"LoRA deactivated on target {target!r} (adapters stay loaded)", result)
-
     @app.post("/v1/unload_lora")
     async def unload_lora(request: Request):
         req = parse_json_body(await ctx.read_body(request), UnloadLoRARequest)
         result = await ctx.wait_for(ctx.scheduler.submit_call("unload_lora", req.lora_nickname))
         return _status(f"unloaded {req.lora_nickname!r}", result)
 
-    @app.post("/v1/merge_lora_weights")
-    async def merge_lora_weights(request: Request):
-        req = parse_json_body(await ctx.read_body(request), TargetRequest, allow_empty=True)
-        target = validate_target(req.target, targets)
-        result = await ctx.wait_for(ctx.scheduler.submit_call("merge_lora_weights", target=target))
-        return _status(f"merged the active LoRA into target {target!r}", result)
+    def target_route(op: str, done: str):
+        """The handler of a command that takes only a ``target`` (an empty body: ``all``)."""
 
-    @app.post("/v1/unmerge_lora_weights")
-    async def unmerge_lora_weights(request: Request):
-        req = parse_json_body(await ctx.read_body(request), TargetRequest, allow_empty=True)
-        target = validate_target(req.target, targets)
-        result = await ctx.wait_for(
-            ctx.scheduler.submit_call("unmerge_lora_weights", target=target)
-        )
-        return _status(f"restored the base weights of target {target!r}", result)
+        async def handler(request: Request):
+            req = parse_json_body(await ctx.read_body(request), TargetRequest, allow_empty=True)
+            target = validate_target(req.target, targets)
+            result = await ctx.wait_for(ctx.scheduler.submit_call(op, target=target))
+            return _status(done.format(target=target), result)
+
+        return handler
+
+    for op, done in _TARGET_OPS.items():
+        app.add_api_route(f"/v1/{op}", target_route(op, done), methods=["POST"], name=op)
 
     @app.get("/v1/list_loras")
     async def list_loras():
