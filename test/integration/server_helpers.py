@@ -244,7 +244,8 @@ def running_server(engine: Any, server_args: Any = None, **app_kwargs):
     """
     import uvicorn
     from sglang.multimodal_gen.configs.server_args import ServerArgs
-    from sglang.multimodal_gen.entrypoints.http_server import create_app, uvicorn_config
+    from sglang.multimodal_gen.entrypoints.http_server import create_app
+    from sglang.multimodal_gen.entrypoints.transport import uvicorn_config
 
     # listen before uvicorn starts: a port picked free and bound later could be taken meanwhile
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

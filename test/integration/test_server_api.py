@@ -823,7 +823,7 @@ def test_unusable_lora_files_400_at_once(unusable_lora_dir, name, needle):
 
 
 def test_body_size_and_time_are_bounded_before_reading(engine):
-    from sglang.multimodal_gen.entrypoints.http_server import MAX_BODY_BYTES
+    from sglang.multimodal_gen.entrypoints.http_body import MAX_BODY_BYTES
 
     args = ServerArgs(timeout_body_s=1, timeout_headers_s=1)
     with running_server(engine, args) as (url, _, _):

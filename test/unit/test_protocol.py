@@ -10,7 +10,7 @@ import sys
 import pytest
 from sglang.multimodal_gen.configs.server_args import ServerArgs, detect_model_type
 from sglang.multimodal_gen.entrypoints.auth import ApiKeyAuth, bearer_token
-from sglang.multimodal_gen.entrypoints.http_server import (
+from sglang.multimodal_gen.entrypoints.http_body import (
     BodyError,
     SchemaError,
     parse_json_body,
@@ -204,7 +204,7 @@ def test_encode_image_quality_follows_output_compression():
 
     import numpy as np
     from PIL import Image
-    from sglang.multimodal_gen.entrypoints.http_server import encode_image
+    from sglang.multimodal_gen.entrypoints.images import encode_image
 
     rng = np.random.default_rng(0)
     img = Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))

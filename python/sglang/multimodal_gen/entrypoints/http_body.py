@@ -1,0 +1,246 @@
+"""Request bodies read and parsed with bounds on everything a client controls.
+
+Bodies are parsed here, not by FastAPI, so invalid JSON is a 400 that says where (line and
+column), schema errors are a 422 in our own words (:mod:`.schema_errors`), and JSON that no field
+can take (deep nesting, lone surrogates, huge integers) a 400 naming the field; all in the OpenAI
+error envelope, never with a stack trace. A body is refused with 413 from its ``Content-Length``
+before it is read, or as soon as a chunked body passes the limit; a body that does not arrive in
+time gets 408 (:func:`read_body`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from sglang.multimodal_gen.entrypoints.schema_errors import schema_error_message
+from sglang.multimodal_gen.errors import (
+    InvalidRequestError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+)
+
+#: Largest request body accepted (bytes).
+MAX_BODY_BYTES = 1 << 20
+#: Deepest JSON nesting accepted (the schemas need 3: body, ``lora`` list, adapter object).
+MAX_JSON_DEPTH = 32
+#: Longest integer literal accepted in a body (no field takes more than 20 digits).
+MAX_INT_DIGITS = 100
+# ``\uD800``-``\uDFFF`` escapes: only bodies that contain one are walked for lone surrogates
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF][0-9a-fA-F]{2}")
+
+
+class BodyError(InvalidRequestError):
+    """The body is not a JSON document (HTTP 400, ``code="invalid_json"``)."""
+
+
+class SchemaError(InvalidRequestError):
+    """The JSON does not match the endpoint's schema (HTTP 422)."""
+
+    status_code = 422
+
+
+def _json_hint(text: str, pos: int) -> str:
+    """A hint for the two mistakes users make most: a trailing comma, a shell continuation."""
+    before = text[:pos].rstrip()
+    if "`" in text[max(0, pos - 2) : pos + 1] or (before.endswith("`")):
+        return " (a shell line-continuation backtick ` is not part of JSON)"
+    if before.endswith(",") and text[pos : pos + 1] in ("}", "]"):
+        return " (trailing comma before the closing bracket; remove it)"
+    return ""
+
+
+class _LongInt(str):
+    """An integer literal longer than :data:`MAX_INT_DIGITS` (kept as text, refused after parsing;
+    ``int()`` of 4,300+ digits raises a library error)."""
+
+
+def _parse_int(text: str) -> int | _LongInt:
+    if len(text) > MAX_INT_DIGITS:
+        return _LongInt(text)
+    return int(text)
+
+
+def _nested_too_deep_key(text: str, limit: int) -> str | None:
+    """The top-level key under which ``text`` nests deeper than ``limit`` (None: at the top)."""
+    depth, key, i, n = 0, None, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            if depth == 1 and text[j + 1 : j + 40].lstrip().startswith(":"):
+                key = text[i + 1 : j]
+            i = j + 1
+            continue
+        if c in "[{":
+            depth += 1
+            if depth > limit:
+                return key
+        elif c in "]}":
+            depth -= 1
+        i += 1
+    return key
+
+
+def _check_parsed(obj: Any, walk: bool) -> None:
+    """Refuse what JSON allows but no field can take: nesting deeper than
+    :data:`MAX_JSON_DEPTH`, lone UTF-16 surrogates (``"\\ud800"``), integers of more than
+    :data:`MAX_INT_DIGITS` digits. ``walk=False``: nothing of the kind can be there (checked on
+    the raw text), so the walk is skipped.
+
+    Raises:
+        BodyError: 400, ``param`` the top-level field holding the value.
+    """
+    if not walk:
+        return
+    stack: list[tuple[Any, tuple, int]] = [(obj, (), 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        param = str(path[0]) if path else None
+        where = ".".join(str(p) for p in path) or "the body"
+        if depth > MAX_JSON_DEPTH:
+            raise BodyError(
+                f"{f'field {param!r}' if param else 'the body'} is nested more than "
+                f"{MAX_JSON_DEPTH} levels deep; no field takes that",
+                param=param,
+                code="invalid_json",
+            )
+        if isinstance(value, _LongInt):
+            raise BodyError(
+                f"{where} is an integer of {len(value.lstrip('-'))} digits; no field takes "
+                f"more than {MAX_INT_DIGITS}",
+                param=param,
+            )
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise BodyError(
+                    f"{where} is not valid Unicode text: character {e.start} is a lone UTF-16 "
+                    f"surrogate ({ascii(value[e.start])}); send UTF-8 text or paired "
+                    "\\uXXXX escapes",
+                    param=param,
+                    code="invalid_json",
+                ) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, path, depth + 1))  # keys are checked as text at their level
+                stack.append((v, (*path, k), depth + 1))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                stack.append((v, (*path, i), depth + 1))
+
+
+def parse_json_body(raw: bytes, model: type[BaseModel], *, allow_empty: bool = False) -> Any:
+    """Decode ``raw`` as JSON and validate it against ``model``.
+
+    Raises:
+        PayloadTooLargeError: 413; more than :data:`MAX_BODY_BYTES`.
+        BodyError: 400; invalid UTF-8 or JSON, with line and column of the first error; nesting,
+            integers or text no field can take (:func:`_check_parsed`).
+        SchemaError: 422; the JSON does not fit ``model`` (one sentence per field at fault,
+            :func:`~.schema_errors.schema_error_message`).
+    """
+    if len(raw) > MAX_BODY_BYTES:
+        raise PayloadTooLargeError(
+            f"request body larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BodyError(
+            f"request body is not valid UTF-8 ({e.reason} at byte {e.start})", code="invalid_json"
+        ) from e
+    if not text.strip():
+        if not allow_empty:
+            raise BodyError("request body is empty; expected a JSON object", code="invalid_json")
+        text = "{}"
+    long_ints: list[bool] = []
+
+    def parse_int(digits: str) -> int | _LongInt:
+        out = _parse_int(digits)
+        if isinstance(out, _LongInt):
+            long_ints.append(True)
+        return out
+
+    try:
+        obj = json.loads(text, parse_int=parse_int)
+    except json.JSONDecodeError as e:
+        raise BodyError(
+            f"invalid JSON in request body at line {e.lineno}, column {e.colno}: "
+            f"{e.msg}{_json_hint(text, e.pos)}",
+            code="invalid_json",
+        ) from e
+    except RecursionError:
+        key = _nested_too_deep_key(text, MAX_JSON_DEPTH)
+        where = f"field {key!r}" if key else "the body"
+        raise BodyError(
+            f"{where} is nested more than {MAX_JSON_DEPTH} levels deep; no field takes that",
+            param=key,
+            code="invalid_json",
+        ) from None
+    _check_parsed(
+        obj,
+        walk=bool(long_ints)
+        or _SURROGATE_ESCAPE.search(text) is not None
+        or text.count("[") + text.count("{") > MAX_JSON_DEPTH,
+    )
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        message, param = schema_error_message(e.errors(), model)
+        raise SchemaError(message, param=param, code="invalid_schema") from e
+
+
+async def read_body(
+    request: Request, limit: int = MAX_BODY_BYTES, timeout_s: float | None = None
+) -> bytes:
+    """The request body, read with bounds on its size and on the time it takes to arrive.
+
+    A ``Content-Length`` above ``limit`` is refused before anything is read; a body without one
+    (chunked) is refused as soon as it passes ``limit``.
+
+    Raises:
+        PayloadTooLargeError: 413.
+        RequestTimeoutError: 408; the body did not arrive within ``timeout_s``.
+        BodyError: 400; a ``Content-Length`` that is not a number.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise BodyError(f"invalid Content-Length header {declared[:40]!r}")
+        if int(declared) > limit:
+            raise PayloadTooLargeError(
+                f"request body of {int(declared)} bytes (Content-Length) is larger than the "
+                f"limit of {limit} bytes",
+                code="request_too_large",
+            )
+    chunks: list[bytes] = []
+    total = 0
+
+    async def receive_all() -> None:
+        nonlocal total
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise PayloadTooLargeError(
+                    f"request body larger than the limit of {limit} bytes",
+                    code="request_too_large",
+                )
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive_all(), timeout_s)
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"the request body did not arrive within {timeout_s:g} s ({total} bytes received)",
+            code="request_timeout",
+        ) from None
+    return b"".join(chunks)

@@ -1,0 +1,134 @@
+"""Images: PNG/JPEG/WebP encoding, the store behind ``response_format="url"``, and the routes
+``POST /v1/images/generations`` (OpenAI Images API + seed, steps, guidance, negative_prompt,
+lora) and ``GET /v1/images/files/{name}``."""
+
+from __future__ import annotations
+
+import base64
+import io
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
+from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
+from sglang.multimodal_gen.entrypoints.protocol import (
+    ImageData,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    validate_generation,
+)
+from sglang.multimodal_gen.entrypoints.routing import RouteContext
+from sglang.multimodal_gen.errors import NotFoundError
+
+_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+
+
+def encode_image(image: Any, output_format: str, compression: int | None) -> bytes:
+    """Encode a PIL image as PNG (lossless, ``compression`` ignored), JPEG or WebP.
+
+    ``compression`` is the OpenAI ``output_compression`` in [0, 100]; like OpenAI's (default 100 =
+    best), it is used as the JPEG/WebP quality (default 95 here).
+    """
+    buf = io.BytesIO()
+    quality = 95 if compression is None else int(compression)
+    if output_format == "png":
+        image.save(buf, format="PNG")
+    elif output_format == "jpeg":
+        image.convert("RGB").save(buf, format="JPEG", quality=quality)
+    else:
+        image.save(buf, format="WEBP", quality=quality)
+    return buf.getvalue()
+
+
+class ImageStore:
+    """In-memory store for ``response_format="url"``: random names, LRU, time-limited.
+
+    Args:
+        capacity: images kept at most (oldest dropped first).
+        ttl_s: seconds an image stays available.
+    """
+
+    def __init__(self, capacity: int = 256, ttl_s: float = 3600.0):
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._items: OrderedDict[str, tuple[bytes, str, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, data: bytes, output_format: str) -> str:
+        """Store ``data``; return its file name (``<random>.<ext>``)."""
+        name = f"{secrets.token_urlsafe(18)}.{output_format}"
+        with self._lock:
+            self._items[name] = (data, _MEDIA_TYPES[output_format], time.monotonic())
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+        return name
+
+    def get(self, name: str) -> tuple[bytes, str] | None:
+        """``(bytes, media_type)`` or ``None`` when unknown or expired."""
+        with self._lock:
+            item = self._items.get(name)
+            if item is None:
+                return None
+            if time.monotonic() - item[2] > self.ttl_s:
+                del self._items[name]
+                return None
+            return item[0], item[1]
+
+
+def add_image_routes(
+    app: FastAPI, ctx: RouteContext, images: ImageStore, metrics: ServerMetrics
+) -> None:
+    """Register the image routes on ``app``: generations go through ``ctx.scheduler``; their
+    images are encoded off the event loop and returned inline or kept in ``images``."""
+
+    @app.post("/v1/images/generations")
+    async def images_generations(request: Request):
+        t0 = time.perf_counter()
+        req = parse_json_body(await ctx.read_body(request), ImageGenerationRequest)
+        ctx.check_model(req.model)
+        params = validate_generation(req, ctx.limits, ctx.defaults)
+        if params.engine_kwargs.get("seed") is None:
+            # drawn here so the response can report it and the image can be reproduced
+            params.engine_kwargs["seed"] = secrets.randbits(63)
+        pil_images = await ctx.wait_for(
+            ctx.scheduler.submit_generation(**params.engine_kwargs), request
+        )
+
+        def encode_all() -> list[bytes]:
+            return [
+                encode_image(img, params.output_format, params.output_compression)
+                for img in pil_images
+            ]
+
+        blobs = await run_in_threadpool(encode_all)
+        data = []
+        for blob in blobs:
+            if params.response_format == "url":
+                name = images.put(blob, params.output_format)
+                data.append(ImageData(url=f"{str(request.base_url)}v1/images/files/{name}"))
+            else:
+                data.append(ImageData(b64_json=base64.b64encode(blob).decode("ascii")))
+        body = ImageGenerationResponse(
+            created=int(time.time()),
+            data=data,
+            output_format=params.output_format,
+            size=params.size,
+            seed=params.engine_kwargs.get("seed"),
+        ).model_dump(exclude_none=True)
+        metrics.images.inc(len(data))
+        metrics.e2e.observe(time.perf_counter() - t0)
+        return JSONResponse(body)
+
+    @app.get("/v1/images/files/{name}")
+    async def image_file(name: str):
+        item = images.get(name)
+        if item is None:
+            raise NotFoundError(f"image {name!r} does not exist or has expired", param="name")
+        return Response(content=item[0], media_type=item[1])

@@ -1,0 +1,74 @@
+"""LoRA admin routes: ``POST /v1/set_lora`` (load if a path is given, and activate globally),
+``/v1/unset_lora`` (deactivate; adapters stay loaded), ``/v1/unload_lora`` (free one adapter),
+``/v1/merge_lora_weights``, ``/v1/unmerge_lora_weights`` and ``GET /v1/list_loras``.
+
+Each runs on the engine through the scheduler, in arrival order with the generations; the admin
+key (``--admin-api-key``) is checked by the app's middleware (:mod:`.auth`). See ``docs/lora.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
+from sglang.multimodal_gen.entrypoints.protocol import (
+    SetLoRARequest,
+    StatusResponse,
+    TargetRequest,
+    UnloadLoRARequest,
+    validate_set_lora,
+    validate_target,
+)
+from sglang.multimodal_gen.entrypoints.routing import RouteContext
+
+#: The commands that take only a ``target``, and what their answer says.
+_TARGET_OPS = {
+    "unset_lora": "LoRA deactivated on target {target!r} (adapters stay loaded)",
+    "merge_lora_weights": "merged the active LoRA into target {target!r}",
+    "unmerge_lora_weights": "restored the base weights of target {target!r}",
+}
+
+
+def _status(message: str, detail: Any = None) -> dict:
+    """The body of a LoRA admin answer (:class:`~.protocol.StatusResponse`)."""
+    return StatusResponse(message=message, detail=detail).model_dump()
+
+
+def add_lora_routes(app: FastAPI, ctx: RouteContext, targets: tuple[str, ...]) -> None:
+    """Register the LoRA admin routes on ``app``; ``targets`` are the model's LoRA targets
+    (``engine.lora_targets``), against which every ``target`` field is checked."""
+
+    @app.post("/v1/set_lora")
+    async def set_lora(request: Request):
+        req = parse_json_body(await ctx.read_body(request), SetLoRARequest)
+        kwargs = validate_set_lora(req, targets)
+        result = await ctx.wait_for(ctx.scheduler.submit_call("set_lora", **kwargs))
+        names = req.lora_nickname if isinstance(req.lora_nickname, list) else [req.lora_nickname]
+        return _status(f"active on target {req.target!r}: {', '.join(names)}", result)
+
+    @app.post("/v1/unload_lora")
+    async def unload_lora(request: Request):
+        req = parse_json_body(await ctx.read_body(request), UnloadLoRARequest)
+        result = await ctx.wait_for(ctx.scheduler.submit_call("unload_lora", req.lora_nickname))
+        return _status(f"unloaded {req.lora_nickname!r}", result)
+
+    def target_route(op: str, done: str):
+        """The handler of a command that takes only a ``target`` (an empty body: ``all``)."""
+
+        async def handler(request: Request):
+            req = parse_json_body(await ctx.read_body(request), TargetRequest, allow_empty=True)
+            target = validate_target(req.target, targets)
+            result = await ctx.wait_for(ctx.scheduler.submit_call(op, target=target))
+            return _status(done.format(target=target), result)
+
+        return handler
+
+    for op, done in _TARGET_OPS.items():
+        app.add_api_route(f"/v1/{op}", target_route(op, done), methods=["POST"], name=op)
+
+    @app.get("/v1/list_loras")
+    async def list_loras():
+        return JSONResponse(await ctx.wait_for(ctx.scheduler.submit_call("list_loras")))

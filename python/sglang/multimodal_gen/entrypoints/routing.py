@@ -1,0 +1,202 @@
+"""What every route of the app shares: error envelopes, auth and counting, the engine's answers.
+
+- :class:`EnvelopeRoute` turns any error a handler raises into the OpenAI error envelope;
+- :class:`AuthAndCount` checks the API key before anything else and counts requests by status;
+- :class:`RouteContext` is handed to each route group (images, LoRA admin, videos): it reads
+  bodies with the server's bounds, awaits the scheduler's futures (503 if the engine dies, the
+  queued work dropped if the client leaves) and checks the ``model`` field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sglang.multimodal_gen.engine_ops import OPS
+from sglang.multimodal_gen.entrypoints.auth import ADMIN_PATHS, ApiKeyAuth
+from sglang.multimodal_gen.entrypoints.http_body import MAX_BODY_BYTES, read_body
+from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
+from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception, error_body
+from sglang.multimodal_gen.entrypoints.protocol import Limits
+from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
+from sglang.multimodal_gen.errors import EngineDeadError, NotFoundError, SGLangError
+
+
+class ClientGoneError(SGLangError):
+    """The client closed the connection before its answer was ready (status 499, not sent)."""
+
+    status_code = 499
+    error_type = "client_closed_request"
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    status, body, headers = describe_exception(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class EnvelopeRoute(APIRoute):
+    """A route whose handler errors of any kind become OpenAI error envelopes."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (StarletteHTTPException, RequestValidationError):
+                raise  # handled by the app's exception handlers
+            except Exception as e:
+                return _error_response(e)
+
+        return guarded
+
+
+_KNOWN_ENDPOINTS = frozenset(
+    {
+        "/v1/images/generations",
+        "/v1/models",
+        "/v1/list_loras",
+        "/health",
+        "/ready",
+        "/metrics",
+    }
+    | ADMIN_PATHS
+    | {op.path for op in OPS.values() if op.path}
+)
+
+
+def _endpoint_label(path: str) -> str:
+    if path in _KNOWN_ENDPOINTS:
+        return path
+    if path.startswith("/v1/images/files/"):
+        return "/v1/images/files/{name}"
+    if path == "/v1/videos" or path.startswith("/v1/videos/"):
+        return "/v1/videos" if path == "/v1/videos" else "/v1/videos/{id}"
+    return "other"
+
+
+class AuthAndCount:
+    """ASGI middleware: API-key check before anything else, then count the request by status.
+
+    A plain ASGI class rather than ``@app.middleware("http")``, so the handlers receive the
+    server's own ``receive`` and can notice a client disconnecting (``request.is_disconnected``).
+    """
+
+    def __init__(self, app: Any, auth: ApiKeyAuth, metrics: ServerMetrics):
+        self.app = app
+        self.auth = auth
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        authorization = None
+        for key, value in scope.get("headers", ()):
+            if key == b"authorization":
+                authorization = value.decode("latin-1")
+                break
+        status = 500
+        try:
+            reason = self.auth.check(path, authorization)
+            if reason is not None:
+                status = 401
+                body = error_body(reason, 401, param=None, code="invalid_api_key")
+                response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+
+            async def send_and_note(message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                await send(message)
+
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.observe_request(_endpoint_label(path), status)
+
+
+@dataclass(frozen=True)
+class RouteContext:
+    """The server state the route groups share (built once by ``create_app``).
+
+    Attributes:
+        scheduler: the only way to the engine (one thread, arrival order).
+        limits: the bounds on generation requests.
+        defaults: the model's sampling defaults (``engine.defaults``).
+        model_id: the id ``/v1/models`` reports.
+        model_aliases: the names a request's ``model`` field may use.
+        timeout_body_s: seconds a request body has to arrive (``None``: no bound).
+    """
+
+    scheduler: Scheduler
+    limits: Limits
+    defaults: dict
+    model_id: str
+    model_aliases: frozenset[str]
+    timeout_body_s: float | None
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, bounded in size and arrival time (:func:`~.http_body.read_body`)."""
+        return await read_body(request, MAX_BODY_BYTES, self.timeout_body_s)
+
+    async def wait_for(self, future: Future, request: Request | None = None) -> Any:
+        """Await a scheduler future.
+
+        503 instead of hanging if the engine dies meanwhile. With ``request`` (generations), a
+        client that disconnects while its work still waits in the queue has it dropped.
+
+        Raises:
+            EngineDeadError: 503; the engine stopped while the work was pending.
+            ClientGoneError: the client disconnected (nothing is sent).
+        """
+        afut = asyncio.wrap_future(future)
+        next_alive_check = time.monotonic() + 1.0
+        try:
+            while True:
+                done, _ = await asyncio.wait({afut}, timeout=0.25)
+                if done:
+                    return afut.result()
+                if request is not None and await request.is_disconnected():
+                    dropped = future.cancel()  # False once it runs: the result is discarded
+                    raise ClientGoneError(
+                        "the client disconnected"
+                        + ("; its queued request was dropped" if dropped else "")
+                    )
+                if time.monotonic() >= next_alive_check:
+                    next_alive_check = time.monotonic() + 1.0
+                    if not await run_in_threadpool(self.scheduler.engine_alive):
+                        future.cancel()
+                        raise EngineDeadError(
+                            "the engine is not available: "
+                            f"{self.scheduler.dead_reason or 'not alive'}"
+                        )
+        except asyncio.CancelledError:
+            future.cancel()  # the handler itself was cancelled: drop the work if not started
+            raise
+
+    def check_model(self, model: str | None) -> None:
+        """Check a request's ``model`` field (``None``: the served model).
+
+        Raises:
+            NotFoundError: 404 ``model_not_found``; not a name of the served model.
+        """
+        if model is not None and model not in self.model_aliases:
+            raise NotFoundError(
+                f"model {model!r} is not served here; this server serves {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
