@@ -4,29 +4,40 @@ The scenes and captions come from ``sglang.multimodal_gen.models.demo_scenes`` (
 colour on a plain background, in one quadrant: "a red circle on a blue background, top left").
 Stages, all seeded, all on the CPU:
 
-1. **VAE**: a small diffusers ``AutoencoderKL`` (4x down-sampling, 16 latent channels) over a
-   designed latent space (:func:`pooled_latent`: the 2x pooled picture, space-to-depth, plus 4
-   zero channels): the decoder learns to invert it, the encoder to produce it; the latents' mean
-   and std become its ``shift_factor`` / ``scaling_factor``.
+1. **VAE**: a small diffusers ``AutoencoderKL`` (4x down-sampling by default, 16 latent channels)
+   over a designed latent space (:func:`pooled_latent`: the picture pooled by ``down / 2``,
+   space-to-depth by 2, plus 4 zero channels): the decoder learns to invert it, the encoder to
+   produce it; the latents' mean and std become its ``shift_factor`` / ``scaling_factor``.
 2. **Text encoder**: the tiny random Qwen3 of ``models.families.zimage_tiny`` with the byte-level
    tokenizer, kept frozen; caption features are computed once with diffusers'
-   ``ZImagePipeline._encode_prompt`` (the exact path inference takes).
-3. **DiT**: a diffusers ``ZImageTransformer2DModel`` trained with rectified flow matching on the
-   VAE latents (``x_s = (1 - s) x0 + s e``, target ``x0 - e`` at model time ``1 - s``: the sign and
-   time convention of ``ZImagePipeline``).
+   ``ZImagePipeline._encode_prompt`` (the exact path inference takes), plus the empty caption's.
+3. **DiT**: a diffusers ``ZImageTransformer2DModel`` (patch 2: a 64x64 picture is 8x8 tokens with
+   the 4x VAE, 16x16 with ``--vae-down 2``) trained with rectified flow matching on the VAE
+   latents (``x_s = (1 - s) x0 + s e``, target ``x0 - e`` at model time ``1 - s``: the sign and
+   time convention of ``ZImagePipeline``); ``--cap-drop`` gives a share of the samples the empty
+   caption, so that classifier-free guidance (``--guidance``) has an unconditional flow.
 4. **LoRA** ("swap colours"): a PEFT LoRA on the frozen DiT, trained on the same captions with the
    object and background colours swapped; saved with ``ZImagePipeline.save_lora_weights``.
 
 Output, under ``--out``: ``zimage-shapes/`` (a diffusers-format directory,
 ``ZImagePipeline.save_pretrained``), ``lora-swap-colors/pytorch_lora_weights.safetensors`` and
-``training_report.json`` (time, arguments, accuracy of 40 seeded prompts through diffusers). The transformer ``config.json`` carries the
-model's own sampling defaults under ``_sglang_defaults`` (diffusers ignores ``_`` keys).
+``training_report.json`` (time, arguments, accuracy of 40 seeded prompts through diffusers). The
+transformer ``config.json`` carries the model's own sampling defaults under ``_sglang_defaults``
+(diffusers ignores ``_`` keys).
 
-Usage (the committed model: ``nice -n 15 python scripts/train_demo_model.py --out
-python/sglang/multimodal_gen/models/demo``; see docs/models.md for time and quality)::
+The committed model and LoRA come from two runs with the defaults (23 + 17 min on 2 busy CPU
+cores; both reports in ``models/demo/training_report.json``, measurements in docs/models.md)::
 
-    python scripts/train_demo_model.py --out DIR [--vae-steps N] [--dit-steps N] [--lora-steps N]
-    python scripts/train_demo_model.py --figures --out docs/images   # the README pictures
+    OUT=python/sglang/multimodal_gen/models/demo
+    nice -n 15 python scripts/train_demo_model.py --out /tmp/run1 --dit-minutes 16 --lora-minutes 5
+    nice -n 15 python scripts/train_demo_model.py --out $OUT --init-from /tmp/run1/zimage-shapes \
+        --dit-lr 5e-4 --dit-minutes 10 --lora-minutes 4
+
+On a machine shared with other jobs use ``--threads 1``: two OpenMP threads on oversubscribed
+cores wait for each other (measured: under 100 VAE steps in 4.5 min with 2 threads, 100 in 45 s
+with 1). The README pictures, drawn by our engine from the packaged model::
+
+    python scripts/train_demo_model.py --figures --out docs/images
 """
 
 from __future__ import annotations
@@ -47,37 +58,65 @@ from sglang.multimodal_gen.models.families import zimage_tiny
 
 SIZE = 64  # training and default picture size (pixels)
 STEPS = 8  # default inference steps
-DIT = dict(
-    all_patch_size=[2],
-    all_f_patch_size=[1],
-    in_channels=16,
-    dim=96,
-    n_layers=3,
-    n_refiner_layers=1,
-    n_heads=2,  # TP 1 and 2 divide the heads and the FFN (256)
-    n_kv_heads=2,
-    norm_eps=1e-5,
-    qk_norm=True,
-    cap_feat_dim=64,
-    rope_theta=256.0,
-    t_scale=1000.0,
-    axes_dims=[16, 16, 16],
-    axes_lens=[1024, 32, 32],  # 32 patches of 8 px per side: up to 256 px
-)
-VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=["DownEncoderBlock2D"] * 3,  # 4x down-sampling
-    up_block_types=["UpDecoderBlock2D"] * 3,
-    block_out_channels=[8, 16, 32],
-    layers_per_block=1,
-    latent_channels=16,
-    norm_num_groups=2,  # >= 4 channels per group: instance-like norms would erase flat colours
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-)
+
+
+def dit_config(dim: int, layers: int, heads: int, vae_down: int) -> dict:
+    """The DiT's diffusers config: patch 2 (the only patch size ``ZImagePipeline`` calls), RoPE
+    tables for up to 256 px. TP 2 needs ``heads`` and the FFN width ``int(dim / 3 * 8)`` even."""
+    head_dim, ffn = dim // heads, int(dim / 3 * 8)
+    if dim % heads or heads % 2 or ffn % 2:
+        raise ValueError(f"dim {dim} / heads {heads}: TP 2 needs even heads and FFN ({ffn})")
+    axis = head_dim // 3 // 2 * 2  # RoPE axes (frame, row, column): even sizes summing to head_dim
+    side = 256 // (vae_down * 2)  # patches per side at 256 px
+    return dict(
+        all_patch_size=[2],
+        all_f_patch_size=[1],
+        in_channels=16,
+        dim=dim,
+        n_layers=layers,
+        n_refiner_layers=1,
+        n_heads=heads,
+        n_kv_heads=heads,
+        norm_eps=1e-5,
+        qk_norm=True,
+        cap_feat_dim=64,
+        rope_theta=256.0,
+        t_scale=1000.0,
+        axes_dims=[head_dim - 2 * axis, axis, axis],
+        axes_lens=[1024, side, side],
+    )
+
+
+def vae_config(vae_down: int) -> dict:
+    """A small ``AutoencoderKL`` with ``vae_down``-x down-sampling (2 or 4), 16 latent channels."""
+    blocks = {2: [16, 32], 4: [8, 16, 32]}[vae_down]
+    return dict(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * len(blocks),
+        up_block_types=["UpDecoderBlock2D"] * len(blocks),
+        block_out_channels=blocks,
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=2,  # >= 4 channels per group: instance-like norms would erase flat colours
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
+
+
+def store_bf16(path: str) -> None:
+    """Rewrite the safetensors file ``path`` with its float tensors in bfloat16 (half the size;
+    the loaders cast back to the model's dtype). Training rounds the DiT first (below), so the
+    stored weights are exactly those evaluated."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(path)
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()},
+              path, metadata={"format": "pt"})  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -102,11 +141,17 @@ def lr_at(step: int, total: int, peak: float, warmup: int = 50) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def pooled_latent(x: torch.Tensor) -> torch.Tensor:
-    """The designed latent of pictures ``x`` [B, 3, H, W] in [-1, 1]: the 2x average-pooled
-    picture, space-to-depth by 2 (12 channels), then 4 zero channels: [B, 16, H/4, W/4]."""
-    z = F.pixel_unshuffle(F.avg_pool2d(x, 2), 2)
+def pooled_latent(x: torch.Tensor, down: int = 2) -> torch.Tensor:
+    """The designed latent of pictures ``x`` [B, 3, H, W] in [-1, 1]: the picture average-pooled
+    by ``down / 2`` (2: not pooled), space-to-depth by 2 (12 channels), then 4 zero channels:
+    [B, 16, H / down, W / down]."""
+    z = F.pixel_unshuffle(F.avg_pool2d(x, down // 2), 2)
     return torch.cat([z, z.new_zeros(z.shape[0], 4, *z.shape[2:])], 1)
+
+
+def down_of(vae) -> int:
+    """The VAE's down-sampling factor (2 per block after the first)."""
+    return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
 def train_vae(vae, steps: int, batch: int, rng: random.Random, lr: float = 4e-3) -> None:
@@ -122,7 +167,7 @@ def train_vae(vae, steps: int, batch: int, rng: random.Random, lr: float = 4e-3)
     for step in range(steps):
         imgs = [ds.render_scene(rng.choice(scenes), SIZE, rng, jitter=0.04) for _ in range(batch)]
         x = to_tensor(imgs)
-        z = pooled_latent(x)
+        z = pooled_latent(x, down_of(vae))
         rec = vae.decode(z + 0.05 * torch.randn_like(z)).sample
         loss = F.l1_loss(rec, x) + F.mse_loss(rec, x)
         if step % 4 == 0:  # the encoder is not used to draw: a quarter of the steps suffice
@@ -149,7 +194,7 @@ def encode_dataset(vae, scenes, per_scene: int, rng: random.Random, swapped: boo
             for s in scenes
         ]
         for i in range(0, len(imgs), 128):
-            out.append(pooled_latent(to_tensor(imgs[i : i + 128])))
+            out.append(pooled_latent(to_tensor(imgs[i : i + 128]), down_of(vae)))
         idx.extend(range(len(scenes)))
     return torch.cat(out), torch.tensor(idx)
 
@@ -158,24 +203,30 @@ def encode_dataset(vae, scenes, per_scene: int, rng: random.Random, swapped: boo
 def vae_accuracy(vae, n: int) -> dict[str, float]:
     """Semantic accuracy of ``decode(pooled_latent(x))`` on ``n`` seeded scenes."""
     scenes = ds.random_scenes(n, seed=2)
-    rec = vae.decode(pooled_latent(to_tensor([ds.render_scene(s) for s in scenes]))).sample
+    x = to_tensor([ds.render_scene(s) for s in scenes])
+    rec = vae.decode(pooled_latent(x, down_of(vae))).sample
     imgs = ((rec.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
     return ds.accuracy(list(imgs), scenes)
 
 
 @torch.no_grad()
 def encode_captions(pipe, scenes) -> list[torch.Tensor]:
+    """Per scene ``[L, 64]`` caption features (``None``: the empty caption, CFG's negative)."""
     feats = []
     for i in range(0, len(scenes), 64):
-        caps = [s.caption for s in scenes[i : i + 64]]
+        caps = [s.caption if s else "" for s in scenes[i : i + 64]]
         feats.extend(f.float() for f in pipe._encode_prompt(caps, device=torch.device("cpu")))
     return feats
 
 
 def train_flow(
-    dit, lat, idx, caps, steps: int, batch: int, lr: float, gen, params, minutes: float = 0
-) -> int:
+    dit, lat, idx, caps, steps: int, batch: int, lr: float, gen, params, minutes: float = 0,
+    empty=None, cap_drop: float = 0.0,
+) -> int:  # fmt: skip
     """Rectified-flow training of ``dit`` on normalised latents ``lat`` with captions ``caps``.
+
+    A share ``cap_drop`` of the samples get the empty caption's features ``empty`` instead (so
+    the model also learns the unconditional flow that classifier-free guidance subtracts).
 
     ``minutes > 0`` also bounds the wall time: the learning-rate schedule then follows whichever
     of steps and time runs out first (on a shared machine the step rate varies tenfold).
@@ -196,9 +247,10 @@ def train_flow(
         u = torch.rand(batch, generator=gen)
         s = torch.where(torch.arange(batch) % 2 == 0, u, 3 * u / (1 + 2 * u))
         xs = (1 - s[:, None, None, None]) * x0 + s[:, None, None, None] * noise
-        out = dit(
-            list(xs.unsqueeze(2)), 1 - s, [caps[int(idx[p])] for p in pick], return_dict=False
-        )[0]
+        # (drawn only when used: cap_drop 0 keeps the random stream of the committed run)
+        drop = torch.rand(batch, generator=gen) < cap_drop if cap_drop > 0 else [False] * batch
+        cap = [empty if d else caps[int(idx[p])] for p, d in zip(pick, drop)]
+        out = dit(list(xs.unsqueeze(2)), 1 - s, cap, return_dict=False)[0]
         pred = torch.stack(out).squeeze(2)
         loss = F.mse_loss(pred, x0 - noise)
         for g in opt.param_groups:
@@ -215,7 +267,7 @@ def train_flow(
 
 
 @torch.no_grad()
-def evaluate(pipe, n: int, seed: int, swapped: bool = False) -> dict[str, float]:
+def evaluate(pipe, n: int, seed: int, guidance: float, swapped: bool = False) -> dict[str, float]:
     """Fraction of ``n`` seeded prompts whose picture measures right (diffusers pipeline)."""
     scenes = ds.random_scenes(n, seed)
     hits = dict(color=0, shape=0, background=0, position=0)
@@ -225,7 +277,7 @@ def evaluate(pipe, n: int, seed: int, swapped: bool = False) -> dict[str, float]
             height=SIZE,
             width=SIZE,
             num_inference_steps=STEPS,
-            guidance_scale=0.0,
+            guidance_scale=guidance,
             generator=torch.Generator().manual_seed(i),
         ).images[0]
         got, want = ds.measure_scene(img), swap(sc) if swapped else sc
@@ -279,6 +331,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dit-minutes", type=float, default=0, help="wall-time bound (0: none)")
     ap.add_argument("--lora-minutes", type=float, default=0, help="wall-time bound (0: none)")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--vae-down", type=int, choices=(2, 4), default=4, help="VAE down-sampling")
+    ap.add_argument("--dim", type=int, default=96, help="DiT width")
+    ap.add_argument("--layers", type=int, default=3, help="DiT main layers")
+    ap.add_argument("--heads", type=int, default=2, help="DiT attention heads")
+    ap.add_argument("--cap-drop", type=float, default=0.0, help="empty-caption share (for CFG)")
+    ap.add_argument("--guidance", type=float, default=0.0, help="the model's default CFG scale")
+    ap.add_argument("--bf16", action="store_true", help="store the DiT in bf16 (half the size)")
+    ap.add_argument(
+        "--eval-guidance", type=float, nargs="*", default=[], help="also evaluate at these scales"
+    )
     ap.add_argument("--renders-per-scene", type=int, default=3)
     ap.add_argument("--eval-prompts", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
@@ -300,12 +362,14 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     t_start = time.time()
 
+    dit_cfg = dit_config(args.dim, args.layers, args.heads, args.vae_down)
+    vae_cfg = vae_config(args.vae_down)
     comps = zimage_tiny.build_zimage_components(
-        transformer=DIT, vae=VAE, scheduler=SCHEDULER, seed=args.seed
+        transformer=dit_cfg, vae=vae_cfg, scheduler=SCHEDULER, seed=args.seed
     )
     torch.manual_seed(args.seed + 10)  # fresh default inits for the trained modules
-    vae = AutoencoderKL(**VAE)
-    dit = ZImageTransformer2DModel(**DIT)
+    vae = AutoencoderKL(**vae_cfg)
+    dit = ZImageTransformer2DModel(**dit_cfg)
     if args.init_from:
         vae = AutoencoderKL.from_pretrained(os.path.join(args.init_from, "vae"))
         dit = ZImageTransformer2DModel.from_pretrained(os.path.join(args.init_from, "transformer"))
@@ -326,15 +390,25 @@ def main(argv=None) -> int:
     comps.update(vae=vae, transformer=dit)
     pipe = ZImagePipeline(**comps)
     caps = encode_captions(pipe, scenes)
+    empty = encode_captions(pipe, [None])[0]
+    flow = dict(minutes=args.dit_minutes, empty=empty, cap_drop=args.cap_drop)
+    log(f"DiT {sum(p.numel() for p in dit.parameters()) / 1e6:.2f} M parameters")
 
     log("stage 3: DiT flow matching")
     dit_steps = train_flow(
         dit, lat, idx, caps, args.dit_steps, args.batch, args.dit_lr, gen, list(dit.parameters()),
-        args.dit_minutes,
+        **flow,
     )  # fmt: skip
     dit.requires_grad_(False)
+    if args.bf16:
+        for p in dit.parameters():  # stored in bf16 below: evaluate exactly those weights
+            p.data = p.data.bfloat16().float()
     defaults = dict(
-        height=SIZE, width=SIZE, num_inference_steps=STEPS, guidance_scale=0.0, max_image_size=256
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=STEPS,
+        guidance_scale=args.guidance,
+        max_image_size=256,
     )
     model_dir = os.path.join(args.out, "zimage-shapes")
     pipe.save_pretrained(model_dir, safe_serialization=True)
@@ -344,9 +418,24 @@ def main(argv=None) -> int:
     cfg["_sglang_defaults"] = defaults
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
+    if args.bf16:
+        store_bf16(os.path.join(model_dir, "transformer", "diffusion_pytorch_model.safetensors"))
     log(f"saved base model to {model_dir} ({time.time() - t_start:.0f} s so far)")
-    base_acc = evaluate(pipe, args.eval_prompts, seed=1)
-    log(f"base model accuracy on {args.eval_prompts} prompts: {base_acc}")
+    scales = [args.guidance] + [g for g in args.eval_guidance if g != args.guidance]
+    base_acc = {str(g): evaluate(pipe, args.eval_prompts, 1, g) for g in scales}
+    log(f"base model accuracy on {args.eval_prompts} prompts (per guidance): {base_acc}")
+    report = dict(
+        seconds=round(time.time() - t_start),
+        dit_steps=dit_steps,
+        vae=vae_acc,
+        base=base_acc,
+        args=vars(args),
+        torch=torch.__version__,
+    )
+    if args.lora_steps <= 0:
+        with open(os.path.join(args.out, "training_report.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        return 0
 
     log("stage 4: LoRA 'swap colours'")
     lat_s, idx_s = encode_dataset(vae, scenes, args.renders_per_scene, rng, swapped=True)
@@ -357,24 +446,15 @@ def main(argv=None) -> int:
     lora_params = [p for n, p in dit.named_parameters() if "lora_" in n]
     lora_steps = train_flow(
         dit, lat_s, idx_s, caps, args.lora_steps, args.batch, 2e-3, gen, lora_params,
-        args.lora_minutes,
+        **dict(flow, minutes=args.lora_minutes),
     )  # fmt: skip
     lora_dir = os.path.join(args.out, "lora-swap-colors")
     ZImagePipeline.save_lora_weights(
         lora_dir, transformer_lora_layers=get_peft_model_state_dict(dit), safe_serialization=True
     )
-    lora_acc = evaluate(pipe, args.eval_prompts, seed=1, swapped=True)
+    lora_acc = evaluate(pipe, args.eval_prompts, 1, args.guidance, swapped=True)
     log(f"LoRA accuracy (swapped colours expected): {lora_acc}")
-    report = dict(
-        seconds=round(time.time() - t_start),
-        dit_steps=dit_steps,
-        lora_steps=lora_steps,
-        vae=vae_acc,
-        base=base_acc,
-        lora=lora_acc,
-        args=vars(args),
-        torch=torch.__version__,
-    )
+    report.update(seconds=round(time.time() - t_start), lora_steps=lora_steps, lora=lora_acc)
     log(json.dumps(report))
     with open(os.path.join(args.out, "training_report.json"), "w") as f:
         json.dump(report, f, indent=2)

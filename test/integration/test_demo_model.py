@@ -1,8 +1,9 @@
 """The embedded demo model draws what the prompt says: `sglang generate`, the engine, the LoRA.
 
 Pictures are read back by ``models.demo_scenes.measure_scene`` (numpy: colour, shape, position,
-background) and compared with the prompt's scene. Thresholds sit below what the committed weights
-measure (docs/models.md) and far above chance (colour 1/7, shape 1/4, position 1/4).
+background) and compared with the prompt's scene. Thresholds are the goals of the demo model
+(docs/models.md gives what the committed weights measure) and far above chance (colour 1/7,
+shape 1/4, position 1/4). The 40 prompts run as one batch (``generate_batch``), once per module.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from sglang.multimodal_gen.models.registry import get_family
 from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
 
 N_PROMPTS = 40
-# Shape is not asserted: the committed weights draw the right shape for only ~35 % of prompts
-# (chance: 25 %; docs/models.md, "Limits"). The measurement itself reads shapes exactly (below).
+GUIDANCE = 0.0  # the demo model's own default (its transformer config's _sglang_defaults)
 MIN = dict(color=0.9, background=0.9, position=0.9)
-MIN_LORA = dict(
-    color=0.55, background=0.65, position=0.65
-)  # swapped colours (measured 0.65/0.75/0.75)
+# Shape: the goal is 75 %; the committed weights measure 50 % here (chance 25 %), mostly blobs
+# that read as circles (docs/models.md, "Limits"), so only a floor above chance is asserted.
+MIN_SHAPE = 0.4
+# with the LoRA: the object's and background's colours exchanged; the goal for the object's colour
+# is 80 %, the committed LoRA measures 70-82 % on 40-prompt sets (background and position 85-92 %)
+MIN_LORA = dict(color=0.65, background=0.85, position=0.85)
 
 
 def swapped(scene: ds.Scene) -> ds.Scene:
@@ -39,17 +42,28 @@ def assert_accuracy(images, scenes, minimum) -> dict[str, float]:
     return acc
 
 
+def generate(engine, scenes, **fields) -> list[Image.Image]:
+    """One picture per scene (seed = its index), all in one batch."""
+    reqs = [GenerationRequest(prompt=s.caption, seed=i, **fields) for i, s in enumerate(scenes)]
+    out = engine.generate_batch(reqs, progress=False)
+    assert not [r for r in out if isinstance(r, Exception)], out
+    return [r[0] for r in out]
+
+
 @pytest.fixture(scope="module")
 def engine():
     with DiffusionEngine(device="cpu") as eng:  # no model path: the embedded demo model
         yield eng
 
 
-def _generate(engine, scenes, lora=None):
-    return [
-        engine.generate(GenerationRequest(prompt=s.caption, seed=i, lora=lora))[0]
-        for i, s in enumerate(scenes)
-    ]
+@pytest.fixture(scope="module")
+def scenes():
+    return ds.random_scenes(N_PROMPTS, seed=123)
+
+
+@pytest.fixture(scope="module")
+def base_images(engine, scenes):
+    return generate(engine, scenes)
 
 
 def test_measurement_reads_rendered_and_blurred_scenes():
@@ -76,16 +90,12 @@ def test_default_model_is_the_packaged_demo_with_its_own_defaults(engine, tiny_z
     assert os.path.isfile(os.path.join(path, "model_index.json"))
     assert engine.model_path == path and engine.model_name == "sglang-default-zimage-tiny"
     d = engine.defaults
-    assert (d["height"], d["width"], d["num_inference_steps"], d["guidance_scale"]) == (
-        64,
-        64,
-        8,
-        0,
-    )
+    got = (d["height"], d["width"], d["num_inference_steps"], d["guidance_scale"])
+    assert got == (64, 64, 8, GUIDANCE)
     # a directory without its own defaults keeps the family's (Z-Image-Turbo: 1024 px, 8 steps)
     fam = get_family("zimage")
     real = fam.sampling_defaults(fam.read_config(tiny_zimage_dir))
-    assert (real.height, real.width) == (1024, 1024)
+    assert (real.height, real.width, real.guidance_scale) == (1024, 1024, 0.0)
 
 
 def test_bad_own_defaults_are_refused_naming_the_key(tmp_path):
@@ -99,18 +109,21 @@ def test_bad_own_defaults_are_refused_naming_the_key(tmp_path):
         fam.sampling_defaults(arch)
 
 
-def test_engine_pictures_match_their_prompts(engine):
-    scenes = ds.random_scenes(N_PROMPTS, seed=123)
-    images = _generate(engine, scenes)
-    assert images[0].size == (64, 64)
-    assert_accuracy(images, scenes, MIN)
-    # the measurement discriminates: the same pictures scored against shifted prompts fail
-    wrong = scenes[1:] + scenes[:1]
-    assert ds.accuracy(images, wrong)["color"] < 0.5
+def test_engine_pictures_match_their_prompts(engine, scenes, base_images):
+    assert base_images[0].size == (64, 64)
+    assert_accuracy(base_images, scenes, dict(MIN, shape=MIN_SHAPE))
+    # the measurement discriminates: the same pictures scored against other shapes fail
+    wrong = [ds.Scene(s.color, ds.SHAPES[(ds.SHAPES.index(s.shape) + 1) % 4], s.background,
+                      s.position) for s in scenes]  # fmt: skip
+    assert ds.accuracy(base_images, wrong)["shape"] < MIN_SHAPE
+    assert ds.accuracy(base_images, scenes[1:] + scenes[:1])["color"] < 0.5
+    # batched pictures are the unbatched ones (up to the GEMMs' batch-size rounding)
+    alone = engine.generate(GenerationRequest(prompt=scenes[0].caption, seed=0))[0]
+    assert psnr(np.asarray(alone), np.asarray(base_images[0])) >= 40
 
 
 def test_sglang_generate_writes_the_prompts_scene(tmp_path):
-    scenes = ds.random_scenes(4, seed=7)
+    scenes = ds.random_scenes(3, seed=7)
     images = []
     for i, s in enumerate(scenes):
         out = tmp_path / f"{i}.png"
@@ -119,34 +132,34 @@ def test_sglang_generate_writes_the_prompts_scene(tmp_path):
         images.append(Image.open(out).convert("RGB"))
     assert all(im.size == (64, 64) for im in images)  # the model's own default size
     acc = ds.accuracy(images, scenes)
-    assert acc["color"] >= 0.75 and acc["position"] >= 0.75, acc
+    assert acc["color"] >= 0.66 and acc["position"] >= 0.66, acc
 
 
-def test_demo_lora_swaps_colours_and_keeps_the_rest(engine):
-    scenes = ds.random_scenes(20, seed=321)
+def test_demo_lora_swaps_colours_and_keeps_the_rest(engine, scenes, base_images):
     engine.set_lora("swap", demo_lora_path(), trusted=True)
     try:
-        with_lora = _generate(engine, scenes)
-        off = _generate(engine, scenes, lora=[])  # per request: no adapter
+        with_lora = generate(engine, scenes)
+        off = generate(engine, scenes[:8], lora=[])  # per request: no adapter
     finally:
         engine.unset_lora()
     assert_accuracy(with_lora, [swapped(s) for s in scenes], MIN_LORA)
-    assert_accuracy(off, scenes, MIN)
-    # position agrees between the two pictures of each prompt
-    same = [
-        a.position == b.position
-        for a, b in zip(map(ds.measure_scene, with_lora), map(ds.measure_scene, off))
-        if a and b
-    ]
-    assert np.mean(same) >= 0.75, same
+    # per request off: the base pictures (up to merge rounding)
+    for a, b in zip(off, base_images):
+        assert psnr(np.asarray(a), np.asarray(b)) >= 40
+    # only the colours change: shape and position agree between the two pictures of a prompt
+    pairs = [(ds.measure_scene(a), ds.measure_scene(b)) for a, b in zip(with_lora, base_images)]
+    pairs = [(a, b) for a, b in pairs if a and b]
+    assert len(pairs) >= 0.9 * N_PROMPTS
+    assert np.mean([a.position == b.position for a, b in pairs]) >= 0.85
 
 
 def test_diffusers_loads_the_demo_model_and_draws_the_same_picture(engine):
     ref = reference_pipeline(default_model_path())
     for i, s in enumerate(ds.random_scenes(2, seed=5)):
         expected = reference_image(
-            ref, s.caption, seed=i, height=64, width=64, num_inference_steps=8, guidance_scale=0.0
-        )
+            ref, s.caption, seed=i, height=64, width=64, num_inference_steps=8,
+            guidance_scale=GUIDANCE,
+        )  # fmt: skip
         got = np.asarray(engine.generate(GenerationRequest(prompt=s.caption, seed=i))[0])
         assert psnr(got, expected) >= 45, psnr(got, expected)
         assert ds.measure_scene(expected) == ds.measure_scene(got)

@@ -246,6 +246,34 @@ def test_lora_dir_containment_reaches_the_engine(server, tmp_path, model_path):
     assert httpx.get(f"{server}/v1/list_loras").json() == before
 
 
+def test_relative_lora_path_resolves_against_every_lora_dir(
+    server, engine, tiny_zimage_loras, monkeypatch
+):
+    """A relative ``lora_path`` is looked up inside each ``--lora-dir`` in turn (here the second
+    root), as docs/serving.md says; the same folder named relative to the server's working
+    directory is not (a client cannot know it), and the 400 says where relative paths are taken."""
+    folder = tiny_zimage_loras[0]
+    root = os.path.dirname(folder)
+    body = {"lora_nickname": "rel", "lora_path": os.path.basename(folder)}
+    r = httpx.post(f"{server}/v1/set_lora", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        gen = dict(prompt="a tiny red boat", height=32, width=32, seed=3, num_inference_steps=1)
+        got = post_gen(server)
+        assert_close(got, direct(engine, **gen, lora=[("rel", 1.0)]))
+        assert not np.array_equal(got, direct(engine, **gen, lora=[]))
+    finally:
+        assert httpx.post(f"{server}/v1/unset_lora", json={}).status_code == 200
+    before = httpx.get(f"{server}/v1/list_loras").json()
+    monkeypatch.chdir(os.path.dirname(root))  # the server runs in this process
+    cwd_relative = os.path.join(os.path.basename(root), os.path.basename(folder))
+    assert os.path.isdir(cwd_relative)
+    body = {"lora_nickname": "cwd", "lora_path": cwd_relative}
+    err = assert_envelope(httpx.post(f"{server}/v1/set_lora", json=body, timeout=60), 400)
+    assert err["param"] == "lora_path" and "relative paths" in err["message"], err
+    assert httpx.get(f"{server}/v1/list_loras").json() == before
+
+
 def test_s9_mismatch_nothing_changed(server):
     before = httpx.get(f"{server}/v1/list_loras").json()
     # one value (or a one-element list) applies to every nickname; other lengths must match

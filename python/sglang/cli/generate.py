@@ -71,7 +71,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--guidance-scale",
         type=float,
         default=None,
-        help="Z-Image: CFG weight, 0 disables CFG (default 0); Flux.1 [dev]: the embedded "
+        help="Z-Image: CFG weight, 0 disables CFG (default: the model's own, 0 for Z-Image-Turbo "
+        "and the demo model); Flux.1 [dev]: the embedded "
         "(distilled) guidance (default 3.5)",
     )
     parser.add_argument(

@@ -122,8 +122,10 @@ def resolve_lora_path(path: str | os.PathLike, allowed_roots: Iterable[str] | No
         raise OutsideLoRARootsError(
             f"LoRA path {raw!r} resolves outside the allowed LoRA directories", param="lora_path"
         )
+    where = "" if os.path.isabs(expanded) else " (relative paths are looked up inside each of them)"
     raise InvalidRequestError(
-        f"LoRA path {raw!r} does not exist in the allowed LoRA directories", param="lora_path"
+        f"LoRA path {raw!r} does not exist in the allowed LoRA directories{where}",
+        param="lora_path",
     )
 
 
@@ -137,7 +139,8 @@ def hf_hub_cache_dir() -> str:
     return os.path.join(home, "hub")
 
 
-def _snapshot_from_cache(repo_id: str) -> str:
+def _snapshot_from_cache(repo_id: str, local: str = "not a local path") -> str:
+    """The cached snapshot folder of ``repo_id``; ``local`` says why no local path matched."""
     from huggingface_hub import snapshot_download
 
     cache = hf_hub_cache_dir()
@@ -145,7 +148,7 @@ def _snapshot_from_cache(repo_id: str) -> str:
         return snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
     except Exception:  # LocalEntryNotFoundError and friends: all mean "not in the cache"
         raise InvalidRequestError(
-            f"LoRA {repo_id!r} could not be found locally (not a local path, not in the Hugging "
+            f"LoRA {repo_id!r} could not be found locally ({local}; not in the Hugging "
             f"Face cache at {cache}); downloading is not possible here. Download it beforehand "
             "or pass a local path.",
             param="lora_path",
@@ -216,7 +219,11 @@ def locate_lora(
             raise
     from_cache = local is None
     if from_cache:
-        local = _snapshot_from_cache(repo_match.group("repo"))
+        # "owner/name" may also be a relative path the client meant: say where those are looked up
+        why = "not a local path"
+        if allowed_roots:
+            why = "no such path inside the allowed LoRA directories, where relative paths are looked up"
+        local = _snapshot_from_cache(repo_match.group("repo"), why)
         if repo_match.group("file"):
             # cache files are symlinks into ../../blobs, so containment is checked on the name
             local = os.path.join(local, repo_match.group("file"))
