@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from sglang.multimodal_gen.configs.server_args import hf_hub_cache_dir
 from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError, SGLangError
 from sglang.multimodal_gen.lora import safetensors_io
 from sglang.multimodal_gen.lora.safetensors_io import json_kind, read_config
@@ -127,16 +128,6 @@ def resolve_lora_path(path: str | os.PathLike, allowed_roots: Iterable[str] | No
         f"LoRA path {raw!r} does not exist in the allowed LoRA directories{where}",
         param="lora_path",
     )
-
-
-def hf_hub_cache_dir() -> str:
-    """The Hub cache directory, read from the environment at call time (honours ``HF_HOME``)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
-    )
-    return os.path.join(home, "hub")
 
 
 def _snapshot_from_cache(repo_id: str, local: str = "not a local path") -> str:
