@@ -559,6 +559,42 @@ MUTANTS: list[Mutant] = [
         ("-k", "zimage_batch"),
         why="a batched CFG call mixes one request's negative rows into another's positive rows",
     ),
+    _m(
+        "lora-rows-merged-not-subtracted",
+        "layers/lora/rows.py",
+        "sub = active.get(name, 0.0) if merged else 0.0",
+        "sub = 0.0",
+        ("test/unit/test_lora_rows.py",),
+        ("-k", "not gloo"),
+        why="a merged layer adds its merged composition again on every row of a mixed batch",
+    ),
+    _m(
+        "lora-rows-first-row-for-all",
+        "layers/lora/rows.py",
+        "c[b, c0 : c0 + r] = s * comp.get(name, 0.0) - sub",
+        "c[b, c0 : c0 + r] = s * strengths[0].get(name, 0.0) - sub",
+        ("test/unit/test_lora_rows.py",),
+        ("-k", "not gloo"),
+        why="every row of a mixed batch gets the first row's adapters",
+    ),
+    _m(
+        "batch-plan-of-first-request",
+        "pipelines/batching.py",
+        "    if len(plans) == 1:",
+        "    if True:",
+        ("test/integration/test_mixed_lora_batch.py",),
+        ("-k", "zimage and not parallel"),
+        why="a batched DiT call runs every row under the first request's LoRA composition",
+    ),
+    _m(
+        "cfg-parallel-plan-not-narrowed",
+        "pipelines/base.py",
+        "plan = plan.select(r * n // rows, (r + 1) * n // rows)",
+        "plan = plan.select(0, n)",
+        ("test/integration/test_mixed_lora_batch.py",),
+        ("-k", "parallel"),
+        why="with CFG parallelism a rank applies the whole batch's row plan to its half of the rows",
+    ),
 ]
 
 
