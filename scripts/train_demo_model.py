@@ -25,13 +25,16 @@ Output, under ``--out``: ``zimage-shapes/`` (a diffusers-format directory,
 transformer ``config.json`` carries the model's own sampling defaults under ``_sglang_defaults``
 (diffusers ignores ``_`` keys).
 
-The committed model and LoRA come from two runs with the defaults (23 + 17 min on 2 busy CPU
-cores; both reports in ``models/demo/training_report.json``, measurements in docs/models.md)::
+The committed model and LoRA come from three runs with the defaults (23 + 17 + 34 min on 2 CPU
+cores, the first two shared with other jobs; the reports in ``models/demo/training_report.json``,
+measurements in docs/models.md)::
 
     OUT=python/sglang/multimodal_gen/models/demo
     nice -n 15 python scripts/train_demo_model.py --out /tmp/run1 --dit-minutes 16 --lora-minutes 5
-    nice -n 15 python scripts/train_demo_model.py --out $OUT --init-from /tmp/run1/zimage-shapes \
+    nice -n 15 python scripts/train_demo_model.py --out /tmp/run2 --init-from /tmp/run1/zimage-shapes \
         --dit-lr 5e-4 --dit-minutes 10 --lora-minutes 4
+    nice -n 19 python scripts/train_demo_model.py --out $OUT --init-from /tmp/run2/zimage-shapes \
+        --dit-lr 3e-4 --dit-steps 100000 --dit-minutes 30 --lora-minutes 5 --threads 1
 
 On a machine shared with other jobs use ``--threads 1``: two OpenMP threads on oversubscribed
 cores wait for each other (measured: under 100 VAE steps in 4.5 min with 2 threads, 100 in 45 s
