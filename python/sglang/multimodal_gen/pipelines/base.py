@@ -45,7 +45,7 @@ from sglang.multimodal_gen.layers.lora.rows import current_row_plan, lora_rows
 from sglang.multimodal_gen.models.components import load_component, read_model_index
 from sglang.multimodal_gen.models.loader import load_denoiser, read_json
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
-from sglang.multimodal_gen.pipelines.batching import current_batcher
+from sglang.multimodal_gen.pipelines.batching import branch_rows, current_batcher
 
 __all__ = ["GenerationInputs", "StagedPipeline", "check_finite", "latents_to_uint8"]
 
@@ -117,16 +117,6 @@ def check_finite(x: torch.Tensor, what: str, inp: GenerationInputs | None = None
         "or strength",
         param=param,
     )
-
-
-def _branch(value: Any, index: int, rows: int) -> Any:
-    """Branch ``index`` of ``rows`` branches stacked along dim 0 (a tensor, a list, or a sized
-    object with ``select(index_list)``)."""
-    if isinstance(value, torch.Tensor):
-        return value.chunk(rows, 0)[index]
-    n = len(value)
-    lo, hi = index * n // rows, (index + 1) * n // rows
-    return value[lo:hi] if isinstance(value, list) else value.select(list(range(lo, hi)))
 
 
 class StagedPipeline:
@@ -412,7 +402,7 @@ class StagedPipeline:
         if rows != cfg:
             raise ValueError(f"{rows} CFG branches cannot be split over cfg_degree={cfg}")
         r = get_cfg_rank()
-        local = {k: (_branch(v, r, rows) if k in batched else v) for k, v in args.items()}
+        local = {k: (branch_rows(v, r, rows) if k in batched else v) for k, v in args.items()}
         plan = current_row_plan()  # a mixed-LoRA batch: this branch's rows
         if plan is not None:
             n = len(plan.rows)

@@ -133,6 +133,16 @@ class StepBatcher:
         self.cv.notify_all()
 
 
+def branch_rows(value: Any, index: int, rows: int) -> Any:
+    """Branch ``index`` of ``rows`` branches stacked along dim 0 (a tensor, a list, or a sized
+    object with ``select(index_list)``)."""
+    if isinstance(value, torch.Tensor):
+        return value.chunk(rows, 0)[index]
+    n = len(value)
+    lo, hi = index * n // rows, (index + 1) * n // rows
+    return value[lo:hi] if isinstance(value, list) else value.select(list(range(lo, hi)))
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
@@ -196,14 +206,12 @@ def _row_plan(group: list[_Call], sizes: list[int], rows: int) -> RowPlan | None
 
 
 def _run_group(group: list[_Call]) -> None:
-    from sglang.multimodal_gen.pipelines.base import _branch
-
     c0 = group[0]
     rows = c0.rows
     sizes: list[int] = []
     args = dict(c0.args)
     for k in c0.batched:
-        parts = [[_branch(c.args[k], r, rows) for c in group] for r in range(rows)]
+        parts = [[branch_rows(c.args[k], r, rows) for c in group] for r in range(rows)]
         if not sizes:
             sizes = [len(p) for p in parts[0]]
         args[k] = _concat([p for branch in parts for p in branch])
