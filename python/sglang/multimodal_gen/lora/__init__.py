@@ -17,7 +17,7 @@ _EXPORTS = {
     "config_from_sources": "peft_config",
     "convert_to_canonical": "formats",
     "get_pattern_key": "peft_config",
-    "guess_architecture": "formats",
+    "guess_architecture": "key_grammar",
     "load_lora_state_dict": "loading",
     "resolve_lora_path": "loading",
     # request arguments
@@ -54,11 +54,8 @@ __all__ = [
 assert set(__all__) == set(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sglang.multimodal_gen.lora.formats import (
-        CanonicalLoRA,
-        convert_to_canonical,
-        guess_architecture,
-    )
+    from sglang.multimodal_gen.lora.formats import CanonicalLoRA, convert_to_canonical
+    from sglang.multimodal_gen.lora.key_grammar import guess_architecture
     from sglang.multimodal_gen.lora.loading import load_lora_state_dict, resolve_lora_path
     from sglang.multimodal_gen.lora.manager import LoRAManager
     from sglang.multimodal_gen.lora.merge_cache import AdapterKey, MergeCache, MergeKey

@@ -46,6 +46,7 @@ from sglang.multimodal_gen.layers.linear import (
     RowParallelLinear,
 )
 from sglang.multimodal_gen.layers.norm import LayerNormNoAffine
+from sglang.multimodal_gen.models.dits.common import tp_kwargs
 from sglang.multimodal_gen.models.dits.flux_embed import (
     FluxAdaLNContinuous,
     FluxAdaLNZero,
@@ -57,10 +58,6 @@ from sglang.multimodal_gen.models.dits.flux_embed import (
 __all__ = ["FluxPosEmbed", "FluxTransformer", "apply_rope_real", "flux_from_diffusers_module"]
 
 FP16_MAX = 65504.0
-
-
-def _tp_kwargs(prefix: str, tp_rank: int | None, tp_size: int | None, dtype) -> dict:
-    return dict(prefix=prefix, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
 
 
 def _qk_norm(head_dim: int, eps: float) -> nn.RMSNorm:
@@ -99,7 +96,7 @@ class FluxJointAttention(nn.Module):
             heads,
             heads,
             bias=True,
-            **_tp_kwargs(f"{prefix}.to_qkv", tp_rank, tp_size, dtype),
+            **tp_kwargs(f"{prefix}.to_qkv", tp_rank, tp_size, dtype),
         )
         self.to_added_qkv = QKVParallelLinear(
             d,
@@ -107,7 +104,7 @@ class FluxJointAttention(nn.Module):
             heads,
             heads,
             bias=True,
-            **_tp_kwargs(f"{prefix}.to_added_qkv", tp_rank, tp_size, dtype),
+            **tp_kwargs(f"{prefix}.to_added_qkv", tp_rank, tp_size, dtype),
         )
         self.num_heads = self.to_qkv.num_heads
         self.norm_q = _qk_norm(hd, eps)
@@ -121,7 +118,7 @@ class FluxJointAttention(nn.Module):
                     d,
                     bias=True,
                     input_is_parallel=True,
-                    **_tp_kwargs(f"{prefix}.to_out.0", tp_rank, tp_size, dtype),
+                    **tp_kwargs(f"{prefix}.to_out.0", tp_rank, tp_size, dtype),
                 )
             ]
         )
@@ -130,7 +127,7 @@ class FluxJointAttention(nn.Module):
             d,
             bias=True,
             input_is_parallel=True,
-            **_tp_kwargs(f"{prefix}.to_add_out", tp_rank, tp_size, dtype),
+            **tp_kwargs(f"{prefix}.to_add_out", tp_rank, tp_size, dtype),
         )
 
     def _heads(self, layer: nn.Module, x: torch.Tensor):
@@ -238,7 +235,7 @@ class FluxSingleBlock(nn.Module):
             d,
             [d, d, d, h],
             bias=True,
-            **_tp_kwargs(f"{prefix}.to_qkv_mlp", tp_rank, tp_size, dtype),
+            **tp_kwargs(f"{prefix}.to_qkv_mlp", tp_rank, tp_size, dtype),
         )
         # local section widths [D/n, D/n, D/n, mlp_hidden/n], fixed at construction so a LoRA
         # wrapper that replaces the module later does not matter
@@ -250,7 +247,7 @@ class FluxSingleBlock(nn.Module):
             bias=True,
             input_is_parallel=True,
             input_sizes=[d, h],
-            **_tp_kwargs(f"{prefix}.proj_out", tp_rank, tp_size, dtype),
+            **tp_kwargs(f"{prefix}.proj_out", tp_rank, tp_size, dtype),
         )
 
     def forward(self, x, temb, cos, sin):

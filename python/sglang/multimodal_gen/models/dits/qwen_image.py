@@ -43,6 +43,13 @@ from sglang.multimodal_gen.layers.linear import (
     RowParallelLinear,
 )
 from sglang.multimodal_gen.layers.norm import LayerNormNoAffine, RMSNorm
+from sglang.multimodal_gen.models.dits.common import tp_kwargs
+from sglang.multimodal_gen.models.dits.qwen_image_layers import (
+    QwenAdaLNContinuous,
+    QwenImageRope,
+    QwenTimeTextEmbed,
+    apply_rope_complex,
+)
 
 __all__ = [
     "QwenImageRope",
@@ -52,177 +59,6 @@ __all__ = [
 ]
 
 FP16_MAX = 65504.0
-ROPE_TABLE_LEN = 4096  # positions per direction the reference tabulates
-
-
-def _tp_kwargs(prefix: str, tp_rank: int | None, tp_size: int | None, dtype) -> dict:
-    return dict(prefix=prefix, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
-
-
-# --------------------------------------------------------------------------------------- RoPE
-def _rope_table(index: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
-    """``exp(i * p * theta ** (-2j / dim))`` for positions ``index [N]`` (int64) and pairs
-    ``j < dim / 2``: ``[N, dim / 2]`` complex64, computed in fp32 as the reference's
-    ``QwenEmbedRope.rope_params``."""
-    inv_freq = 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(torch.float32).div(dim))
-    angles = torch.outer(index, inv_freq)
-    return torch.polar(torch.ones_like(angles), angles)
-
-
-class QwenImageRope(nn.Module):
-    """Qwen-Image's 3-axis complex rotary tables (diffusers' ``QwenEmbedRope(scale_rope=True)``).
-
-    Head channel pairs are split ``axes_dims / 2`` between the frame, height and width axes. For
-    image ``idx`` of shape ``(F, H, W)`` (several images are concatenated, e.g. the edit
-    model's conditioning images), token ``(f, h, w)`` gets frame position ``idx + f``, height
-    position ``h - (H - H // 2)`` and width position ``w - (W - W // 2)`` (the grid is centred:
-    ``-(H - H//2) .. H//2 - 1``). Text token ``s`` gets position ``m + s`` on all three axes with
-    ``m = max(H // 2, W // 2)`` over the images. The tables are those of the reference bit for
-    bit: the same fp32 formula evaluated over ``[0, 4096)`` and ``[-4096, -1]`` and then indexed.
-
-    Shapes: :meth:`forward` returns ``(img [S_img, hd / 2], txt [S_txt, hd / 2])`` complex64.
-    No parameters (the tables are plain attributes, cached per device).
-    """
-
-    def __init__(self, theta: float, axes_dims):
-        super().__init__()
-        self.theta = theta
-        self.axes_dims = tuple(int(d) for d in axes_dims)
-        pos = torch.arange(ROPE_TABLE_LEN)
-        neg = torch.arange(ROPE_TABLE_LEN).flip(0) * -1 - 1
-        # not buffers: .to(dtype) must never touch complex tables
-        self._pos = torch.cat([_rope_table(pos, d, theta) for d in self.axes_dims], dim=1)
-        self._neg = torch.cat([_rope_table(neg, d, theta) for d in self.axes_dims], dim=1)
-        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._cache:
-            self._cache[device] = (self._pos.to(device), self._neg.to(device))
-        return self._cache[device]
-
-    def _image(self, f: int, h: int, w: int, idx: int, pos, neg) -> torch.Tensor:
-        sizes = [d // 2 for d in self.axes_dims]
-        pf, ph, pw = pos.split(sizes, dim=1)
-        _, nh, nw = neg.split(sizes, dim=1)
-        frame = pf[idx : idx + f].view(f, 1, 1, -1).expand(f, h, w, -1)
-        height = torch.cat([nh[-(h - h // 2) :], ph[: h // 2]], dim=0)
-        height = height.view(1, h, 1, -1).expand(f, h, w, -1)
-        width = torch.cat([nw[-(w - w // 2) :], pw[: w // 2]], dim=0)
-        width = width.view(1, 1, w, -1).expand(f, h, w, -1)
-        return torch.cat([frame, height, width], dim=-1).reshape(f * h * w, -1)
-
-    def forward(
-        self, shapes: list[tuple[int, int, int]], txt_len: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for the images ``shapes`` (``[(F, H, W), ...]`` of one batch item, in token
-        order) and ``txt_len`` text tokens.
-
-        Raises:
-            ValueError: a position beyond the reference's 4096-entry tables.
-        """
-        pos, neg = self._tables(torch.device(device))
-        parts, m = [], 0
-        for idx, (f, h, w) in enumerate(shapes):
-            if idx + f > ROPE_TABLE_LEN or max(h, w) > 2 * ROPE_TABLE_LEN:
-                raise ValueError(f"Qwen-Image RoPE: image shape {(f, h, w)} exceeds the tables")
-            parts.append(self._image(int(f), int(h), int(w), idx, pos, neg))
-            m = max(h // 2, w // 2, m)
-        if m + txt_len > ROPE_TABLE_LEN:
-            raise ValueError(
-                f"Qwen-Image RoPE: {txt_len} text tokens after image offset {m} exceed the "
-                f"{ROPE_TABLE_LEN} positions of the reference's tables"
-            )
-        return torch.cat(parts, dim=0), pos[m : m + txt_len]
-
-    def extra_repr(self) -> str:
-        return f"theta={self.theta}, axes_dims={list(self.axes_dims)}"
-
-
-def apply_rope_complex(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs ``(a, b)`` as the complex number ``a + ib`` times
-    ``freqs``.
-
-    Args:
-        x: ``[B, S, H, D]`` any float dtype.
-        freqs: ``[S, D / 2]`` complex64 (from :class:`QwenImageRope`), broadcast over batch and
-            heads.
-
-    Returns:
-        ``[B, S, H, D]`` in ``x.dtype``, computed in complex64 (diffusers'
-        ``apply_rotary_emb_qwen(use_real=False)``, same operations).
-    """
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * freqs.unsqueeze(1)).flatten(3).type_as(x)
-
-
-# --------------------------------------------------------------------------------- embeddings
-def timestep_sinusoid(t: torch.Tensor, dim: int, scale: float, max_period: float = 10000.0):
-    """Sinusoidal features ``[B] -> [B, dim]`` fp32, ``cos`` half first then ``sin``, of the
-    angles ``scale * (t * w_k)`` with ``w_k = exp(-ln(max_period) * k / (dim / 2))`` (diffusers'
-    ``Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0, scale=scale)``, same order of
-    operations: the scale multiplies the angles, not ``t``)."""
-    half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
-    freqs = torch.exp(exponent / half)
-    angles = scale * (t[:, None].float() * freqs[None, :])
-    out = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-    return F.pad(out, (0, 1)) if dim % 2 else out
-
-
-class QwenTimestepEmbedder(nn.Module):
-    """``linear_2(silu(linear_1(x)))`` (diffusers' ``TimestepEmbedding``).
-
-    Shapes: ``x [B, in_features]`` -> ``[B, out_features]``.
-    """
-
-    def __init__(self, in_features: int, out_features: int, prefix: str, **kw):
-        super().__init__()
-        self.linear_1 = ReplicatedLinear(
-            in_features, out_features, prefix=f"{prefix}.linear_1", **kw
-        )
-        self.linear_2 = ReplicatedLinear(
-            out_features, out_features, prefix=f"{prefix}.linear_2", **kw
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)[0]))[0]
-
-
-class QwenTimeTextEmbed(nn.Module):
-    """``temb = timestep_embedder(sinusoid(1000 t))`` (diffusers' ``QwenTimestepProjEmbeddings``
-    without the additional-t embedding).
-
-    Shapes: ``t [B]`` (already in the model dtype) -> ``[B, D]`` in ``dtype``.
-    """
-
-    def __init__(self, cfg: QwenImageArchConfig, prefix: str, **kw):
-        super().__init__()
-        self.freq_dim = cfg.T_FREQ_DIM
-        self.scale = cfg.TIMESTEP_SCALE
-        self.timestep_embedder = QwenTimestepEmbedder(
-            cfg.T_FREQ_DIM, cfg.inner_dim, f"{prefix}.timestep_embedder", **kw
-        )
-
-    def forward(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.timestep_embedder(timestep_sinusoid(t, self.freq_dim, self.scale).to(dtype))
-
-
-class QwenAdaLNContinuous(nn.Module):
-    """Final norm: ``scale, shift = linear(silu(temb))`` (in that order),
-    ``LayerNorm(x) * (1 + scale) + shift`` (diffusers'
-    ``AdaLayerNormContinuous(elementwise_affine=False, eps=1e-6)``).
-
-    Shapes: ``x [B, S, D]``, ``temb [B, D]`` -> ``[B, S, D]``.
-    """
-
-    def __init__(self, dim: int, eps: float, prefix: str, **kw):
-        super().__init__()
-        self.linear = ReplicatedLinear(dim, 2 * dim, prefix=f"{prefix}.linear", **kw)
-        self.norm = LayerNormNoAffine(dim, eps=eps)
-
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.linear(F.silu(temb).to(x.dtype))[0].chunk(2, dim=1)
-        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
 
 
 # ------------------------------------------------------------------------------- the block
@@ -249,7 +85,7 @@ class QwenJointAttention(nn.Module):
             heads,
             heads,
             bias=True,
-            **_tp_kwargs(f"{prefix}.to_qkv", tp_rank, tp_size, dtype),
+            **tp_kwargs(f"{prefix}.to_qkv", tp_rank, tp_size, dtype),
         )
         self.to_added_qkv = QKVParallelLinear(
             d,
@@ -257,7 +93,7 @@ class QwenJointAttention(nn.Module):
             heads,
             heads,
             bias=True,
-            **_tp_kwargs(f"{prefix}.to_added_qkv", tp_rank, tp_size, dtype),
+            **tp_kwargs(f"{prefix}.to_added_qkv", tp_rank, tp_size, dtype),
         )
         self.num_heads = self.to_qkv.num_heads
         self.norm_q = RMSNorm(hd, eps=eps)
@@ -271,7 +107,7 @@ class QwenJointAttention(nn.Module):
                     d,
                     bias=True,
                     input_is_parallel=True,
-                    **_tp_kwargs(f"{prefix}.to_out.0", tp_rank, tp_size, dtype),
+                    **tp_kwargs(f"{prefix}.to_out.0", tp_rank, tp_size, dtype),
                 )
             ]
         )
@@ -280,7 +116,7 @@ class QwenJointAttention(nn.Module):
             d,
             bias=True,
             input_is_parallel=True,
-            **_tp_kwargs(f"{prefix}.to_add_out", tp_rank, tp_size, dtype),
+            **tp_kwargs(f"{prefix}.to_add_out", tp_rank, tp_size, dtype),
         )
 
     def _heads(self, layer: nn.Module, x: torch.Tensor):

@@ -1,7 +1,7 @@
 """Qwen-Image (Alibaba Qwen): ``QwenImagePipeline`` directories (Qwen-Image, Qwen-Image-2512).
 
-Files of the family: ``configs/qwen_image.py``, ``models/dits/qwen_image.py``,
-``models/dits/qwen_image_names.py``, ``pipelines/qwen_image.py``,
+Files of the family: ``configs/qwen_image.py``, ``models/dits/qwen_image.py`` (+
+``qwen_image_layers.py``), ``models/dits/qwen_image_names.py``, ``pipelines/qwen_image.py``,
 ``models/families/qwen_image_tiny.py`` and this declaration. Qwen-Image-2512 directories differ
 only in weights and config values and load through the same family.
 """

@@ -3,8 +3,8 @@
 Layouts: Wan2.2 T2V-A14B (two experts: ``transformer`` for high noise, ``transformer_2`` for low
 noise, switched at ``boundary_ratio`` from ``model_index.json``), Wan2.2 TI2V-5B (one expert,
 48 latent channels, the Wan2.2 VAE, per-token timesteps via ``expand_timesteps``) and Wan2.1
-(one expert). Files of the family: ``configs/wan.py``, ``models/dits/wan.py``,
-``models/dits/wan_names.py``, ``pipelines/wan.py``, ``models/families/wan_tiny.py`` and this
+(one expert). Files of the family: ``configs/wan.py``, ``models/dits/wan.py`` (+
+``wan_layers.py``), ``models/dits/wan_names.py``, ``pipelines/wan.py``, ``models/families/wan_tiny.py`` and this
 declaration.
 """
 

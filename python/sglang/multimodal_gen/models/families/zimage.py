@@ -1,6 +1,6 @@
 """Z-Image (Tongyi-MAI): ``ZImagePipeline`` directories, e.g. Z-Image-Turbo.
 
-Files of the family: ``configs/zimage.py``, ``models/dits/zimage.py``,
+Files of the family: ``configs/zimage.py``, ``models/dits/zimage.py`` (+ ``zimage_layers.py``),
 ``models/dits/zimage_names.py``, ``pipelines/zimage.py``, ``models/families/zimage_tiny.py``
 and this declaration.
 """
