@@ -1,6 +1,7 @@
 """The embedded demo model through the HTTP server at TP 2 (two gloo processes): pictures match
 their prompts, and ``/v1/set_lora`` with the demo LoRA swaps the colours and only them. The
-prompts are sent concurrently, so the server batches them (``--max-batch-size``)."""
+prompts are sent concurrently, so the server batches them (``--max-batch-size``). Also the
+engine under Ulysses sequence parallelism (two gloo processes)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.models import demo_scenes as ds
 from sglang.multimodal_gen.models.default_model import demo_lora_path
 from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
-from test_demo_model import MIN, MIN_LORA, assert_accuracy, swapped
+from test_demo_model import MIN, MIN_LORA, MIN_SHAPE, assert_accuracy, generate, swapped
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,7 @@ def test_tp2_server_draws_prompts_and_applies_the_demo_lora():
             scenes = ds.random_scenes(40, seed=99)
             images = _images(url, scenes)
             assert all(im.size == (64, 64) for im in images)
-            assert_accuracy(images, scenes, MIN)
+            assert_accuracy(images, scenes, dict(MIN, shape=MIN_SHAPE))
 
             # a path relative to the --lora-dir root
             body = {"lora_nickname": "swap", "lora_path": os.path.basename(lora)}
@@ -64,3 +65,10 @@ def test_tp2_server_draws_prompts_and_applies_the_demo_lora():
             assert_accuracy(_images(url, scenes[:10]), scenes[:10], MIN)
     finally:
         engine.shutdown()
+
+
+def test_ulysses2_engine_draws_prompts():
+    scenes = ds.random_scenes(16, seed=321)
+    with DiffusionEngine(ulysses_degree=2, device="cpu") as engine:
+        assert engine.world_size == 2
+        assert_accuracy(generate(engine, scenes), scenes, dict(MIN, shape=MIN_SHAPE))

@@ -1,17 +1,22 @@
-"""Kernel choices: ``--attention-backend`` and ``--enable-torch-compile`` change how, not what.
+"""Kernel choices: ``--attention-backend`` and ``--enable-torch-compile`` change how, not what;
+``--float32-matmul-precision medium`` changes the numbers a little.
 
 Reference: the default engine (``auto`` SDPA kernel, eager). Measured (torch 2.13 CPU, fp32): the
 math kernel and the compiled DiT blocks give the default image within one level on a few values
-(>= 60 dB). Bar 45 dB; the nearby wrong case (another seed) is below 15 dB.
+(>= 60 dB). Bar 45 dB; the nearby wrong case (another seed) is below 15 dB. With bfloat16 GEMM
+inputs (``medium``, on a CPU with AMX/AVX512-BF16) the image measured 52 dB at TP 2
+(bar 40 dB).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from fixtures.tiny_models import psnr
+from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.layers.attention import set_attention_backend
-from sglang.multimodal_gen.runtime import GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
 REQ = dict(prompt="a lighthouse at dusk", negative_prompt="blurry", guidance_scale=3.0,
@@ -57,3 +62,23 @@ def test_compiled_blocks_give_the_default_image(tiny_zimage_dir, runner_and_ref)
     blocks = [m for m in runner.pipeline.transformer.modules() if type(m).__name__ == "ZImageBlock"]
     assert len(blocks) == 6 and all(b._compiled_call_impl is not None for b in blocks)
     assert psnr(_image(runner), ref) >= 45
+
+
+@pytest.mark.slow
+def test_float32_matmul_precision_is_set_in_every_engine_process(tiny_zimage_dir, runner_and_ref):
+    _, ref = runner_and_ref
+    with DiffusionEngine(
+        tiny_zimage_dir, tp_size=2, device="cpu", float32_matmul_precision="medium"
+    ) as engine:
+        assert engine.model_info["float32_matmul_precision"] == "medium"  # rank 0's process
+        assert torch.get_float32_matmul_precision() == "highest"  # TP 2: not this process
+        got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+    assert psnr(got, ref) >= 40  # the same picture, to bf16 rounding (wrong seed: < 15 dB)
+
+
+def test_float32_matmul_precision_values_checked(tiny_zimage_dir):
+    with pytest.raises(ValueError, match="--float32-matmul-precision"):
+        ServerArgs(float32_matmul_precision="low")
+    with pytest.raises(ValueError, match="float32_matmul_precision"):
+        ModelRunner(tiny_zimage_dir, float32_matmul_precision="low")
+    assert torch.get_float32_matmul_precision() == "highest"  # a refused value changes nothing

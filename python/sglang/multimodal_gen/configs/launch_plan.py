@@ -230,4 +230,5 @@ def fingerprint(plan: LaunchPlan, runner_kwargs: Mapping, backend: str) -> dict:
         "layout": repr(runner_kwargs.get("layout")),
         "attention_backend": runner_kwargs.get("attention_backend", "auto"),
         "enable_torch_compile": bool(runner_kwargs.get("enable_torch_compile")),
+        "float32_matmul_precision": runner_kwargs.get("float32_matmul_precision", "highest"),
     }

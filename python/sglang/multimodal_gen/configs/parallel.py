@@ -52,8 +52,13 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: ``torch.set_float32_matmul_precision`` values (``--float32-matmul-precision``).
+FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
-    """``--attention-backend`` and ``--enable-torch-compile`` (SGLang's names)."""
+    """``--attention-backend``, ``--enable-torch-compile`` (SGLang's names) and
+    ``--float32-matmul-precision`` (``torch.set_float32_matmul_precision``'s values)."""
     g = parser.add_argument_group("kernels")
     g.add_argument(
         "--attention-backend",
@@ -65,6 +70,14 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
         "--enable-torch-compile",
         action="store_true",
         help="torch.compile the DiT blocks (compile time on the first run of each shape)",
+    )
+    g.add_argument(
+        "--float32-matmul-precision",
+        default="highest",
+        choices=FLOAT32_MATMUL_PRECISIONS,
+        help="float32 GEMMs in every engine process: highest (full fp32, the default), high "
+        "(TF32 where the hardware has it), medium (bfloat16 inputs, fp32 accumulation: AMX/"
+        "AVX512-BF16 CPUs, GPUs); changes the numbers slightly (docs/benchmarks.md)",
     )
 
 

@@ -155,6 +155,8 @@ class ServerArgs:
         attention_backend: SDPA kernel (``--attention-backend``: auto, flash, efficient, cudnn,
             math; the CPU has flash and math).
         enable_torch_compile: ``torch.compile`` the DiT blocks (``--enable-torch-compile``).
+        float32_matmul_precision: ``torch.set_float32_matmul_precision`` in every engine process
+            (``--float32-matmul-precision``: highest, high, medium).
         lora_merge_cache_gb: bound of the LoRA merge cache per rank in GiB (``None``: 1).
         max_loaded_lora_gb: bound of the loaded LoRA adapters per rank in GiB (``None``: 8).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks CUDA when available.
@@ -199,6 +201,7 @@ class ServerArgs:
     dit_cpu_offload: bool = False
     attention_backend: str = "auto"
     enable_torch_compile: bool = False
+    float32_matmul_precision: str = "highest"
     device: str | None = None
     dtype: str | None = None
     served_model_name: str | None = None
@@ -272,6 +275,13 @@ class ServerArgs:
             raise ValueError(
                 f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, got "
                 f"{self.attention_backend!r}"
+            )
+        from sglang.multimodal_gen.configs.parallel import FLOAT32_MATMUL_PRECISIONS
+
+        if self.float32_matmul_precision not in FLOAT32_MATMUL_PRECISIONS:
+            raise ValueError(
+                f"--float32-matmul-precision must be one of {list(FLOAT32_MATMUL_PRECISIONS)}, "
+                f"got {self.float32_matmul_precision!r}"
             )
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -250,6 +250,7 @@ def server_args_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         dit_cpu_offload=args.dit_cpu_offload,
         attention_backend=args.attention_backend,
         enable_torch_compile=bool(args.enable_torch_compile),
+        float32_matmul_precision=args.float32_matmul_precision,
         device=args.device,
         dtype=args.dtype,
         served_model_name=args.served_model_name,

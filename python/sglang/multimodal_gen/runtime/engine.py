@@ -72,6 +72,8 @@ class DiffusionEngine:
         generator_device: device of the seeded generator (default: the execution device type).
         attention_backend: SDPA kernel (``auto``, ``flash``, ``efficient``, ``cudnn``, ``math``).
         enable_torch_compile: ``torch.compile`` the DiT blocks (opt-in; compile time on first use).
+        float32_matmul_precision: ``torch.set_float32_matmul_precision`` in the engine's
+            processes (``highest``, ``high``, ``medium``); with TP 1 that is the calling process.
         dit_cpu_offload: on CUDA keep the DiT weights in pinned host memory between calls
             (moved to the GPU for each call); ignored, with one log line, without a GPU.
         nnodes, node_rank, dist_init_addr, dist_timeout_s: multi-node launch (``--nnodes``,
@@ -107,6 +109,7 @@ class DiffusionEngine:
         dit_cpu_offload: bool = False,
         attention_backend: str = "auto",
         enable_torch_compile: bool = False,
+        float32_matmul_precision: str = "highest",
         nnodes: int = 1,
         node_rank: int = 0,
         dist_init_addr: str | None = None,
@@ -151,6 +154,7 @@ class DiffusionEngine:
             dit_cpu_offload=bool(dit_cpu_offload),
             attention_backend=attention_backend,
             enable_torch_compile=bool(enable_torch_compile),
+            float32_matmul_precision=float32_matmul_precision,
             lora_merge_cache_gb=lora_merge_cache_gb,
             max_loaded_lora_gb=max_loaded_lora_gb,
         )

@@ -28,6 +28,7 @@ def job_kwargs(server_args) -> dict:
         dit_cpu_offload=bool(getattr(server_args, "dit_cpu_offload", False)),
         attention_backend=server_args.attention_backend,
         enable_torch_compile=server_args.enable_torch_compile,
+        float32_matmul_precision=getattr(server_args, "float32_matmul_precision", "highest"),
     )
 
 

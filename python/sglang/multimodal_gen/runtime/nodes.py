@@ -211,6 +211,7 @@ def run_follower_node(
     cfg_degree: int = 1,
     attention_backend: str = "auto",
     enable_torch_compile: bool = False,
+    float32_matmul_precision: str = "highest",
     **multinode: Any,
 ) -> bool:
     """Run this launcher as a follower when the flags (or torchrun) say it does not hold rank 0.
@@ -247,6 +248,7 @@ def run_follower_node(
         model_path=model_path, dtype=dtype, lora_dirs=(), generator_device=None,
         dit_cpu_offload=bool(dit_cpu_offload), attention_backend=attention_backend,
         enable_torch_compile=bool(enable_torch_compile), device=device, layout=layout,
+        float32_matmul_precision=float32_matmul_precision,
     )  # fmt: skip
     run_follower(plan, kwargs)
     return True

@@ -126,6 +126,8 @@ class ModelRunner:
         attention_backend: the SDPA kernel (``layers.attention.set_attention_backend``).
         enable_torch_compile: compile every DiT block with ``torch.compile`` (inductor); the
             first generation of each shape (and after a LoRA change) pays the compile time.
+        float32_matmul_precision: ``torch.set_float32_matmul_precision`` for this process
+            (``highest``, ``high``, ``medium``), set before the model is built.
         dit_cpu_offload: on CUDA, keep the DiT weights in pinned host memory between commands
             (:class:`DiTOffloader`); ignored on other devices.
         lora_merge_cache_gb, max_loaded_lora_gb: LoRA memory bounds (:func:`build_lora_manager`).
@@ -144,10 +146,20 @@ class ModelRunner:
         rank: int | None = None,
         attention_backend: str = "auto",
         enable_torch_compile: bool = False,
+        float32_matmul_precision: str = "highest",
         layout: ParallelLayout | None = None,
         lora_merge_cache_gb: float | None = None,
         max_loaded_lora_gb: float | None = None,
     ):
+        from sglang.multimodal_gen.configs.parallel import FLOAT32_MATMUL_PRECISIONS
+
+        if float32_matmul_precision not in FLOAT32_MATMUL_PRECISIONS:
+            raise ValueError(
+                f"float32_matmul_precision must be one of {list(FLOAT32_MATMUL_PRECISIONS)}, "
+                f"got {float32_matmul_precision!r}"
+            )
+        # process-wide (torch has no narrower scope); worker processes each set their own
+        torch.set_float32_matmul_precision(float32_matmul_precision)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.rank = tp_rank if rank is None else rank
@@ -230,6 +242,7 @@ class ModelRunner:
                 "cfg_degree": self.layout.cfg_degree,
             },
             "dtype": str(self.dtype),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "lora_targets": list(self.lora_manager.target_names),
         }
 
