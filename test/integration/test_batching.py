@@ -116,6 +116,37 @@ def test_failed_request_fails_alone(tiny_zimage_dir):
         runner.cmd_generate_batch([replace(r, lora=[("missing", 1.0)]) for r in reqs])
 
 
+def test_per_expert_offload_batch_keeps_one_expert_on_the_device(tiny_wan_a14b_dir):
+    """With two experts offloaded one at a time, a batch moves them in one at a time, as a single
+    generation does (it used to move both in first, the memory per-expert offload avoids).
+    The offloaders are stand-ins that count what is on the device (DiT offload needs a GPU)."""
+    runner = ModelRunner(tiny_wan_a14b_dir)
+    on_device: list[int] = []
+
+    class Parked:
+        def __init__(self, module):
+            self.module, self.on_device = module, False
+
+        def onload(self):
+            self.on_device = True
+            on_device.append(sum(o.on_device for o in runner.offloaders.values()))
+
+        def offload(self, dirty):
+            self.on_device = False
+
+    runner.offloaders = {n: Parked(m) for n, m in runner.pipeline.denoisers.items()}
+    runner.per_expert_offload = True
+    runner.pipeline.on_denoiser_change = runner._activate_expert
+    wan = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0,
+               negative_prompt="blurry")  # fmt: skip
+    reqs = [GenerationRequest(prompt=p, seed=s, **wan) for p, s in (("a boat", 1), ("a cat", 2))]
+    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in reqs]
+    out = runner.execute("generate_batch", dict(reqs=reqs))
+    assert all(ok for ok, _ in out), out
+    assert on_device and max(on_device) == 1, on_device
+    assert not any(o.on_device for o in runner.offloaders.values())  # parked afterwards
+
+
 @pytest.mark.slow
 def test_tp2_batch_equals_tp1(tiny_zimage_dir):
     reqs = _zimage_requests()
