@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
 from dataclasses import replace
 
 import httpx
@@ -21,6 +22,7 @@ from PIL import Image
 from server_helpers import running_server
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.errors import NotFoundError
+from sglang.multimodal_gen.pipelines.batching import current_batcher
 from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
@@ -114,6 +116,39 @@ def test_failed_request_fails_alone(tiny_zimage_dir):
     # an unknown adapter shared by every request of the batch fails them all
     with pytest.raises(NotFoundError):
         runner.cmd_generate_batch([replace(r, lora=[("missing", 1.0)]) for r in reqs])
+
+
+def test_request_failing_after_its_loop_does_not_fail_a_waiting_decode(tiny_zimage_dir):
+    """Request 0 fails after its last step while request 1 already waits in the batch's decode:
+    the decode then runs on request 0's thread, which has left the pipeline's ``no_grad``.
+    Request 1 must still get its own image (the VAE's parameters require grad, so a decode run
+    with grad enabled cannot be turned into numpy)."""
+    runner = ModelRunner(tiny_zimage_dir)
+    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in _zimage_requests()[:2]]
+    alone = runner.cmd_generate(reqs[1])
+    pipe, step = runner.pipeline, runner.pipeline.scheduler_step
+    steps_done = [0, 0]
+
+    def step_then_fail(scheduler, pred, t, latents):
+        out = step(scheduler, pred, t, latents)
+        batcher, index = current_batcher()
+        steps_done[index] += 1
+        if index == 0 and steps_done[0] == reqs[0].num_inference_steps:
+            deadline = time.monotonic() + 60
+            with batcher.cv:  # fail once request 1 waits in the decode (a submit notifies none)
+                while 1 not in batcher.pending and time.monotonic() < deadline:
+                    batcher.cv.wait(0.01)
+            raise RuntimeError("request 0 failed after its loop")
+        return out
+
+    pipe.scheduler_step = step_then_fail
+    try:
+        out = runner.cmd_generate_batch(reqs)
+    finally:
+        del pipe.scheduler_step
+    assert not out[0][0] and "after its loop" in out[0][1]["message"]
+    assert out[1][0], out[1][1]
+    assert psnr(out[1][1], alone) >= MIN_PSNR
 
 
 def test_per_expert_offload_batch_keeps_one_expert_on_the_device(tiny_wan_a14b_dir):
