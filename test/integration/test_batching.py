@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
 from dataclasses import replace
 
 import httpx
@@ -21,6 +22,7 @@ from PIL import Image
 from server_helpers import running_server
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.errors import NotFoundError
+from sglang.multimodal_gen.pipelines.batching import current_batcher
 from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
@@ -114,6 +116,70 @@ def test_failed_request_fails_alone(tiny_zimage_dir):
     # an unknown adapter shared by every request of the batch fails them all
     with pytest.raises(NotFoundError):
         runner.cmd_generate_batch([replace(r, lora=[("missing", 1.0)]) for r in reqs])
+
+
+def test_request_failing_after_its_loop_does_not_fail_a_waiting_decode(tiny_zimage_dir):
+    """Request 0 fails after its last step while request 1 already waits in the batch's decode:
+    the decode then runs on request 0's thread, which has left the pipeline's ``no_grad``.
+    Request 1 must still get its own image (the VAE's parameters require grad, so a decode run
+    with grad enabled cannot be turned into numpy)."""
+    runner = ModelRunner(tiny_zimage_dir)
+    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in _zimage_requests()[:2]]
+    alone = runner.cmd_generate(reqs[1])
+    pipe, step = runner.pipeline, runner.pipeline.scheduler_step
+    steps_done = [0, 0]
+
+    def step_then_fail(scheduler, pred, t, latents):
+        out = step(scheduler, pred, t, latents)
+        batcher, index = current_batcher()
+        steps_done[index] += 1
+        if index == 0 and steps_done[0] == reqs[0].num_inference_steps:
+            deadline = time.monotonic() + 60
+            with batcher.cv:  # fail once request 1 waits in the decode (a submit notifies none)
+                while 1 not in batcher.pending and time.monotonic() < deadline:
+                    batcher.cv.wait(0.01)
+            raise RuntimeError("request 0 failed after its loop")
+        return out
+
+    pipe.scheduler_step = step_then_fail
+    try:
+        out = runner.cmd_generate_batch(reqs)
+    finally:
+        del pipe.scheduler_step
+    assert not out[0][0] and "after its loop" in out[0][1]["message"]
+    assert out[1][0], out[1][1]
+    assert psnr(out[1][1], alone) >= MIN_PSNR
+
+
+def test_per_expert_offload_batch_keeps_one_expert_on_the_device(tiny_wan_a14b_dir):
+    """With two experts offloaded one at a time, a batch moves them in one at a time, as a single
+    generation does (it used to move both in first, the memory per-expert offload avoids).
+    The offloaders are stand-ins that count what is on the device (DiT offload needs a GPU)."""
+    runner = ModelRunner(tiny_wan_a14b_dir)
+    on_device: list[int] = []
+
+    class Parked:
+        def __init__(self, module):
+            self.module, self.on_device = module, False
+
+        def onload(self):
+            self.on_device = True
+            on_device.append(sum(o.on_device for o in runner.offloaders.values()))
+
+        def offload(self, dirty):
+            self.on_device = False
+
+    runner.offloaders = {n: Parked(m) for n, m in runner.pipeline.denoisers.items()}
+    runner.per_expert_offload = True
+    runner.pipeline.on_denoiser_change = runner._activate_expert
+    wan = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0,
+               negative_prompt="blurry")  # fmt: skip
+    reqs = [GenerationRequest(prompt=p, seed=s, **wan) for p, s in (("a boat", 1), ("a cat", 2))]
+    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in reqs]
+    out = runner.execute("generate_batch", dict(reqs=reqs))
+    assert all(ok for ok, _ in out), out
+    assert on_device and max(on_device) == 1, on_device
+    assert not any(o.on_device for o in runner.offloaders.values())  # parked afterwards
 
 
 @pytest.mark.slow

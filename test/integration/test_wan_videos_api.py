@@ -17,6 +17,8 @@ import pytest
 from fixtures.tiny_models import psnr
 from server_helpers import FakeEngine, assert_envelope, running_server
 from sglang.multimodal_gen.configs.server_args import ServerArgs
+from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
+from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.outputs import encode_video
 from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
 
@@ -131,6 +133,26 @@ def test_image_endpoint_on_video_model_and_content_before_done(served):
     if early.status_code != 200:  # still queued or running
         assert_envelope(early, 409, param="video_id")
     assert _wait(url, job["id"])["status"] == "completed"
+
+
+def test_image_requests_batched_on_a_video_model_are_refused(served):
+    """Two image requests that share a batch are refused like one alone (the batch path must not
+    make videos for the image route)."""
+    _, engine = served
+    scheduler = Scheduler(engine, max_batch_size=2)
+    futures = [
+        scheduler.submit_generation(prompt=p, height=32, width=32, num_frames=5,
+                                    num_inference_steps=2, seed=1)
+        for p in ("a boat", "a cat")
+    ]  # fmt: skip
+    scheduler.start()  # both queued first: they form one batch
+    try:
+        for f in futures:
+            with pytest.raises(InvalidRequestError, match="video model") as e:
+                f.result(timeout=120)
+            assert e.value.param == "model"
+    finally:
+        scheduler.stop(timeout=60)
 
 
 def test_video_routes_on_an_image_model():

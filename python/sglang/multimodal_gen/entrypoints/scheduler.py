@@ -419,7 +419,13 @@ class Scheduler:
 
     def _run_batch(self, tasks: list[_Task]) -> None:
         """Generations that share one denoising loop; each future gets its own result."""
-        if not hasattr(self.engine, "generate_batch"):  # an engine without batching
+        want = "video" if tasks[0].args == ("video",) else "image"
+        # an engine without batching, or a kind the model does not make (images of a video
+        # model): one by one, where the engine refuses the wrong kind (generate_batch would not)
+        if (
+            not hasattr(self.engine, "generate_batch")
+            or getattr(self.engine, "modality", want) != want
+        ):
             for t in tasks:
                 self._run(t)
             return

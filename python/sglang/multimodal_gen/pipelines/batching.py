@@ -45,6 +45,9 @@ class _Call:
         self.index, self.run, self.denoiser = index, run, denoiser
         self.rows, self.args, self.batched = rows, args, batched
         self.plan = current_row_plan()  # the request's LoRA composition (mixed batches)
+        # grad mode is per thread too: the thread that runs the call may be one that already
+        # left its pipeline (a failed request's), outside the pipeline's no_grad
+        self.grad = torch.is_grad_enabled()
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
@@ -118,13 +121,14 @@ class StepBatcher:
         self.pending = {}
         for group in _groups(calls):
             try:
-                if len(group) == 1:
-                    c = group[0]
-                    with lora_rows(c.plan):
-                        c.result = c.run(c.denoiser, c.rows, c.args, c.batched)
-                else:
-                    self.batched_calls += 1
-                    _run_group(group)
+                with torch.set_grad_enabled(group[0].grad):  # the same in every request
+                    if len(group) == 1:
+                        c = group[0]
+                        with lora_rows(c.plan):
+                            c.result = c.run(c.denoiser, c.rows, c.args, c.batched)
+                    else:
+                        self.batched_calls += 1
+                        _run_group(group)
             except BaseException as e:  # the group's requests fail with its error, no others
                 for c in group:
                     c.error = e

@@ -289,7 +289,7 @@ class ModelRunner:
         if not self.offloaders or not get_op(op).needs_weights:
             yield  # read-only commands (list_loras, the heartbeat) never move weights
             return
-        if op == "generate" and self.per_expert_offload:
+        if op in ("generate", "generate_batch") and self.per_expert_offload:
             try:  # the pipeline moves each expert in when it starts running
                 yield
             finally:
