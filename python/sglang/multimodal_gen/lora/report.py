@@ -67,7 +67,7 @@ class ReportMixin:
                 if layer.merged and layer._snapshot is not None:
                     dev = str(layer._snapshot.device)
                     snapshots[dev] = snapshots.get(dev, 0) + _nbytes(layer._snapshot)
-                for t in (layer._a_cat, layer._b_cat, layer._offset, *layer._ov):
+                for t in (layer._a_cat, layer._b_cat, layer._offset, *(layer._ov or ())):
                     compiled += _nbytes(t)
         ws = workspace_stats()
         return {

@@ -83,7 +83,8 @@ class BaseLayerWithLoRA(nn.Module):
         self._snapshot: torch.Tensor | None = None  # pre-merge weight while merged
         self._merged = False
         self._overlay: list[tuple[str, float]] | None = None  # request composition (merged only)
-        self._ov: tuple = (None, None, None)  # its compiled difference to the active one
+        self._ov: tuple | None = (None, None, None)  # its compiled difference to the active one
+        self._ov_entries: list = []  # that difference, compiled on first use (weights' device)
         # the union form of the last row plan (rows.py); dropped when the stored adapters change
         self._rows_cache = None  # rows._Union of the last mixed batch
         self.merges = 0  # merges done (computed or from a cached tensor); tests and stats
@@ -326,9 +327,10 @@ class BaseLayerWithLoRA(nn.Module):
         for name, strength in self._composition:
             diff[name] = diff.get(name, 0.0) - strength
         self._overlay = comp
-        self._ov = compile_entries(
-            self._entries([(n, s) for n, s in diff.items() if s != 0.0]), self.base_layer.weight
-        )
+        # compiled in the forward, where the weights are on the execution device (with DiT
+        # offload the overlay is set while they are parked in host memory)
+        self._ov_entries = self._entries([(n, s) for n, s in diff.items() if s != 0.0])
+        self._ov = None
 
     def clear_overlay(self) -> None:
         """End the overlay of :meth:`set_overlay` (a no-op without one)."""
@@ -336,7 +338,7 @@ class BaseLayerWithLoRA(nn.Module):
 
     def _drop_overlay(self) -> None:
         self._overlay = None
-        self._ov = (None, None, None)
+        self._ov, self._ov_entries = (None, None, None), []
 
     # ------------------------------------------------------------------ merge
     def _can_swap(self, value: torch.Tensor) -> bool:
@@ -489,6 +491,8 @@ class BaseLayerWithLoRA(nn.Module):
         y = base.apply_gemm(x_local, base.gemm_bias())
         y2 = y.view(-1, y.shape[-1])
         terms = [(self._a_cat, self._b_cat, coef)]
+        if self._ov is None:
+            self._ov = compile_entries(self._ov_entries, self.base_layer.weight)
         ov_a, ov_b, ov_offset = self._ov
         if overlay:
             terms.append((ov_a, ov_b, s))
