@@ -35,7 +35,7 @@ Configs (``--family qwen-image``, true CFG 4.0 with a negative prompt):
 
 Usage:
     python benchmarks/bench_e2e.py [--family zimage|flux|wan|qwen-image] [--gpu] [--repeats 5] [--steps N]
-        [--size PX]
+        [--size PX] [--compile] [--matmul-precision highest|high|medium]
 """
 
 from __future__ import annotations
@@ -362,6 +362,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--size", type=int, default=None, help="image height = width")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument(
+        "--compile", action="store_true", help="torch.compile our DiT blocks (the warm-up compiles)"
+    )
+    ap.add_argument(
+        "--matmul-precision",
+        choices=("highest", "high", "medium"),
+        default="highest",
+        help="torch.set_float32_matmul_precision during our runs only (diffusers: highest)",
+    )
     args = ap.parse_args(argv)
     if args.family == "flux":
         cfg = dict(FLUX_GPU_CFG if args.gpu else FLUX_CPU_CFG)
@@ -384,6 +393,11 @@ def main(argv=None) -> int:
     builders = {"zimage": build, "flux": build_flux, "wan": build_wan, "qwen-image": build_qwen}
     ours, ref = builders[args.family](cfg)
     print(f"built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if args.compile:
+        from sglang.multimodal_gen.runtime.placement import compile_blocks
+
+        for denoiser in ours.denoisers.values():
+            compile_blocks(denoiser)
     timers = {
         "ours": StepTimer(list(ours.denoisers.values()), cuda),
         "diffusers": StepTimer(
@@ -412,6 +426,7 @@ def main(argv=None) -> int:
         g = torch.Generator(gen_dev).manual_seed(0)
         if cuda:
             torch.cuda.synchronize()
+        torch.set_float32_matmul_precision(args.matmul_precision if name == "ours" else "highest")
         start = time.perf_counter()
         if name == "ours":
             img = ours("a benchmark prompt", generator=g, output_type="np", progress=False, **kw)[0]
@@ -469,6 +484,8 @@ def main(argv=None) -> int:
         f"{'' if args.family == 'wan' else f'{size}x{size}, '}"
         f"{steps} steps, {str(cfg['dtype']).replace('torch.', '')}"
     )
+    if args.compile or args.matmul_precision != "highest":
+        label += f"; ours with compile={args.compile}, fp32 matmul {args.matmul_precision}"
     print(f"\nconfig: {label}; {args.repeats} interleaved runs; image PSNR {psnr:.1f} dB")
     print("| metric | ours | diffusers | ours/diffusers |")
     print("|---|---|---|---|")
