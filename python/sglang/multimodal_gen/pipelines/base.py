@@ -329,8 +329,27 @@ class StagedPipeline:
 
     def prepare_conditioning(self, inp: GenerationInputs, cond: dict[str, Any]) -> dict[str, Any]:
         """Per-request work on the broadcast conditioning before the loop (e.g. a caption
-        refiner that does not depend on the timestep). Default: nothing."""
+        refiner that does not depend on the timestep). Default: nothing. In a batch it runs in
+        the request threads concurrently: a module call with collectives (TP layers) must go
+        through :meth:`batch_call`, which runs it once for the batch in request order."""
         return cond
+
+    def batch_call(
+        self, module: Any, fn: Callable[..., Any], args: dict[str, Any], batched: tuple[str, ...]
+    ) -> Any:
+        """``fn(module, **args)``; inside a batch, one call for every request of the batch.
+
+        The ``batched`` arguments (lists, tensors along dim 0, or objects with ``concat`` /
+        ``select`` such as Z-Image's caption context) are concatenated in request order, the
+        others must be equal (else the calls run one after the other, in request order); each
+        request gets its own rows of the result. Like the DiT calls it is a rendezvous: every
+        request of the batch must make the call.
+        """
+        member = current_batcher()
+        if member is None:
+            return fn(module, **args)
+        run = lambda m, _rows, a, _batched: fn(m, **a)  # noqa: E731
+        return member[0].submit(member[1], run, module, 1, args, batched)
 
     def select_denoiser(self, step_index: int, t: torch.Tensor, inp: GenerationInputs):
         """The denoiser of step ``step_index`` (default: the first one)."""
@@ -471,9 +490,10 @@ class StagedPipeline:
 
         member = current_batcher()
         cond = self._encode(inp, member) if self.rank == 0 else None
-        # in a batch the prologues (collectives) take turns in request order on every rank
+        # in a batch the broadcasts (collectives) take turns in request order on every rank
         with member[0].prologue(member[1]) if member else contextlib.nullcontext():
-            cond = self.prepare_conditioning(inp, self.broadcast_conditioning(cond))
+            cond = self.broadcast_conditioning(cond)
+        cond = self.prepare_conditioning(inp, cond)
         latents = self.prepare_latents(inp, cond)
         scheduler, timesteps = self.prepare_timesteps(inp, latents)
         show = sys.stderr.isatty() if progress is None else progress

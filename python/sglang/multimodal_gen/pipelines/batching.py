@@ -10,9 +10,10 @@ uncond rows of every request]``, so CFG parallelism still splits it by branch), 
 back into each request's rows. A request's image therefore differs from its unbatched image only
 by the GEMMs' batch-size-dependent rounding.
 
-Order is deterministic on every rank: the requests' prologues (prompt encoding on rank 0, its
-broadcast, per-request conditioning; all collectives) take turns in request order, and a batched
-call concatenates the requests in request order, so tensor- and sequence-parallel ranks run the
+Order is deterministic on every rank: the requests' prologues (the broadcast of rank 0's prompt
+encoding, a collective) take turns in request order, module calls with collectives before the loop
+(Z-Image's caption refiner) go through the same rendezvous as the DiT calls
+(``StagedPipeline.batch_call``), and a batched call concatenates the requests in request order, so tensor- and sequence-parallel ranks run the
 same collectives on the same rows. Calls that cannot be concatenated (different non-batched
 arguments or shapes, e.g. Qwen-Image prompts of different lengths) run one after the other, in
 request order. Requests with different LoRA compositions share a call: each request thread runs
@@ -221,9 +222,15 @@ def _run_group(group: list[_Call]) -> None:
         args[k] = _concat([p for branch in parts for p in branch])
     with lora_rows(_row_plan(group, sizes, rows)):
         out = c0.run(c0.denoiser, rows, args, c0.batched)
-    as_list = isinstance(out, list)
     total = sum(sizes)
     for i, c in enumerate(group):
         lo = sum(sizes[:i])
-        pieces = [out[r * total + lo : r * total + lo + sizes[i]] for r in range(rows)]
-        c.result = [x for p in pieces for x in p] if as_list else torch.cat(pieces, 0)
+        if isinstance(out, (list, torch.Tensor)):
+            pieces = [out[r * total + lo : r * total + lo + sizes[i]] for r in range(rows)]
+            c.result = (
+                [x for p in pieces for x in p] if isinstance(out, list) else torch.cat(pieces)
+            )
+        else:  # an object with select (Z-Image's caption context)
+            c.result = out.select(
+                [r * total + lo + j for r in range(rows) for j in range(sizes[i])]
+            )

@@ -108,7 +108,13 @@ class ZImagePipeline(StagedPipeline):
         embeds = cond["embeds"]
         do_cfg = len(embeds) > 1
         pos, neg = [embeds[0]] * n, ([embeds[1]] * n if do_cfg else [])
-        ctx_full = self.transformer.encode_captions(pos + neg)
+        # one caption refiner call for every request of a batch
+        ctx_full = self.batch_call(
+            self.transformer,
+            lambda t, cap_feats: t.encode_captions(cap_feats),
+            dict(cap_feats=pos + neg),
+            ("cap_feats",),
+        )
         ctx_pos = ctx_full.select(list(range(n))) if do_cfg else ctx_full
         return {"do_cfg": do_cfg, "ctx_full": ctx_full, "ctx_pos": ctx_pos}
 
