@@ -104,7 +104,7 @@ def _record_attention_tokens(seen: list):
 
     from sglang.multimodal_gen.distributed.sequence import active_split
 
-    for name in ("zimage", "flux", "wan", "qwen_image"):
+    for name in ("zimage_layers", "flux", "wan", "qwen_image"):  # where each calls attention
         mod = importlib.import_module(f"sglang.multimodal_gen.models.dits.{name}")
         real = mod.attention
 
