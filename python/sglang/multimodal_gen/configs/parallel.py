@@ -56,6 +56,14 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
+def check_float32_matmul_precision(value: str, name: str = "--float32-matmul-precision") -> str:
+    """``value`` if it is one of :data:`FLOAT32_MATMUL_PRECISIONS`; else ``ValueError`` naming
+    ``name`` (the flag, or the argument of the Python API)."""
+    if value not in FLOAT32_MATMUL_PRECISIONS:
+        raise ValueError(f"{name} must be one of {list(FLOAT32_MATMUL_PRECISIONS)}, got {value!r}")
+    return value
+
+
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
     """``--attention-backend``, ``--enable-torch-compile`` (SGLang's names) and
     ``--float32-matmul-precision`` (``torch.set_float32_matmul_precision``'s values)."""

@@ -276,13 +276,9 @@ class ServerArgs:
                 f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, got "
                 f"{self.attention_backend!r}"
             )
-        from sglang.multimodal_gen.configs.parallel import FLOAT32_MATMUL_PRECISIONS
+        from sglang.multimodal_gen.configs.parallel import check_float32_matmul_precision
 
-        if self.float32_matmul_precision not in FLOAT32_MATMUL_PRECISIONS:
-            raise ValueError(
-                f"--float32-matmul-precision must be one of {list(FLOAT32_MATMUL_PRECISIONS)}, "
-                f"got {self.float32_matmul_precision!r}"
-            )
+        check_float32_matmul_precision(self.float32_matmul_precision)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.api_key == "":

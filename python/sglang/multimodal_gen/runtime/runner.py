@@ -151,13 +151,9 @@ class ModelRunner:
         lora_merge_cache_gb: float | None = None,
         max_loaded_lora_gb: float | None = None,
     ):
-        from sglang.multimodal_gen.configs.parallel import FLOAT32_MATMUL_PRECISIONS
+        from sglang.multimodal_gen.configs.parallel import check_float32_matmul_precision
 
-        if float32_matmul_precision not in FLOAT32_MATMUL_PRECISIONS:
-            raise ValueError(
-                f"float32_matmul_precision must be one of {list(FLOAT32_MATMUL_PRECISIONS)}, "
-                f"got {float32_matmul_precision!r}"
-            )
+        check_float32_matmul_precision(float32_matmul_precision, "float32_matmul_precision")
         # process-wide (torch has no narrower scope); worker processes each set their own
         torch.set_float32_matmul_precision(float32_matmul_precision)
         self.device = torch.device(device)

@@ -16,6 +16,7 @@ from torch import nn
 from sglang.multimodal_gen.configs.qwen_image import QwenImageArchConfig
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.norm import LayerNormNoAffine
+from sglang.multimodal_gen.models.dits.flux_embed import FluxMLPEmbedder
 
 __all__ = [
     "QwenAdaLNContinuous",
@@ -138,25 +139,6 @@ def timestep_sinusoid(t: torch.Tensor, dim: int, scale: float, max_period: float
     return F.pad(out, (0, 1)) if dim % 2 else out
 
 
-class QwenTimestepEmbedder(nn.Module):
-    """``linear_2(silu(linear_1(x)))`` (diffusers' ``TimestepEmbedding``).
-
-    Shapes: ``x [B, in_features]`` -> ``[B, out_features]``.
-    """
-
-    def __init__(self, in_features: int, out_features: int, prefix: str, **kw):
-        super().__init__()
-        self.linear_1 = ReplicatedLinear(
-            in_features, out_features, prefix=f"{prefix}.linear_1", **kw
-        )
-        self.linear_2 = ReplicatedLinear(
-            out_features, out_features, prefix=f"{prefix}.linear_2", **kw
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)[0]))[0]
-
-
 class QwenTimeTextEmbed(nn.Module):
     """``temb = timestep_embedder(sinusoid(1000 t))`` (diffusers' ``QwenTimestepProjEmbeddings``
     without the additional-t embedding).
@@ -168,7 +150,7 @@ class QwenTimeTextEmbed(nn.Module):
         super().__init__()
         self.freq_dim = cfg.T_FREQ_DIM
         self.scale = cfg.TIMESTEP_SCALE
-        self.timestep_embedder = QwenTimestepEmbedder(
+        self.timestep_embedder = FluxMLPEmbedder(  # diffusers' TimestepEmbedding
             cfg.T_FREQ_DIM, cfg.inner_dim, f"{prefix}.timestep_embedder", **kw
         )
 
