@@ -119,6 +119,14 @@ def check_finite(x: torch.Tensor, what: str, inp: GenerationInputs | None = None
     )
 
 
+@dataclass(frozen=True)
+class EncodingFailed:
+    """What rank 0 broadcasts instead of the conditioning when encoding a request failed, so
+    that every rank fails that request (and leaves the broadcast) instead of waiting forever."""
+
+    message: str
+
+
 class StagedPipeline:
     """Base of the family pipelines (see the module docstring for the stages).
 
@@ -489,10 +497,19 @@ class StagedPipeline:
             raise ValueError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
 
         member = current_batcher()
-        cond = self._encode(inp, member) if self.rank == 0 else None
+        cond, failure = None, None
+        if self.rank == 0:
+            try:
+                cond = self._encode(inp, member)
+            except Exception as e:  # the other ranks wait in the broadcast: send them the failure
+                failure, cond = e, EncodingFailed(f"{type(e).__name__}: {e}")
         # in a batch the broadcasts (collectives) take turns in request order on every rank
         with member[0].prologue(member[1]) if member else contextlib.nullcontext():
             cond = self.broadcast_conditioning(cond)
+        if failure is not None:
+            raise failure
+        if isinstance(cond, EncodingFailed):
+            raise RuntimeError(f"rank 0 could not encode the prompt: {cond.message}")
         cond = self.prepare_conditioning(inp, cond)
         latents = self.prepare_latents(inp, cond)
         scheduler, timesteps = self.prepare_timesteps(inp, latents)

@@ -18,7 +18,13 @@ from sglang.multimodal_gen import errors as errors_mod
 from sglang.multimodal_gen.errors import EngineDeadError, SGLangError
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
-__all__ = ["pack_error", "quiet_library_progress_bars", "tp_worker_main", "unpack_error"]
+__all__ = [
+    "exit_with_parent",
+    "pack_error",
+    "quiet_library_progress_bars",
+    "tp_worker_main",
+    "unpack_error",
+]
 
 
 # ---------------------------------------------------------------------- error transport
@@ -79,6 +85,29 @@ def quiet_library_progress_bars() -> None:
         pass
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """Exit this process (code 1) once its parent is gone.
+
+    A worker ignores SIGTERM/SIGINT and may be blocked in a collective, so when the launcher
+    dies without sending ``shutdown`` (SIGKILL, a crash, SIGTERM to it alone) nothing else would
+    end it: it would keep its GPU memory and ports as an orphan. A daemon thread compares
+    ``os.getppid()`` with the parent at start every ``poll_s`` seconds (portable, unlike
+    ``PR_SET_PDEATHSIG``, and not tied to the thread that started the process).
+    """
+    import os
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def tp_worker_main(
     rank, plan, backend, runner_kwargs, cmd_q, res_q, heartbeat_s, worker_setup=None, fp=None
 ):
@@ -107,6 +136,7 @@ def tp_worker_main(
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exit_with_parent()
     world = plan.world_size
     reporter = rank == plan.ranks[0]
     try:
