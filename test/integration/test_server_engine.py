@@ -293,6 +293,10 @@ def test_s9_mismatch_nothing_changed(server):
     assert httpx.get(f"{server}/v1/list_loras").json() == before
 
 
+def _same_image(got: np.ndarray, ref: np.ndarray) -> bool:
+    return psnr(got, ref) >= 60.0 and int(np.abs(got.astype(int) - ref.astype(int)).max()) <= 1
+
+
 def test_s11_concurrency_real_engine(server, engine):
     r = httpx.post(
         f"{server}/v1/set_lora",
@@ -355,8 +359,11 @@ def test_s11_concurrency_real_engine(server, engine):
         assert r.status_code == 200, r.text
         got = pixels(r.json()["data"][0]["b64_json"])
         allowed = ["b07"] if "lora" in body else ["base", "a"]
-        hits = [k for k in allowed if np.array_equal(got, refs[(body["seed"], k)])]
-        assert len(hits) == 1, body
+        # Batched with others, an image may differ from its unbatched reference by the GEMMs'
+        # batch-size rounding (measured: 83 dB, one level); the nearest wrong reference is
+        # 44 dB away (b07 vs base), so 60 dB and one level tell them apart.
+        hits = [k for k in allowed if _same_image(got, refs[(body["seed"], k)])]
+        assert len(hits) == 1, (body, {k: psnr(got, refs[(body["seed"], k)]) for k in allowed})
         seen.add(hits[0])
     assert "b07" in seen
     assert httpx.post(f"{server}/v1/unset_lora").status_code == 200
