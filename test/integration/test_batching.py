@@ -118,11 +118,38 @@ def test_failed_request_fails_alone(tiny_zimage_dir):
         runner.cmd_generate_batch([replace(r, lora=[("missing", 1.0)]) for r in reqs])
 
 
+def test_every_module_call_of_a_batch_runs_on_the_executor_thread(tiny_zimage_dir):
+    """Text encoder, caption refiner, DiT and VAE calls of a batch all run on the thread that
+    called ``cmd_generate_batch`` (one OpenMP team on the CPU, see ``StepBatcher``); the request
+    threads do only per-request work."""
+    runner = ModelRunner(tiny_zimage_dir)
+    pipe = runner.pipeline
+    reqs = [r.with_defaults(pipe.defaults.as_dict()) for r in _zimage_requests()]
+    seen: dict[str, set[int]] = {}
+
+    def record(obj, name):
+        fn = getattr(obj, name)
+
+        def wrapped(*a, **k):
+            seen.setdefault(name, set()).add(threading.get_ident())
+            return fn(*a, **k)
+
+        setattr(obj, name, wrapped)
+
+    for obj, name in ((pipe, "encode_prompt_list"), (pipe.transformer, "encode_captions"),
+                      (pipe.transformer, "forward"), (pipe.vae, "decode")):  # fmt: skip
+        record(obj, name)
+    out = runner.cmd_generate_batch(reqs)
+    assert all(ok for ok, _ in out), out
+    assert set(seen) == {"encode_prompt_list", "encode_captions", "forward", "decode"}
+    assert all(ids == {threading.get_ident()} for ids in seen.values()), seen
+
+
 def test_request_failing_after_its_loop_does_not_fail_a_waiting_decode(tiny_zimage_dir):
     """Request 0 fails after its last step while request 1 already waits in the batch's decode:
-    the decode then runs on request 0's thread, which has left the pipeline's ``no_grad``.
-    Request 1 must still get its own image (the VAE's parameters require grad, so a decode run
-    with grad enabled cannot be turned into numpy)."""
+    the decode then runs on the batch's executor thread, outside every pipeline's ``no_grad``,
+    as soon as request 0 has left. Request 1 must still get its own image (the VAE's parameters
+    require grad, so a decode run with grad enabled cannot be turned into numpy)."""
     runner = ModelRunner(tiny_zimage_dir)
     reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in _zimage_requests()[:2]]
     alone = runner.cmd_generate(reqs[1])

@@ -68,3 +68,41 @@ def test_bad_model_path_and_tp_errors(tiny_zimage_dir, tmp_path):
         DiffusionEngine(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match=r"rank 0: .*n_heads=2 is not divisible by tp_size=3"):
         DiffusionEngine(tiny_zimage_dir, tp_size=3, device="cpu")
+
+
+def test_in_process_engine_loads_and_runs_on_one_thread(tiny_zimage_dir):
+    """Loading and every generation run on the engine's compute thread, whichever thread calls
+    (the server's scheduler thread, the main thread): one OpenMP team on the CPU."""
+    import threading
+
+    from sglang.multimodal_gen.runtime.runner import ModelRunner
+
+    loaded_on: list[int] = []
+    init = ModelRunner.__init__
+
+    def spy(self, *a, **k):
+        loaded_on.append(threading.get_ident())
+        init(self, *a, **k)
+
+    ModelRunner.__init__ = spy
+    try:
+        engine = DiffusionEngine(tiny_zimage_dir, device="cpu")
+    finally:
+        ModelRunner.__init__ = init
+    with engine:
+        pipe = engine._compute.call(lambda: engine._runner.pipeline)
+        ran_on: list[int] = []
+        forward = pipe.transformer.forward
+
+        def record(*a, **k):
+            ran_on.append(threading.get_ident())
+            return forward(*a, **k)
+
+        pipe.transformer.forward = record
+        req = GenerationRequest(prompt="a fox", height=32, width=32, num_inference_steps=1, seed=1)
+        engine.generate(req)
+        other = threading.Thread(target=engine.generate_batch, args=([req, req],))
+        other.start()
+        other.join()
+        assert len(ran_on) >= 2 and set(ran_on) == set(loaded_on)
+        assert threading.get_ident() not in loaded_on

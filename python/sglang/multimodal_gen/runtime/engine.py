@@ -30,6 +30,7 @@ from sglang.multimodal_gen.configs.launch_plan import DEFAULT_DIST_TIMEOUT_S, La
 from sglang.multimodal_gen.engine_ops import get_op
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.lora.requests import normalize_set_lora
+from sglang.multimodal_gen.runtime.compute_thread import ComputeThread
 from sglang.multimodal_gen.runtime.model_source import (
     check_device,
     job_kwargs,
@@ -158,9 +159,14 @@ class DiffusionEngine:
             lora_merge_cache_gb=lora_merge_cache_gb,
             max_loaded_lora_gb=max_loaded_lora_gb,
         )
-        if plan is None:
-            self._runner = ModelRunner(device=device, **runner_kwargs)
-            self._info = self._runner.info()
+        if plan is None:  # in process: loading and every command on one thread (compute_thread)
+            self._compute = ComputeThread()
+            try:
+                self._runner = self._compute.call(ModelRunner, device=device, **runner_kwargs)
+                self._info = self._compute.call(self._runner.info)
+            except BaseException:
+                self._compute.stop()
+                raise
         else:
             self._start_workers(
                 plan,
@@ -227,7 +233,7 @@ class DiffusionEngine:
                 raise EngineDeadError("the engine's worker processes are not running")
             if self._runner is not None:
                 try:
-                    return self._runner.execute(op, kwargs)
+                    return self._compute.call(self._runner.execute, op, kwargs)
                 except EngineDeadError:  # e.g. a LoRA restore failed: stop serving mixed weights
                     self._dead = True
                     raise
@@ -425,6 +431,8 @@ class DiffusionEngine:
             for p in self._procs:
                 p.join(timeout=10)
             self._kill_workers()
+        if self._runner is not None:
+            self._compute.stop()
         self._runner = None
 
     def __enter__(self) -> DiffusionEngine:

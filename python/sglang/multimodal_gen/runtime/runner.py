@@ -18,6 +18,7 @@ failed restore on any rank stops the engine. Which command needs what is the op 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -411,19 +412,15 @@ class ModelRunner:
         live = [i for i in range(len(reqs)) if out[i] is None]
         batcher = StepBatcher(len(live))
 
-        def run(k: int, i: int) -> None:
-            with batcher.member(k), lora_rows(plans[i]):
+        def run(i: int) -> None:
+            with lora_rows(plans[i]):
                 try:
                     out[i] = (True, self.pipeline(**self._pipeline_kwargs(reqs[i], False)))
                 except BaseException as e:  # reported per request
                     out[i] = (False, pack_error(e))
 
         with self._request_composition(loras[0] if shared else None, agree):
-            threads = [threading.Thread(target=run, args=(k, i)) for k, i in enumerate(live)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            batcher.run([functools.partial(run, i) for i in live])
         if not shared:  # free the per-layer union forms (at real size a copy of every adapter)
             for module in self.pipeline.denoisers.values():
                 for m in module.modules():
