@@ -17,7 +17,7 @@ from dataclasses import replace
 import httpx
 import numpy as np
 import pytest
-from fixtures.tiny_models import psnr
+from fixtures.tiny_models import count_dit_calls, psnr
 from PIL import Image
 from server_helpers import running_server
 from sglang.multimodal_gen.configs.server_args import ServerArgs
@@ -47,8 +47,11 @@ def _zimage_requests():
 def _check_batched_equals_single(runner, reqs, steps):
     prepared = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in reqs]
     single = [runner.cmd_generate(r) for r in prepared]
+    calls = count_dit_calls(runner)
     out = runner.cmd_generate_batch(prepared)
-    assert runner.last_batched_calls >= steps  # one shared DiT call per step at least
+    # requests of one size share ONE DiT call per step (CFG branches included)
+    sizes = {(r.height, r.width, r.num_frames) for r in prepared}
+    assert calls[0] == steps * len(sizes), (calls[0], steps, len(sizes))
     for i, (a, (ok, b)) in enumerate(zip(single, out)):
         assert ok, b
         assert a.shape == b.shape

@@ -79,7 +79,6 @@ class StepBatcher:
         self.pending: dict[int, _Call] = {}
         self.turn = 0  # the request whose prologue may run now
         self.prologued: set[int] = set()
-        self.batched_calls = 0  # DiT calls that served more than one request (for tests/metrics)
 
     def run(self, bodies: list[Callable[[], None]]) -> None:
         """Run ``bodies[i]`` as request ``i``, each in its own thread, and their module calls
@@ -169,7 +168,6 @@ class StepBatcher:
                         with lora_rows(c.plan):
                             c.result = c.run(c.denoiser, c.rows, c.args, c.batched)
                     else:
-                        self.batched_calls += 1
                         _run_group(group)
             except BaseException as e:  # the group's requests fail with its error, no others
                 for c in group:

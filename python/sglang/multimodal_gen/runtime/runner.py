@@ -426,7 +426,6 @@ class ModelRunner:
                 for m in module.modules():
                     if isinstance(m, BaseLayerWithLoRA):
                         m.drop_row_cache()
-        self.last_batched_calls = batcher.batched_calls
         return out
 
     @contextlib.contextmanager
