@@ -76,9 +76,20 @@ def test_float32_matmul_precision_is_set_in_every_engine_process(tiny_zimage_dir
     assert psnr(got, ref) >= 40  # the same picture, to bf16 rounding (wrong seed: < 15 dB)
 
 
-def test_float32_matmul_precision_values_checked(tiny_zimage_dir):
+def test_float32_matmul_precision_values_checked(tiny_zimage_dir, monkeypatch):
     with pytest.raises(ValueError, match="--float32-matmul-precision"):
         ServerArgs(float32_matmul_precision="low")
     with pytest.raises(ValueError, match="float32_matmul_precision"):
         ModelRunner(tiny_zimage_dir, float32_matmul_precision="low")
+    # a multi-process engine refuses bad kernel settings before it starts any worker
+    import sglang.multimodal_gen.runtime.engine as engine_mod
+
+    def no_spawn(*a, **k):
+        raise AssertionError("workers were started for a refused setting")
+
+    monkeypatch.setattr(engine_mod, "spawn_workers", no_spawn)
+    with pytest.raises(ValueError, match="float32_matmul_precision"):
+        DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu", float32_matmul_precision="low")
+    with pytest.raises(ValueError, match="--attention-backend"):
+        DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu", attention_backend="cudnn")
     assert torch.get_float32_matmul_precision() == "highest"  # a refused value changes nothing

@@ -52,6 +52,22 @@ _CPU_BACKENDS = ("auto", "flash", "math")  # PyTorch's CPU SDPA has no efficient
 _SDPA_KERNELS: list | None = None
 
 
+def check_attention_backend(name: str, device: torch.device | str = "cpu") -> str:
+    """``name`` if ``device`` offers that SDPA backend (the CPU: ``auto``, ``flash``, ``math``).
+
+    Raises:
+        ValueError: an unknown name, or a backend the device does not have (the message names
+            ``--attention-backend`` and the choices).
+    """
+    allowed = _CPU_BACKENDS if torch.device(device).type == "cpu" else ATTENTION_BACKENDS
+    if name not in allowed:
+        raise ValueError(
+            f"--attention-backend {name!r} is not available on {torch.device(device).type}; "
+            f"choose from {list(allowed)}"
+        )
+    return name
+
+
 def set_attention_backend(name: str, device: torch.device | str = "cpu") -> None:
     """Restrict every local attention kernel call to one SDPA backend (process-wide).
 
@@ -61,18 +77,12 @@ def set_attention_backend(name: str, device: torch.device | str = "cpu") -> None
         device: the execution device (the CPU offers ``flash`` and ``math`` only).
 
     Raises:
-        ValueError: an unknown name, or a backend the device does not have (the message names
-            ``--attention-backend`` and the choices).
+        ValueError: as :func:`check_attention_backend`.
     """
     global _SDPA_KERNELS
     from torch.nn.attention import SDPBackend
 
-    allowed = _CPU_BACKENDS if torch.device(device).type == "cpu" else ATTENTION_BACKENDS
-    if name not in allowed:
-        raise ValueError(
-            f"--attention-backend {name!r} is not available on {torch.device(device).type}; "
-            f"choose from {list(allowed)}"
-        )
+    check_attention_backend(name, device)
     kernels = {
         "flash": SDPBackend.FLASH_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION,

@@ -27,8 +27,10 @@ import torch
 
 from sglang.multimodal_gen import errors as errors_mod
 from sglang.multimodal_gen.configs.launch_plan import DEFAULT_DIST_TIMEOUT_S, LaunchPlan
+from sglang.multimodal_gen.configs.parallel import check_float32_matmul_precision
 from sglang.multimodal_gen.engine_ops import get_op
 from sglang.multimodal_gen.errors import EngineDeadError
+from sglang.multimodal_gen.layers.attention import check_attention_backend
 from sglang.multimodal_gen.lora.requests import normalize_set_lora
 from sglang.multimodal_gen.runtime.compute_thread import ComputeThread
 from sglang.multimodal_gen.runtime.model_source import (
@@ -139,6 +141,9 @@ class DiffusionEngine:
         self.tp_size = int(tp_size)
         self.world_size = self.layout.world_size
         device = check_device(device)  # a bad --device is one clear error, before any loading
+        # so are bad kernel settings (the workers would refuse them only once started)
+        check_attention_backend(attention_backend, device)
+        check_float32_matmul_precision(float32_matmul_precision, "float32_matmul_precision")
         self.device = device
         if dit_cpu_offload and torch.device(device).type != "cuda":
             logger.info("dit_cpu_offload has no effect without a GPU; ignored")
