@@ -311,16 +311,12 @@ class StagedPipeline:
                 results.append(e)
         return results
 
-    def _encode(self, inp: GenerationInputs, member) -> dict[str, Any]:
+    def _encode(self, inp: GenerationInputs) -> dict[str, Any]:
         """:meth:`encode_prompt`; in a batch, one encoder call for every request of the batch
         (a rendezvous like the DiT calls, before the prologue turns)."""
-        if member is None:
-            return self.encode_prompt(inp)
-        out = member[0].submit(
-            member[1],
-            lambda _self, _rows, args, _batched: self.encode_prompts(args["inps"]),
+        out = self.batch_call(
             self,
-            1,
+            lambda _pipe, inps, max_sequence_length: self.encode_prompts(inps),
             dict(inps=[inp], max_sequence_length=inp.max_sequence_length),
             ("inps",),
         )
@@ -500,7 +496,7 @@ class StagedPipeline:
         cond, failure = None, None
         if self.rank == 0:
             try:
-                cond = self._encode(inp, member)
+                cond = self._encode(inp)
             except Exception as e:  # the other ranks wait in the broadcast: send them the failure
                 failure, cond = e, EncodingFailed(f"{type(e).__name__}: {e}")
         # in a batch the broadcasts (collectives) take turns in request order on every rank
@@ -543,20 +539,15 @@ class StagedPipeline:
             return latents
         if self.vae is None:
             return None
-        if member:  # the batch's latents decoded together where their sizes match
-            geom = (inp.height, inp.width, inp.num_frames)
-            images = np.stack(
-                member[0].submit(
-                    member[1],
-                    lambda _vae, _rows, args, _b: list(self.decode(args["latents"], inp)),
-                    self.vae,
-                    1,
-                    dict(latents=latents, geom=geom),
-                    ("latents",),
-                )
+        # in a batch, the latents of every request of one size are decoded together
+        images = np.stack(
+            self.batch_call(
+                self.vae,
+                lambda _vae, latents, geom: list(self.decode(latents, inp)),
+                dict(latents=latents, geom=(inp.height, inp.width, inp.num_frames)),
+                ("latents",),
             )
-        else:
-            images = self.decode(latents, inp)
+        )
         if output_type == "np" or images.ndim == 5:  # videos stay [B, F, H, W, 3] arrays
             return images
         from PIL import Image
