@@ -28,7 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -46,85 +46,14 @@ from sglang.multimodal_gen.models.components import load_component, read_model_i
 from sglang.multimodal_gen.models.loader import load_denoiser, read_json
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
 from sglang.multimodal_gen.pipelines.batching import branch_rows, current_batcher
+from sglang.multimodal_gen.pipelines.common import (
+    EncodingFailed,
+    GenerationInputs,
+    check_finite,
+    latents_to_uint8,
+)
 
 __all__ = ["GenerationInputs", "StagedPipeline", "check_finite", "latents_to_uint8"]
-
-
-@dataclass
-class GenerationInputs:
-    """Resolved inputs of one generation (every field set; defaults come from the family).
-
-    Attributes:
-        prompt, negative_prompt: text (``negative_prompt`` ``None``: none given).
-        height, width: pixels, multiples of the pipeline's ``spatial_factor``.
-        num_inference_steps: denoising steps.
-        guidance_scale: the family's ``--guidance-scale`` (CFG weight or embedded guidance).
-        true_cfg_scale: real CFG weight for families with embedded guidance (1: off).
-        max_sequence_length: text-encoder token length.
-        num_images: images (or videos) for the prompt.
-        generator: seeds the initial noise.
-        num_frames: frames of a video (1 for image models).
-        guidance_scale_2: guidance of the second expert (two-expert video models; ``None``: as
-            ``guidance_scale``).
-    """
-
-    prompt: str
-    negative_prompt: str | None = None
-    height: int = 1024
-    width: int = 1024
-    num_inference_steps: int = 8
-    guidance_scale: float = 0.0
-    true_cfg_scale: float = 1.0
-    max_sequence_length: int = 512
-    num_images: int = 1
-    generator: torch.Generator | None = None
-    num_frames: int = 1
-    guidance_scale_2: float | None = None
-
-
-def latents_to_uint8(images: torch.Tensor) -> np.ndarray:
-    """VAE output ``[B, 3, H, W]`` in ``[-1, 1]`` -> ``[B, H, W, 3]`` uint8, as diffusers' image
-    processor does (``postprocess`` to ``[0, 1]`` floats, then ``round(255 x)``, half to even)."""
-    from diffusers.image_processor import VaeImageProcessor
-
-    check_finite(images, "decoded pixels")  # NaN/Inf would become a black image, never sent
-    x = VaeImageProcessor(do_normalize=True).postprocess(images.float(), output_type="np")
-    return (x * 255).round().astype("uint8")
-
-
-def check_finite(x: torch.Tensor, what: str, inp: GenerationInputs | None = None) -> None:
-    """Fail a generation whose ``x`` holds NaN/Inf instead of returning a blank image.
-
-    One reduction per generation (after the loop, after decoding). ``param`` names a guidance
-    value when it is the likely cause (>= 1000); the engine stays healthy either way.
-
-    Raises:
-        NonFiniteOutputError: 400, ``code="non_finite_output"``.
-    """
-    if bool(torch.isfinite(x).all()):
-        return
-    from sglang.multimodal_gen.errors import NonFiniteOutputError
-
-    param, hint = None, ""
-    if inp is not None:
-        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
-            value = getattr(inp, name, None)
-            if value is not None and abs(value) >= 1000 and param is None:
-                param, hint = name, f" ({name}={value:g} is the likely cause)"
-    raise NonFiniteOutputError(
-        f"the generation produced NaN/Inf {what}{hint}; no image is returned. Usual causes: a "
-        "very large guidance_scale / true_cfg_scale, or an active LoRA with extreme weights "
-        "or strength",
-        param=param,
-    )
-
-
-@dataclass(frozen=True)
-class EncodingFailed:
-    """What rank 0 broadcasts instead of the conditioning when encoding a request failed, so
-    that every rank fails that request (and leaves the broadcast) instead of waiting forever."""
-
-    message: str
 
 
 class StagedPipeline:
