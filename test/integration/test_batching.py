@@ -148,6 +148,29 @@ def test_every_module_call_of_a_batch_runs_on_the_executor_thread(tiny_zimage_di
     assert all(ids == {threading.get_ident()} for ids in seen.values()), seen
 
 
+def test_an_interrupted_batch_raises_and_leaves_no_thread_behind(tiny_zimage_dir):
+    """Ctrl-C inside a batched module call (or while the executor waits) is not one request's
+    error: ``cmd_generate_batch`` re-raises it after every request thread has left."""
+    runner = ModelRunner(tiny_zimage_dir)
+    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in _zimage_requests()]
+    calls = count_dit_calls(runner)
+    module = runner.pipeline.transformer
+    counted = module.forward
+
+    def interrupted(*a, **k):
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return counted(*a, **k)
+
+    module.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        runner.cmd_generate_batch(reqs)
+    assert not [t for t in threading.enumerate() if t.name.startswith("batch-request")]
+    del module.forward  # the model still serves afterwards
+    out = runner.cmd_generate_batch(reqs[:2])
+    assert all(ok for ok, _ in out)
+
+
 def test_request_failing_after_its_loop_does_not_fail_a_waiting_decode(tiny_zimage_dir):
     """Request 0 fails after its last step while request 1 already waits in the batch's decode:
     the decode then runs on the batch's executor thread, outside every pipeline's ``no_grad``,

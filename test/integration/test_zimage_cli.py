@@ -142,3 +142,30 @@ def test_cli_lora_flags_match_python_entry(tiny_zimage_dir, tiny_zimage_loras, t
         save_png(engine.generate(req)[0], str(out_py))
     assert out_cli.read_bytes() == out_py.read_bytes()
     assert out_cli.read_bytes() != out_base.read_bytes()
+
+
+def test_ctrl_c_during_generation_exits_130(tiny_zimage_dir, tmp_path):
+    """SIGINT while the (in-process) engine loads or denoises (the model loads in about 3 s
+    here, the loop would run for hours): one "interrupted" line and exit code 130, soon; not an
+    abort from a thread still inside a torch op while the interpreter exits."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "sglang.cli.generate", "--model-path", tiny_zimage_dir,
+           "--prompt", "a fox", "--num-inference-steps", "100000", "--height", "32",
+           "--width", "32", "--device", "cpu",
+           "--output-path", str(tmp_path / "out.png")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("seed:"):  # printed just before the model loads
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "generate exited before loading"
+        time.sleep(8.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err[-500:])
+    assert "interrupted" in err and "terminate called" not in err, err[-500:]

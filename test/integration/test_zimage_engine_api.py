@@ -106,3 +106,20 @@ def test_in_process_engine_loads_and_runs_on_one_thread(tiny_zimage_dir):
         other.join()
         assert len(ran_on) >= 2 and set(ran_on) == set(loaded_on)
         assert threading.get_ident() not in loaded_on
+
+
+def test_a_dropped_engine_frees_its_model_and_thread(tiny_zimage_dir):
+    import gc
+    import threading
+    import weakref
+
+    engine = DiffusionEngine(tiny_zimage_dir, device="cpu")
+    runner = weakref.ref(engine._runner)
+    thread = engine._compute._thread
+    del engine
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    gc.collect()
+    assert runner() is None
+    assert thread not in threading.enumerate()

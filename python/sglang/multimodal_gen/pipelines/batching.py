@@ -56,6 +56,10 @@ class _Call:
         self.error: BaseException | None = None
 
 
+class _BatchInterrupted(RuntimeError):
+    """What the request threads of a batch get when its executor was interrupted."""
+
+
 class StepBatcher:
     """Lock-step rendezvous of ``n`` request threads (see the module docstring).
 
@@ -79,6 +83,7 @@ class StepBatcher:
         self.pending: dict[int, _Call] = {}
         self.turn = 0  # the request whose prologue may run now
         self.prologued: set[int] = set()
+        self.broken = False  # the executor left (interrupted): every wait and call fails
 
     def run(self, bodies: list[Callable[[], None]]) -> None:
         """Run ``bodies[i]`` as request ``i``, each in its own thread, and their module calls
@@ -92,16 +97,26 @@ class StepBatcher:
         ]
         for t in threads:
             t.start()
-        with self.cv:
-            while True:
-                if self._step_ready_locked():
-                    self._run_step_locked()
-                elif not self.active:
-                    break
-                else:
-                    self.ready.wait()
-        for t in threads:
-            t.join()
+        try:
+            with self.cv:
+                while True:
+                    if self._step_ready_locked():
+                        self._run_step_locked()
+                    elif not self.active:
+                        break
+                    else:
+                        self.ready.wait()
+        except BaseException:  # e.g. Ctrl-C: release every request thread, then re-raise
+            with self.cv:
+                self.broken = True
+                for c in self.pending.values():
+                    c.error, c.done = _BatchInterrupted("the batch was interrupted"), True
+                self.pending = {}
+                self.cv.notify_all()
+            raise
+        finally:
+            for t in threads:
+                t.join()
 
     def _body(self, index: int, body: Callable[[], None]) -> None:
         with self.member(index):
@@ -126,8 +141,10 @@ class StepBatcher:
     def prologue(self, index: int) -> Iterator[None]:
         """Wait for request ``index``'s turn (request order), run the body, pass the turn on."""
         with self.cv:
-            while self.turn != index:
+            while self.turn != index and not self.broken:
                 self.cv.wait()
+            if self.broken:
+                raise _BatchInterrupted("the batch was interrupted")
         try:
             yield
         finally:
@@ -145,6 +162,8 @@ class StepBatcher:
         (on the thread in :meth:`run`)."""
         call = _Call(index, run, denoiser, rows, args, tuple(batched))
         with self.cv:
+            if self.broken:
+                raise _BatchInterrupted("the batch was interrupted")
             self.pending[index] = call
             if self._step_ready_locked():
                 self.ready.notify()
@@ -160,21 +179,27 @@ class StepBatcher:
     def _run_step_locked(self) -> None:
         calls = [self.pending[i] for i in sorted(self.pending)]
         self.pending = {}
-        for group in _groups(calls):
-            try:
-                with torch.set_grad_enabled(group[0].grad):  # the same in every request
-                    if len(group) == 1:
-                        c = group[0]
-                        with lora_rows(c.plan):
-                            c.result = c.run(c.denoiser, c.rows, c.args, c.batched)
-                    else:
-                        _run_group(group)
-            except BaseException as e:  # the group's requests fail with its error, no others
-                for c in group:
-                    c.error = e
-        for c in calls:
-            c.done = True
-        self.cv.notify_all()
+        try:
+            for group in _groups(calls):
+                try:
+                    with torch.set_grad_enabled(group[0].grad):  # the same in every request
+                        if len(group) == 1:
+                            c = group[0]
+                            with lora_rows(c.plan):
+                                c.result = c.run(c.denoiser, c.rows, c.args, c.batched)
+                        else:
+                            _run_group(group)
+                except Exception as e:  # the group's requests fail with its error, no others
+                    for c in group:
+                        c.error = e
+        except BaseException:  # interrupted (Ctrl-C): the whole step fails, run() re-raises
+            for c in calls:
+                c.error = _BatchInterrupted("the batch was interrupted")
+            raise
+        finally:
+            for c in calls:
+                c.done = True
+            self.cv.notify_all()
 
 
 def branch_rows(value: Any, index: int, rows: int) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -166,6 +167,8 @@ class DiffusionEngine:
         )
         if plan is None:  # in process: loading and every command on one thread (compute_thread)
             self._compute = ComputeThread()
+            # an engine dropped without shutdown() still stops its thread (and frees the model)
+            weakref.finalize(self, self._compute.stop)
             try:
                 self._runner = self._compute.call(ModelRunner, device=device, **runner_kwargs)
                 self._info = self._compute.call(self._runner.info)
@@ -236,9 +239,10 @@ class DiffusionEngine:
                 raise EngineDeadError("the engine has been shut down")
             if self._dead or not self.is_alive():
                 raise EngineDeadError("the engine's worker processes are not running")
-            if self._runner is not None:
+            runner = self._runner  # shutdown() may clear it meanwhile
+            if runner is not None:
                 try:
-                    return self._compute.call(self._runner.execute, op, kwargs)
+                    return self._compute.call(runner.execute, op, kwargs)
                 except EngineDeadError:  # e.g. a LoRA restore failed: stop serving mixed weights
                     self._dead = True
                     raise

@@ -94,11 +94,17 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
     ``os.getppid()`` with the parent at start every ``poll_s`` seconds (portable, unlike
     ``PR_SET_PDEATHSIG``, and not tied to the thread that started the process).
     """
+    import multiprocessing
     import os
     import threading
     import time
 
-    parent = os.getppid()
+    # the launcher's pid as multiprocessing recorded it at spawn: getppid() here could already
+    # be init's, had the launcher died while this process was still importing torch
+    launcher = multiprocessing.parent_process()
+    parent = launcher.pid if launcher is not None else os.getppid()
+    if os.getppid() != parent:
+        os._exit(1)
 
     def watch() -> None:
         while os.getppid() == parent:
