@@ -2,7 +2,10 @@
 
 References: the same engine generating each request alone. Measured (torch 2.13 CPU, fp32): every
 batched image identical to its unbatched image (inf dB) for Z-Image, Flux (true CFG), Wan and
-Qwen-Image, and at TP 2; bar 45 dB. Distinct requests in a batch differ by far more (< 35 dB), so
+Qwen-Image, and at TP 2, on an Intel Sapphire Rapids VM; on an AMD EPYC VM too once short GEMMs
+were padded (``ParallelLinear.apply_gemm``) and images decoded one by one
+(``StagedPipeline.decode_each``), before that 83 dB (one level in a few pixels). Bar 45 dB: the
+exact equality is the kernels' property, not ours to promise on every CPU. Distinct requests in a batch differ by far more (< 35 dB), so
 a row served with another row's seed, prompt or guidance fails.
 """
 

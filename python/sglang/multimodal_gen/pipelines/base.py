@@ -307,6 +307,13 @@ class StagedPipeline:
         """Latents -> uint8 ``[B, H, W, 3]`` (ranks with a VAE)."""
         raise NotImplementedError
 
+    def decode_each(self, latents: torch.Tensor, inp: GenerationInputs) -> list[np.ndarray]:
+        """:meth:`decode` one image (or video) at a time: the VAE's convolutions round
+        differently at other batch sizes (oneDNN picks its kernels by shape; measured: one level
+        off in a few pixels), so this keeps an image bit-identical whether its request ran alone
+        or in a batch. Costs little: the VAE is a small share of a batch's time."""
+        return [x for i in range(latents.shape[0]) for x in self.decode(latents[i : i + 1], inp)]
+
     # ------------------------------------------------------------------ helpers
     def new_scheduler(self):
         """A fresh scheduler of the directory's class and config."""
@@ -468,11 +475,11 @@ class StagedPipeline:
             return latents
         if self.vae is None:
             return None
-        # in a batch, the latents of every request of one size are decoded together
+        # in a batch, the latents of every request of one size meet in one call
         images = np.stack(
             self.batch_call(
                 self.vae,
-                lambda _vae, latents, geom: list(self.decode(latents, inp)),
+                lambda _vae, latents, geom: self.decode_each(latents, inp),
                 dict(latents=latents, geom=(inp.height, inp.width, inp.num_frames)),
                 ("latents",),
             )
