@@ -69,6 +69,29 @@ def test_rank0_encoder_failure_fails_the_request_not_the_engine(tiny_zimage_dir,
         assert engine.is_alive()
 
 
+@pytest.mark.timeout(300)
+def test_tp2_interrupted_call_does_not_hand_its_answer_to_the_next(tiny_zimage_dir):
+    """A caller interrupted while the TP workers run its command: the workers still answer it,
+    and that answer must be dropped, not returned to the next call (before: ``list_loras()``
+    returned the interrupted generation's image)."""
+    with DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu") as engine:
+        expected = np.asarray(engine.generate(_req("a red square"))[0])
+        wait = engine._wait_result
+        calls = [0]
+
+        def interrupted_once(*a, **k):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise KeyboardInterrupt  # as a Ctrl-C while waiting for the workers
+            return wait(*a, **k)
+
+        engine._wait_result = interrupted_once
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(_req("a red square"))
+        assert isinstance(engine.list_loras(), dict)
+        assert np.array_equal(np.asarray(engine.generate(_req("a red square"))[0]), expected)
+
+
 LAUNCHER = textwrap.dedent(
     """
     import sys, time

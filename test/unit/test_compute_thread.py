@@ -138,3 +138,29 @@ def test_the_idle_thread_keeps_no_reference_to_a_finished_call():
         assert refs[0]() is None  # the error's traceback (and its tensors) were released
     finally:
         ct.stop()
+
+
+def test_an_interrupted_call_that_fails_otherwise_reports_its_error_as_the_cause():
+    """E.g. a LoRA restore cut short resets the weights and raises EngineDeadError: the caller
+    gets its KeyboardInterrupt with that error as ``__cause__`` (the engine then stops)."""
+    import time
+
+    from sglang.multimodal_gen.errors import EngineDeadError
+
+    ct = ComputeThread()
+
+    def restore():
+        try:
+            while True:
+                time.sleep(0.01)
+        except KeyboardInterrupt:
+            raise EngineDeadError("weights reset to base") from None
+
+    try:
+        _interrupt_main_thread_soon(0.3)
+        with pytest.raises(KeyboardInterrupt) as info:
+            ct.call(restore)
+        assert isinstance(info.value.__cause__, EngineDeadError)
+        assert ct.call(lambda: 3) == 3
+    finally:
+        ct.stop()

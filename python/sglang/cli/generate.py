@@ -363,4 +363,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sglang.multimodal_gen.runtime.compute_thread import exit_code_for_process
+
+    sys.exit(exit_code_for_process(main()))

@@ -60,5 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(run(args) or 0)
 
 
+def console_main() -> None:
+    """The console script: :func:`main`, then exit with its code (at once, with ``os._exit``,
+    if an engine call is still running after an interrupt; see ``exit_code_for_process``)."""
+    from sglang.multimodal_gen.runtime.compute_thread import exit_code_for_process
+
+    sys.exit(exit_code_for_process(main()))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -95,9 +95,9 @@ class StepBatcher:
             threading.Thread(target=self._body, args=(i, b), name=f"batch-request-{i}")
             for i, b in enumerate(bodies)
         ]
-        for t in threads:
-            t.start()
         try:
+            for t in threads:
+                t.start()
             with self.cv:
                 while True:
                     if self._step_ready_locked():
@@ -116,7 +116,8 @@ class StepBatcher:
             raise
         finally:
             for t in threads:
-                t.join()
+                if t.ident is not None:  # started
+                    t.join()
 
     def _body(self, index: int, body: Callable[[], None]) -> None:
         with self.member(index):
@@ -167,8 +168,10 @@ class StepBatcher:
             self.pending[index] = call
             if self._step_ready_locked():
                 self.ready.notify()
-            while not call.done:
+            while not call.done and not self.broken:
                 self.cv.wait()
+            if not call.done:
+                raise _BatchInterrupted("the batch was interrupted")
         if call.error is not None:
             raise call.error
         return call.result

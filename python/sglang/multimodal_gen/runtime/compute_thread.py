@@ -15,15 +15,17 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from sglang.multimodal_gen.errors import EngineDeadError
 
 T = TypeVar("T")
 
-__all__ = ["ComputeThread"]
+__all__ = ["ComputeThread", "exit_code_for_process"]
 
 # how long a Ctrl-C waits for the interrupted call to stop at its next Python line
 _INTERRUPT_GRACE_S = 60.0
@@ -43,6 +45,8 @@ class ComputeThread:
         name: the thread's name (shown by py-spy and in ``threading.enumerate()``).
     """
 
+    _instances: weakref.WeakSet[ComputeThread] = weakref.WeakSet()
+
     def __init__(self, name: str = "sglang-engine"):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._state = threading.Lock()
@@ -50,23 +54,32 @@ class ComputeThread:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        ComputeThread._instances.add(self)
+
+    @classmethod
+    def any_busy(cls) -> bool:
+        """Whether some compute thread of this process is running a call (a CLI that exits
+        then must leave with ``os._exit``: finalizing the interpreter under a running torch op
+        aborts the process)."""
+        return any(ct._current is not None and ct._thread.is_alive() for ct in list(cls._instances))
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            fut, fn, args, kwargs = item
-            del item
-            if fut.set_running_or_notify_cancel():
-                ok, value = self._run(fut, fn, args, kwargs)
+            fut = None
+            try:
+                item = self._queue.get()
+                if item is None:
+                    break
+                fut, fn, args, kwargs = item
+                del item
+                self._run(fut, fn, args, kwargs)
                 del fn, args, kwargs
-                if ok:
-                    fut.set_result(value)
-                else:
-                    fut.set_exception(value)
-                del value
-            del fut
+            except KeyboardInterrupt as e:  # delivered late, after the call itself returned
+                with self._state:
+                    self._current = None
+                if fut is not None and not fut.done():
+                    fut.set_exception(e)
+            fut = None
         while True:  # defensive: nothing is queued after the stop marker, but never leave a wait
             try:
                 item = self._queue.get_nowait()
@@ -75,27 +88,33 @@ class ComputeThread:
             if item is not None and item[0].set_running_or_notify_cancel():
                 item[0].set_exception(EngineDeadError("the engine has been shut down"))
 
-    def _run(self, fut: Future, fn, args, kwargs) -> tuple[bool, Any]:
+    def _run(self, fut: Future, fn, args, kwargs) -> None:
+        """Run one call and resolve ``fut``. An interrupt is injected only while ``_current``
+        is ``fut`` (both set under ``_state``), so it lands in ``fn`` or, at worst, just after
+        it (then ``_loop`` resolves ``fut``)."""
         with self._state:
+            if not fut.set_running_or_notify_cancel():
+                return  # cancelled by an interrupted caller before it started
             self._current = fut
-        outcome: tuple[bool, Any] | None = None
         try:
-            try:
-                outcome = (True, fn(*args, **kwargs))
-            except BaseException as e:  # delivered to the caller, the thread keeps serving
-                outcome = (False, e)
+            result = fn(*args, **kwargs)
+        except BaseException as e:  # delivered to the caller, the thread keeps serving
             with self._state:
                 self._current = None
-        except KeyboardInterrupt as e:  # an interrupt that landed just after fn returned
-            with self._state:
-                self._current = None
-            if outcome is None:
-                outcome = (False, e)
-        return outcome
+            fut.set_exception(e)
+            return
+        with self._state:
+            self._current = None
+        fut.set_result(result)
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the compute thread; its result, or its exception re-raised.
         Called from the compute thread itself, it runs inline (no deadlock).
+
+        A ``KeyboardInterrupt`` or ``SystemExit`` raised in the caller while it waits is
+        passed on as ``KeyboardInterrupt`` into the call (or cancels it if it has not started);
+        the caller waits up to a minute for the call to stop, then re-raises its own exception
+        with the call's own error, if it failed otherwise, as ``__cause__``.
 
         Raises:
             EngineDeadError: the thread was stopped (:meth:`stop`).
@@ -103,26 +122,28 @@ class ComputeThread:
         if threading.current_thread() is self._thread:
             return fn(*args, **kwargs)
         fut: Future = Future()
-        with self._state:
-            if self._stopped or not self._thread.is_alive():
-                raise EngineDeadError("the engine has been shut down")
-            self._queue.put((fut, fn, args, kwargs))
         try:
+            with self._state:
+                if self._stopped or not self._thread.is_alive():
+                    raise EngineDeadError("the engine has been shut down")
+                self._queue.put((fut, fn, args, kwargs))
             return fut.result()
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit) as stop:
             self._interrupt(fut)
             try:
                 fut.result(timeout=_INTERRUPT_GRACE_S)
-            except BaseException:
+            except (KeyboardInterrupt, CancelledError, FutureTimeout):
                 pass
+            except BaseException as own:  # e.g. a LoRA restore failed: the caller must know
+                stop.__cause__ = own
             raise
 
     def _interrupt(self, fut: Future) -> None:
-        """Raise ``KeyboardInterrupt`` in the compute thread if it is still running ``fut``
-        (queued but not started: cancelled instead)."""
-        if fut.cancel():
-            return
+        """Raise ``KeyboardInterrupt`` in the compute thread if it is running ``fut``; cancel
+        ``fut`` if it has not started."""
         with self._state:
+            if fut.cancel():
+                return
             if self._current is fut and self._thread.ident is not None:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(
                     ctypes.c_ulong(self._thread.ident), ctypes.py_object(KeyboardInterrupt)
@@ -136,3 +157,21 @@ class ComputeThread:
                 return
             self._stopped = True
             self._queue.put(None)
+
+
+def exit_code_for_process(code: int) -> int:
+    """``code``, after leaving at once with it (``os._exit``) when an engine's compute thread
+    is still inside a call: a Ctrl-C or SIGTERM that did not stop the call within its grace
+    time would otherwise end in an abort while the interpreter finalizes under a running torch
+    op. The console scripts pass their exit code through this."""
+    if ComputeThread.any_busy():
+        import os
+        import sys
+
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed stream must not keep the process alive
+                pass
+        os._exit(code)
+    return code

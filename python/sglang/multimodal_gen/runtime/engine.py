@@ -152,6 +152,7 @@ class DiffusionEngine:
         self._dead = False
         self._closed = False
         self._runner: ModelRunner | None = None
+        self._stale_results = 0  # TP: results still to come for interrupted calls
         self._procs: list = []
         runner_kwargs = dict(
             model_path=model_path,
@@ -240,14 +241,28 @@ class DiffusionEngine:
             if self._dead or not self.is_alive():
                 raise EngineDeadError("the engine's worker processes are not running")
             runner = self._runner  # shutdown() may clear it meanwhile
+            if runner is None and not self._procs:
+                raise EngineDeadError("the engine has been shut down")
             if runner is not None:
                 try:
                     return self._compute.call(runner.execute, op, kwargs)
                 except EngineDeadError:  # e.g. a LoRA restore failed: stop serving mixed weights
                     self._dead = True
                     raise
+                except (KeyboardInterrupt, SystemExit) as e:  # the call may have failed so too
+                    if isinstance(e.__cause__, EngineDeadError):
+                        self._dead = True
+                    raise
             self._cmd_q.put((op, kwargs))
-            _, ok, payload = self._wait_result()
+            try:
+                _, ok, payload = self._wait_result()
+                while self._stale_results:  # answers of calls whose callers were interrupted
+                    self._stale_results -= 1
+                    _, ok, payload = self._wait_result()
+            except (KeyboardInterrupt, SystemExit):
+                # the workers still finish this command: its answer is not the next call's
+                self._stale_results += 1
+                raise
             if ok:
                 return payload
             rank, err = payload
