@@ -38,3 +38,34 @@ def test_short_inputs_equal_the_rows_of_a_tall_gemm(cls, k, n):
             assert torch.equal(out, tall[:rows]), (rows, float((out - tall[:rows]).abs().max()))
             out3, _ = layer(x[:rows].unsqueeze(1))  # [B, 1, k]: the adaLN shape
             assert out3.shape == (rows, 1, n) and torch.equal(out3[:, 0], tall[:rows])
+
+
+def test_lora_terms_of_short_inputs_equal_the_rows_of_a_tall_batch():
+    """The LoRA GEMMs get the same padding: a layer fed one vector per image (Flux LoRAs often
+    target the adaLN ``norm1.linear``) gives each image the same bits alone and in a batch,
+    with one composition for all rows and with a different composition per row."""
+    from lora_helpers import IN, build_layer, full_weights, load, random_adapter
+    from sglang.multimodal_gen.layers.lora import wrap_with_lora
+    from sglang.multimodal_gen.layers.lora.rows import RowPlan, lora_rows
+
+    w, b = full_weights("replicated", 3)
+    layer = wrap_with_lora(load(build_layer("replicated"), w, b))
+    layer.add_adapter("a", random_adapter("replicated", 4, ranks=(5,)))
+    layer.add_adapter("b", random_adapter("replicated", 5, ranks=(3,)))
+    x = torch.randn(MIN_CPU_GEMM_ROWS, IN, generator=torch.Generator().manual_seed(6))
+    comps = [[("a", 0.8)], [("b", 1.3)], [], [("a", 0.5), ("b", 0.5)]]
+    with torch.no_grad():
+        layer.set_active([("a", 0.8), ("b", -0.4)])
+        tall, _ = layer(x)
+        for rows in (1, 2, 3, 7):
+            out, _ = layer(x[:rows])
+            assert torch.equal(out, tall[:rows]), rows
+        layer.set_active([])
+        plan = [comps[i % len(comps)] for i in range(MIN_CPU_GEMM_ROWS)]
+        with lora_rows(RowPlan.of(plan)):
+            tall_rows, _ = layer(x)
+        assert not torch.equal(tall_rows, tall)  # the per-row compositions matter
+        for rows in (1, 2, 3, 7):
+            with lora_rows(RowPlan.of(plan[:rows])):
+                out, _ = layer(x[:rows])
+            assert torch.equal(out, tall_rows[:rows]), rows

@@ -44,6 +44,8 @@ MIN_CPU_GEMM_ROWS = 16
 
 __all__ = [
     "MIN_CPU_GEMM_ROWS",
+    "addmm_rows_invariant_",
+    "linear_rows_invariant",
     "ColumnParallelLinear",
     "MergedColumnParallelLinear",
     "ParallelLinear",
@@ -52,6 +54,53 @@ __all__ = [
     "RowParallelLinear",
     "ShardSpec",
 ]
+
+
+def _short_cpu_rows(x: torch.Tensor) -> int:
+    """The row count of ``x`` viewed as ``[rows, x.shape[-1]]`` if it is a short CPU input
+    (fewer than :data:`MIN_CPU_GEMM_ROWS` rows, at least one), else 0."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return rows if 0 < rows < MIN_CPU_GEMM_ROWS and x.device.type == "cpu" else 0
+
+
+def _padded_rows(x2d: torch.Tensor) -> torch.Tensor:
+    out = x2d.new_zeros(MIN_CPU_GEMM_ROWS, x2d.shape[-1])
+    out[: x2d.shape[0]] = x2d
+    return out
+
+
+def linear_rows_invariant(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose every row is computed as it would be among other
+    rows: a CPU input of fewer than :data:`MIN_CPU_GEMM_ROWS` rows runs zero-padded to that
+    many (the CPU BLAS rounds short inputs differently; see ``ParallelLinear.apply_gemm``).
+
+    Args:
+        x: ``[..., in]``; weight: ``[out, in]``; bias: ``[out]`` or ``None``.
+
+    Returns:
+        ``[..., out]``, bit-identical to the same rows of a GEMM of >= 16 rows (where the BLAS
+        is row-invariant from there on, as measured on Intel and AMD VMs).
+    """
+    rows = _short_cpu_rows(x)
+    if rows:
+        y = F.linear(_padded_rows(x.reshape(rows, x.shape[-1])), weight, bias)
+        return y[:rows].reshape(*x.shape[:-1], -1)
+    return F.linear(x, weight, bias)
+
+
+def addmm_rows_invariant_(
+    y2d: torch.Tensor, h2d: torch.Tensor, mat: torch.Tensor, alpha: float = 1.0
+) -> torch.Tensor:
+    """``y2d.addmm_(h2d, mat, alpha=alpha)`` (``[rows, n] += alpha [rows, k] @ [k, n]``) with the
+    short-input padding of :func:`linear_rows_invariant`; returns ``y2d``."""
+    rows = _short_cpu_rows(h2d)
+    if rows:
+        y_pad = _padded_rows(y2d)
+        y_pad.addmm_(_padded_rows(h2d), mat, alpha=alpha)
+        return y2d.copy_(y_pad[:rows])
+    return y2d.addmm_(h2d, mat, alpha=alpha)
 
 
 @dataclass(frozen=True)
@@ -377,13 +426,7 @@ class ParallelLinear(nn.Module):
         vectors (one row per image: timestep embedding, adaLN modulation) would then differ
         between a request alone and in a batch.
         """
-        rows = x.numel() // max(x.shape[-1], 1)
-        if 0 < rows < MIN_CPU_GEMM_ROWS and x.device.type == "cpu":
-            flat = x.reshape(rows, x.shape[-1])
-            padded = flat.new_zeros(MIN_CPU_GEMM_ROWS, flat.shape[-1])
-            padded[:rows] = flat
-            return F.linear(padded, self.weight, bias)[:rows].reshape(*x.shape[:-1], -1)
-        return F.linear(x, self.weight, bias)
+        return linear_rows_invariant(x, self.weight, bias)
 
     def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
         """Combine the ranks' partial outputs. Default: nothing to combine."""

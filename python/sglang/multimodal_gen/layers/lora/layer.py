@@ -25,10 +25,14 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from sglang.multimodal_gen.layers.linear import ParallelLinear, ShardId
+from sglang.multimodal_gen.layers.linear import (
+    ParallelLinear,
+    ShardId,
+    addmm_rows_invariant_,
+    linear_rows_invariant,
+)
 from sglang.multimodal_gen.layers.lora import compute as _compute
 from sglang.multimodal_gen.layers.lora.compute import (
     Entry,
@@ -498,8 +502,8 @@ class BaseLayerWithLoRA(nn.Module):
             terms.append((ov_a, ov_b, s))
         for a_cat, b_cat, c in terms:
             if a_cat is not None and c != 0.0:
-                h = F.linear(x_local, a_cat)  # [..., R]
-                y2.addmm_(h.view(-1, h.shape[-1]), b_cat.t(), alpha=c)
+                h = linear_rows_invariant(x_local, a_cat)  # [..., R]
+                addmm_rows_invariant_(y2, h.view(-1, h.shape[-1]), b_cat.t(), alpha=c)
         if s != 0.0 and self._adds_offset_here():
             for off in (self._offset, ov_offset if overlay else None):
                 if off is not None:

@@ -31,7 +31,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+from sglang.multimodal_gen.layers.linear import addmm_rows_invariant_, linear_rows_invariant
 
 __all__ = ["RowPlan", "current_row_plan", "lora_row_tokens", "lora_rows"]
 
@@ -230,9 +231,9 @@ def row_delta(layer, plan: RowPlan, x_local: torch.Tensor, y: torch.Tensor, s: f
 
     if coef is not None:
         _check_rows(n, coef, layer.prefix)
-        h = F.linear(x_local, u.a_u)  # [n, ..., R]
+        h = linear_rows_invariant(x_local, u.a_u)  # [n, ..., R]
         h = (h * lead(coef)).reshape(-1, h.shape[-1])
-        y.view(-1, y.shape[-1]).addmm_(h, u.b_u.t())
+        addmm_rows_invariant_(y.view(-1, y.shape[-1]), h, u.b_u.t())
     if off_coef is not None and layer._adds_offset_here():
         _check_rows(n, off_coef, layer.prefix)
         y.add_(lead(off_coef @ u.offsets))
