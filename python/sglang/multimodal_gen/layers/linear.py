@@ -39,10 +39,13 @@ from sglang.multimodal_gen.distributed import (
 
 ShardId = int | str | None
 
-# CPU GEMMs of fewer rows run as this many (see ParallelLinear.apply_gemm): batch invariance
+# Batch invariance of CPU GEMMs (see ParallelLinear.apply_gemm): inputs run as a multiple of
+# CPU_GEMM_ROW_BLOCK rows, and at least MIN_CPU_GEMM_ROWS
 MIN_CPU_GEMM_ROWS = 16
+CPU_GEMM_ROW_BLOCK = 4
 
 __all__ = [
+    "CPU_GEMM_ROW_BLOCK",
     "MIN_CPU_GEMM_ROWS",
     "addmm_rows_invariant_",
     "linear_rows_invariant",
@@ -56,16 +59,23 @@ __all__ = [
 ]
 
 
-def _short_cpu_rows(x: torch.Tensor) -> int:
-    """The row count of ``x`` viewed as ``[rows, x.shape[-1]]`` if it is a short CPU input
-    (fewer than :data:`MIN_CPU_GEMM_ROWS` rows, at least one), else 0."""
+def _cpu_row_split(x: torch.Tensor) -> tuple[int, int]:
+    """``(rows, head)`` of ``x`` viewed as ``[rows, x.shape[-1]]``: the first ``head`` rows can
+    run as one GEMM as they are (a multiple of :data:`CPU_GEMM_ROW_BLOCK`, at least
+    :data:`MIN_CPU_GEMM_ROWS`; all rows off the CPU), the others run zero-padded."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return rows if 0 < rows < MIN_CPU_GEMM_ROWS and x.device.type == "cpu" else 0
+    if rows == 0 or x.device.type != "cpu":
+        return rows, rows
+    head = rows - rows % CPU_GEMM_ROW_BLOCK
+    return rows, head if head >= MIN_CPU_GEMM_ROWS else 0
 
 
-def _padded_rows(x2d: torch.Tensor) -> torch.Tensor:
-    out = x2d.new_zeros(MIN_CPU_GEMM_ROWS, x2d.shape[-1])
-    out[: x2d.shape[0]] = x2d
+def _padded_tail(x2d: torch.Tensor) -> torch.Tensor:
+    """``x2d`` (``r`` rows) zero-padded to ``max(MIN_CPU_GEMM_ROWS, r rounded up to the block)``."""
+    r = x2d.shape[0]
+    n = max(MIN_CPU_GEMM_ROWS, -(-r // CPU_GEMM_ROW_BLOCK) * CPU_GEMM_ROW_BLOCK)
+    out = x2d.new_zeros(n, x2d.shape[-1])
+    out[:r] = x2d
     return out
 
 
@@ -73,34 +83,43 @@ def linear_rows_invariant(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose every row is computed as it would be among other
-    rows: a CPU input of fewer than :data:`MIN_CPU_GEMM_ROWS` rows runs zero-padded to that
-    many (the CPU BLAS rounds short inputs differently; see ``ParallelLinear.apply_gemm``).
+    rows, on the CPU: the BLAS rounds a row differently depending on the GEMM's row count
+    (measured on an AMD EPYC VM: 1-3, 5-7, 9-11 rows at 2 threads; more counts at 16+ threads,
+    up to 171 rows at 64; never a multiple of 4 from 16 rows on), so the input runs as its
+    largest multiple of :data:`CPU_GEMM_ROW_BLOCK` rows plus a zero-padded remainder of
+    :data:`MIN_CPU_GEMM_ROWS` rows (or all of it padded when shorter).
 
     Args:
         x: ``[..., in]``; weight: ``[out, in]``; bias: ``[out]`` or ``None``.
 
     Returns:
-        ``[..., out]``, bit-identical to the same rows of a GEMM of >= 16 rows (where the BLAS
-        is row-invariant from there on, as measured on Intel and AMD VMs).
+        ``[..., out]``; on the CPU, row ``i`` bit-identical to row ``i`` of the same input
+        placed among other rows (a batch), where the BLAS behaves as measured.
     """
-    rows = _short_cpu_rows(x)
-    if rows:
-        y = F.linear(_padded_rows(x.reshape(rows, x.shape[-1])), weight, bias)
-        return y[:rows].reshape(*x.shape[:-1], -1)
-    return F.linear(x, weight, bias)
+    rows, head = _cpu_row_split(x)
+    if head == rows:
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, x.shape[-1])
+    y = F.linear(_padded_tail(x2[head:]), weight, bias)[: rows - head]
+    if head:
+        y = torch.cat([F.linear(x2[:head], weight, bias), y])
+    return y.reshape(*x.shape[:-1], -1)
 
 
 def addmm_rows_invariant_(
     y2d: torch.Tensor, h2d: torch.Tensor, mat: torch.Tensor, alpha: float = 1.0
 ) -> torch.Tensor:
     """``y2d.addmm_(h2d, mat, alpha=alpha)`` (``[rows, n] += alpha [rows, k] @ [k, n]``) with the
-    short-input padding of :func:`linear_rows_invariant`; returns ``y2d``."""
-    rows = _short_cpu_rows(h2d)
-    if rows:
-        y_pad = _padded_rows(y2d)
-        y_pad.addmm_(_padded_rows(h2d), mat, alpha=alpha)
-        return y2d.copy_(y_pad[:rows])
-    return y2d.addmm_(h2d, mat, alpha=alpha)
+    row split of :func:`linear_rows_invariant`; returns ``y2d``."""
+    rows, head = _cpu_row_split(h2d)
+    if head == rows:
+        return y2d.addmm_(h2d, mat, alpha=alpha)
+    if head:
+        y2d[:head].addmm_(h2d[:head], mat, alpha=alpha)
+    y_tail = _padded_tail(y2d[head:])
+    y_tail.addmm_(_padded_tail(h2d[head:]), mat, alpha=alpha)
+    y2d[head:].copy_(y_tail[: rows - head])
+    return y2d
 
 
 @dataclass(frozen=True)
@@ -419,12 +438,10 @@ class ParallelLinear(nn.Module):
     def apply_gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W_local^T + bias``: ``[..., in_local]`` -> ``[..., out_local]``.
 
-        The one place a quantized layer would replace the matmul. On the CPU an input of fewer
-        than :data:`MIN_CPU_GEMM_ROWS` rows is computed as that many rows (zero-padded): the
-        BLAS handles short inputs with other kernels (measured on an AMD EPYC VM: 1-3, 5-7 and
-        9-11 rows each round differently from the same rows in a taller GEMM), and conditioning
-        vectors (one row per image: timestep embedding, adaLN modulation) would then differ
-        between a request alone and in a batch.
+        The one place a quantized layer would replace the matmul. On the CPU it is
+        :func:`linear_rows_invariant`: the BLAS rounds a row differently depending on how many
+        rows share the GEMM, and conditioning vectors (one row per image: timestep embedding,
+        adaLN modulation) would then differ between a request alone and in a batch.
         """
         return linear_rows_invariant(x, self.weight, bias)
 

@@ -216,28 +216,45 @@ class StagedPipeline:
         """One request's conditioning: :meth:`encode_prompt_list` of its :meth:`prompt_list`."""
         return self.encode_prompt_list(self.prompt_list(inp), inp.max_sequence_length)
 
+    def encode_group_key(self, inp: GenerationInputs) -> Any:
+        """Requests of a batch whose keys are equal share one encoder call (default: all of
+        them). A family whose encoder pads a call's texts to the longest one returns the
+        request's own padded length, so that sharing a call changes no request's conditioning
+        (its image stays what it would be alone)."""
+        return None
+
     def encode_prompts(self, inps: list[GenerationInputs]) -> list[dict[str, Any] | Exception]:
-        """:meth:`encode_prompt` of several requests with ONE encoder call (the batch's texts
-        concatenated, the result cut back per request). Requests with different
-        ``max_sequence_length`` are encoded one by one, and so is every request when the joint
-        call fails, so that a failure is returned (not raised) for the requests it belongs to."""
-        if len(inps) > 1 and len({i.max_sequence_length for i in inps}) == 1:
-            lists = [self.prompt_list(i) for i in inps]
+        """:meth:`encode_prompt` of several requests with one encoder call per group of
+        requests (same ``max_sequence_length`` and :meth:`encode_group_key`): the group's texts
+        concatenated, the result cut back per request. Every request of a group whose joint
+        call fails is encoded alone, so that a failure is returned (not raised) for the
+        requests it belongs to."""
+        results: list[dict[str, Any] | Exception | None] = [None] * len(inps)
+        groups: dict[Any, list[int]] = {}
+        for i, inp in enumerate(inps):
             try:
-                out = self.encode_prompt_list(
-                    [p for ps in lists for p in ps], inps[0].max_sequence_length
-                )
-            except Exception:
-                pass  # find out whose texts fail
-            else:
-                bounds = np.cumsum([0] + [len(ps) for ps in lists]).tolist()
-                return [{k: v[lo:hi] for k, v in out.items()} for lo, hi in zip(bounds, bounds[1:])]
-        results: list[dict[str, Any] | Exception] = []
-        for inp in inps:
-            try:
-                results.append(self.encode_prompt(inp))
-            except Exception as e:
-                results.append(e)
+                key = (inp.max_sequence_length, self.encode_group_key(inp))
+            except Exception as e:  # e.g. the tokenizer refuses the text: this request fails
+                results[i] = e
+                continue
+            groups.setdefault(key, []).append(i)
+        for (max_len, _), idx in groups.items():
+            if len(idx) > 1:
+                lists = [self.prompt_list(inps[i]) for i in idx]
+                try:
+                    out = self.encode_prompt_list([p for ps in lists for p in ps], max_len)
+                except Exception:
+                    pass  # find out whose texts fail
+                else:
+                    bounds = np.cumsum([0] + [len(ps) for ps in lists]).tolist()
+                    for i, lo, hi in zip(idx, bounds, bounds[1:]):
+                        results[i] = {k: v[lo:hi] for k, v in out.items()}
+                    continue
+            for i in idx:
+                try:
+                    results[i] = self.encode_prompt(inps[i])
+                except Exception as e:
+                    results[i] = e
         return results
 
     def _encode(self, inp: GenerationInputs) -> dict[str, Any]:

@@ -69,13 +69,9 @@ class ZImagePipeline(StagedPipeline):
         layer at the unmasked tokens."""
         return {"embeds": self.encode_texts(prompts, max_sequence_length)}
 
-    @torch.no_grad()
-    def encode_texts(
-        self, prompts: list[str], max_sequence_length: int = 512
-    ) -> list[torch.Tensor]:
-        """Encode prompts as the reference does: chat template, padded tokens, ``hidden[-2]``."""
+    def _chat_texts(self, prompts: list[str]) -> list[str]:
         tokenizer = self.components["tokenizer"]
-        texts = [
+        return [
             tokenizer.apply_chat_template(
                 [{"role": "user", "content": p}],
                 tokenize=False,
@@ -84,6 +80,24 @@ class ZImagePipeline(StagedPipeline):
             )
             for p in prompts
         ]
+
+    def encode_group_key(self, inp: GenerationInputs) -> int:
+        """The request's own padded length (its longest text, in tokens, capped): texts are
+        padded to the longest of a call, so only requests of equal length share one."""
+        ids = self.components["tokenizer"](
+            self._chat_texts(self.prompt_list(inp)),
+            max_length=inp.max_sequence_length,
+            truncation=True,
+        ).input_ids
+        return max(len(t) for t in ids)
+
+    @torch.no_grad()
+    def encode_texts(
+        self, prompts: list[str], max_sequence_length: int = 512
+    ) -> list[torch.Tensor]:
+        """Encode prompts as the reference does: chat template, padded tokens, ``hidden[-2]``."""
+        tokenizer = self.components["tokenizer"]
+        texts = self._chat_texts(prompts)
         # Padding to the longest prompt, not to max_length as the reference does: the encoder is
         # causal and only the unmasked tokens are kept, so the pad tokens after them change
         # nothing but the cost (a 20-token prompt ran 512 tokens through the encoder).

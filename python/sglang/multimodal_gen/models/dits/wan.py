@@ -370,7 +370,10 @@ class WanTransformer(nn.Module):
         ctx = encoder_hidden_states.to(self.dtype)
         timestep = timestep.to(x.device)
         cos, sin = self.rope(ppf, pph, ppw, x.device)
-        x = self.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()  # [B, S, D]
+        # one video at a time: oneDNN's Conv3d rounds an item differently at batch 1 than among
+        # others, and a request's video must not change when it joins a batch
+        x = torch.cat([self.patch_embedding(x[i : i + 1]) for i in range(x.shape[0])])
+        x = x.flatten(2).transpose(1, 2).contiguous()  # [B, S, D]
 
         temb, tproj, ctx = self.condition_embedder(
             timestep.flatten(), ctx, seq if per_token else None
