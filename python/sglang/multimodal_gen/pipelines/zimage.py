@@ -57,6 +57,8 @@ class ZImagePipeline(StagedPipeline):
     family_name = "zimage"
     cfg_normalization: float = 0.0
     cfg_truncation: float = 1.0
+    # texts are padded to a multiple of this many tokens (see encode_texts, encode_group_key)
+    TEXT_PAD_MULTIPLE: int = 16
 
     # ------------------------------------------------------------------ text
     def prompt_list(self, inp: GenerationInputs) -> list[str]:
@@ -82,14 +84,16 @@ class ZImagePipeline(StagedPipeline):
         ]
 
     def encode_group_key(self, inp: GenerationInputs) -> int:
-        """The request's own padded length (its longest text, in tokens, capped): texts are
-        padded to the longest of a call, so only requests of equal length share one."""
+        """The request's own padded length (its longest text in tokens, capped, rounded up to
+        :attr:`TEXT_PAD_MULTIPLE`): a call pads its texts to that of its longest, so only
+        requests of one padded length share a call (and each gets what it would alone)."""
         ids = self.components["tokenizer"](
             self._chat_texts(self.prompt_list(inp)),
             max_length=inp.max_sequence_length,
             truncation=True,
         ).input_ids
-        return max(len(t) for t in ids)
+        m = self.TEXT_PAD_MULTIPLE
+        return -(-max(len(t) for t in ids) // m) * m
 
     @torch.no_grad()
     def encode_texts(
@@ -98,12 +102,15 @@ class ZImagePipeline(StagedPipeline):
         """Encode prompts as the reference does: chat template, padded tokens, ``hidden[-2]``."""
         tokenizer = self.components["tokenizer"]
         texts = self._chat_texts(prompts)
-        # Padding to the longest prompt, not to max_length as the reference does: the encoder is
-        # causal and only the unmasked tokens are kept, so the pad tokens after them change
-        # nothing but the cost (a 20-token prompt ran 512 tokens through the encoder).
+        # Padding to the longest prompt (rounded up to TEXT_PAD_MULTIPLE), not to max_length as
+        # the reference does: the encoder is causal and only the unmasked tokens are kept, so
+        # the pad tokens after them change nothing but the cost (a 20-token prompt ran 512
+        # tokens through the encoder) and the rounding; the multiple lets requests of similar
+        # length share one call in a batch without changing either one's padding.
         enc = tokenizer(
             texts,
             padding="longest",
+            pad_to_multiple_of=self.TEXT_PAD_MULTIPLE,
             max_length=max_sequence_length,
             truncation=True,
             return_tensors="pt",
