@@ -3,7 +3,7 @@
 References: the same engine generating each request alone. Measured (torch 2.13 CPU, fp32): every
 batched image identical to its unbatched image (inf dB) for Z-Image, Flux (true CFG), Wan and
 Qwen-Image, and at TP 2, on an Intel Sapphire Rapids VM; on an AMD EPYC VM too once CPU GEMMs
-ran as multiples of 4 rows, at least 16 (``layers.linear.linear_rows_invariant``), images were
+ran as multiples of 4 rows, at least 16 (``layers.batch_invariant``), images were
 decoded one by one (``StagedPipeline.decode_each``), Wan's patch embedding ran per video and
 Z-Image's text encoder shared calls only among requests of one padded length
 (``encode_group_key``); before that 83-88 dB (one level in a few pixels). Bar 45 dB: the exact

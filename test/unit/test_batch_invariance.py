@@ -4,7 +4,7 @@ The CPU BLAS rounds a row differently depending on the GEMM's row count (measure
 VM at 2 threads: 1-3, 5-7 and 9-11 rows differ from the same rows of a 64-row GEMM by up to
 1e-5; at 16+ threads more counts, never a multiple of 4 from 16 rows on). Conditioning vectors
 (timestep embedding, adaLN modulation) have one row per image, so without care an image would
-change when its request joins a batch. ``linear_rows_invariant`` (used by
+change when its request joins a batch. ``layers.batch_invariant.linear_rows_invariant`` (used by
 ``ParallelLinear.apply_gemm`` and the LoRA paths) runs an input as its largest multiple of 4
 rows plus a zero-padded remainder of 16 rows. Reference: ``F.linear`` on 40 rows (a multiple of
 4, the form every input is reduced to), compared bit for bit.
@@ -15,11 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from sglang.multimodal_gen.layers.linear import (
-    MIN_CPU_GEMM_ROWS,
-    ColumnParallelLinear,
-    ReplicatedLinear,
-)
+from sglang.multimodal_gen.layers.batch_invariant import MIN_CPU_GEMM_ROWS
+from sglang.multimodal_gen.layers.linear import ColumnParallelLinear, ReplicatedLinear
 
 
 @pytest.mark.parametrize("cls", [ReplicatedLinear, ColumnParallelLinear])

@@ -27,12 +27,11 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from sglang.multimodal_gen.layers.linear import (
-    ParallelLinear,
-    ShardId,
+from sglang.multimodal_gen.layers.batch_invariant import (
     addmm_rows_invariant_,
     linear_rows_invariant,
 )
+from sglang.multimodal_gen.layers.linear import ParallelLinear, ShardId
 from sglang.multimodal_gen.layers.lora import compute as _compute
 from sglang.multimodal_gen.layers.lora.compute import (
     Entry,

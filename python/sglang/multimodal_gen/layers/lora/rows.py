@@ -32,7 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang.multimodal_gen.layers.linear import addmm_rows_invariant_, linear_rows_invariant
+from sglang.multimodal_gen.layers.batch_invariant import (
+    addmm_rows_invariant_,
+    linear_rows_invariant,
+)
 
 __all__ = ["RowPlan", "current_row_plan", "lora_row_tokens", "lora_rows"]
 
