@@ -32,30 +32,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sglang serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("sglang serve did not become healthy")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -66,12 +42,13 @@ def main(argv=None) -> int:
 
     import httpx
     from bench_e2e import CPU_CFG, build
+    from bench_serving import free_port, wait_healthy
     from PIL import Image
 
     _, ref = build(dict(CPU_CFG))
     tmp = tempfile.mkdtemp(prefix="bench_server_latency_")
     ref.save_pretrained(tmp)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = ["sglang", "serve", "--model-path", tmp, "--port", str(port), "--device", "cpu"]
     proc = subprocess.Popen(
@@ -100,7 +77,7 @@ def main(argv=None) -> int:
     times: dict[str, list[float]] = {k: [] for k in runs}
     images: dict[str, np.ndarray] = {}
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout_s=600)
         for fn in runs.values():  # warm-up
             fn()
         for i in range(args.repeats):

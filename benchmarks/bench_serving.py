@@ -213,10 +213,29 @@ def run_direct(
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Return once ``GET /health`` answers 200; ``SystemExit`` if ``proc`` (the server) exits
+    first or ``timeout_s`` seconds pass."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit("server exited during startup")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit("server did not start")
+        time.sleep(0.2)
 
 
 def _write_tiny_lora(model_path: str, folder: str) -> str:
@@ -288,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base_url = args.base_url
         if args.launch:
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "sglang.cli.main", "serve", "--model-path", model_path]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
             cmd += ["--max-queue-size", str(max(64, max(args.concurrency) * 2))]
@@ -304,18 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd += ["--batch-wait-ms", str(args.batch_wait_ms)]
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
             base_url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit("server exited during startup")
-                try:
-                    if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit("server did not start")
-                time.sleep(0.2)
+            wait_healthy(base_url, proc)
         lora_name = None
         if lora_path:
             lora_name = "bench"
