@@ -37,15 +37,12 @@ from tqdm.auto import tqdm
 
 from sglang.multimodal_gen.distributed import (
     broadcast_tensors_cpu,
-    get_cfg_group,
-    get_cfg_rank,
-    get_cfg_world_size,
 )
-from sglang.multimodal_gen.layers.lora.rows import current_row_plan, lora_rows
 from sglang.multimodal_gen.models.components import load_component, read_model_index
 from sglang.multimodal_gen.models.loader import load_denoiser, read_json
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
-from sglang.multimodal_gen.pipelines.batching import branch_rows, current_batcher
+from sglang.multimodal_gen.pipelines.batching import current_batcher
+from sglang.multimodal_gen.pipelines.cfg_parallel import cfg_parallel_call
 from sglang.multimodal_gen.pipelines.common import (
     EncodingFailed,
     GenerationInputs,
@@ -370,29 +367,8 @@ class StagedPipeline:
         member = current_batcher()
         if member is not None:  # several requests in one loop: one DiT call per step for all
             batcher, index = member
-            return batcher.submit(index, self._run_branches, denoiser, rows, args, batched)
-        return self._run_branches(denoiser, rows, args, batched)
-
-    def _run_branches(self, denoiser, rows: int, args: dict[str, Any], batched) -> Any:
-        cfg = get_cfg_world_size()
-        if cfg == 1 or rows == 1:
-            return denoiser(**args)
-        if rows != cfg:
-            raise ValueError(f"{rows} CFG branches cannot be split over cfg_degree={cfg}")
-        r = get_cfg_rank()
-        local = {k: (branch_rows(v, r, rows) if k in batched else v) for k, v in args.items()}
-        plan = current_row_plan()  # a mixed-LoRA batch: this branch's rows
-        if plan is not None:
-            n = len(plan.rows)
-            plan = plan.select(r * n // rows, (r + 1) * n // rows)
-        with lora_rows(plan):
-            out = denoiser(**local)
-        as_list = isinstance(out, list)
-        t = torch.stack(out) if as_list else out
-        parts = [torch.empty_like(t) for _ in range(cfg)]
-        torch.distributed.all_gather(parts, t.contiguous(), group=get_cfg_group())
-        full = torch.cat(parts, 0)
-        return list(full.unbind(0)) if as_list else full
+            return batcher.submit(index, cfg_parallel_call, denoiser, rows, args, batched)
+        return cfg_parallel_call(denoiser, rows, args, batched)
 
     def resolve_inputs(self, **kwargs) -> GenerationInputs:
         """:class:`GenerationInputs` from keyword arguments, unset ones from the defaults."""
