@@ -239,4 +239,4 @@ def row_delta(layer, plan: RowPlan, x_local: torch.Tensor, y: torch.Tensor, s: f
         addmm_rows_invariant_(y.view(-1, y.shape[-1]), h, u.b_u.t())
     if off_coef is not None and layer._adds_offset_here():
         _check_rows(n, off_coef, layer.prefix)
-        y.add_(lead(off_coef @ u.offsets))
+        y.add_(lead(linear_rows_invariant(off_coef, u.offsets.t())))
