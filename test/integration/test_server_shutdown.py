@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     engine = FakeEngine()
     fake_generate = engine.generate
 
-    def gated_generate(req):  # runs until the test creates the release file
+    def gated_generate(req):  # runs until the test creates the release file (or 120 s)
         open({started!r}, "w").close()
         deadline = time.monotonic() + 120
         while not os.path.exists({release!r}) and time.monotonic() < deadline:
@@ -41,7 +41,9 @@ SCRIPT = textwrap.dedent(
     http_server.build_engine = lambda args: engine
     import sglang.multimodal_gen.entrypoints.scheduler as sched
     sched.default_request_factory = lambda: GenerationRequest
-    http_server.launch_server(ServerArgs(host="127.0.0.1", port={port}))
+    http_server.launch_server(
+        ServerArgs(host="127.0.0.1", port={port}, graceful_shutdown_timeout_s={grace})
+    )
     print("ENGINE_ALIVE_AFTER_EXIT", engine.alive, flush=True)
     """
 )
@@ -64,7 +66,9 @@ def test_sigterm_finishes_in_flight_then_exits(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     started, release = tmp_path / "started", tmp_path / "release"
-    script = SCRIPT.format(here=HERE, port=port, started=str(started), release=str(release))
+    script = SCRIPT.format(
+        here=HERE, port=port, started=str(started), release=str(release), grace=300
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", script],
         stdout=subprocess.PIPE,
@@ -89,6 +93,52 @@ def test_sigterm_finishes_in_flight_then_exits(tmp_path):
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0, out
         assert "ENGINE_ALIVE_AFTER_EXIT False" in out, out  # engine.shutdown() was called
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_sigterm_past_the_graceful_timeout_answers_503_and_exits(tmp_path):
+    """A request still running when ``--timeout-graceful-shutdown`` ends gets a 503 in the OpenAI
+    envelope (it was a bare 500 with a CancelledError traceback), and the whole shutdown keeps to
+    one timeout (uvicorn's wait and the scheduler's drain used to add up to two)."""
+    grace = 4.0
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    started, never = tmp_path / "started", tmp_path / "never-released"
+    script = SCRIPT.format(
+        here=HERE, port=port, started=str(started), release=str(never), grace=grace
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_healthy(url, proc)
+        body = {"prompt": "x", "size": "32x32", "num_inference_steps": 1, "seed": 1}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            inflight = pool.submit(
+                httpx.post, f"{url}/v1/images/generations", json=body, timeout=120
+            )
+            wait_until(lambda: started.exists() or inflight.done(), "the request did not start")
+            assert not inflight.done(), inflight.result()
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            r = inflight.result(timeout=60)
+            answered_s = time.monotonic() - t0
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert "--timeout-graceful-shutdown" in err["message"] and err["type"] == "server_error"
+        out, _ = proc.communicate(timeout=60)
+        exited_s = time.monotonic() - t0
+        assert proc.returncode == 0, out
+        assert "CancelledError" not in out and "Traceback" not in out, out
+        # answered at the deadline, not before; the process gone soon after (not a second wait)
+        assert grace - 0.5 <= answered_s, answered_s
+        assert exited_s < 1.5 * grace, (exited_s, out)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -413,14 +413,18 @@ def test_server_args_cost_and_connection_flags():
     a = _parse(
         ["--max-n", "2", "--max-steps", "50", "--max-pixel-steps", "0", "--limit-concurrency",
          "16", "--timeout-keep-alive", "3", "--timeout-headers", "4", "--timeout-body", "6",
-         "--health-stall-timeout", "0"]
+         "--health-stall-timeout", "0", "--timeout-graceful-shutdown", "7.5"]
     )  # fmt: skip
     assert (a.max_images_per_request, a.max_inference_steps, a.max_pixel_steps) == (2, 50, 0)
     assert (a.limit_concurrency, a.timeout_keep_alive_s, a.timeout_headers_s) == (16, 3, 4)
     assert (a.timeout_body_s, a.health_stall_timeout_s, a.max_image_size) == (6, 0, None)
+    assert a.graceful_shutdown_timeout_s == 7.5
+    assert _parse([]).graceful_shutdown_timeout_s == 300
     for bad, needle in (
         (["--max-n", "0"], "--max-n"),
         (["--timeout-body", "-1"], "--timeout-body"),
+        (["--timeout-graceful-shutdown", "-1"], "--timeout-graceful-shutdown"),
+        (["--timeout-graceful-shutdown", "inf"], "--timeout-graceful-shutdown"),
     ):
         with pytest.raises(ValueError, match=needle):
             _parse(bad)

@@ -262,6 +262,7 @@ class ServerArgs:
             ("--timeout-headers", self.timeout_headers_s),
             ("--timeout-body", self.timeout_body_s),
             ("--health-stall-timeout", self.health_stall_timeout_s),
+            ("--timeout-graceful-shutdown", self.graceful_shutdown_timeout_s),
         ):
             if not 0 <= float(value) < float("inf"):
                 raise ValueError(f"{flag} must be a number of seconds >= 0, got {value}")

@@ -129,6 +129,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="seconds an idle kept-alive connection stays open (default 5)",
     )
     g.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=300.0,
+        help="seconds SIGTERM/SIGINT waits for queued and running requests before failing them "
+        "and exiting (default 300)",
+    )
+    g.add_argument(
         "--timeout-headers",
         type=float,
         default=10.0,
@@ -243,6 +250,7 @@ def server_args_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_inference_steps=args.max_steps,
         max_pixel_steps=args.max_pixel_steps,
         timeout_keep_alive_s=args.timeout_keep_alive,
+        graceful_shutdown_timeout_s=args.timeout_graceful_shutdown,
         timeout_headers_s=args.timeout_headers,
         timeout_body_s=args.timeout_body,
         limit_concurrency=args.limit_concurrency,

@@ -45,7 +45,7 @@ from sglang.multimodal_gen.entrypoints.protocol import Limits, ModelCard, ModelL
 from sglang.multimodal_gen.entrypoints.routing import AuthAndCount, EnvelopeRoute, RouteContext
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, default_request_factory
 from sglang.multimodal_gen.entrypoints.schema_errors import schema_error_message
-from sglang.multimodal_gen.entrypoints.transport import run_uvicorn, uvicorn_config
+from sglang.multimodal_gen.entrypoints.transport import run_uvicorn, uvicorn_server
 from sglang.multimodal_gen.entrypoints.videos import add_video_routes
 
 logger = logging.getLogger(__name__)
@@ -286,10 +286,10 @@ def build_engine(server_args: ServerArgs) -> Any:
 def launch_server(server_args: ServerArgs, engine: Any | None = None) -> None:
     """Start the engine (unless given), the startup adapters, then uvicorn; block until shutdown.
 
-    SIGTERM / SIGINT: uvicorn stops accepting connections and waits for open requests (up to
-    ``graceful_shutdown_timeout_s``); then the scheduler drains and the engine shuts down.
+    SIGTERM / SIGINT: the server refuses new work (503) and uvicorn stops accepting connections;
+    queued and running requests go on for up to ``graceful_shutdown_timeout_s`` in all (those
+    still open then get 503), then the engine shuts down.
     """
-    import uvicorn
 
     _configure_logging(server_args.log_level)
     logger.info("server args: %s", server_args.redacted())
@@ -303,7 +303,9 @@ def launch_server(server_args: ServerArgs, engine: Any | None = None) -> None:
         # the app first: it refuses limits the model cannot serve before adapters load
         app = create_app(engine, server_args, shutdown_engine=own_engine)
         load_startup_loras(engine, server_args)
-        run_uvicorn(uvicorn.Server(uvicorn_config(app, server_args)))
+        scheduler = app.state.scheduler
+        timeout = server_args.graceful_shutdown_timeout_s
+        run_uvicorn(uvicorn_server(app, server_args, lambda: scheduler.begin_shutdown(timeout)))
     except BaseException:
         if own_engine:
             try:

@@ -29,7 +29,7 @@ from sglang.multimodal_gen.entrypoints.http_body import MAX_BODY_BYTES, read_bod
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception, error_body
 from sglang.multimodal_gen.entrypoints.protocol import Limits
-from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
+from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, ServerShuttingDownError
 from sglang.multimodal_gen.errors import EngineDeadError, NotFoundError, SGLangError
 
 
@@ -160,7 +160,8 @@ class RouteContext:
         client that disconnects while its work still waits in the queue has it dropped.
 
         Raises:
-            EngineDeadError: 503; the engine stopped while the work was pending.
+            EngineDeadError: 503; the engine stopped while the work was pending, or the server
+                is shutting down and cancelled the request (:class:`ServerShuttingDownError`).
             ClientGoneError: the client disconnected (nothing is sent).
         """
         afut = asyncio.wrap_future(future)
@@ -186,6 +187,11 @@ class RouteContext:
                         )
         except asyncio.CancelledError:
             future.cancel()  # the handler itself was cancelled: drop the work if not started
+            if self.scheduler.shutting_down:  # past --timeout-graceful-shutdown: 503, not a 500
+                raise ServerShuttingDownError(
+                    "the server is shutting down and the request did not finish within "
+                    "--timeout-graceful-shutdown"
+                ) from None
             raise
 
     def check_model(self, model: str | None) -> None:

@@ -149,6 +149,7 @@ class Scheduler:
         self._waiting_generations = 0
         self._running: _Task | None = None
         self._accepting = True
+        self._shutdown_deadline: float | None = None  # set by begin_shutdown
         self._stop = False
         self._dead_reason: str | None = None
         self._avg_generation_s: float | None = None
@@ -162,19 +163,37 @@ class Scheduler:
             self._started = True
             self._thread.start()
 
+    def begin_shutdown(self, timeout: float | None = None) -> None:
+        """Refuse new work from now on (:class:`ServerShuttingDownError`, 503) and let queued and
+        running work go on; a later :meth:`stop` waits at most until ``timeout`` seconds from now
+        (the server calls this when SIGTERM arrives, so the whole shutdown stays within one
+        ``--timeout-graceful-shutdown``). Idempotent: the first deadline stays."""
+        with self._cond:
+            self._accepting = False
+            if timeout is not None and self._shutdown_deadline is None:
+                self._shutdown_deadline = time.monotonic() + timeout
+
+    @property
+    def shutting_down(self) -> bool:
+        """Whether :meth:`begin_shutdown` or :meth:`stop` was called."""
+        return not self._accepting or self._stop
+
     def stop(self, timeout: float | None = None) -> bool:
         """Stop accepting work, let queued and running work finish, then stop the thread.
 
         Args:
-            timeout: seconds to wait for the queue to drain; what is still queued afterwards fails
-                with :class:`ServerShuttingDownError`.
+            timeout: seconds to wait for the queue to drain (never past the deadline that
+                :meth:`begin_shutdown` set); what is still queued afterwards fails with
+                :class:`ServerShuttingDownError`.
 
         Returns:
-            True when everything finished within ``timeout``.
+            True when everything finished in time.
         """
         with self._cond:
             self._accepting = False
             deadline = None if timeout is None else time.monotonic() + timeout
+            if self._shutdown_deadline is not None:
+                deadline = min(deadline or math.inf, self._shutdown_deadline)
             while (self._queue or self._running is not None) and self._thread.is_alive():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:

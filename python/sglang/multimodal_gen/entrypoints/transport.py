@@ -1,5 +1,5 @@
 """The connection layer under the app: uvicorn's h11 protocol with the bounds uvicorn lacks, the
-``uvicorn.Config`` of a server, and running it under SIGTERM/SIGINT.
+``uvicorn.Config`` and ``uvicorn.Server`` of a server, and running it under SIGTERM/SIGINT.
 
 Request headers must arrive within ``timeout_headers_s`` of the connection opening (or of the
 previous answer), else 408; connections above ``limit_concurrency`` are answered 503 and closed
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from sglang.multimodal_gen.configs.server_args import ServerArgs
@@ -100,7 +101,7 @@ def uvicorn_config(app: Any, server_args: ServerArgs, **overrides: Any) -> Any:
         port=server_args.port,
         log_level=server_args.log_level.lower(),
         access_log=server_args.log_level.lower() == "debug",
-        timeout_graceful_shutdown=int(server_args.graceful_shutdown_timeout_s),
+        timeout_graceful_shutdown=float(server_args.graceful_shutdown_timeout_s),
         timeout_keep_alive=max(1, int(server_args.timeout_keep_alive_s)),
         http=guarded_protocol_class(
             server_args.timeout_headers_s or None, server_args.limit_concurrency or None
@@ -108,6 +109,24 @@ def uvicorn_config(app: Any, server_args: ServerArgs, **overrides: Any) -> Any:
     )
     kwargs.update(overrides)
     return uvicorn.Config(app, **kwargs)
+
+
+def uvicorn_server(
+    app: Any, server_args: ServerArgs, on_shutdown: Callable[[], None] | None = None
+) -> Any:
+    """A ``uvicorn.Server`` of :func:`uvicorn_config` that calls ``on_shutdown()`` the moment its
+    graceful shutdown starts, before it waits (up to ``graceful_shutdown_timeout_s``) for open
+    requests: the server refuses new work from then on and the app's own drain keeps to the same
+    deadline."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            if on_shutdown is not None:
+                on_shutdown()
+            await super().shutdown(sockets)
+
+    return _Server(uvicorn_config(app, server_args))
 
 
 def run_uvicorn(server: Any) -> None:
