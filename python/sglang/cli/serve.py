@@ -58,7 +58,9 @@ def run_serve(args: argparse.Namespace) -> int:
         if _follow(server_args):
             return 0
         from sglang.multimodal_gen.entrypoints.http_server import launch_server
+        from sglang.multimodal_gen.runtime.worker import quiet_library_progress_bars
 
+        quiet_library_progress_bars()  # as `sglang generate`: no weight-loading bars in the log
         launch_server(server_args)
     except (Exception, KeyboardInterrupt) as e:
         return report("serve", e)

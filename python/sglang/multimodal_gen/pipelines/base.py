@@ -47,6 +47,7 @@ from sglang.multimodal_gen.pipelines.common import (
     EncodingFailed,
     GenerationInputs,
     check_finite,
+    flow_shift_helpers,
     latents_to_uint8,
 )
 
@@ -69,10 +70,13 @@ class StagedPipeline:
     Class attributes for subclasses:
         text_components: components used only by :meth:`encode_prompt` (rank 0 loads them).
         spatial_factor: from :meth:`compute_spatial_factor` (VAE factor x patch size).
+        shifted_schedule: the family's timesteps come from :meth:`shifted_timesteps` (its
+            diffusers helpers are then imported when the pipeline is built, not by a request).
     """
 
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer")
     family_name: str = ""
+    shifted_schedule: bool = False
     # Called with the denoiser about to run whenever the loop switches denoisers (two-expert
     # models): the runner's per-expert CPU offload keeps only that one on the accelerator.
     on_denoiser_change: Callable[[torch.nn.Module], None] | None = None
@@ -107,6 +111,8 @@ class StagedPipeline:
         self.vae_scale_factor = self.compute_vae_scale_factor()
         self.spatial_factor = self.compute_spatial_factor()
         self.defaults: SamplingDefaults = family.sampling_defaults(self.transformer.cfg)
+        if self.shifted_schedule:
+            flow_shift_helpers()
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -331,6 +337,31 @@ class StagedPipeline:
         return [x for i in range(latents.shape[0]) for x in self.decode(latents[i : i + 1], inp)]
 
     # ------------------------------------------------------------------ helpers
+    def shifted_timesteps(self, image_seq_len: int, num_steps: int, sigmas=None):
+        """``(scheduler, timesteps)`` of a flow-matching schedule shifted by resolution, as
+        diffusers' Flux, Z-Image and Qwen-Image pipelines make it: ``mu = calculate_shift(
+        image_seq_len, base/max_image_seq_len, base/max_shift of the scheduler config)``, then
+        ``retrieve_timesteps(scheduler, num_steps, sigmas=sigmas, mu=mu)`` on a fresh scheduler
+        (``sigmas`` ``None``: the scheduler's own).
+
+        Args:
+            image_seq_len: image tokens of one item (latent patches).
+            sigmas: a sequence of ``num_steps`` floats or ``None``.
+        """
+        calculate_shift, retrieve_timesteps = flow_shift_helpers()
+        sc = self.scheduler_config
+        mu = calculate_shift(
+            image_seq_len,
+            sc.get("base_image_seq_len", 256),
+            sc.get("max_image_seq_len", 4096),
+            sc.get("base_shift", 0.5),
+            sc.get("max_shift", 1.15),
+        )
+        scheduler = self.new_scheduler()
+        timesteps, _ = retrieve_timesteps(scheduler, num_steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler, timesteps
+
     def new_scheduler(self):
         """A fresh scheduler of the directory's class and config."""
         sched = self.components.get("scheduler")

@@ -4,12 +4,20 @@ when a prompt cannot be encoded."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["EncodingFailed", "GenerationInputs", "check_finite", "latents_to_uint8"]
+__all__ = [
+    "EncodingFailed",
+    "GenerationInputs",
+    "check_finite",
+    "flow_shift_helpers",
+    "latents_to_uint8",
+]
 
 
 @dataclass
@@ -87,3 +95,22 @@ class EncodingFailed:
     that every rank fails that request (and leaves the broadcast) instead of waiting forever."""
 
     message: str
+
+
+@functools.cache
+def flow_shift_helpers():
+    """diffusers' ``(calculate_shift, retrieve_timesteps)`` (``pipelines/flux/pipeline_flux.py``).
+
+    Importing that module imports transformers' CLIP and SigLIP classes: about 1.7 s on a 2-core
+    CPU, and without torchvision transformers warns that their image processors fall back to PIL
+    (processors no family here uses). Pipelines that need the helpers call this when they are
+    built, so no request pays the import, and those warnings are kept out of the log.
+    """
+    tf_logger = logging.getLogger("transformers")
+    level = tf_logger.level
+    tf_logger.setLevel(logging.ERROR)
+    try:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+    finally:
+        tf_logger.setLevel(level)
+    return calculate_shift, retrieve_timesteps

@@ -58,6 +58,7 @@ class FluxPipeline(StagedPipeline):
     """Flux.1 on our DiT (``models/dits/flux.py``) with the reference CLIP/T5/VAE/scheduler."""
 
     family_name = "flux"
+    shifted_schedule = True
     text_components = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
 
     # ------------------------------------------------------------------ text
@@ -129,22 +130,11 @@ class FluxPipeline(StagedPipeline):
         return pack_latents(noise)
 
     def prepare_timesteps(self, inp, latents):
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-
         n = inp.num_inference_steps
-        sc = self.scheduler_config
-        sigmas = None if sc.get("use_flow_sigmas") else np.linspace(1.0, 1 / n, n)
-        mu = calculate_shift(
-            latents.shape[1],
-            sc.get("base_image_seq_len", 256),
-            sc.get("max_image_seq_len", 4096),
-            sc.get("base_shift", 0.5),
-            sc.get("max_shift", 1.15),
+        use_own = self.scheduler_config.get("use_flow_sigmas")
+        return self.shifted_timesteps(
+            latents.shape[1], n, None if use_own else np.linspace(1.0, 1 / n, n)
         )
-        scheduler = self.new_scheduler()
-        timesteps, _ = retrieve_timesteps(scheduler, n, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        return scheduler, timesteps
 
     # ------------------------------------------------------------------ denoise
     def predict(self, denoiser, latents, t, step_index, cond, inp):

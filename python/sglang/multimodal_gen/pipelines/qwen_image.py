@@ -57,6 +57,7 @@ class QwenImagePipeline(StagedPipeline):
     """Qwen-Image on our DiT (``models/dits/qwen_image.py``)."""
 
     family_name = "qwen-image"
+    shifted_schedule = True
     text_components = ("text_encoder", "tokenizer")
 
     def compute_vae_scale_factor(self) -> int:
@@ -115,22 +116,8 @@ class QwenImagePipeline(StagedPipeline):
         return pack_latents(noise[:, 0])
 
     def prepare_timesteps(self, inp, latents):
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-
         n = inp.num_inference_steps
-        sc = self.scheduler_config
-        mu = calculate_shift(
-            latents.shape[1],
-            sc.get("base_image_seq_len", 256),
-            sc.get("max_image_seq_len", 4096),
-            sc.get("base_shift", 0.5),
-            sc.get("max_shift", 1.15),
-        )
-        scheduler = self.new_scheduler()
-        sigmas = np.linspace(1.0, 1 / n, n)
-        timesteps, _ = retrieve_timesteps(scheduler, n, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        return scheduler, timesteps
+        return self.shifted_timesteps(latents.shape[1], n, np.linspace(1.0, 1 / n, n))
 
     # ------------------------------------------------------------------ denoise
     def predict(self, denoiser, latents, t, step_index, cond, inp):

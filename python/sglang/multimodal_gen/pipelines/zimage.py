@@ -55,6 +55,7 @@ class ZImagePipeline(StagedPipeline):
     """
 
     family_name = "zimage"
+    shifted_schedule = True
     cfg_normalization: float = 0.0
     cfg_truncation: float = 1.0
     # texts are padded to a multiple of this many tokens (see encode_texts, encode_group_key)
@@ -151,24 +152,9 @@ class ZImagePipeline(StagedPipeline):
         return randn_tensor(shape, generator=inp.generator, device=self.device, dtype=torch.float32)
 
     def prepare_timesteps(self, inp, latents):
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-
         image_seq_len = (latents.shape[2] // 2) * (latents.shape[3] // 2)
-        sc = self.scheduler_config
-        mu = calculate_shift(
-            image_seq_len,
-            sc.get("base_image_seq_len", 256),
-            sc.get("max_image_seq_len", 4096),
-            sc.get("base_shift", 0.5),
-            sc.get("max_shift", 1.15),
-        )
-        scheduler = self.new_scheduler()
-        timesteps, _ = retrieve_timesteps(
-            scheduler, inp.num_inference_steps, self.device,
-            sigmas=default_sigmas(inp.num_inference_steps), mu=mu,
-        )  # fmt: skip
-        scheduler.set_begin_index(0)
-        return scheduler, timesteps
+        n = inp.num_inference_steps
+        return self.shifted_timesteps(image_seq_len, n, default_sigmas(n))
 
     # ------------------------------------------------------------------ denoise
     def predict(self, denoiser, latents, t, step_index, cond, inp):
