@@ -36,6 +36,7 @@ Configs (``--family qwen-image``, true CFG 4.0 with a negative prompt):
 Usage:
     python benchmarks/bench_e2e.py [--family zimage|flux|wan|qwen-image] [--gpu] [--repeats 5] [--steps N]
         [--size PX] [--compile] [--matmul-precision highest|high|medium]
+        [--attention-backend auto|flash|efficient|cudnn|math]
 """
 
 from __future__ import annotations
@@ -371,6 +372,12 @@ def main(argv=None) -> int:
         default="highest",
         help="torch.set_float32_matmul_precision during our runs only (diffusers: highest)",
     )
+    ap.add_argument(
+        "--attention-backend",
+        choices=("auto", "flash", "efficient", "cudnn", "math"),
+        default="auto",
+        help="the SDPA kernel of our attention (--attention-backend of serve); diffusers: auto",
+    )
     args = ap.parse_args(argv)
     if args.family == "flux":
         cfg = dict(FLUX_GPU_CFG if args.gpu else FLUX_CPU_CFG)
@@ -393,6 +400,9 @@ def main(argv=None) -> int:
     builders = {"zimage": build, "flux": build_flux, "wan": build_wan, "qwen-image": build_qwen}
     ours, ref = builders[args.family](cfg)
     print(f"built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    from sglang.multimodal_gen.layers.attention import set_attention_backend
+
+    set_attention_backend(args.attention_backend, cfg["device"])  # our attention() only
     if args.compile:
         from sglang.multimodal_gen.runtime.placement import compile_blocks
 
@@ -484,8 +494,11 @@ def main(argv=None) -> int:
         f"{'' if args.family == 'wan' else f'{size}x{size}, '}"
         f"{steps} steps, {str(cfg['dtype']).replace('torch.', '')}"
     )
-    if args.compile or args.matmul_precision != "highest":
-        label += f"; ours with compile={args.compile}, fp32 matmul {args.matmul_precision}"
+    if args.compile or args.matmul_precision != "highest" or args.attention_backend != "auto":
+        label += (
+            f"; ours with compile={args.compile}, fp32 matmul {args.matmul_precision}, "
+            f"attention {args.attention_backend}"
+        )
     print(f"\nconfig: {label}; {args.repeats} interleaved runs; image PSNR {psnr:.1f} dB")
     print("| metric | ours | diffusers | ours/diffusers |")
     print("|---|---|---|---|")
