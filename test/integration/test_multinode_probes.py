@@ -32,11 +32,19 @@ def test_ready_turns_503_while_the_queue_is_full_and_health_stays_200():
         auth = {"Authorization": "Bearer secret"}
         with ThreadPoolExecutor(max_workers=3) as pool:
             try:
-                futures = [pool.submit(httpx.post, f"{url}/v1/images/generations",
+
+                def post(i):
+                    return pool.submit(httpx.post, f"{url}/v1/images/generations",
                                        json={"prompt": "p", "size": "32x32", "seed": i,
                                              "num_inference_steps": 1},
-                                       headers=auth, timeout=60) for i in range(3)]  # fmt: skip
-                _wait(lambda: scheduler.busy and scheduler.queue_depth == 2, "queue not full")
+                                       headers=auth, timeout=60)  # fmt: skip
+
+                # one running first: three at once could all queue before the worker takes
+                # one, and the third would then find the queue (limit 2) full
+                futures = [post(0)]
+                _wait(lambda: scheduler.busy, "the first request did not start")
+                futures += [post(1), post(2)]
+                _wait(lambda: scheduler.queue_depth == 2, "queue not full")
                 err = assert_envelope(httpx.get(f"{url}/ready"), 503)
                 assert "queue is full" in err["message"]
                 assert httpx.head(f"{url}/ready").status_code == 503
