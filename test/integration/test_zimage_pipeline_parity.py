@@ -110,6 +110,22 @@ def test_dynamic_shift_matches_diffusers(pipes, dynamic_shift_pipes, kw):
     assert psnr(_ours(pipes[0], PROMPT, **kw), expected) < MIN_PSNR
 
 
+@pytest.mark.parametrize("max_sequence_length", [17, 100])
+def test_max_sequence_length_not_a_multiple_of_the_padding_matches_diffusers(
+    pipes, max_sequence_length
+):
+    """Any ``max_sequence_length`` works (texts are padded to a multiple of 16 tokens, which the
+    tokenizer refused for a ``max_length`` that is not one), and truncates as the reference:
+    17 tokens cut the chat-templated prompt, 100 do not, and the two images differ."""
+    ours, ref = pipes
+    kw = dict(height=32, width=32, num_inference_steps=2, guidance_scale=2.0)
+    kw["max_sequence_length"] = max_sequence_length
+    expected = reference_image(ref, PROMPT, seed=7, **kw)
+    assert_same_image(_ours(ours, PROMPT, seed=7, **kw), expected)
+    other = 100 if max_sequence_length == 17 else 17
+    assert psnr(_ours(ours, PROMPT, seed=7, **{**kw, "max_sequence_length": other}), expected) < 40
+
+
 def test_batch_of_images_matches_diffusers(pipes):
     ours, ref = pipes
     kw = dict(height=32, width=32, num_inference_steps=2, guidance_scale=2.0)

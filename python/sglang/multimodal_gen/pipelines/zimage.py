@@ -84,42 +84,55 @@ class ZImagePipeline(StagedPipeline):
             for p in prompts
         ]
 
+    def _token_ids(self, prompts: list[str], max_sequence_length: int) -> list[list[int]]:
+        """Each prompt's chat-template token ids, truncated to ``max_sequence_length``."""
+        tokenizer = self.components["tokenizer"]
+        return tokenizer(
+            self._chat_texts(prompts), max_length=max_sequence_length, truncation=True
+        ).input_ids
+
+    def _padded_length(self, ids: list[list[int]]) -> int:
+        """The longest of ``ids`` rounded up to :attr:`TEXT_PAD_MULTIPLE` tokens."""
+        m = self.TEXT_PAD_MULTIPLE
+        return -(-max(len(t) for t in ids) // m) * m
+
     def encode_group_key(self, inp: GenerationInputs) -> int:
         """The request's own padded length (its longest text in tokens, capped, rounded up to
         :attr:`TEXT_PAD_MULTIPLE`): a call pads its texts to that of its longest, so only
         requests of one padded length share a call (and each gets what it would alone)."""
-        ids = self.components["tokenizer"](
-            self._chat_texts(self.prompt_list(inp)),
-            max_length=inp.max_sequence_length,
-            truncation=True,
-        ).input_ids
-        m = self.TEXT_PAD_MULTIPLE
-        return -(-max(len(t) for t in ids) // m) * m
+        return self._padded_length(self._token_ids(self.prompt_list(inp), inp.max_sequence_length))
 
     @torch.no_grad()
     def encode_texts(
         self, prompts: list[str], max_sequence_length: int = 512
     ) -> list[torch.Tensor]:
-        """Encode prompts as the reference does: chat template, padded tokens, ``hidden[-2]``."""
+        """Encode prompts as the reference does: chat template, tokens truncated to
+        ``max_sequence_length``, ``hidden[-2]`` at the unmasked tokens.
+
+        The texts are padded to the longest one rounded up to :attr:`TEXT_PAD_MULTIPLE` tokens,
+        not to ``max_sequence_length`` as the reference does: the encoder is causal and only the
+        unmasked tokens are kept, so the pad tokens after them change nothing but the cost (a
+        20-token prompt ran 512 tokens through the encoder) and the rounding; the multiple lets
+        requests of similar length share one call in a batch without changing either one's
+        padding. The padding is done here, not by the tokenizer, which refuses a
+        ``max_length`` that is not a multiple of ``pad_to_multiple_of``.
+        """
         tokenizer = self.components["tokenizer"]
-        texts = self._chat_texts(prompts)
-        # Padding to the longest prompt (rounded up to TEXT_PAD_MULTIPLE), not to max_length as
-        # the reference does: the encoder is causal and only the unmasked tokens are kept, so
-        # the pad tokens after them change nothing but the cost (a 20-token prompt ran 512
-        # tokens through the encoder) and the rounding; the multiple lets requests of similar
-        # length share one call in a batch without changing either one's padding.
-        enc = tokenizer(
-            texts,
-            padding="longest",
-            pad_to_multiple_of=self.TEXT_PAD_MULTIPLE,
-            max_length=max_sequence_length,
-            truncation=True,
-            return_tensors="pt",
-        )
-        ids = enc.input_ids.to(self.device)
-        mask = enc.attention_mask.to(self.device).bool()
+        ids = self._token_ids(prompts, max_sequence_length)
+        length = self._padded_length(ids)
+        pad_id = tokenizer.pad_token_id
+        left = tokenizer.padding_side == "left"
+        rows, masks = [], []
+        for t in ids:
+            pad = length - len(t)
+            rows.append([pad_id] * pad + t if left else t + [pad_id] * pad)
+            masks.append(
+                [False] * pad + [True] * len(t) if left else [True] * len(t) + [False] * pad
+            )
+        ids_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        mask = torch.tensor(masks, dtype=torch.bool, device=self.device)
         hidden = self.components["text_encoder"](
-            input_ids=ids, attention_mask=mask, output_hidden_states=True
+            input_ids=ids_t, attention_mask=mask, output_hidden_states=True
         ).hidden_states[-2]
         return [hidden[i][mask[i]] for i in range(len(prompts))]
 
