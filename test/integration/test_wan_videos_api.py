@@ -26,10 +26,15 @@ BODY = dict(prompt="a paper boat", size="32x32", num_frames=5, fps=8, num_infere
             seed=11, guidance_scale=3.0, negative_prompt="blurry")  # fmt: skip
 
 
+# the server's own bounds (below the model's): the video route must apply them as the image one
+SERVER_LIMITS = dict(max_inference_steps=50, max_pixel_steps=32 * 32 * 9 * 50)
+
+
 @pytest.fixture(scope="module")
 def served(tiny_wan_a14b_dir):
+    args = ServerArgs(model_path=tiny_wan_a14b_dir, **SERVER_LIMITS)
     with DiffusionEngine(tiny_wan_a14b_dir, device="cpu") as engine:
-        with running_server(engine, ServerArgs(model_path=tiny_wan_a14b_dir)) as (url, app, _):
+        with running_server(engine, args) as (url, app, _):
             yield url, engine
 
 
@@ -103,6 +108,10 @@ def test_concurrent_jobs_and_seconds(served):
         (dict(seconds="abc"), 400, "seconds"),
         (dict(fps=0), 400, "fps"),
         (dict(num_frames=0), 400, "num_frames"),
+        (dict(num_frames=100_000_001), 400, "num_frames"),  # over the rotary tables' reach
+        (dict(num_frames=13, num_inference_steps=50), 400, "num_frames"),  # --max-pixel-steps
+        (dict(num_inference_steps=51), 400, "num_inference_steps"),  # --max-steps
+        (dict(guidance_scale_2=-1), 400, "guidance_scale_2"),
         (dict(guidance_scale=float("inf")), 400, None),
         (dict(unknown_field=1), 422, None),
         (dict(model="another-model"), 404, "model"),

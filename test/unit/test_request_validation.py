@@ -15,6 +15,7 @@ LIMITS = {
     "max_sequence_length_limit": 512,
     "max_num_images": 4,
     "max_inference_steps": 50,
+    "max_num_frames": 81,
 }
 OK = dict(
     prompt="a fox",
@@ -49,6 +50,10 @@ def _validate(**fields):
         dict(lora=[("a", 0.5), ("b", -1.0)]),
         dict(lora=[]),
         dict(negative_prompt="blurry"),
+        dict(num_frames=1),
+        dict(num_frames=81),  # exactly the model's largest frame count
+        dict(guidance_scale_2=0),
+        dict(guidance_scale_2=3.5),
     ],
 )
 def test_accepted_at_the_edges(fields):
@@ -87,6 +92,15 @@ def test_accepted_at_the_edges(fields):
         (dict(num_images=True), "n"),
         (dict(lora=[("a", float("nan"))]), "lora"),
         (dict(lora=[("a", 1.0), ("a", 0.5)]), "lora"),
+        (dict(num_frames=0), "num_frames"),
+        (dict(num_frames=82), "num_frames"),
+        (dict(num_frames=100_000_001), "num_frames"),
+        (dict(num_frames=5.0), "num_frames"),
+        (dict(num_frames=True), "num_frames"),
+        (dict(guidance_scale_2=-1), "guidance_scale_2"),
+        (dict(guidance_scale_2=float("nan")), "guidance_scale_2"),
+        (dict(guidance_scale_2=float("inf")), "guidance_scale_2"),
+        (dict(guidance_scale_2="3"), "guidance_scale_2"),
     ],
 )
 def test_refused_with_the_field_named(fields, param):
@@ -100,3 +114,30 @@ def test_spatial_factor_is_the_callers():
     GenerationRequest(**{**OK, "height": 40, "width": 8}).validate(spatial_factor=8)
     with pytest.raises(InvalidRequestError):
         GenerationRequest(**{**OK, "height": 40}).validate(spatial_factor=16)
+
+
+def test_pixel_steps_count_frames():
+    """A video's cost is ``n x num_frames x width x height x steps``: the same request fits
+    the budget with 5 frames and not with 6; the frames are named when ``n`` is 1."""
+    budget = {**LIMITS, "max_pixel_steps": 5 * 64 * 48 * 4}
+    GenerationRequest(**{**OK, "num_frames": 5}).validate(spatial_factor=16, limits=budget)
+    with pytest.raises(InvalidRequestError) as e:
+        GenerationRequest(**{**OK, "num_frames": 6}).validate(spatial_factor=16, limits=budget)
+    assert e.value.param == "num_frames" and "1 x 6 x 48 x 64 x 4" in e.value.message
+    with pytest.raises(InvalidRequestError) as e:
+        GenerationRequest(**{**OK, "num_frames": 5, "num_images": 2}).validate(
+            spatial_factor=16, limits=budget
+        )
+    assert e.value.param == "n"
+
+
+def test_server_pixel_step_budget_fits_the_models_default_request():
+    from sglang.multimodal_gen.configs.server_args import DEFAULT_MAX_PIXEL_STEPS
+    from sglang.multimodal_gen.entrypoints.http_server import resolve_max_pixel_steps
+
+    image = dict(width=1024, height=1024, num_inference_steps=50, num_frames=1)
+    video = dict(width=832, height=480, num_inference_steps=40, num_frames=81)
+    assert resolve_max_pixel_steps(None, image) == DEFAULT_MAX_PIXEL_STEPS
+    assert resolve_max_pixel_steps(None, video) == 4 * 832 * 480 * 40 * 81
+    assert resolve_max_pixel_steps(0, video) is None  # no bound
+    assert resolve_max_pixel_steps(1000, video) == 1000

@@ -142,8 +142,9 @@ class ServerArgs:
             maximum when that is smaller.
         max_images_per_request: upper bound of ``n`` (``--max-n``).
         max_inference_steps: upper bound of ``num_inference_steps`` (``--max-steps``).
-        max_pixel_steps: upper bound of ``n x width x height x num_inference_steps`` per request
-            (0: no bound).
+        max_pixel_steps: upper bound of ``n x num_frames x width x height x
+            num_inference_steps`` per request (0: no bound; ``None``: 1024x1024 x 256, or 4x the
+            model's default request when larger).
         timeout_keep_alive_s: an idle kept-alive connection is closed after this long.
         timeout_headers_s: request headers must arrive within this long of the connection
             opening (or of the previous answer); 0: no bound.
@@ -192,7 +193,7 @@ class ServerArgs:
     max_image_size: int | None = None
     max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
     max_inference_steps: int = DEFAULT_MAX_INFERENCE_STEPS
-    max_pixel_steps: int = DEFAULT_MAX_PIXEL_STEPS
+    max_pixel_steps: int | None = None
     timeout_keep_alive_s: float = 5.0
     timeout_headers_s: float = 10.0
     timeout_body_s: float = 30.0
@@ -253,7 +254,7 @@ class ServerArgs:
             raise ValueError(f"--max-n must be >= 1, got {self.max_images_per_request}")
         if int(self.max_inference_steps) < 1:
             raise ValueError(f"--max-steps must be >= 1, got {self.max_inference_steps}")
-        if int(self.max_pixel_steps) < 0:
+        if self.max_pixel_steps is not None and int(self.max_pixel_steps) < 0:
             raise ValueError(f"--max-pixel-steps must be >= 0, got {self.max_pixel_steps}")
         if int(self.limit_concurrency) < 1:
             raise ValueError(f"--limit-concurrency must be >= 1, got {self.limit_concurrency}")

@@ -118,9 +118,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument(
         "--max-pixel-steps",
         type=int,
-        default=DEFAULT_MAX_PIXEL_STEPS,
-        help="largest n x width x height x num_inference_steps of one request (default "
-        f"{DEFAULT_MAX_PIXEL_STEPS} = 1024x1024 x 256; 0: no bound)",
+        default=None,
+        help="largest n x num_frames x width x height x num_inference_steps of one request "
+        f"(default {DEFAULT_MAX_PIXEL_STEPS} = 1024x1024 x 256, or 4x the model's default "
+        "request when larger, as for video models; 0: no bound)",
     )
     g.add_argument(
         "--timeout-keep-alive",

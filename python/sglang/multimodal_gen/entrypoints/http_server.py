@@ -33,7 +33,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sglang.multimodal_gen.configs.server_args import DEFAULT_MAX_IMAGE_SIZE, ServerArgs
+from sglang.multimodal_gen.configs.server_args import (
+    DEFAULT_MAX_IMAGE_SIZE,
+    DEFAULT_MAX_PIXEL_STEPS,
+    ServerArgs,
+)
 from sglang.multimodal_gen.engine_ops import OPS
 from sglang.multimodal_gen.entrypoints.auth import ApiKeyAuth
 from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
@@ -80,7 +84,7 @@ def create_app(
         max_image_size=resolve_max_image_size(args.max_image_size, defaults),
         max_images=args.max_images_per_request,
         max_steps=args.max_inference_steps,
-        max_pixel_steps=args.max_pixel_steps or None,
+        max_pixel_steps=resolve_max_pixel_steps(args.max_pixel_steps, defaults),
     )
     metrics = ServerMetrics()
     scheduler = Scheduler(
@@ -242,6 +246,21 @@ def resolve_max_image_size(requested: int | None, defaults: dict) -> int:
             f"pixels per side; use --max-image-size {model_max} or less"
         )
     return int(requested)
+
+
+def resolve_max_pixel_steps(requested: int | None, defaults: dict) -> int | None:
+    """The server's budget of ``n x num_frames x width x height x num_inference_steps`` per
+    request: ``--max-pixel-steps`` (0: no bound, ``None``); unset: 1024x1024 x 256, or four
+    times the model's default request when that is larger (a video model's default 81 frames
+    at 480x832 and 40 steps alone cost about 5 such images)."""
+    if requested is not None:
+        return int(requested) or None
+    d = defaults
+    default_cost = (
+        int(d.get("width") or 0) * int(d.get("height") or 0) * int(d.get("num_frames") or 1)
+        * int(d.get("num_inference_steps") or 0)
+    )  # fmt: skip
+    return max(DEFAULT_MAX_PIXEL_STEPS, 4 * default_cost)
 
 
 # ---------------------------------------------------------------------------------------------

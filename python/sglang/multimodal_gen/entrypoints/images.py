@@ -25,7 +25,7 @@ from sglang.multimodal_gen.entrypoints.protocol import (
     validate_generation,
 )
 from sglang.multimodal_gen.entrypoints.routing import RouteContext
-from sglang.multimodal_gen.errors import NotFoundError
+from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError
 
 _MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
@@ -93,6 +93,11 @@ def add_image_routes(
         t0 = time.perf_counter()
         req = parse_json_body(await ctx.read_body(request), ImageGenerationRequest)
         ctx.check_model(req.model)
+        modality = ctx.defaults.get("modality", "image")
+        if modality != "image":  # before the values: their bounds are a video's
+            raise InvalidRequestError(
+                f"{ctx.model_id} is a {modality} model; use /v1/videos", param="model"
+            )
         params = validate_generation(req, ctx.limits, ctx.defaults)
         if params.engine_kwargs.get("seed") is None:
             # drawn here so the response can report it and the image can be reproduced

@@ -181,7 +181,8 @@ class Limits:
         max_image_size: largest width or height.
         max_images: largest ``n``.
         max_steps: largest ``num_inference_steps``.
-        max_pixel_steps: largest ``n x width x height x num_inference_steps`` (``None``: no bound).
+        max_pixel_steps: largest ``n x num_frames x width x height x num_inference_steps``
+            (``None``: no bound).
     """
 
     spatial_factor: int = 16

@@ -251,7 +251,9 @@ def add_video_routes(
             kwargs["lora"] = validate_composition(req.lora, "lora")
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         # every value rule, before anything is queued (the engine checks again)
-        request_factory(**kwargs).with_defaults(defaults).validate(limits.spatial_factor, defaults)
+        request_factory(**kwargs).with_defaults(defaults).validate(
+            limits.spatial_factor, limits.request_limits(defaults)
+        )
         job = VideoJob(
             id=f"video_{secrets.token_hex(12)}", model=model_id, prompt=req.prompt,
             size=f"{width}x{height}", seconds=seconds, num_frames=num_frames, fps=fps,

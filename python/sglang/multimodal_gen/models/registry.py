@@ -71,6 +71,8 @@ class SamplingDefaults:
         max_image_size: largest height/width the model's position tables cover (pixels).
         modality: ``"image"`` or ``"video"``.
         num_frames: default frame count (1 for image models).
+        max_num_frames: largest accepted ``num_frames`` (what the model's position tables cover;
+            1 for image models).
         fps: default frames per second of a written video (``None`` for image models).
         guidance_scale_2: default guidance of the second (low-noise) expert of two-expert models
             (``None``: the same as ``guidance_scale``).
@@ -86,6 +88,7 @@ class SamplingDefaults:
     max_image_size: int = 4096
     modality: str = "image"
     num_frames: int = 1
+    max_num_frames: int = 1
     fps: int | None = None
     guidance_scale_2: float | None = None
 

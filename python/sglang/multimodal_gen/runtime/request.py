@@ -89,10 +89,11 @@ class GenerationRequest:
         Args:
             spatial_factor: height and width must be multiples of it.
             limits: upper bounds; every key is optional (absent or ``None``: no bound). The
-                family's ``SamplingDefaults.as_dict()`` gives ``max_image_size`` and
-                ``max_sequence_length_limit``; the server adds ``max_num_images`` (``n``),
-                ``max_inference_steps`` and ``max_pixel_steps`` (``n x width x height x steps``,
-                checked once height, width and steps are all known).
+                family's ``SamplingDefaults.as_dict()`` gives ``max_image_size``,
+                ``max_num_frames`` and ``max_sequence_length_limit``; the server adds
+                ``max_num_images`` (``n``), ``max_inference_steps`` and ``max_pixel_steps``
+                (``n x num_frames x width x height x steps``, checked once height, width and
+                steps are all known; ``num_frames`` unset counts as 1).
 
         Raises:
             InvalidRequestError: naming the field (``param``) and the allowed values.
@@ -111,7 +112,16 @@ class GenerationRequest:
                 f"num_inference_steps must be an integer {_range(1, max_steps)}, got {steps!r}",
                 param="num_inference_steps",
             )
-        for name in ("guidance_scale", "true_cfg_scale"):
+        frames = self.num_frames
+        max_frames = limits.get("max_num_frames")
+        if frames is not None and (
+            not _is_int(frames) or frames < 1 or (max_frames is not None and frames > max_frames)
+        ):
+            raise InvalidRequestError(
+                f"num_frames must be an integer {_range(1, max_frames)}, got {frames!r}",
+                param="num_frames",
+            )
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
             g = getattr(self, name)
             if g is None:
                 continue
@@ -140,14 +150,17 @@ class GenerationRequest:
             )
         budget = limits.get("max_pixel_steps")
         if budget is not None and None not in (self.height, self.width, steps):
-            cost = n * self.height * self.width * steps
+            frames = frames or 1
+            cost = n * frames * self.height * self.width * steps
             if cost > budget:
-                param = "n" if n > 1 else "num_inference_steps"
+                param = "n" if n > 1 else "num_frames" if frames > 1 else "num_inference_steps"
+                what = "n x num_frames" if frames > 1 else "n"
+                count = f"{n} x {frames}" if frames > 1 else f"{n}"
                 raise InvalidRequestError(
-                    f"this request costs n x width x height x num_inference_steps = {n} x "
-                    f"{self.width} x {self.height} x {steps} = {cost} pixel-steps, over this "
-                    f"server's budget of {budget} (--max-pixel-steps); lower n, size or "
-                    "num_inference_steps",
+                    f"this request costs {what} x width x height x num_inference_steps = "
+                    f"{count} x {self.width} x {self.height} x {steps} = {cost} pixel-steps, "
+                    f"over this server's budget of {budget} (--max-pixel-steps); lower {what}, "
+                    "size or num_inference_steps",
                     param=param,
                 )
         validate_composition(self.lora, "lora")

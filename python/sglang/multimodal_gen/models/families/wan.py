@@ -20,19 +20,26 @@ from sglang.multimodal_gen.models.registry import (
 _PKG = "sglang.multimodal_gen"
 
 
+def _max_frames(cfg) -> int:
+    """Frames the DiT's rotary tables cover: ``rope_max_seq_len`` patches in time, each
+    ``patch_size[0]`` latent frames of 4 frames (both Wan VAEs compress time by 4), plus the
+    first frame, which the VAE keeps alone."""
+    return (cfg.rope_max_seq_len * cfg.patch_size[0] - 1) * 4 + 1
+
+
 def _defaults(cfg) -> SamplingDefaults:
     if cfg.in_channels == 48:  # TI2V-5B: 704x1280, 121 frames at 24 fps
         return SamplingDefaults(
             num_inference_steps=50, guidance_scale=5.0, height=704, width=1280,
             max_sequence_length=512, max_sequence_length_limit=512, modality="video",
-            num_frames=121, fps=24,
+            num_frames=121, fps=24, max_num_frames=_max_frames(cfg),
         )  # fmt: skip
     # T2V-A14B (and Wan2.1): 480x832, 81 frames at 16 fps; the second expert's guidance 3.0
     # (the pipeline drops it for one-expert directories)
     return SamplingDefaults(
         num_inference_steps=40, guidance_scale=4.0, height=480, width=832,
         max_sequence_length=512, max_sequence_length_limit=512, modality="video",
-        num_frames=81, fps=16, guidance_scale_2=3.0,
+        num_frames=81, fps=16, guidance_scale_2=3.0, max_num_frames=_max_frames(cfg),
     )  # fmt: skip
 
 
