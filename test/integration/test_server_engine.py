@@ -417,3 +417,25 @@ def test_server_without_lora_dir_refuses_local_paths(model_path, lora_dir, tmp_p
             assert r.status_code == 200, r.text
     finally:
         engine.shutdown()
+
+
+def test_a_long_generation_that_keeps_stepping_is_not_a_stall(engine):
+    """``--health-stall-timeout`` is for a call that hangs: a generation far longer than the
+    timeout keeps ``/health`` at 200 while its denoising steps end (each well under it); the
+    hung call of ``test_server_api`` turns it 503 with the same timeout."""
+    steps_before = engine.steps_done()
+    body = {"prompt": "a long one", "size": "64x64", "num_inference_steps": 500, "seed": 1}
+    with running_server(engine, ServerArgs(health_stall_timeout_s=0.3)) as (url, app, _):
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(
+                httpx.post, f"{url}/v1/images/generations", json=body, timeout=300
+            )
+            codes, t0 = [], time.monotonic()
+            while not pending.done():
+                codes.append(httpx.get(f"{url}/health", timeout=10).status_code)
+                time.sleep(0.05)
+            took = time.monotonic() - t0
+            assert pending.result().status_code == 200
+    assert engine.steps_done() - steps_before == 500
+    assert took > 1.0, took  # several stall timeouts long, or the test proves nothing
+    assert set(codes) == {200}, codes

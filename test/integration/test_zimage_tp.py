@@ -115,6 +115,7 @@ def _engine_images(engine, loras):
 def test_engine_tp2_equals_tp1_with_and_without_lora(tiny_zimage_dir, tiny_zimage_loras):
     with DiffusionEngine(tiny_zimage_dir, tp_size=1, device="cpu") as e1:
         ref = _engine_images(e1, tiny_zimage_loras)
+        assert e1.steps_done() == 5 * 2  # five generations of two steps (the stall detector)
         near = GenerationRequest(
             prompt="a lighthouse at dusk", height=32, width=32, num_inference_steps=2, seed=9,
             lora=[("a", 0.7), ("b", 1.4)],
@@ -123,6 +124,7 @@ def test_engine_tp2_equals_tp1_with_and_without_lora(tiny_zimage_dir, tiny_zimag
     with DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu") as e2:
         assert e2.is_alive() and e2.spatial_factor == 16
         got = _engine_images(e2, tiny_zimage_loras)
+        assert e2.steps_done() == 5 * 2  # counted by rank 0, read across processes
         # errors raised on the ranks come back as the same error types
         with pytest.raises(NotFoundError):
             e2.generate(GenerationRequest(prompt="x", height=16, width=16, lora=[("zz", 1.0)]))

@@ -21,7 +21,8 @@ fails with ``EngineDeadError`` (HTTP 503) and new ones are refused at once, so n
 
 An engine that is alive but stuck (a call that never returns) is noticed too: with
 ``stall_timeout_s``, :meth:`Scheduler.healthy` is false while work is pending and no task has
-started or finished for that long (``/health`` turns 503; it recovers when the task ends).
+started or finished, and no denoising step ended (``engine.steps_done()``), for that long
+(``/health`` turns 503; it recovers when the engine moves again).
 
 Batching (``max_batch_size > 1``): when a generation reaches the head of the queue, the waiting
 generations with the same sampling settings (size, steps, frames, guidance values, whether a
@@ -111,8 +112,8 @@ class Scheduler:
         request_factory: builds the engine's request object from keyword arguments (default:
             ``sglang.multimodal_gen.runtime.GenerationRequest``).
         idle_check_s: how often the idle worker polls ``engine.is_alive()``.
-        stall_timeout_s: :meth:`healthy` is false while work is pending and nothing started or
-            finished for this long (``None``: never).
+        stall_timeout_s: :meth:`healthy` is false while work is pending and nothing started,
+            finished or stepped for this long (``None``: never).
         max_batch_size: generations run together at most (1: one at a time).
         batch_wait_s: how long a batch that is not full waits for more requests (seconds).
     """
@@ -144,6 +145,7 @@ class Scheduler:
         self._idle_check_s = idle_check_s
         self.stall_timeout_s = stall_timeout_s
         self._progress_at = time.monotonic()  # last task start/end, or work arriving when idle
+        self._steps_seen: int | None = None  # engine.steps_done() when last looked at
         self._queue: deque[_Task] = deque()
         self._cond = threading.Condition()
         self._waiting_generations = 0
@@ -247,11 +249,27 @@ class Scheduler:
         return alive
 
     def stalled_s(self) -> float:
-        """Seconds without progress (no task started or finished) while work is pending; 0 when
-        nothing is pending."""
+        """Seconds without progress (no task started or finished, and no denoising step, when
+        the engine counts them: ``engine.steps_done()``) while work is pending; 0 when nothing
+        is pending."""
         if self._running is None and not self._queue:
             return 0.0
+        self._note_engine_steps()
         return max(0.0, time.monotonic() - self._progress_at)
+
+    def _note_engine_steps(self) -> None:
+        """A step since the last look counts as progress now (looked at when health is asked:
+        a long generation that keeps stepping is not stalled)."""
+        read = getattr(self.engine, "steps_done", None)
+        if read is None:
+            return
+        try:
+            steps = read()
+        except Exception:  # an engine that cannot say: starts and ends only
+            return
+        if self._steps_seen is not None and steps != self._steps_seen:
+            self._progress_at = time.monotonic()
+        self._steps_seen = steps
 
     def _stalled(self) -> bool:
         return self.stall_timeout_s is not None and self.stalled_s() > self.stall_timeout_s

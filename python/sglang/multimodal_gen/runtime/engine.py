@@ -435,6 +435,14 @@ class DiffusionEngine:
     def list_loras(self) -> dict:
         return self._call("list_loras")
 
+    def steps_done(self) -> int:
+        """Denoising steps finished so far, all requests together (grows while a generation
+        runs; the server's ``--health-stall-timeout`` watches it). 0 before the first."""
+        if self._runner is not None:
+            return int(self._runner.steps.value)
+        workers = getattr(self, "_workers", None)
+        return int(workers.steps.value) if workers is not None and workers.steps is not None else 0
+
     def is_alive(self) -> bool:
         if self._closed or self._dead:
             return False

@@ -55,6 +55,7 @@ class Workers:
     procs: list
     cmd_q: object
     res_q: object
+    steps: object = None  # multiprocessing.Value("q"): rank 0's finished denoising steps
 
     def dead(self) -> list[int]:
         return [i for i, p in enumerate(self.procs) if not p.is_alive()]
@@ -88,6 +89,7 @@ def spawn_workers(
     fp = fingerprint(plan, runner_kwargs, backend)
     ctx = mp.get_context("spawn")
     cmd_q, res_q = ctx.Queue(), ctx.Queue()
+    steps = ctx.Value("q", 0, lock=False)
     procs = [
         ctx.Process(
             target=tp_worker_main,
@@ -101,6 +103,7 @@ def spawn_workers(
                 heartbeat_s,
                 worker_setup,
                 fp,
+                steps,
             ),
             daemon=True,
         )  # fmt: skip
@@ -108,7 +111,7 @@ def spawn_workers(
     ]
     for p in procs:
         p.start()
-    return Workers(procs, cmd_q, res_q)
+    return Workers(procs, cmd_q, res_q, steps)
 
 
 def wait_message(workers: Workers, timeout_s: float | None = None, who: str = "TP workers"):

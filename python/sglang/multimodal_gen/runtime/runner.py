@@ -103,9 +103,22 @@ __all__ = [
     "LoRAChangeAborted",
     "LoRARollbackError",
     "ModelRunner",
+    "StepCount",
     "compile_blocks",
     "resolve_dtype",
 ]
+
+
+class StepCount:
+    """Denoising steps an engine has finished, all requests together (``value`` only grows).
+
+    Read from other threads (the in-process engine) or, as a ``multiprocessing.Value("q")`` in
+    its place, from the launcher's process (rank 0 of worker processes): the server's stall
+    detector watches it, so a long generation that keeps stepping is not taken for a hung one.
+    """
+
+    def __init__(self) -> None:
+        self.value = 0
 
 
 class ModelRunner:
@@ -203,6 +216,7 @@ class ModelRunner:
         )
         self.per_expert_offload = len(self.offloaders) > 1
         self._expert_lock = threading.Lock()
+        self.steps = StepCount()  # a worker's launcher may put a shared counter in its place
         if self.per_expert_offload:
             self.pipeline.on_denoiser_change = self._activate_expert
 
@@ -458,7 +472,11 @@ class ModelRunner:
             num_images=req.num_images,
             output_type="np",
             progress=progress if self.rank == 0 else False,
+            step_callback=self._count_step,
         )
+
+    def _count_step(self, step_index: int, seconds: float) -> None:
+        self.steps.value += 1  # unlocked: one writer process; a lost count in a batch is harmless
 
     def cmd_set_lora(
         self,

@@ -115,7 +115,16 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
 
 
 def tp_worker_main(
-    rank, plan, backend, runner_kwargs, cmd_q, res_q, heartbeat_s, worker_setup=None, fp=None
+    rank,
+    plan,
+    backend,
+    runner_kwargs,
+    cmd_q,
+    res_q,
+    heartbeat_s,
+    worker_setup=None,
+    fp=None,
+    steps=None,
 ):
     """One TP rank: join the group of ``plan`` (a ``LaunchPlan``), build the runner, then lead
     (rank 0: commands from ``cmd_q``) or follow (every other rank, possibly on another node).
@@ -166,6 +175,8 @@ def tp_worker_main(
                 device = f"cuda:{plan.device_index(rank)}"
             runner_kwargs.setdefault("layout", ParallelLayout(tp_size=world))
             runner = ModelRunner(device=device, rank=rank, **runner_kwargs)
+            if steps is not None and rank == 0:  # the launcher watches rank 0's steps
+                runner.steps = steps
             if worker_setup is not None:
                 worker_setup(runner, rank)
         except BaseException as e:
