@@ -950,3 +950,59 @@ def test_max_image_size_above_the_models_refused_at_startup(monkeypatch, capsys)
     assert rc == 2 and err.strip() == (
         "sglang serve: error: --device 'tpu9' is not a device; use cpu, cuda or cuda:N"
     )
+
+
+# ------------------------------------------------------------------------------ body transport
+@pytest.mark.parametrize("path", ["/v1/images/generations", "/v1/set_lora", "/v1/unload_lora"])
+def test_client_gone_while_sending_the_body_is_499_not_500(server, path):
+    """Headers promise 100 bytes, 10 arrive, the socket closes: a 499 in the metrics (it was a
+    500 with a ClientDisconnect traceback in the log), and the server keeps serving."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(
+            (
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                'Content-Length: 100\r\n\r\n{"prompt":'
+            ).encode()
+        )
+        time.sleep(0.2)  # the handler is reading the body
+    wait_until(
+        lambda: f'endpoint="{path}",status="499"' in httpx.get(f"{server}/metrics").text,
+        "the disconnect was not counted as 499",
+    )
+    assert f'endpoint="{path}",status="500"' not in httpx.get(f"{server}/metrics").text
+    assert gen(server).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+     "text/html", "application/xml"],
+)  # fmt: skip
+def test_a_body_that_is_not_declared_json_is_415(server, engine, content_type):
+    """The content types a browser sends cross-site without asking first (a page could drive a
+    server without an API key): refused before anything runs."""
+    before = httpx.get(f"{server}/v1/list_loras").json()
+    for path, body in (
+        ("/v1/images/generations", {"prompt": "x", "size": "32x32", "num_inference_steps": 1}),
+        ("/v1/set_lora", {"lora_nickname": "a", "lora_path": "a.safetensors"}),
+        ("/v1/unset_lora", {}),
+    ):
+        r = httpx.post(
+            f"{server}{path}", content=json.dumps(body), headers={"content-type": content_type}
+        )
+        err = assert_envelope(r, 415, param="Content-Type")
+        assert err["code"] == "unsupported_media_type" and content_type[:10] in err["message"]
+    assert httpx.get(f"{server}/v1/list_loras").json() == before
+    assert engine.generate_log == []
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "application/json", "application/json; charset=utf-8",
+                     "Application/JSON", "application/merge-patch+json"],
+)  # fmt: skip
+def test_json_content_types_are_accepted(server, content_type):
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = json.dumps({"prompt": "x", "size": "32x32", "num_inference_steps": 1})
+    r = httpx.post(f"{server}/v1/images/generations", content=body, headers=headers)
+    assert r.status_code == 200, r.text

@@ -39,10 +39,21 @@ class LoRAFormatError(InvalidRequestError):
     """A LoRA file cannot be loaded as given: unknown/unsupported keys, shapes, NaN/Inf (HTTP 400)."""
 
 
+class LoRAPatternTooExpensiveError(LoRAFormatError):
+    """An adapter config's regular expressions (``target_modules``, ``rank_pattern`` keys, ...)
+    need more than their time budget to match, or are too large to compile (HTTP 400)."""
+
+
 class PayloadTooLargeError(InvalidRequestError):
     """The request body is larger than the server accepts (HTTP 413); refused before reading it."""
 
     status_code = 413
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """The request body is declared as something other than JSON (HTTP 415)."""
+
+    status_code = 415
 
 
 class RequestTimeoutError(InvalidRequestError):

@@ -17,12 +17,15 @@ from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from sglang.multimodal_gen.entrypoints.schema_errors import schema_error_message
 from sglang.multimodal_gen.errors import (
     InvalidRequestError,
     PayloadTooLargeError,
     RequestTimeoutError,
+    SGLangError,
+    UnsupportedMediaTypeError,
 )
 
 #: Largest request body accepted (bytes).
@@ -33,6 +36,14 @@ MAX_JSON_DEPTH = 32
 MAX_INT_DIGITS = 100
 # ``\uD800``-``\uDFFF`` escapes: only bodies that contain one are walked for lone surrogates
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF][0-9a-fA-F]{2}")
+
+
+class ClientGoneError(SGLangError):
+    """The client closed the connection before its answer was ready, or while it was still
+    sending its body (status 499, not sent)."""
+
+    status_code = 499
+    error_type = "client_closed_request"
 
 
 class BodyError(InvalidRequestError):
@@ -199,6 +210,27 @@ def parse_json_body(raw: bytes, model: type[BaseModel], *, allow_empty: bool = F
         raise SchemaError(message, param=param, code="invalid_schema") from e
 
 
+def check_json_content_type(content_type: str | None) -> None:
+    """Accept a missing ``Content-Type``, ``application/json`` and ``application/*+json``
+    (parameters such as ``charset`` ignored).
+
+    Raises:
+        UnsupportedMediaTypeError: 415 naming the header and the value.
+    """
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    ):
+        return
+    raise UnsupportedMediaTypeError(
+        f"Content-Type must be application/json, got {content_type[:80]!r}",
+        param="Content-Type",
+        code="unsupported_media_type",
+    )
+
+
 async def read_body(
     request: Request, limit: int = MAX_BODY_BYTES, timeout_s: float | None = None
 ) -> bytes:
@@ -211,7 +243,12 @@ async def read_body(
         PayloadTooLargeError: 413.
         RequestTimeoutError: 408; the body did not arrive within ``timeout_s``.
         BodyError: 400; a ``Content-Length`` that is not a number.
+        ClientGoneError: 499; the client closed the connection before the body was complete.
+        UnsupportedMediaTypeError: 415; a ``Content-Type`` that is not JSON (none is fine). A
+            browser sends a cross-site form or ``text/plain`` body without asking first, so
+            accepting those would let any web page drive a server that has no API key.
     """
+    check_json_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
@@ -238,6 +275,10 @@ async def read_body(
 
     try:
         await asyncio.wait_for(receive_all(), timeout_s)
+    except ClientDisconnect:
+        raise ClientGoneError(
+            f"the client disconnected while sending its body ({total} bytes received)"
+        ) from None
     except TimeoutError:
         raise RequestTimeoutError(
             f"the request body did not arrive within {timeout_s:g} s ({total} bytes received)",

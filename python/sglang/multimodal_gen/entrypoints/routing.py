@@ -25,19 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang.multimodal_gen.engine_ops import OPS
 from sglang.multimodal_gen.entrypoints.auth import ADMIN_PATHS, ApiKeyAuth
-from sglang.multimodal_gen.entrypoints.http_body import MAX_BODY_BYTES, read_body
+from sglang.multimodal_gen.entrypoints.http_body import MAX_BODY_BYTES, ClientGoneError, read_body
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception, error_body
 from sglang.multimodal_gen.entrypoints.protocol import Limits
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, ServerShuttingDownError
-from sglang.multimodal_gen.errors import EngineDeadError, NotFoundError, SGLangError
-
-
-class ClientGoneError(SGLangError):
-    """The client closed the connection before its answer was ready (status 499, not sent)."""
-
-    status_code = 499
-    error_type = "client_closed_request"
+from sglang.multimodal_gen.errors import EngineDeadError, NotFoundError
 
 
 def _error_response(exc: BaseException) -> JSONResponse:
