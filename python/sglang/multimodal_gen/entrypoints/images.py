@@ -48,17 +48,22 @@ def encode_image(image: Any, output_format: str, compression: int | None) -> byt
 
 
 class ImageStore:
-    """In-memory store for ``response_format="url"``: random names, LRU, time-limited.
+    """In-memory store for ``response_format="url"``: random names, oldest dropped first,
+    time-limited.
 
     Args:
-        capacity: images kept at most (oldest dropped first).
+        capacity: images kept at most.
+        max_bytes: encoded bytes kept at most (256 PNGs at 2048x2048 would be about 3 GB); the
+            newest image is always kept.
         ttl_s: seconds an image stays available.
     """
 
-    def __init__(self, capacity: int = 256, ttl_s: float = 3600.0):
+    def __init__(self, capacity: int = 256, max_bytes: int = 1 << 30, ttl_s: float = 3600.0):
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._items: OrderedDict[str, tuple[bytes, str, float]] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, data: bytes, output_format: str) -> str:
@@ -66,8 +71,11 @@ class ImageStore:
         name = f"{secrets.token_urlsafe(18)}.{output_format}"
         with self._lock:
             self._items[name] = (data, _MEDIA_TYPES[output_format], time.monotonic())
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            self._bytes += len(data)
+            while len(self._items) > 1 and (
+                len(self._items) > self.capacity or self._bytes > self.max_bytes
+            ):
+                self._bytes -= len(self._items.popitem(last=False)[1][0])
         return name
 
     def get(self, name: str) -> tuple[bytes, str] | None:
@@ -78,6 +86,7 @@ class ImageStore:
                 return None
             if time.monotonic() - item[2] > self.ttl_s:
                 del self._items[name]
+                self._bytes -= len(item[0])
                 return None
             return item[0], item[1]
 
