@@ -48,12 +48,24 @@ def test_parse_size_ok(size, wh):
 @pytest.mark.parametrize(
     "size,needle",
     [("64", "WxH"), ("x64", "WxH"), ("-64x64", "WxH"), ("65x64", "multiples of 16"),
-     ("2048x64", "maximum 1024"), ("0x64", "WxH"), ("64.0x64", "WxH")],
+     ("2048x64", "maximum 1024"), ("0x64", "WxH"), ("64.0x64", "WxH"),
+     ("\uff16\uff14x64", "WxH"), ("\u0666\u0664x64", "WxH")],  # full-width, Arabic-Indic digits
 )  # fmt: skip
 def test_parse_size_bad(size, needle):
     with pytest.raises(InvalidRequestError) as e:
         parse_size(size, LIMITS)
     assert e.value.param == "size" and needle in e.value.message
+
+
+def test_size_error_gives_an_example_the_server_accepts():
+    small = Limits(spatial_factor=8, max_image_size=256)
+    with pytest.raises(InvalidRequestError) as e:
+        parse_size("512x512", small)
+    example = e.value.message.split("e.g. ")[1].strip("'")
+    assert example == "256x256" and parse_size(example, small) == (256, 256)
+    with pytest.raises(InvalidRequestError) as e:
+        parse_size("big", LIMITS)
+    assert "e.g. '1024x1024'" in e.value.message
 
 
 def test_validate_generation_translates_fields():
@@ -386,6 +398,47 @@ def test_schema_errors_are_one_sentence_per_field(body, param, message):
         parse_json_body(json.dumps(body).encode(), ImageGenerationRequest)
     assert e.value.param == param
     assert e.value.message == "request body does not match the schema: " + message
+
+
+def _request_models():
+    from sglang.multimodal_gen.entrypoints import protocol, videos
+
+    return [
+        m
+        for mod in (protocol, videos)
+        for m in vars(mod).values()
+        if isinstance(m, type) and m.__name__.endswith("Request") and hasattr(m, "model_fields")
+    ]
+
+
+def test_every_request_field_has_its_own_schema_sentence():
+    """A wrong JSON type in any field of any request body is a 422 naming that field and what
+    it takes (the video fields once fell through to 'the body must be a JSON object')."""
+    from sglang.multimodal_gen.entrypoints.schema_errors import _EXPECTED, model_field_names
+
+    models = _request_models()
+    assert {m.__name__ for m in models} >= {"ImageGenerationRequest", "VideoGenerationRequest"}
+    for model in models:
+        missing = model_field_names(model) - set(_EXPECTED)
+        assert not missing, (model.__name__, missing)
+
+
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("seconds", [4], "seconds must be a number or a numeric string, got a list"),
+        ("fps", "16", "fps must be an integer, got the string '16'"),
+        ("num_frames", 8.5, "num_frames must be an integer, got a number"),
+        ("guidance_scale_2", True, "guidance_scale_2 must be a number, got true"),
+    ],
+)
+def test_video_schema_errors_name_the_field(field, value, expected):
+    from sglang.multimodal_gen.entrypoints.videos import VideoGenerationRequest
+
+    with pytest.raises(SchemaError) as e:
+        parse_json_body(json.dumps({"prompt": "p", field: value}).encode(), VideoGenerationRequest)
+    assert e.value.param == field
+    assert expected in e.value.message, e.value.message
 
 
 def test_set_lora_schema_is_strict():

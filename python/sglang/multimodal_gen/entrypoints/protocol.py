@@ -47,7 +47,8 @@ RESPONSE_FORMATS = ("b64_json", "url")
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 DEFAULT_SIZE = "1024x1024"
 # at most 6 digits per side: bounded before int() (a 5,000-digit side is refused as a form error)
-_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
+# ASCII digits only (``\d`` alone takes full-width and other scripts' digits)
+_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$", re.ASCII)
 
 
 class _Strict(BaseModel):
@@ -236,9 +237,11 @@ def _bad(message: str, param: str) -> InvalidRequestError:
 
 
 def _size_form(limits: Limits) -> str:
+    f, top = limits.spatial_factor, limits.max_image_size
+    example = max(f, min(1024, top) // f * f)  # an example this server accepts
     return (
-        f"expected 'WxH' with W and H multiples of {limits.spatial_factor} in "
-        f"[{limits.spatial_factor}, {limits.max_image_size}], e.g. '1024x1024'"
+        f"expected 'WxH' with W and H multiples of {f} in [{f}, {top}], "
+        f"e.g. '{example}x{example}'"
     )
 
 

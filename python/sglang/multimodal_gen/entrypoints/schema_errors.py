@@ -27,7 +27,11 @@ _EXPECTED = {
     "seed": "an integer",
     "num_inference_steps": "an integer",
     "max_sequence_length": "an integer",
+    "num_frames": "an integer",
+    "fps": "an integer",
+    "seconds": "a number or a numeric string",
     "guidance_scale": "a number",
+    "guidance_scale_2": "a number",
     "true_cfg_scale": "a number",
     "stream": "true or false",
     "lora": 'an object {"name": string, "scale": number}, a list of them, or null',
@@ -47,6 +51,26 @@ _ELEMENT = {
     "strength": "a number",
 }
 _FIELD_NAMES = frozenset(_EXPECTED)
+
+
+def model_field_names(model: Any) -> set[str]:
+    """The field names of a pydantic ``model`` and of the models its fields hold (a field
+    missing from the table above still gets named as the ``param``)."""
+    names: set[str] = set()
+    todo = [model] if model is not None and hasattr(model, "model_fields") else []
+    while todo:
+        m = todo.pop()
+        for name, field in m.model_fields.items():
+            names.add(name)
+            for arg in _type_args(field.annotation):
+                if hasattr(arg, "model_fields") and arg is not m:
+                    todo.append(arg)
+    return names
+
+
+def _type_args(tp: Any) -> list[Any]:
+    args = list(getattr(tp, "__args__", ()) or ())
+    return [tp] + [a for arg in args for a in _type_args(arg)]
 
 
 def _json_kind(value: Any) -> str:
@@ -77,13 +101,14 @@ def schema_error_message(errors: list[dict], model: Any = None) -> tuple[str, st
     """
     by_field: dict[str, tuple[int, str]] = {}
     order: list[str] = []
+    fields = _FIELD_NAMES | model_field_names(model)
     for err in errors:
         loc = tuple(err.get("loc", ()))
         kind = err.get("type", "")
         if loc and loc[0] in ("body", "query", "path") and model is None:
             loc = loc[1:]  # FastAPI's own validation prefixes the source
         if kind == "extra_forbidden" and loc:
-            parent = [x for x in loc[:-1] if isinstance(x, int) or x in _FIELD_NAMES]
+            parent = [x for x in loc[:-1] if isinstance(x, int) or x in fields]
             top = str(parent[0]) if parent else str(loc[-1])
             where = ".".join(str(x) for x in parent)
             sentence = (
@@ -91,7 +116,7 @@ def schema_error_message(errors: list[dict], model: Any = None) -> tuple[str, st
             )
             rank = 100  # an unknown field is the most telling
         else:
-            path = [x for x in loc if isinstance(x, int) or x in _FIELD_NAMES]
+            path = [x for x in loc if isinstance(x, int) or x in fields]
             if not path:
                 by_field.setdefault("", (0, "the body must be a JSON object"))
                 if "" not in order:
