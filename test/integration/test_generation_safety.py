@@ -111,3 +111,16 @@ def test_float8_lora_equals_diffusers(engine, tiny_zimage_dir, tiny_zimage_loras
         np.testing.assert_array_equal(_image(engine, guidance_scale=0.0), ref)
     finally:
         engine.unset_lora()
+
+
+def test_a_per_request_lora_scale_that_blows_up_is_named(engine, lora):
+    """The output check names guidance values; an extreme per-request adapter scale is named
+    too (``param: "lora"``) instead of no field at all."""
+    engine.set_lora("a", lora, strength=1.0)
+    engine.unset_lora()  # loaded, not active
+    with pytest.raises(NonFiniteOutputError) as e:
+        _image(engine, lora=[("a", 3e38)])
+    assert e.value.param == "lora" and "'a' at scale 3e+38" in e.value.message
+    with pytest.raises(NonFiniteOutputError) as e:  # a guidance value still comes first
+        _image(engine, guidance_scale=1e30, lora=[("a", 3e38)])
+    assert e.value.param == "guidance_scale"

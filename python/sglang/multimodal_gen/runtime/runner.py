@@ -28,7 +28,12 @@ import torch
 
 from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.engine_ops import LORA_CHANGE_OPS, get_op
-from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError, SGLangError
+from sglang.multimodal_gen.errors import (
+    InvalidRequestError,
+    NonFiniteOutputError,
+    NotFoundError,
+    SGLangError,
+)
 from sglang.multimodal_gen.layers.attention import set_attention_backend
 from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA
 from sglang.multimodal_gen.layers.lora.rows import RowPlan, lora_rows
@@ -107,6 +112,25 @@ __all__ = [
     "compile_blocks",
     "resolve_dtype",
 ]
+
+
+#: A per-request adapter scale this large is named as the likely cause of NaN/Inf output.
+LARGE_LORA_SCALE = 100.0
+
+
+@contextlib.contextmanager
+def _blame_lora(lora) -> Iterator[None]:
+    """A :class:`NonFiniteOutputError` that names no field names ``lora`` when the request's
+    own composition has an extreme scale (the pipeline checks guidance values only)."""
+    try:
+        yield
+    except NonFiniteOutputError as e:
+        big = [(n, s) for n, s in (lora or ()) if abs(s) >= LARGE_LORA_SCALE]
+        if e.param is None and big:
+            e.param = "lora"
+            e.message += f" (adapter {big[0][0]!r} at scale {big[0][1]:g} is the likely cause)"
+            e.args = (e.message,)
+        raise
 
 
 class StepCount:
@@ -377,7 +401,7 @@ class ModelRunner:
         """Returns uint8 ``[n, H, W, 3]`` on rank 0, ``None`` on other ranks. ``agree``: TP, for
         a per-request composition (:meth:`LoRAManager.use_composition`)."""
         kwargs = self._pipeline_kwargs(req, progress)
-        with self._request_composition(req.lora, agree):
+        with self._request_composition(req.lora, agree), _blame_lora(req.lora):
             return self.pipeline(**kwargs)
 
     def cmd_generate_batch(
@@ -429,7 +453,8 @@ class ModelRunner:
         def run(i: int) -> None:
             with lora_rows(plans[i]):
                 try:
-                    out[i] = (True, self.pipeline(**self._pipeline_kwargs(reqs[i], False)))
+                    with _blame_lora(reqs[i].lora):
+                        out[i] = (True, self.pipeline(**self._pipeline_kwargs(reqs[i], False)))
                 except BaseException as e:  # reported per request
                     out[i] = (False, pack_error(e))
 
