@@ -111,6 +111,15 @@ def test_openai_client_png_equals_engine_output(server, engine):
         np.testing.assert_array_equal(got, expected(engine, [], index=i, **fields))
     models = client.models.list()
     assert [m.id for m in models.data] == ["fake-zimage"]
+    assert client.models.retrieve("fake-zimage").id == "fake-zimage"  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("another-model")
+
+
+def test_unknown_route_is_404_without_echoing_a_huge_path(server):
+    r = httpx.get(f"{server}/v1/" + "x" * 50_000)
+    err = assert_envelope(r, 404)
+    assert err["message"].startswith("no route GET /v1/xxx") and len(err["message"]) < 300
 
 
 def test_output_formats(server):

@@ -527,3 +527,16 @@ def test_url_image_store_is_bounded_in_bytes_too():
     counted.put(b"b", "png")
     counted.put(b"c", "png")
     assert counted.get(first) is None  # the count bound as before
+
+
+@pytest.mark.parametrize(
+    "raw,param",
+    [(b'{"prompt": "x", "n": 100, "n": 1}', "n"),
+     (b'{"prompt": "x", "lora": {"name": "a", "scale": 1, "scale": 9}}', "scale")],
+)  # fmt: skip
+def test_a_key_given_twice_is_refused(raw, param):
+    """Python's json keeps the last of two equal keys; which one a client meant is a guess."""
+    with pytest.raises(BodyError) as e:
+        parse_json_body(raw, ImageGenerationRequest)
+    assert e.value.param == param and "more than once" in e.value.message
+    assert e.value.status_code == 400

@@ -154,8 +154,9 @@ def parse_json_body(raw: bytes, model: type[BaseModel], *, allow_empty: bool = F
 
     Raises:
         PayloadTooLargeError: 413; more than :data:`MAX_BODY_BYTES`.
-        BodyError: 400; invalid UTF-8 or JSON, with line and column of the first error; nesting,
-            integers or text no field can take (:func:`_check_parsed`).
+        BodyError: 400; invalid UTF-8 or JSON, with line and column of the first error; a key
+            given twice in one object; nesting, integers or text no field can take
+            (:func:`_check_parsed`).
         SchemaError: 422; the JSON does not fit ``model`` (one sentence per field at fault,
             :func:`~.schema_errors.schema_error_message`).
     """
@@ -181,8 +182,17 @@ def parse_json_body(raw: bytes, model: type[BaseModel], *, allow_empty: bool = F
             long_ints.append(True)
         return out
 
+    duplicates: list[str] = []
+
+    def object_pairs(pairs: list[tuple[str, Any]]) -> dict:
+        out = dict(pairs)
+        if len(out) != len(pairs) and not duplicates:
+            seen: set[str] = set()
+            duplicates.append(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        return out
+
     try:
-        obj = json.loads(text, parse_int=parse_int)
+        obj = json.loads(text, parse_int=parse_int, object_pairs_hook=object_pairs)
     except json.JSONDecodeError as e:
         raise BodyError(
             f"invalid JSON in request body at line {e.lineno}, column {e.colno}: "
@@ -197,6 +207,12 @@ def parse_json_body(raw: bytes, model: type[BaseModel], *, allow_empty: bool = F
             param=key,
             code="invalid_json",
         ) from None
+    if duplicates:  # {"n": 100, "n": 1}: which one a client meant is anybody's guess
+        raise BodyError(
+            f"field {duplicates[0]!r} appears more than once in a JSON object",
+            param=duplicates[0],
+            code="invalid_json",
+        )
     _check_parsed(
         obj,
         walk=bool(long_ints)

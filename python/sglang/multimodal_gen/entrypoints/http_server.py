@@ -138,10 +138,12 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        path = request.url.path
+        path = path if len(path) <= 200 else path[:200] + "..."  # not a 60 KB echo
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}"
+            message = f"no route {request.method} {path}"
         elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
+            message = f"method {request.method} is not allowed on {path}"
         return JSONResponse(
             error_body(message, exc.status_code), exc.status_code, headers=exc.headers
         )
@@ -163,9 +165,8 @@ def create_app(
     add_image_routes(app, ctx, images, metrics)
     add_lora_routes(app, ctx, lora_targets)
 
-    @app.get("/v1/models")
-    async def models():
-        card = ModelCard(
+    def model_card() -> ModelCard:
+        return ModelCard(
             id=model_id,
             created=created,
             root=args.model_path,
@@ -175,7 +176,16 @@ def create_app(
             tp_sizes=info.get("tp_sizes"),
             parallel=info.get("parallel"),
         )
-        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        """One model (OpenAI's ``models.retrieve``): the served model under any of its names."""
+        ctx.check_model(model)
+        return JSONResponse(model_card().model_dump())
 
     # /v1/videos: asynchronous video jobs (video models; 400 naming the modality otherwise)
     app.state.videos = add_video_routes(

@@ -74,6 +74,8 @@ def _endpoint_label(path: str) -> str:
         return path
     if path.startswith("/v1/images/files/"):
         return "/v1/images/files/{name}"
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
     if path == "/v1/videos" or path.startswith("/v1/videos/"):
         return "/v1/videos" if path == "/v1/videos" else "/v1/videos/{id}"
     return "other"
