@@ -169,3 +169,24 @@ def test_video_routes_on_an_image_model():
         r = httpx.post(f"{url}/v1/videos", json=BODY, timeout=30)
         assert_envelope(r, 400, param="model")
         assert "image model" in r.json()["error"]["message"]
+
+
+def test_progress_counts_the_jobs_denoising_steps(served):
+    """``progress`` goes 0 -> (share of the steps done, at most 99) -> 100, never backwards."""
+    url, _ = served
+    body = dict(BODY, num_inference_steps=50)
+    job = httpx.post(f"{url}/v1/videos", json=body, timeout=30).json()
+    seen = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        state = httpx.get(f"{url}/v1/videos/{job['id']}", timeout=30).json()
+        seen.append((state["status"], state["progress"]))
+        if state["status"] in ("completed", "failed"):
+            break
+        time.sleep(0.01)
+    assert seen[-1] == ("completed", 100), seen[-1]
+    progress = [p for _, p in seen]
+    assert progress == sorted(progress), progress  # never backwards
+    running = [p for s, p in seen if s == "in_progress"]
+    assert any(0 < p < 100 for p in running), seen  # a share, not 0 then 100
+    assert all(p <= 99 for p in running)

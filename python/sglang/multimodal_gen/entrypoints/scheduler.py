@@ -63,6 +63,9 @@ class _Task:
     kwargs: dict
     future: Future
     enqueued_at: float = field(default_factory=time.perf_counter)
+    # set when a generation starts: engine.steps_done() then, and how many share its loop
+    steps_at_start: int | None = None
+    batch_rows: int = 1
 
 
 class SchedulerMetrics:
@@ -146,6 +149,7 @@ class Scheduler:
         self.stall_timeout_s = stall_timeout_s
         self._progress_at = time.monotonic()  # last task start/end, or work arriving when idle
         self._steps_seen: int | None = None  # engine.steps_done() when last looked at
+        self._started: dict[int, _Task] = {}  # id(future) -> the generations running now
         self._queue: deque[_Task] = deque()
         self._cond = threading.Condition()
         self._waiting_generations = 0
@@ -257,15 +261,36 @@ class Scheduler:
         self._note_engine_steps()
         return max(0.0, time.monotonic() - self._progress_at)
 
+    def _engine_steps(self) -> int | None:
+        read = getattr(self.engine, "steps_done", None)
+        try:
+            return None if read is None else int(read())
+        except Exception:  # an engine that cannot say
+            return None
+
+    def _note_started(self, tasks: list[_Task]) -> None:
+        steps = self._engine_steps()
+        gens = [t for t in tasks if t.kind == "generate"]
+        for t in gens:
+            t.steps_at_start, t.batch_rows = steps, len(gens)
+        with self._cond:
+            self._started = {id(t.future): t for t in gens}
+
+    def steps_done_for(self, future: Future) -> float | None:
+        """Denoising steps a running generation has finished (``None``: not running, or the
+        engine does not count steps). The requests of a batch step together, so each gets its
+        share of the engine's count (a video job's ``progress``)."""
+        task = self._started.get(id(future))
+        if task is None or task.steps_at_start is None:
+            return None
+        now = self._engine_steps()
+        return None if now is None else max(0, now - task.steps_at_start) / task.batch_rows
+
     def _note_engine_steps(self) -> None:
         """A step since the last look counts as progress now (looked at when health is asked:
         a long generation that keeps stepping is not stalled)."""
-        read = getattr(self.engine, "steps_done", None)
-        if read is None:
-            return
-        try:
-            steps = read()
-        except Exception:  # an engine that cannot say: starts and ends only
+        steps = self._engine_steps()
+        if steps is None:  # an engine that cannot say: starts and ends only
             return
         if self._steps_seen is not None and steps != self._steps_seen:
             self._progress_at = time.monotonic()
@@ -442,12 +467,14 @@ class Scheduler:
             try:
                 # skip the tasks whose client went away
                 live = [t for t in batch if t.future.set_running_or_notify_cancel()]
+                self._note_started(live)
                 if len(live) > 1:
                     self._run_batch(live)
                 elif live:
                     self._run(live[0])
             finally:
                 with self._cond:
+                    self._started = {}
                     self._running = None
                     self._progress_at = time.monotonic()
                     self._cond.notify_all()

@@ -81,6 +81,18 @@ class VideoJob:
     error: dict | None = None
     content: bytes | None = None
     future: Future | None = None
+    total_steps: int | None = None  # denoising steps of the job (its progress' 100 %)
+    steps_done: Callable[[Future], float | None] | None = None  # the scheduler's count
+
+    def progress(self, status: str) -> int:
+        """0-100: 100 once completed; while running, the share of its denoising steps done
+        (at most 99: decoding and encoding follow the last step)."""
+        if status == "completed":
+            return 100
+        if status != "in_progress" or not self.total_steps or self.steps_done is None:
+            return 0
+        done = self.steps_done(self.future)
+        return 0 if done is None else min(99, int(100 * done / self.total_steps))
 
     def as_dict(self) -> dict[str, Any]:
         status = self.status
@@ -91,7 +103,7 @@ class VideoJob:
             "object": "video",
             "model": self.model,
             "status": status,
-            "progress": 100 if status == "completed" else 0,
+            "progress": self.progress(status),
             "created_at": self.created_at,
             "completed_at": self.completed_at,
             "expires_at": None,
@@ -258,6 +270,8 @@ def add_video_routes(
             id=f"video_{secrets.token_hex(12)}", model=model_id, prompt=req.prompt,
             size=f"{width}x{height}", seconds=seconds, num_frames=num_frames, fps=fps,
             seed=kwargs["seed"],
+            total_steps=req.num_inference_steps or int(defaults.get("num_inference_steps") or 0),
+            steps_done=getattr(scheduler, "steps_done_for", None),
         )  # fmt: skip
         store.add(job)
         # the answer is the job as created ("queued"): a fast engine may finish it before this
