@@ -240,8 +240,7 @@ def _size_form(limits: Limits) -> str:
     f, top = limits.spatial_factor, limits.max_image_size
     example = max(f, min(1024, top) // f * f)  # an example this server accepts
     return (
-        f"expected 'WxH' with W and H multiples of {f} in [{f}, {top}], "
-        f"e.g. '{example}x{example}'"
+        f"expected 'WxH' with W and H multiples of {f} in [{f}, {top}], e.g. '{example}x{example}'"
     )
 
 
