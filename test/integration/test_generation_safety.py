@@ -54,8 +54,12 @@ def test_non_finite_generation_fails_and_the_engine_keeps_serving(engine):
 def test_strength_overflow_refused_or_fails_clearly(engine, lora, tmp_path):
     base = _image(engine)
 
-    def state():  # the merge cache's hit/miss counters may move; the adapters may not
-        return {k: v for k, v in engine.list_loras().items() if k != "merge_cache"}
+    def state():  # counters and high-water marks may move (the merge cache's hits and misses,
+        # the process-wide workspace peak: this test alone was the first to raise it); the
+        # adapters, compositions and held bytes may not
+        out = {k: v for k, v in engine.list_loras().items() if k != "merge_cache"}
+        out["memory"] = {k: v for k, v in out["memory"].items() if "peak" not in k}
+        return out
 
     before = state()
     # LoRA values ~1e18: merged at strength 1000 the weights are Inf -> 400, nothing changed

@@ -7,7 +7,10 @@
   weight tensors themselves in place (no copy);
 - a failed per-request restore resets every layer to its base weights and refuses later calls;
 - the adapter memory bound evicts least recently used adapters and refuses one adapter larger
-  than the bound with a 4xx naming ``lora_path``; the merge cache stays within its bound.
+  than the bound with a 4xx naming ``lora_path``; the merge cache stays within its bound;
+- one ``set_lora`` call or one request's composition names at most ``MAX_ADAPTERS_PER_CALL``
+  adapters (HTTP and Python API alike; nothing is read for a refused call), and a file named for
+  several nicknames in one call is read and converted once.
 
 References: fp64 dense forwards of the same adapters (``reference_output``); tolerances as in
 ``test_lora_pipeline`` (1e-3: outputs grow to ~1e2 through the residual blocks).
@@ -16,6 +19,7 @@ References: fp64 dense forwards of the same adapters (``reference_output``); tol
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import pytest
@@ -283,3 +287,91 @@ def test_merge_cache_bound_and_snapshot_memory(files):
     assert mgr.cache.stats()["evictions"] > 0
     mgr.unset_lora()
     assert mgr.memory_report()["snapshot_bytes"] == 0
+
+
+# ------------------------------------------------------------------------------ adapters per call
+def test_adapters_per_call_are_bounded(files):
+    """A set_lora naming 10000 nicknames (a 100 KB body) or a request composing 2000 adapters used
+    to hold the engine for minutes; both are a 400 naming the field before anything is read."""
+    from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
+    from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception
+    from sglang.multimodal_gen.entrypoints.protocol import (
+        ImageGenerationRequest,
+        Limits,
+        SetLoRARequest,
+        validate_generation,
+        validate_set_lora,
+    )
+    from sglang.multimodal_gen.lora.requests import MAX_ADAPTERS_PER_CALL as N
+
+    assert N == 64
+    targets = ("all", "transformer")
+    limits = Limits(spatial_factor=16, max_image_size=1024, max_images=8, max_steps=1000)
+
+    def set_lora_body(n):
+        body = {"lora_nickname": [f"x{i}" for i in range(n)], "lora_path": "a.safetensors"}
+        return parse_json_body(json.dumps(body).encode(), SetLoRARequest)
+
+    def generation_body(n):
+        body = {"prompt": "p", "size": "64x64", "lora": [{"name": f"x{i}"} for i in range(n)]}
+        return parse_json_body(json.dumps(body).encode(), ImageGenerationRequest)
+
+    # the HTTP routes' validation
+    assert len(validate_set_lora(set_lora_body(N), targets)["lora_nickname"]) == N
+    assert len(validate_generation(generation_body(N), limits).engine_kwargs["lora"]) == N
+    for call, param, n in (
+        (lambda n: validate_set_lora(set_lora_body(n), targets), "lora_nickname", 10_000),
+        (lambda n: validate_set_lora(set_lora_body(n), targets), "lora_nickname", N + 1),
+        (lambda n: validate_generation(generation_body(n), limits), "lora", 2000),
+        (lambda n: validate_generation(generation_body(n), limits), "lora", N + 1),
+    ):
+        with pytest.raises(InvalidRequestError) as e:
+            call(n)
+        status, body, _ = describe_exception(e.value)
+        assert (status, body["error"]["param"]) == (400, param)
+        assert f"names {n} adapters" in e.value.message and f"at most {N}" in e.value.message
+
+    # the Python API: the manager refuses the same, before reading anything
+    model = build_model()
+    mgr = _manager(model, files)
+    before, reads = params(model), safetensors_io.READ_STATS["files"]
+    with pytest.raises(InvalidRequestError) as e:
+        mgr.set_lora([f"x{i}" for i in range(N + 1)], files["a"][0])
+    assert e.value.param == "lora_nickname"
+    assert safetensors_io.READ_STATS["files"] == reads and mgr.loaded_nicknames == []
+    mgr.set_lora("a", files["a"][0])
+    many = [("a", 1.0)] + [(f"x{i}", 1.0) for i in range(N)]
+    with pytest.raises(InvalidRequestError) as e:
+        with mgr.use_composition(many):
+            pass
+    assert e.value.param == "lora" and f"names {N + 1} adapters" in e.value.message
+    with pytest.raises(InvalidRequestError) as e:
+        mgr.row_composition(many)
+    assert e.value.param == "lora"
+    mgr.unset_lora()
+    assert_params_equal(model, before)
+
+
+def test_one_file_for_many_nicknames_is_read_and_converted_once(files, monkeypatch):
+    from sglang.multimodal_gen.lora import staging
+
+    converted = []
+    real = staging.convert_to_canonical
+
+    def counting(*args, **kwargs):
+        converted.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "convert_to_canonical", counting)
+    model = build_model()
+    mgr = _manager(model, files)
+    reads = safetensors_io.READ_STATS["files"]
+    names = [f"n{i}" for i in range(5)]
+    mgr.set_lora(names, files["a"][0], strengths=0.2, merge_mode="dynamic")
+    assert safetensors_io.READ_STATS["files"] == reads + 1 and len(converted) == 1
+    assert sorted(mgr.loaded_nicknames) == names
+    assert len({mgr._registry[n].uid for n in names}) == 5  # each its own adapter
+    x = _x(4)
+    torch.testing.assert_close(
+        _out(model, x), reference_output(x, [(files["a"][1], 1.0)]), atol=ATOL, rtol=RTOL
+    )

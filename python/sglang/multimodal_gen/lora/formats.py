@@ -58,7 +58,12 @@ from sglang.multimodal_gen.layers.lora.weights import LoRAWeights, all_finite
 from sglang.multimodal_gen.lora.key_grammar import KeyPair, guess_architecture, parse_keys
 from sglang.multimodal_gen.lora.lokr import lokr_to_lora
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
-from sglang.multimodal_gen.lora.peft_config import AdapterConfig, config_from_sources, lora_scale
+from sglang.multimodal_gen.lora.peft_config import (
+    AdapterConfig,
+    PatternBudget,
+    config_from_sources,
+    lora_scale,
+)
 from sglang.multimodal_gen.models.name_map import NameMap, ShardId
 
 __all__ = ["CanonicalLoRA", "convert_to_canonical", "guess_architecture"]
@@ -116,6 +121,24 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
         raise LoRAFormatError(f"{what} contains NaN or Inf values")
 
 
+def _check_dtypes(p: KeyPair, label: str) -> None:
+    """Weights (A, B, their biases, LoKr factors) must be floating point; an ``alpha`` a real
+    number (an integer alpha, as some extraction scripts store the rank, is fine)."""
+    weights = [("lora_A", p.A), ("lora_B", p.B), ("lora_B.bias", p.B_bias), ("diff_b", p.diff_b)]
+    weights += [(f"lokr_{part}", t) for part, t in p.lokr.items()]
+    for what, t in weights:
+        if t is not None and not t.is_floating_point():
+            raise LoRAFormatError(
+                f"module {label}: {what} has dtype {str(t.dtype).removeprefix('torch.')}; LoRA "
+                "weights must be floating point (F32, F16, BF16, F64, or F8_E4M3/F8_E5M2)"
+            )
+    if p.alpha is not None and (p.alpha.dtype == torch.bool or p.alpha.is_complex()):
+        raise LoRAFormatError(
+            f"module {label}: alpha has dtype {str(p.alpha.dtype).removeprefix('torch.')}; it "
+            "must be a real number"
+        )
+
+
 def _pair_scale(pair: KeyPair, r: int, cfg: AdapterConfig) -> float:
     """scale for one pair: ``.alpha`` tensor, else config (with patterns), else alpha = r."""
     cfg_r, cfg_alpha = cfg.resolve(pair.file_module)
@@ -164,6 +187,7 @@ def _pair_weights(
     """Validated ``(A [r, in], B [out, r], scale)`` of one file module (LoKr converted first);
     ``(None, None, 1.0)`` for a module with a bias delta (``diff_b``) only."""
     label = _label(p)
+    _check_dtypes(p, label)
     a, b = p.A, p.B
     if p.diff_b is not None:
         _check_finite(p.diff_b, f"module {label} diff_b")
@@ -296,11 +320,13 @@ def convert_to_canonical(
     module_shapes: Mapping[str, Mapping[ShardId, tuple[int, int]]] | None = None,
     *,
     component: str = "transformer",
+    pattern_budget: PatternBudget | None = None,
 ) -> CanonicalLoRA:
     """Convert a LoRA state dict of any supported format to :class:`CanonicalLoRA`.
 
     Args:
-        state_dict: ``{key: tensor}`` as read from the file (any dtype; 2-D A/B, scalar alpha).
+        state_dict: ``{key: tensor}`` as read from the file (2-D floating-point A/B, a scalar
+            alpha that may also be an integer).
         metadata: the loader's metadata (``adapter_config``, ``lora_adapter_metadata``,
             ``safetensors_metadata``) or a raw safetensors header; ``None`` for none.
         model_spec: the target model (:class:`LoRAModelSpec`). For the older call form
@@ -308,6 +334,9 @@ def convert_to_canonical(
             here and the two others after it.
         component: the pipeline component whose ``<component>.`` key prefix is stripped
             (``"transformer"``).
+        pattern_budget: the time for the adapter config's regular expressions
+            (:class:`~sglang.multimodal_gen.lora.peft_config.PatternBudget`; a fresh one when
+            ``None``). Converting one file for several targets should share one.
 
     Returns:
         CanonicalLoRA with full tensors per (module, shard). A fused ``qkv`` pair (B of height
@@ -318,7 +347,11 @@ def convert_to_canonical(
         LoRAFormatError: unsupported feature (names it and the first offending key); zero modules
             matched (says which model the keys seem to target); modules not in the model; A/B
             missing, rank mismatch, wrong ``in``/``out`` (names the module and both shapes);
-            NaN/Inf (names the module); conflicting config sources; duplicate pairs.
+            weights that are not floating point, an alpha that is not a real number (names the
+            module and the dtype); NaN/Inf (names the module); conflicting config sources;
+            duplicate pairs. Its
+            subclass :class:`~sglang.multimodal_gen.errors.LoRAPatternTooExpensiveError`:
+            the config's patterns need more than their time budget (names the field).
     """
     if not isinstance(model_spec, LoRAModelSpec):
         if module_shapes is None:
@@ -328,7 +361,7 @@ def convert_to_canonical(
             {n: s for n, s in module_shapes.items() if n in names}, name_map
         )
     spec = model_spec
-    cfg = config_from_sources(metadata, component)
+    cfg = config_from_sources(metadata, component, pattern_budget)
     pairs, ignored, _ = parse_keys(state_dict, spec, component)
 
     weighted = {k: p for k, p in pairs.items() if p.has_weights}

@@ -39,6 +39,7 @@ import torch
 from sglang.multimodal_gen.configs.server_args import hf_hub_cache_dir
 from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError, SGLangError
 from sglang.multimodal_gen.lora import safetensors_io
+from sglang.multimodal_gen.lora.peft_config import check_config_depth
 from sglang.multimodal_gen.lora.safetensors_io import json_kind, read_config
 
 __all__ = [
@@ -297,9 +298,14 @@ def load_lora_state_dict(
     if "lora_adapter_metadata" in header:
         try:
             lam = json.loads(header["lora_adapter_metadata"])
-        except (ValueError, RecursionError) as e:
+        except ValueError as e:
             raise LoRAFormatError(
                 f"lora_adapter_metadata in the safetensors header is not valid JSON: {e}",
+                param="lora_path",
+            ) from None
+        except RecursionError:
+            raise LoRAFormatError(
+                "lora_adapter_metadata in the safetensors header is JSON nested too deeply",
                 param="lora_path",
             ) from None
         if lam is not None and not isinstance(lam, dict):
@@ -308,6 +314,7 @@ def load_lora_state_dict(
                 "JSON object",
                 param="lora_path",
             )
+        check_config_depth(lam, "lora_adapter_metadata in the safetensors header")
     # the config changes the deltas (alpha, rsLoRA, patterns) as much as the tensors do
     config_digest = hashlib.blake2b(
         json.dumps(adapter_config, sort_keys=True, default=str).encode(), digest_size=8

@@ -237,14 +237,16 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
             merge_mode: ``"auto"``/``"merge"``/``"dynamic"`` (default: the manager's default).
             sources: ``{path: (state_dict, metadata)}`` already read with :meth:`read_source`, or
                 ``{path: "unchanged"}`` (TP: by rank 0, for every rank); paths not in it are
-                read here.
+                read here. A path given for several nicknames is read and converted once.
 
         Returns:
             ``{"status": "ok", "message": ..., "active": {target: [...]}, "memory": {...}}``.
 
         Raises:
             InvalidRequestError: bad field (``param`` names it: ``lora_nickname``, ``lora_path``,
-                ``target``, ``strength``, ``merge_mode``), list length mismatch, a duplicate
+                ``target``, ``strength``, ``merge_mode``), more than
+                :data:`~sglang.multimodal_gen.lora.requests.MAX_ADAPTERS_PER_CALL` nicknames
+                (nothing is read), list length mismatch, a duplicate
                 nickname on one target, a bad file (:class:`LoRAFormatError`), an adapter that
                 matches nothing in its target, merge impossible in ``"merge"`` mode, the adapter
                 memory bound. NotFoundError: a nickname without path that is not loaded.
@@ -265,8 +267,9 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
         # stage files (read + convert) before touching anything
         staged: dict[str, tuple[Adapter, dict]] = {}
         given = {name: path for name, path in zip(names, args.paths) if path is not None}
+        done: dict[str, tuple[dict, dict]] = {}  # a path named for several nicknames: read once
         for name, path in given.items():
-            item = self._stage(name, path, sources)
+            item = self._stage(name, path, sources, done)
             if item is not None:
                 staged[name] = item
         for name in names:

@@ -24,6 +24,9 @@ expression that must match the END of the module's dotted name on a segment boun
 and alpha are looked up independently; a module no key matches uses ``r`` / ``lora_alpha``. Pattern
 keys refer to the module names as the file names them (``attention.to_q``, not our fused
 ``attention.to_qkv``), so resolution happens before any renaming or fusing.
+
+The patterns come from the file, so matching them is bounded in time (see
+:mod:`~sglang.multimodal_gen.lora.patterns`: one budget per adapter config, ``re``'s meaning).
 """
 
 from __future__ import annotations
@@ -36,10 +39,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.multimodal_gen.errors import LoRAFormatError
+from sglang.multimodal_gen.lora.patterns import (
+    MAX_PATTERN_CHARS,
+    MAX_PATTERN_UNITS,
+    PATTERN_BUDGET_S,
+    PatternBudget,
+    PatternMatcher,
+    short_pattern,
+)
 
 __all__ = [
     "FP32_MAX",
+    "MAX_CONFIG_DEPTH",
+    "MAX_PATTERN_CHARS",
+    "MAX_PATTERN_UNITS",
+    "PATTERN_BUDGET_S",
     "AdapterConfig",
+    "PatternBudget",
+    "check_config_depth",
     "config_from_sources",
     "get_pattern_key",
     "lora_scale",
@@ -67,6 +84,32 @@ _SUPPORTED_PEFT_TYPES = {None, "LORA"}
 
 #: Largest finite float32: LoRA scales are applied in float32 (merge) or the weights' dtype.
 FP32_MAX = 3.4028234663852886e38
+#: Deepest nesting of objects and lists accepted in an adapter config (``adapter_config.json``,
+#: ``lora_adapter_metadata``, a header entry). Real configs nest three levels; JSON nested near
+#: the recursion limit would fail later (comparing, hashing) with a RecursionError.
+MAX_CONFIG_DEPTH = 32
+
+
+def check_config_depth(value: Any, what: str) -> None:
+    """Refuse JSON nested deeper than :data:`MAX_CONFIG_DEPTH` (iteratively: no recursion).
+
+    Raises:
+        LoRAFormatError: naming ``what`` (``param="lora_path"``).
+    """
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        if depth > MAX_CONFIG_DEPTH:
+            raise LoRAFormatError(
+                f"{what} is nested more than {MAX_CONFIG_DEPTH} levels deep; an adapter config "
+                "nests a few",
+                param="lora_path",
+            )
+        stack.extend((c, depth + 1) for c in children)
+
 
 # Fields compared across sources and kept in AdapterConfig.
 _KNOWN_FIELDS = (
@@ -101,6 +144,10 @@ class AdapterConfig:
         exclude_modules: peft's ``exclude_modules`` (same forms).
         layers_to_transform: when set, the target check is skipped (peft restricts by layer index).
         sources: which sources contributed, e.g. ``["adapter_config.json"]``.
+        origins: the source of each field that has one, for messages
+            (``{"target_modules": "adapter_config.json"}``).
+        budget: the time left for the config's patterns (:class:`PatternBudget`); matching beyond
+            it raises :class:`LoRAPatternTooExpensiveError`.
     """
 
     r: int | None = None
@@ -112,6 +159,18 @@ class AdapterConfig:
     exclude_modules: str | list[str] | None = None
     layers_to_transform: Any = None
     sources: list[str] = field(default_factory=list)
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    budget: PatternBudget = field(default_factory=PatternBudget, compare=False, repr=False)
+    _matcher: PatternMatcher | None = field(default=None, init=False, compare=False, repr=False)
+
+    @property
+    def matcher(self) -> PatternMatcher:
+        if self._matcher is None or self._matcher.budget is not self.budget:
+            self._matcher = PatternMatcher(self.budget)
+        return self._matcher
+
+    def _what(self, fld: str) -> str:
+        return f"{self.origins.get(fld, 'adapter config')}: {fld}"
 
     @property
     def is_empty(self) -> bool:
@@ -125,48 +184,76 @@ class AdapterConfig:
         """
         r = self.r
         if self.rank_pattern:
-            key = get_pattern_key(self.rank_pattern, module_name)
+            key = _pattern_key(
+                self.rank_pattern, module_name, self.matcher, self._what("rank_pattern") + " key"
+            )
             if key is not None:
                 r = int(self.rank_pattern[key])
         alpha = self.lora_alpha
         if self.alpha_pattern:
-            key = get_pattern_key(self.alpha_pattern, module_name)
+            key = _pattern_key(
+                self.alpha_pattern, module_name, self.matcher, self._what("alpha_pattern") + " key"
+            )
             if key is not None:
                 alpha = float(self.alpha_pattern[key])
         return r, alpha
 
     def targets(self, module_name: str) -> bool:
-        """Whether peft would have put a LoRA on ``module_name`` (``True`` when it cannot tell)."""
-        if _matches_module_list(self.exclude_modules, module_name):
+        """Whether peft would have put a LoRA on ``module_name`` (``True`` when it cannot tell).
+
+        Raises:
+            LoRAPatternTooExpensiveError: a string ``target_modules`` / ``exclude_modules``
+                needs more than the config's time budget.
+        """
+        if _matches_module_list(
+            self.exclude_modules, module_name, self.matcher, self._what("exclude_modules")
+        ):
             return False
         tm = self.target_modules
         if tm is None or self.layers_to_transform not in (None, [], ""):
             return True
-        if isinstance(tm, str):
-            if tm == "all-linear":
-                return True
-            return re.fullmatch(tm, module_name) is not None
-        return _matches_module_list(tm, module_name)
+        if isinstance(tm, str) and tm == "all-linear":
+            return True
+        return _matches_module_list(tm, module_name, self.matcher, self._what("target_modules"))
 
 
-def _matches_module_list(spec: str | list[str] | None, name: str) -> bool:
+def _matches_module_list(
+    spec: str | list[str] | None, name: str, matcher: PatternMatcher, what: str
+) -> bool:
+    """peft's ``check_target_module_exists`` for one field: a string is a regular expression
+    that must match the whole name (``re.fullmatch``); a list holds names and name suffixes."""
     if not spec:
         return False
     if isinstance(spec, str):
-        return re.fullmatch(spec, name) is not None
+        return matcher.fullmatch(spec, name, what)
     return name in spec or any(name.endswith("." + t) for t in spec)
 
 
-def get_pattern_key(patterns: Iterable[str], module_name: str) -> str | None:
+def _pattern_key(
+    patterns: Iterable[str], module_name: str, matcher: PatternMatcher, what: str
+) -> str | None:
+    for key in patterns:
+        if matcher.key_matches(key, module_name, what):
+            return key
+    return None
+
+
+def get_pattern_key(
+    patterns: Iterable[str], module_name: str, budget: PatternBudget | None = None
+) -> str | None:
     """The first pattern key that matches the end of ``module_name`` on a dot boundary, else None.
 
     Same rule as peft's ``get_pattern_key``: ``re.match(rf"(.*\\.)?({key})$", module_name)``; keys are
-    regular expressions and are tried in their given order.
+    regular expressions (with ``re``'s meaning) and are tried in their given order. They are run
+    with a time bound (see the module docstring): ``budget`` (a fresh :class:`PatternBudget` when
+    ``None``) is spent by the calls.
+
+    Raises:
+        LoRAPatternTooExpensiveError: the keys need more than the budget.
     """
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_name):
-            return key
-    return None
+    return _pattern_key(
+        patterns, module_name, PatternMatcher(budget or PatternBudget()), "pattern key"
+    )
 
 
 def lora_scale(alpha: float, r: int, use_rslora: bool = False) -> float:
@@ -181,13 +268,22 @@ def lora_scale(alpha: float, r: int, use_rslora: bool = False) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def _decode(value: Any) -> Any:
-    """Safetensors header values are strings; decode JSON where it parses."""
+def _decode(value: Any, what: str = "safetensors metadata") -> Any:
+    """Safetensors header values are strings; decode JSON where it parses.
+
+    Raises:
+        LoRAFormatError: JSON nested too deeply to parse (naming ``what``).
+    """
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except (ValueError, TypeError, RecursionError):
+        except (ValueError, TypeError):
             return value
+        except RecursionError:
+            raise LoRAFormatError(
+                f"{what} is JSON nested too deeply",
+                param="lora_path",
+            ) from None
     return value
 
 
@@ -220,24 +316,43 @@ def _alpha(value: Any, what: str) -> float:
     return float(value)
 
 
-def _check_regex(key: Any, what: str) -> str:
+def _check_regex(key: Any, what: str, budget: PatternBudget, *, wrap: bool = True) -> str:
+    """A pattern of the config: a string, at most :data:`MAX_PATTERN_CHARS` long, that ``re``
+    compiles as peft uses it (``wrap``: as a ``rank_pattern``/``alpha_pattern`` key, inside
+    ``(.*\\.)?(KEY)$``; else whole, as ``target_modules``). The check is timed by ``budget``."""
     if not isinstance(key, str):
         raise LoRAFormatError(f"{what} {key!r} is not a string")
-    try:
-        re.compile(rf"(.*\.)?({key})$")
-    except (re.error, RecursionError, OverflowError) as e:
-        raise LoRAFormatError(f"{what} {key!r} is not a valid regular expression ({e})") from None
+    if len(key) > MAX_PATTERN_CHARS:
+        raise LoRAFormatError(
+            f"{what} {short_pattern(key)} is {len(key)} characters long; patterns are at most "
+            f"{MAX_PATTERN_CHARS}"
+        )
+    text = rf"(.*\.)?({key})$" if wrap else key
+
+    def check(_left: float) -> None:
+        try:
+            re.compile(text)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise LoRAFormatError(
+                f"{what} {short_pattern(key)} is not a valid regular expression ({e})"
+            ) from None
+
+    budget.run(what, key, check)
     return key
 
 
-def _normalize_field(name: str, value: Any, source: str = "adapter config") -> Any:
+def _normalize_field(
+    name: str, value: Any, source: str = "adapter config", budget: PatternBudget | None = None
+) -> Any:
     """One field of one source, checked and in a comparable form.
 
     Raises:
         LoRAFormatError: a value of the wrong kind, naming ``source`` and the field.
+        LoRAPatternTooExpensiveError: checking the field's patterns exhausted ``budget``.
     """
     if value is None:
         return None
+    budget = budget or PatternBudget()
     what = f"{source}: {name}"
     if name == "r":
         return _rank(value, what)
@@ -249,7 +364,9 @@ def _normalize_field(name: str, value: Any, source: str = "adapter config") -> A
         return bool(value)
     if name in ("target_modules", "exclude_modules"):
         if isinstance(value, str):
-            return _check_regex(value, f"{what} (a regular expression)")
+            if value == "all-linear" and name == "target_modules":
+                return value
+            return _check_regex(value, f"{what} (a regular expression)", budget, wrap=False)
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return sorted(value)
         raise LoRAFormatError(f"{what} must be a string or a list of strings, got {value!r}")
@@ -258,7 +375,8 @@ def _normalize_field(name: str, value: Any, source: str = "adapter config") -> A
             raise LoRAFormatError(f"{what} must be an object {{pattern: value}}, got {value!r}")
         check = _rank if name == "rank_pattern" else _alpha
         return {
-            _check_regex(k, f"{what} key"): check(v, f"{what}[{k!r}]") for k, v in value.items()
+            _check_regex(k, f"{what} key", budget): check(v, f"{what}[{k!r}]")
+            for k, v in value.items()
         }
     return value
 
@@ -292,14 +410,17 @@ def _from_safetensors_header(header: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k in _KNOWN_FIELDS + tuple(_UNSUPPORTED_FIELDS):
         if k in header:
-            out[k] = _decode(header[k])
+            out[k] = _decode(header[k], f"safetensors metadata: {k}")
+            check_config_depth(out[k], f"safetensors metadata: {k}")
     # kohya's ss_network_dim / ss_network_alpha are training notes, not loading rules: sd-scripts
     # reads each module's own ``.alpha`` tensor (and alpha = rank without one), so they are ignored.
     return out
 
 
 def config_from_sources(
-    metadata: Mapping[str, Any] | None, component: str = "transformer"
+    metadata: Mapping[str, Any] | None,
+    component: str = "transformer",
+    budget: PatternBudget | None = None,
 ) -> AdapterConfig:
     """Build one :class:`AdapterConfig` from the metadata returned by ``load_lora_state_dict``.
 
@@ -309,23 +430,33 @@ def config_from_sources(
             ``safetensors_metadata`` (the raw header ``{str: str}``). A plain header dict (no such keys)
             is accepted as ``safetensors_metadata``.
         component: the pipeline component whose prefixed diffusers metadata applies.
+        budget: the time for the config's patterns, checking them here and matching them later
+            (:meth:`AdapterConfig.resolve`, :meth:`AdapterConfig.targets`); a fresh
+            :class:`PatternBudget` when ``None``. Pass one budget to every conversion of a file.
 
     Raises:
         LoRAFormatError: two sources disagree on a field; a source declares an unsupported feature
             (DoRA, ``modules_to_save``, ``fan_in_fan_out``, a non-LoRA ``peft_type``, ...).
+        LoRAPatternTooExpensiveError: checking the patterns exhausted the budget.
     """
+    budget = budget or PatternBudget()
     metadata = dict(metadata or {})
     structured = {"adapter_config", "lora_adapter_metadata", "safetensors_metadata"}
     if metadata and not (structured & metadata.keys()):
         metadata = {"safetensors_metadata": metadata}
 
     sources: list[tuple[str, dict[str, Any]]] = []
+    for key, src in (("adapter_config", "adapter_config.json"), ("lora_adapter_metadata",) * 2):
+        check_config_depth(metadata.get(key), src)
     if metadata.get("adapter_config"):
         sources.append(("adapter_config.json", dict(metadata["adapter_config"])))
     header = dict(metadata.get("safetensors_metadata") or {})
     lam = metadata.get("lora_adapter_metadata")
     if lam is None and "lora_adapter_metadata" in header:
-        lam = _decode(header["lora_adapter_metadata"])
+        lam = _decode(
+            header["lora_adapter_metadata"], "lora_adapter_metadata in the safetensors header"
+        )
+        check_config_depth(lam, "lora_adapter_metadata in the safetensors header")
     if lam:
         if not isinstance(lam, Mapping):
             raise LoRAFormatError(
@@ -342,7 +473,7 @@ def config_from_sources(
         for fld in _KNOWN_FIELDS:
             if fld not in cfg or cfg[fld] is None:
                 continue
-            val = _normalize_field(fld, cfg[fld], src)
+            val = _normalize_field(fld, cfg[fld], src, budget)
             if fld in merged and merged[fld][1] != val:
                 raise LoRAFormatError(
                     f"conflicting LoRA config sources for {fld!r}: "
@@ -364,4 +495,6 @@ def config_from_sources(
         exclude_modules=get("exclude_modules"),
         layers_to_transform=get("layers_to_transform"),
         sources=[s for s, _ in sources],
+        origins={fld: src for fld, (src, _) in merged.items()},
+        budget=budget,
     )

@@ -73,7 +73,9 @@ class PerRequestMixin:
 
         Raises:
             NotFoundError: an unknown nickname (``param="lora"``).
-            InvalidRequestError: a bad strength or a duplicate (``param="lora"``).
+            InvalidRequestError: a bad strength, a duplicate, more than
+                :data:`~sglang.multimodal_gen.lora.requests.MAX_ADAPTERS_PER_CALL` entries
+                (``param="lora"``).
             LoRAStateError: the restore failed (every layer reset to its base weights; the
                 engine must stop serving: HTTP 503).
         """

@@ -7,7 +7,8 @@ torch.
 
 Rules of ``set_lora`` (:func:`normalize_set_lora`):
 
-- ``lora_nickname`` is one non-empty string or a non-empty list of them;
+- ``lora_nickname`` is one non-empty string or a non-empty list of at most
+  :data:`MAX_ADAPTERS_PER_CALL` of them (the call's nicknames become the active composition);
 - ``lora_path``, ``target`` and ``strength`` are each a scalar or a list. A scalar or a
   one-element list applies to every nickname; otherwise the list needs one entry per nickname
   (the message names both fields and both lengths);
@@ -21,7 +22,8 @@ Rules of ``set_lora`` (:func:`normalize_set_lora`):
 
 Rules of a per-request composition (:func:`validate_composition`): a list of ``{name, scale}``
 entries (mappings, objects with ``name``/``scale`` attributes, or ``(name, scale)`` pairs), or one
-such entry; names are non-empty and distinct, scales finite numbers (default 1.0).
+such entry, at most :data:`MAX_ADAPTERS_PER_CALL` of them; names are non-empty and distinct,
+scales finite numbers (default 1.0).
 
 Every refusal is an :class:`~sglang.multimodal_gen.errors.InvalidRequestError` whose ``param``
 names the request field.
@@ -39,6 +41,7 @@ from sglang.multimodal_gen.lora.peft_config import FP32_MAX
 
 __all__ = [
     "ALL_TARGETS",
+    "MAX_ADAPTERS_PER_CALL",
     "MERGE_MODES",
     "SetLoRAArgs",
     "check_merge_mode",
@@ -49,6 +52,10 @@ __all__ = [
 
 MERGE_MODES = ("auto", "merge", "dynamic")
 ALL_TARGETS = "all"
+#: Most adapters one ``set_lora`` call names (entries of ``lora_nickname``) and most adapters in
+#: one request's composition (``lora``): each costs a file conversion, a copy on the layers or
+#: LoRA work in every forward, so an unbounded list would hold the engine for minutes.
+MAX_ADAPTERS_PER_CALL = 64
 
 
 def _number(value: Any, what: str, param: str) -> float:
@@ -161,6 +168,12 @@ def normalize_set_lora(
         )
     if not names:
         raise InvalidRequestError("lora_nickname must name at least one adapter", "lora_nickname")
+    if len(names) > MAX_ADAPTERS_PER_CALL:
+        raise InvalidRequestError(
+            f"lora_nickname names {len(names)} adapters; one set_lora call takes at most "
+            f"{MAX_ADAPTERS_PER_CALL} (they become the active composition)",
+            param="lora_nickname",
+        )
     for name in names:
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequestError(
@@ -228,8 +241,9 @@ def validate_composition(lora: Any, param: str = "lora") -> list[tuple[str, floa
     Whether the adapters are loaded is checked by the LoRA manager (``NotFoundError``).
 
     Raises:
-        InvalidRequestError: ``param`` (default ``"lora"``): an entry that is not a name and a
-            scale, an empty name, a repeated name, a scale that is not a finite number.
+        InvalidRequestError: ``param`` (default ``"lora"``): more than
+            :data:`MAX_ADAPTERS_PER_CALL` entries, an entry that is not a name and a scale, an
+            empty name, a repeated name, a scale that is not a finite number.
     """
     if lora is None:
         return None
@@ -240,6 +254,12 @@ def validate_composition(lora: Any, param: str = "lora") -> list[tuple[str, floa
     else:
         raise InvalidRequestError(
             f"{param} must be a list of {{name, scale}} entries, got {lora!r}", param=param
+        )
+    if len(items) > MAX_ADAPTERS_PER_CALL:
+        raise InvalidRequestError(
+            f"{param} names {len(items)} adapters; a request's composition has at most "
+            f"{MAX_ADAPTERS_PER_CALL}",
+            param=param,
         )
     out: list[tuple[str, float]] = []
     seen: set[str] = set()

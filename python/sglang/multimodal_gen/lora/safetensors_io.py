@@ -7,8 +7,10 @@ so a FIFO or ``/dev/zero`` never blocks or floods a read); the header length is 
 ``safetensors.safe_open``. The checks are ours (not the safetensors library's) so that a refusal
 names what the file actually is (empty, a Git LFS pointer, an HTML page, a pickle or zip
 checkpoint) and the tensor at fault. Float8 tensors (``F8_E4M3``, ``F8_E5M2``, which diffusers
-loads too) are upcast to float32 when read; other dtypes that are not weights (``F8_E8M0`` scales,
-``F4``/``F6`` packed formats) are refused.
+loads too) are upcast to float32 when read. Dtypes that hold no real numbers a LoRA could use are
+refused by kind, naming the tensor: booleans, complex numbers, ``F8_E8M0`` scales and the
+``F4``/``F6`` packed formats. Integer tensors are read (an ``alpha`` may be stored as an integer);
+the conversion refuses them as weights (``lora.formats``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from sglang.multimodal_gen.errors import LoRAFormatError
+from sglang.multimodal_gen.lora.peft_config import check_config_depth
 
 __all__ = [
     "MAX_CONFIG_BYTES",
@@ -39,28 +42,20 @@ READ_STATS = {"files": 0, "bytes": 0}
 MAX_HEADER_BYTES = 100_000_000
 #: Largest ``adapter_config.json`` read.
 MAX_CONFIG_BYTES = 1 << 20
-# safetensors dtype -> (torch dtype name, bytes per element); float8 is upcast to float32 on read
-_DTYPES = {
-    "F64": ("float64", 8),
-    "F32": ("float32", 4),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
-    "I64": ("int64", 8),
-    "I32": ("int32", 4),
-    "I16": ("int16", 2),
-    "I8": ("int8", 1),
-    "U8": ("uint8", 1),
-    "BOOL": ("bool", 1),
-}
+# safetensors dtypes read: bytes per element. Floats are weights (float8 upcast to float32 on
+# read); integers are read as numbers (an integer alpha) and refused as weights by the conversion.
+_FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+_INT_DTYPES = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1}
+_DTYPES = {**_FLOAT_DTYPES, **_INT_DTYPES}
 _UPCAST = ("F8_E4M3", "F8_E5M2")
+# Every other dtype of the safetensors format: no real numbers a LoRA could use.
 _NOT_WEIGHTS = {
+    "BOOL": "booleans, not numbers",
+    "C64": "complex numbers",
     "F8_E8M0": "an exponent-only scale format (MX block scales), not weights",
     "F4": "a packed 4-bit format that needs its block scales",
     "F6_E2M3": "a packed 6-bit format that needs its block scales",
     "F6_E3M2": "a packed 6-bit format that needs its block scales",
-    "C64": "complex numbers",
 }
 
 
@@ -205,7 +200,7 @@ def _check_header(name: str, header: Any, data_bytes: int) -> dict[str, str]:
             and 0 <= offsets[0] <= offsets[1]
         ):
             raise _cannot_read(name, f"tensor {key!r} has invalid data_offsets {offsets!r}")
-        need = math.prod(shape) * _DTYPES[dtype][1]
+        need = math.prod(shape) * _DTYPES[dtype]
         if offsets[1] - offsets[0] != need:
             raise _cannot_read(
                 name,
@@ -262,6 +257,8 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
         header = json.loads(raw)
     except ValueError as e:
         raise _cannot_read(name, f"its header is not valid JSON ({e})") from None
+    except RecursionError:
+        raise _cannot_read(name, "its header is JSON nested too deeply") from None
     meta = _check_header(name, header, size - 8 - n)
     digest = hashlib.blake2b(head[:8], digest_size=16)
     digest.update(raw)
@@ -287,7 +284,8 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
 
 def read_config(path: str) -> dict:
     """``adapter_config.json``: a regular file of at most :data:`MAX_CONFIG_BYTES`, a JSON
-    object."""
+    object nested at most :data:`~sglang.multimodal_gen.lora.peft_config.MAX_CONFIG_DEPTH`
+    levels."""
     name = os.path.basename(path)
     f, size = open_regular(path)
     with f:
@@ -301,9 +299,12 @@ def read_config(path: str) -> dict:
         config = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         why = "the file is empty" if not data.strip() else f"not valid JSON ({e})"
+        if isinstance(e, RecursionError):
+            why = "it is JSON nested too deeply"
         raise LoRAFormatError(f"cannot parse {name!r}: {why}", param="lora_path") from None
     if not isinstance(config, dict):
         raise LoRAFormatError(
             f"{name!r} is {json_kind(config)}, not a JSON object", param="lora_path"
         )
+    check_config_depth(config, repr(name))
     return config

@@ -3,7 +3,9 @@
 Nothing here touches a layer. A file is read under the manager's path policy
 (:func:`~sglang.multimodal_gen.lora.loading.read_source`); a ``set_lora`` that names the unchanged
 file of a loaded adapter (same :func:`~sglang.multimodal_gen.lora.loading.file_key`) reads nothing;
-a file that was rewritten is read, and reused anyway when its content digest is the same.
+a file that was rewritten is read, and reused anyway when its content digest is the same. Within
+one ``set_lora`` call, a path named for several nicknames is read and converted once (each nickname
+still gets its own copy on the layers).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.errors import InvalidRequestError
+from sglang.multimodal_gen.errors import InvalidRequestError, LoRAPatternTooExpensiveError
 from sglang.multimodal_gen.lora.adapters import Adapter, stage_adapter
 from sglang.multimodal_gen.lora.formats import CanonicalLoRA, convert_to_canonical
 from sglang.multimodal_gen.lora.loading import file_key, locate_source, read_source
+from sglang.multimodal_gen.lora.peft_config import PatternBudget
 
 __all__ = ["UNCHANGED", "StagingMixin"]
 
@@ -55,15 +58,27 @@ class StagingMixin:
             return False
 
     def _stage(
-        self, nickname: str, path: str, sources: Mapping[str, Any] | None
+        self,
+        nickname: str,
+        path: str,
+        sources: Mapping[str, Any] | None,
+        done: dict[str, tuple[dict, dict]] | None = None,
     ) -> tuple[Adapter, dict] | None:
         """Read (or take from ``sources``) and convert one file; ``None`` when the loaded
-        adapter ``nickname`` is the same file, unchanged. No layer is touched."""
+        adapter ``nickname`` is the same file, unchanged. No layer is touched.
+
+        ``done`` (``{path: (converted, metadata)}``, filled here) shares the read and the
+        conversion between the nicknames of one call that name the same path."""
         given = None if sources is None else sources.get(path)
         if given == UNCHANGED or (given is None and self.unchanged(nickname, path)):
             return None
-        state_dict, metadata = given if given is not None else self.read_source(path)
-        converted = self._convert(state_dict, metadata)
+        if done is not None and path in done:
+            converted, metadata = done[path]
+        else:
+            state_dict, metadata = given if given is not None else self.read_source(path)
+            converted = self._convert(state_dict, metadata)
+            if done is not None:
+                done[path] = (converted, metadata)
         adapter = stage_adapter(
             nickname, f"{nickname}#{next(self._uids)}", path, converted, metadata
         )
@@ -80,18 +95,26 @@ class StagingMixin:
         """The file converted for every target it matches (keys carry the component prefix,
         ``"transformer_2."``, or, as diffusers writes a second expert's file, the first one's).
 
+        The adapter config's regular expressions get one time budget for all these conversions
+        (:class:`~sglang.multimodal_gen.lora.peft_config.PatternBudget`).
+
         Raises:
             InvalidRequestError: it matches no target (the first target's reason).
+            LoRAPatternTooExpensiveError: the config's patterns need more than their budget
+                (raised at once: it is not a matter of the target).
         """
         converted: dict[str, CanonicalLoRA] = {}
         errors = []
+        budget = PatternBudget()
         for tname, spec in self._specs.items():
             for component in dict.fromkeys((tname, "transformer")):
                 try:
                     converted[tname] = convert_to_canonical(
-                        state_dict, metadata, spec, component=component
+                        state_dict, metadata, spec, component=component, pattern_budget=budget
                     )
                     break
+                except LoRAPatternTooExpensiveError:
+                    raise
                 except InvalidRequestError as e:
                     errors.append(e)
         if not converted:
