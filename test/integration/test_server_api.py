@@ -1015,3 +1015,26 @@ def test_json_content_types_are_accepted(server, content_type):
     body = json.dumps({"prompt": "x", "size": "32x32", "num_inference_steps": 1})
     r = httpx.post(f"{server}/v1/images/generations", content=body, headers=headers)
     assert r.status_code == 200, r.text
+
+
+def test_scheduler_keeps_its_state_across_generations(engine):
+    """The video-progress bookkeeping once reused the name of the started flag: after one
+    generation a second start() raised, and a dead worker thread went unnoticed."""
+    from concurrent.futures import Future
+
+    from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
+
+    sched = Scheduler(engine, request_factory=GenerationRequest, idle_check_s=0.05)
+    assert sched.steps_done_for(Future()) is None  # before any task: not running, no error
+    sched.start()
+    kw = dict(prompt="x", height=32, width=32, num_inference_steps=1, seed=1)
+    sched.submit_generation(**kw).result(timeout=60)
+    sched.start()  # idempotent, also after a generation
+    assert sched.engine_alive()
+
+    def crash():
+        raise RuntimeError("the worker thread dies")
+
+    sched._next_task = crash  # its next turn ends the thread, without stop()
+    wait_until(lambda: not sched._thread.is_alive(), "the worker thread did not end")
+    assert not sched.engine_alive() and "scheduler thread" in sched.dead_reason

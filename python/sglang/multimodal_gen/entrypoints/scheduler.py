@@ -149,7 +149,7 @@ class Scheduler:
         self.stall_timeout_s = stall_timeout_s
         self._progress_at = time.monotonic()  # last task start/end, or work arriving when idle
         self._steps_seen: int | None = None  # engine.steps_done() when last looked at
-        self._started: dict[int, _Task] = {}  # id(future) -> the generations running now
+        self._running_gens: dict[int, _Task] = {}  # id(future) -> the generations running now
         self._queue: deque[_Task] = deque()
         self._cond = threading.Condition()
         self._waiting_generations = 0
@@ -274,13 +274,13 @@ class Scheduler:
         for t in gens:
             t.steps_at_start, t.batch_rows = steps, len(gens)
         with self._cond:
-            self._started = {id(t.future): t for t in gens}
+            self._running_gens = {id(t.future): t for t in gens}
 
     def steps_done_for(self, future: Future) -> float | None:
         """Denoising steps a running generation has finished (``None``: not running, or the
         engine does not count steps). The requests of a batch step together, so each gets its
         share of the engine's count (a video job's ``progress``)."""
-        task = self._started.get(id(future))
+        task = self._running_gens.get(id(future))
         if task is None or task.steps_at_start is None:
             return None
         now = self._engine_steps()
@@ -474,7 +474,7 @@ class Scheduler:
                     self._run(live[0])
             finally:
                 with self._cond:
-                    self._started = {}
+                    self._running_gens = {}
                     self._running = None
                     self._progress_at = time.monotonic()
                     self._cond.notify_all()
