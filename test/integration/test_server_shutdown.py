@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -125,10 +126,21 @@ def test_sigterm_past_the_graceful_timeout_answers_503_and_exits(tmp_path):
             )
             wait_until(lambda: started.exists() or inflight.done(), "the request did not start")
             assert not inflight.done(), inflight.result()
+            # a second request still sending its body at the deadline: cancelled elsewhere
+            # than in the wait for the engine, a 503 as well
+            slow = socket.create_connection(("127.0.0.1", port), timeout=60)
+            slow.sendall(
+                b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+            )
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             r = inflight.result(timeout=60)
             answered_s = time.monotonic() - t0
+            with slow:
+                head = slow.recv(4096)
+        assert head.startswith(b"HTTP/1.1 503"), head
+        assert b"--timeout-graceful-shutdown" in head or b"shutting down" in head, head
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert "--timeout-graceful-shutdown" in err["message"] and err["type"] == "server_error"

@@ -51,6 +51,18 @@ class EnvelopeRoute(APIRoute):
                 raise  # handled by the app's exception handlers
             except Exception as e:
                 return _error_response(e)
+            except asyncio.CancelledError:
+                # uvicorn cancels what is still open when --timeout-graceful-shutdown ends,
+                # wherever the handler is (reading the body, waiting for the engine): a 503
+                scheduler = getattr(request.app.state, "scheduler", None)
+                if scheduler is None or not scheduler.shutting_down:
+                    raise
+                return _error_response(
+                    ServerShuttingDownError(
+                        "the server is shutting down and the request did not finish within "
+                        "--timeout-graceful-shutdown"
+                    )
+                )
 
         return guarded
 
@@ -155,8 +167,7 @@ class RouteContext:
         client that disconnects while its work still waits in the queue has it dropped.
 
         Raises:
-            EngineDeadError: 503; the engine stopped while the work was pending, or the server
-                is shutting down and cancelled the request (:class:`ServerShuttingDownError`).
+            EngineDeadError: 503; the engine stopped while the work was pending.
             ClientGoneError: the client disconnected (nothing is sent).
         """
         afut = asyncio.wrap_future(future)
@@ -182,12 +193,7 @@ class RouteContext:
                         )
         except asyncio.CancelledError:
             future.cancel()  # the handler itself was cancelled: drop the work if not started
-            if self.scheduler.shutting_down:  # past --timeout-graceful-shutdown: 503, not a 500
-                raise ServerShuttingDownError(
-                    "the server is shutting down and the request did not finish within "
-                    "--timeout-graceful-shutdown"
-                ) from None
-            raise
+            raise  # past --timeout-graceful-shutdown: EnvelopeRoute answers 503
 
     def check_model(self, model: str | None) -> None:
         """Check a request's ``model`` field (``None``: the served model).
