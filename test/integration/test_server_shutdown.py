@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 from server_helpers import free_port, wait_not_accepting, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -176,3 +177,38 @@ def test_serve_startup_failure_is_one_clear_line(monkeypatch, capsys, tmp_path):
     assert err.startswith("sglang serve: error: ") and "missing.safetensors" in err, err
     assert "Traceback" not in err
     assert not engine.alive  # shut down
+
+
+@pytest.mark.slow
+def test_tp_server_past_the_graceful_timeout_exits_within_a_bound(tmp_path):
+    """``sglang serve --tp-size 2`` with a generation still running at the deadline: 503, then
+    the workers are stopped together (each rank's join used to wait 10 s in turn while it still
+    computed: 24.6 s after SIGTERM for a 3 s grace at TP 2, 80 s more at TP 8)."""
+    grace = 2.0
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-c", "from sglang.cli.main import console_main; console_main()",
+           "serve", "--port", str(port), "--tp-size", "2",
+           "--timeout-graceful-shutdown", str(grace)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_healthy(url, proc, timeout=300)
+        body = {"prompt": "x", "size": "256x256", "num_inference_steps": 1000, "seed": 1}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            inflight = pool.submit(
+                httpx.post, f"{url}/v1/images/generations", json=body, timeout=300
+            )
+            time.sleep(1.0)  # running (the demo model takes minutes for this)
+            assert not inflight.done(), inflight.result().text
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            r = inflight.result(timeout=120)
+        assert r.status_code == 503, r.text
+        out, _ = proc.communicate(timeout=120)
+        exited_s = time.monotonic() - t0
+        assert proc.returncode == 0, out
+        assert exited_s < grace + 8, (exited_s, out[-3000:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

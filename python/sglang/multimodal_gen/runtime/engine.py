@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -460,8 +461,12 @@ class DiffusionEngine:
                 self._cmd_q.put(("shutdown", {}))
             except Exception:
                 pass
+            # one deadline for all ranks (not 10 s each); workers still inside a call (a
+            # shutdown past the server's graceful timeout) would not read the command: 1 s
+            busy = self._lock.locked()
+            deadline = time.monotonic() + (1.0 if busy else 10.0)
             for p in self._procs:
-                p.join(timeout=10)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
             self._kill_workers()
         if self._runner is not None:
             self._compute.stop()
