@@ -50,12 +50,6 @@ class PayloadTooLargeError(InvalidRequestError):
     status_code = 413
 
 
-class UnsupportedMediaTypeError(InvalidRequestError):
-    """The request body is declared as something other than JSON (HTTP 415)."""
-
-    status_code = 415
-
-
 class RequestTimeoutError(InvalidRequestError):
     """The client did not send its request (headers or body) within the bound (HTTP 408)."""
 

@@ -1,4 +1,4 @@
-"""API-key checks for the HTTP server.
+"""API-key and cross-origin checks for the HTTP server.
 
 With ``--api-key`` every endpoint except ``/health`` and ``/ready`` (probes) requires
 ``Authorization: Bearer <key>``. With ``--admin-api-key`` the LoRA admin endpoints require that key instead (the admin key is also
@@ -9,11 +9,13 @@ taken does not reveal how much of a guess was right.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 # Paths that change engine state (they take the admin key when one is configured): the op table's
 from sglang.multimodal_gen.engine_ops import ADMIN_PATHS
 
-__all__ = ["ADMIN_PATHS", "PUBLIC_PATHS", "ApiKeyAuth", "bearer_token"]
+__all__ = ["ADMIN_PATHS", "PUBLIC_PATHS", "ApiKeyAuth", "bearer_token", "cross_origin_reason"]
 #: Paths open to everyone.
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
 
@@ -74,3 +76,44 @@ class ApiKeyAuth:
             ok_admin = _matches(token, self.admin_api_key)
             ok = ok_user or ok_admin
         return None if ok else "invalid API key"
+
+
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def cross_origin_reason(method: str, headers: Mapping[bytes, bytes]) -> str | None:
+    """Why a request with side effects that a browser sent on behalf of another site is refused
+    (``None``: allowed).
+
+    A web page can make a browser POST to this server without asking first (a form, ``text/plain``
+    or an untyped body need no CORS preflight), so without an API key any page a user opens could
+    generate or change adapters. Browsers say where a request comes from: ``Sec-Fetch-Site`` (all
+    current browsers) must be ``same-origin`` or ``none`` (typed by the user); without it, an
+    ``Origin`` must name this host. Requests without either header (curl, the SDKs, other servers)
+    pass. The rules of the Fetch Metadata standard as Go's ``http.CrossOriginProtection`` applies
+    them.
+
+    Args:
+        headers: lower-case header names to raw values (``host``, ``origin``, ``sec-fetch-site``).
+    """
+    if method.upper() in _SAFE_METHODS:
+        return None
+    site = headers.get(b"sec-fetch-site")
+    if site is not None:
+        if site in (b"same-origin", b"none"):
+            return None
+        return (
+            f"a browser request from another site (Sec-Fetch-Site: {site.decode('latin-1')}) "
+            "may not change anything here; call the server from the same origin or from a "
+            "backend"
+        )
+    origin = headers.get(b"origin")
+    if origin is None:
+        return None
+    host = headers.get(b"host", b"").decode("latin-1").lower()
+    if urlsplit(origin.decode("latin-1")).netloc.lower() == host:
+        return None
+    return (
+        f"a browser request from another origin (Origin: {origin.decode('latin-1')[:100]}) may "
+        "not change anything here; call the server from the same origin or from a backend"
+    )

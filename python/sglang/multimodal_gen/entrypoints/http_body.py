@@ -25,7 +25,6 @@ from sglang.multimodal_gen.errors import (
     PayloadTooLargeError,
     RequestTimeoutError,
     SGLangError,
-    UnsupportedMediaTypeError,
 )
 
 #: Largest request body accepted (bytes).
@@ -226,27 +225,6 @@ def parse_json_body(raw: bytes, model: type[BaseModel], *, allow_empty: bool = F
         raise SchemaError(message, param=param, code="invalid_schema") from e
 
 
-def check_json_content_type(content_type: str | None) -> None:
-    """Accept a missing ``Content-Type``, ``application/json`` and ``application/*+json``
-    (parameters such as ``charset`` ignored).
-
-    Raises:
-        UnsupportedMediaTypeError: 415 naming the header and the value.
-    """
-    if content_type is None:
-        return
-    media = content_type.split(";", 1)[0].strip().lower()
-    if media == "application/json" or (
-        media.startswith("application/") and media.endswith("+json")
-    ):
-        return
-    raise UnsupportedMediaTypeError(
-        f"Content-Type must be application/json, got {content_type[:80]!r}",
-        param="Content-Type",
-        code="unsupported_media_type",
-    )
-
-
 async def read_body(
     request: Request, limit: int = MAX_BODY_BYTES, timeout_s: float | None = None
 ) -> bytes:
@@ -260,11 +238,7 @@ async def read_body(
         RequestTimeoutError: 408; the body did not arrive within ``timeout_s``.
         BodyError: 400; a ``Content-Length`` that is not a number.
         ClientGoneError: 499; the client closed the connection before the body was complete.
-        UnsupportedMediaTypeError: 415; a ``Content-Type`` that is not JSON (none is fine). A
-            browser sends a cross-site form or ``text/plain`` body without asking first, so
-            accepting those would let any web page drive a server that has no API key.
     """
-    check_json_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():

@@ -109,13 +109,20 @@ def _log_actor(app_name: str):
     ).remote()  # fmt: skip
 
 
-async def _call_app(app: Any, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-    """Run one request through ``app`` in this process (its routes, its validation)."""
+#: Client headers an admin call keeps on its way through the log: the API key and where a
+#: browser request comes from (the app's own checks run on them).
+_FORWARDED = (b"authorization", b"host", b"origin", b"sec-fetch-site")
+
+
+async def _call_app(
+    app: Any, method: str, path: str, body: bytes = b"", headers: dict | None = None
+) -> tuple[int, bytes]:
+    """Run one request through ``app`` in this process (its routes, its validation, its auth)."""
     import httpx
 
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
-        headers = {"content-type": "application/json"}
+        headers = {"content-type": "application/json", **(headers or {})}
         r = await client.request(method, path, content=body, headers=headers, timeout=None)
         return r.status_code, r.content
 
@@ -208,8 +215,10 @@ class DiffusionReplica:
     # ------------------------------------------------------------------ log replay
     def _apply_pending(self) -> None:
         pending = ray.get(self.log.since.remote(self.replica_id, self.applied))
+        key = self.args.admin_api_key or self.args.api_key  # a logged call was authorized
+        own = {"authorization": f"Bearer {key}"} if key else {}
         for seq, path, body in pending:
-            status, content = asyncio.run(_call_app(self.inner, "POST", path, body))
+            status, content = asyncio.run(_call_app(self.inner, "POST", path, body, own))
             error = _error_text(status, content)
             self.log.report.remote(self.replica_id, seq, status, error)
             self.applied = seq
@@ -233,7 +242,12 @@ class DiffusionReplica:
         try:
             with self._local:
                 await asyncio.to_thread(self._apply_pending)
-                status, content = await _call_app(self.inner, "POST", path, body)
+                client = {
+                    k.decode("latin-1"): v.decode("latin-1")
+                    for k, v in scope.get("headers", ())
+                    if k in _FORWARDED
+                }
+                status, content = await _call_app(self.inner, "POST", path, body, client)
                 if _error_text(status, content) is not None:
                     return status, content  # refused here: nothing logged, nothing changed
                 seq = await self.log.append.remote(self.replica_id, path, body)

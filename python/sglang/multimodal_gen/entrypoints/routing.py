@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang.multimodal_gen.engine_ops import OPS
-from sglang.multimodal_gen.entrypoints.auth import ADMIN_PATHS, ApiKeyAuth
+from sglang.multimodal_gen.entrypoints.auth import ADMIN_PATHS, ApiKeyAuth, cross_origin_reason
 from sglang.multimodal_gen.entrypoints.http_body import MAX_BODY_BYTES, ClientGoneError, read_body
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception, error_body
@@ -94,7 +94,8 @@ def _endpoint_label(path: str) -> str:
 
 
 class AuthAndCount:
-    """ASGI middleware: API-key check before anything else, then count the request by status.
+    """ASGI middleware: API-key check before anything else, then the cross-origin check
+    (:func:`~.auth.cross_origin_reason`, 403), then count the request by status.
 
     A plain ASGI class rather than ``@app.middleware("http")``, so the handlers receive the
     server's own ``receive`` and can notice a client disconnecting (``request.is_disconnected``).
@@ -110,11 +111,9 @@ class AuthAndCount:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        authorization = None
-        for key, value in scope.get("headers", ()):
-            if key == b"authorization":
-                authorization = value.decode("latin-1")
-                break
+        headers = dict(scope.get("headers", ()))
+        raw_auth = headers.get(b"authorization")
+        authorization = None if raw_auth is None else raw_auth.decode("latin-1")
         status = 500
         try:
             reason = self.auth.check(path, authorization)
@@ -123,6 +122,12 @@ class AuthAndCount:
                 body = error_body(reason, 401, param=None, code="invalid_api_key")
                 response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
+                return
+            reason = cross_origin_reason(scope.get("method", "GET"), headers)
+            if reason is not None:
+                status = 403
+                body = error_body(reason, 403, param=None, code="cross_origin_request")
+                await JSONResponse(body, 403)(scope, receive, send)
                 return
 
             async def send_and_note(message) -> None:
