@@ -50,6 +50,7 @@ else
 fi
 
 # part NAME LIMIT_S COMMAND...: run it under a time limit, log to $LOG/NAME.log, report its status
+FAILED=()
 part() {
   local name=$1 limit=$2
   shift 2
@@ -59,6 +60,7 @@ part() {
   local rc=$?
   tail -n 12 "$LOG/$name.log"
   echo "== $name: exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || FAILED+=("$name")
 }
 
 want() { [ $# -eq 0 ] || [[ " $* " == *" $PART "* ]]; }
@@ -77,3 +79,7 @@ print('diffusers', diffusers.__version__, 'transformers', transformers.__version
     *) part "$PART" 85 "$PY" benchmarks/bench_e2e.py "${E2E[@]}" --attention-backend "$PART" ;;
   esac
 done
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "== failed or timed out: ${FAILED[*]}"
+  exit 1
+fi

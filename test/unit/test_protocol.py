@@ -522,6 +522,13 @@ def test_url_image_store_is_bounded_in_bytes_too():
     assert all(store.get(n) is None for n in names)
     small = store.put(b"y" * 10, "jpeg")  # the big one goes now
     assert store.get(big) is None and store.get(small) == (b"y" * 10, "image/jpeg")
+    expiring = ImageStore(capacity=10, max_bytes=100, ttl_s=0.0)
+    old = expiring.put(b"z" * 60, "png")
+    assert expiring.get(old) is None  # expired: its bytes are no longer counted
+    fresh = expiring.put(b"w" * 60, "png")
+    expiring.ttl_s = 3600.0
+    assert expiring.get(fresh) == (b"w" * 60, "image/png")  # 60 + 60 would have evicted it
+    assert expiring.put(b"v" * 40, "png") and expiring.get(fresh) is not None
     counted = ImageStore(capacity=2)
     first = counted.put(b"a", "png")
     counted.put(b"b", "png")
