@@ -190,3 +190,37 @@ def test_progress_counts_the_jobs_denoising_steps(served):
     running = [p for s, p in seen if s == "in_progress"]
     assert any(0 < p < 100 for p in running), seen  # a share, not 0 then 100
     assert all(p <= 99 for p in running)
+
+
+def test_the_openai_client_creates_polls_and_downloads_a_video(served):
+    """``client.videos.create`` always sends multipart/form-data (fields as text); the job, its
+    polling and its content work as with a JSON body, and the frames are the engine's."""
+    import warnings
+
+    import openai
+
+    url, engine = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    extra = dict(num_frames=5, fps=8, num_inference_steps=2, seed=11, guidance_scale=3.0,
+                 negative_prompt="blurry")  # fmt: skip
+    with warnings.catch_warnings():  # the SDK marks its video methods deprecated
+        warnings.simplefilter("ignore")
+        video = client.videos.create(prompt=BODY["prompt"], size="32x32", extra_body=extra)
+        assert video.status == "queued" and video.size == "32x32"
+        for _ in range(600):
+            video = client.videos.retrieve(video.id)
+            if video.status in ("completed", "failed"):
+                break
+            time.sleep(0.2)
+        assert video.status == "completed" and video.progress == 100, video
+        content = client.videos.download_content(video.id).read()
+        with pytest.raises(openai.UnprocessableEntityError) as e:  # text where a number goes
+            client.videos.create(prompt="x", size="32x32", extra_body={"fps": "fast"})
+        assert e.value.body["param"] == "fps"
+        with pytest.raises(openai.BadRequestError) as e:  # image-to-video is not offered
+            client.videos.create(prompt="x", size="32x32", input_reference=b"\x89PNG....")
+        assert e.value.body["param"] == "input_reference"
+    req = GenerationRequest(prompt=BODY["prompt"], height=32, width=32, num_frames=5,
+                            num_inference_steps=2, seed=11, guidance_scale=3.0,
+                            negative_prompt="blurry")  # fmt: skip
+    assert content == encode_video(engine.generate_video(req)[0], 8, "mp4")

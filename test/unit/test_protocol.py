@@ -547,3 +547,42 @@ def test_a_key_given_twice_is_refused(raw, param):
         parse_json_body(raw, ImageGenerationRequest)
     assert e.value.param == param and "more than once" in e.value.message
     assert e.value.status_code == 400
+
+
+def _form(fields: list[tuple[str, str]], boundary: str = "b0undary") -> tuple[bytes, str]:
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'
+        for k, v in fields
+    ]
+    return ("".join(parts) + f"--{boundary}--\r\n").encode(), (
+        f"multipart/form-data; boundary={boundary}"
+    )
+
+
+def test_form_bodies_are_typed_by_the_schema():
+    import asyncio
+
+    from sglang.multimodal_gen.entrypoints.http_body import parse_form_body
+    from sglang.multimodal_gen.entrypoints.videos import VideoGenerationRequest
+
+    def parse(fields):
+        raw, ctype = _form(fields)
+        return asyncio.run(parse_form_body(raw, ctype, VideoGenerationRequest))
+
+    req = parse([("prompt", "42"), ("seconds", "4"), ("num_frames", "9"),
+                 ("guidance_scale", "3.5"), ("lora", '{"name": "a", "scale": 0.5}')])  # fmt: skip
+    assert (req.prompt, req.seconds, req.num_frames, req.guidance_scale) == ("42", "4", 9, 3.5)
+    assert req.lora.name == "a" and req.lora.scale == 0.5
+    with pytest.raises(SchemaError) as e:
+        parse([("prompt", "x"), ("num_frames", "nine")])
+    assert e.value.param == "num_frames"
+    with pytest.raises(BodyError) as e:
+        parse([("prompt", "x"), ("fps", "8"), ("fps", "9")])
+    assert e.value.param == "fps" and "more than once" in e.value.message
+    with pytest.raises(BodyError) as e:
+        asyncio.run(
+            parse_form_body(
+                b"not multipart", "multipart/form-data; boundary=zz", VideoGenerationRequest
+            )
+        )
+    assert e.value.status_code == 400

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import typing
 from typing import Any
 
 from fastapi import Request
@@ -275,3 +276,65 @@ async def read_body(
             code="request_timeout",
         ) from None
     return b"".join(chunks)
+
+
+def _takes_text(annotation: Any) -> bool:
+    """Whether a field's type admits a string (``Annotated`` and unions looked through)."""
+    if annotation is str:
+        return True
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _takes_text(typing.get_args(annotation)[0])
+    return any(_takes_text(a) for a in typing.get_args(annotation))
+
+
+async def parse_form_body(
+    raw: bytes, content_type: str, model: type[BaseModel], max_fields: int = 64
+) -> Any:
+    """Decode a ``multipart/form-data`` body (what the ``openai`` client sends for
+    ``videos.create``) and validate it against ``model`` as :func:`parse_json_body` does.
+
+    Form values are text: a field whose type takes a string keeps it; any other value is read as
+    JSON (``"4"`` -> 4, ``"3.5"`` -> 3.5, a ``lora`` object), or kept as text when it is not JSON,
+    so the schema error names the field.
+
+    Raises:
+        BodyError: 400; a body that is not valid multipart, or more than ``max_fields`` fields.
+        InvalidRequestError: 400; a file part (``param`` its field: files are not taken).
+        SchemaError: 422, and the other errors of :func:`parse_json_body`.
+    """
+    from starlette.datastructures import Headers
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    async def stream():
+        yield raw
+
+    parser = MultiPartParser(
+        Headers({"content-type": content_type}), stream(), max_files=4, max_fields=max_fields
+    )
+    try:
+        form = await parser.parse()
+    except MultiPartException as e:
+        raise BodyError(
+            f"invalid multipart/form-data body: {e.message}", code="invalid_form"
+        ) from e
+    fields: dict[str, Any] = {}
+    for name, value in form.multi_items():
+        if not isinstance(value, str):
+            raise InvalidRequestError(
+                f"{name}: file uploads are not supported here (send the fields only)", param=name
+            )
+        if name in fields:
+            raise BodyError(
+                f"field {name!r} appears more than once in the form",
+                param=name,
+                code="invalid_form",
+            )
+        field = model.model_fields.get(name)
+        if field is None or _takes_text(field.annotation):
+            fields[name] = value
+            continue
+        try:
+            fields[name] = json.loads(value)
+        except ValueError:
+            fields[name] = value
+    return parse_json_body(json.dumps(fields).encode(), model)

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr
 
+from sglang.multimodal_gen.entrypoints.http_body import parse_form_body
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception
 from sglang.multimodal_gen.entrypoints.protocol import LoRASpec, parse_size
 from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError, SGLangError
@@ -242,7 +243,12 @@ def add_video_routes(
     @app.post("/v1/videos")
     async def create_video(request: Request):
         need_video_model()
-        req = parse_body(await read_body(request), VideoGenerationRequest)
+        raw = await read_body(request)
+        content_type = request.headers.get("content-type", "")
+        if content_type.lower().startswith("multipart/form-data"):  # the openai client's form
+            req = await parse_form_body(raw, content_type, VideoGenerationRequest)
+        else:
+            req = parse_body(raw, VideoGenerationRequest)
         check_model(req.model)
         fps = req.fps if req.fps is not None else int(defaults.get("fps") or 16)
         if fps < 1 or fps > 120:
