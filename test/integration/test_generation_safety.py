@@ -128,3 +128,10 @@ def test_a_per_request_lora_scale_that_blows_up_is_named(engine, lora):
     with pytest.raises(NonFiniteOutputError) as e:  # a guidance value still comes first
         _image(engine, guidance_scale=1e30, lora=[("a", 3e38)])
     assert e.value.param == "guidance_scale"
+    # in a batch (rows with their own compositions): the same for that request, the other one
+    # is served
+    bad, good = engine.generate_batch(
+        [GenerationRequest(**{**KW, "lora": [("a", 3e38)]}), GenerationRequest(**KW)]
+    )
+    assert isinstance(bad, NonFiniteOutputError) and bad.param == "lora", bad
+    np.testing.assert_array_equal(np.asarray(good[0]), _image(engine))
