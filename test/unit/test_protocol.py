@@ -586,3 +586,17 @@ def test_form_bodies_are_typed_by_the_schema():
             )
         )
     assert e.value.status_code == 400
+
+
+def test_error_messages_never_echo_a_whole_body():
+    from sglang.multimodal_gen.entrypoints.openai_errors import MAX_MESSAGE_CHARS, error_body
+
+    with pytest.raises(SchemaError) as e:  # an unknown key of 500,000 characters
+        parse_json_body(
+            json.dumps({"prompt": "x", "k" * 500_000: 1}).encode(), ImageGenerationRequest
+        )
+    err = error_body(e.value.message, 422, param=e.value.param)["error"]
+    assert len(err["message"]) < MAX_MESSAGE_CHARS + 50 and "more characters)" in err["message"]
+    assert len(err["param"]) <= 203
+    short = error_body("n must be an integer", 400, param="n")["error"]
+    assert short["message"] == "n must be an integer" and short["param"] == "n"

@@ -35,6 +35,10 @@ DEFAULT_TYPES = {
 }
 
 
+#: Longest error message sent (characters); longer ones are cut with a note of how much.
+MAX_MESSAGE_CHARS = 2000
+
+
 def error_body(
     message: str,
     status: int = 400,
@@ -54,6 +58,11 @@ def error_body(
     """
     # a lone surrogate echoed from a request cannot be encoded as UTF-8: escape it, never fail
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(message) > MAX_MESSAGE_CHARS:  # messages quote the request: never echo a whole body
+        cut = len(message) - MAX_MESSAGE_CHARS
+        message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more characters)"
+    if param is not None and len(param) > 200:
+        param = param[:200] + "..."
     return {
         "error": {
             "message": message,
