@@ -139,7 +139,9 @@ def test_sigterm_past_the_graceful_timeout_answers_503_and_exits(tmp_path):
             r = inflight.result(timeout=60)
             answered_s = time.monotonic() - t0
             with slow:
-                head = slow.recv(4096)
+                head = b""
+                while b"}}" not in head and (chunk := slow.recv(4096)):  # headers, then body
+                    head += chunk
         assert head.startswith(b"HTTP/1.1 503"), head
         assert b"--timeout-graceful-shutdown" in head or b"shutting down" in head, head
         assert r.status_code == 503, r.text
