@@ -90,15 +90,20 @@ class VideoJob:
         (at most 99: decoding and encoding follow the last step)."""
         if status == "completed":
             return 100
-        if status != "in_progress" or not self.total_steps or self.steps_done is None:
+        if status != "in_progress":
+            return 0
+        if self.future is not None and self.future.done():
+            return 99  # denoised; the video is being encoded
+        if not self.total_steps or self.steps_done is None:
             return 0
         done = self.steps_done(self.future)
         return 0 if done is None else min(99, int(100 * done / self.total_steps))
 
     def as_dict(self) -> dict[str, Any]:
         status = self.status
-        if status == "queued" and self.future is not None and self.future.running():
-            status = "in_progress"
+        if status == "queued" and self.future is not None:
+            if self.future.running() or (self.future.done() and not self.future.cancelled()):
+                status = "in_progress"  # running, or generated and being encoded
         return {
             "id": self.id,
             "object": "video",
