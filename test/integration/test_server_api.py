@@ -986,7 +986,7 @@ def test_client_gone_while_sending_the_body_is_499_not_500(server, path):
 @pytest.mark.parametrize(
     "headers",
     [{"sec-fetch-site": "cross-site"}, {"sec-fetch-site": "same-site"},
-     {"origin": "https://evil.example"}, {"origin": "null"},
+     {"origin": "https://evil.example"}, {"origin": "null"}, {"origin": "http://[::1"},
      {"sec-fetch-site": "cross-site", "content-type": "text/plain"}],
 )  # fmt: skip
 def test_a_browser_request_from_another_site_changes_nothing(server, engine, headers):
@@ -1010,7 +1010,9 @@ def test_a_browser_request_from_another_site_changes_nothing(server, engine, hea
     "headers",
     [{}, {"content-type": "application/json"}, {"content-type": "text/plain"},
      {"content-type": "application/x-www-form-urlencoded"},  # curl -d without -H
-     {"sec-fetch-site": "same-origin"}, {"sec-fetch-site": "none"}],
+     {"sec-fetch-site": "same-origin"}, {"sec-fetch-site": "none"}, {"sec-fetch-site": ""},
+     # a browser sends Authorization cross-site only after a CORS preflight someone approved
+     {"sec-fetch-site": "cross-site", "authorization": "Bearer k"}],
 )  # fmt: skip
 def test_same_origin_and_non_browser_requests_pass(server, headers):
     host = server.removeprefix("http://")

@@ -600,3 +600,23 @@ def test_error_messages_never_echo_a_whole_body():
     assert len(err["param"]) <= 203
     short = error_body("n must be an integer", 400, param="n")["error"]
     assert short["message"] == "n must be an integer" and short["param"] == "n"
+
+
+def test_form_charset_and_field_names_come_out_safe():
+    """A charset= of the client's is not used to decode the fields (punycode's decoder is
+    quadratic); a field name that is not valid Unicode is escaped in the error's param."""
+    import asyncio
+
+    from sglang.multimodal_gen.entrypoints.http_body import parse_form_body
+    from sglang.multimodal_gen.entrypoints.openai_errors import error_body
+    from sglang.multimodal_gen.entrypoints.videos import VideoGenerationRequest
+
+    raw, ctype = _form([("prompt", "xn--caf-dma")])
+    req = asyncio.run(parse_form_body(raw, ctype + "; charset=punycode", VideoGenerationRequest))
+    assert req.prompt == "xn--caf-dma"  # as sent, not decoded
+    for bad in ("multipart/form-data", 'multipart/form-data; boundary="a\x00b"'):
+        with pytest.raises(BodyError) as e:
+            asyncio.run(parse_form_body(raw, bad, VideoGenerationRequest))
+        assert e.value.param == "Content-Type"
+    err = error_body("x", 400, param="\ud800")["error"]
+    assert err["param"] == "\\ud800"

@@ -90,15 +90,18 @@ def cross_origin_reason(method: str, headers: Mapping[bytes, bytes]) -> str | No
     generate or change adapters. Browsers say where a request comes from: ``Sec-Fetch-Site`` (all
     current browsers) must be ``same-origin`` or ``none`` (typed by the user); without it, an
     ``Origin`` must name this host. Requests without either header (curl, the SDKs, other servers)
-    pass. The rules of the Fetch Metadata standard as Go's ``http.CrossOriginProtection`` applies
+    pass, and so do requests with an ``Authorization`` header (a browser sends one cross-site only
+    after a CORS preflight that this server or a proxy in front of it approved). The rules of the Fetch Metadata standard as Go's ``http.CrossOriginProtection`` applies
     them.
 
     Args:
         headers: lower-case header names to raw values (``host``, ``origin``, ``sec-fetch-site``).
     """
-    if method.upper() in _SAFE_METHODS:
-        return None
-    site = headers.get(b"sec-fetch-site")
+    if method.upper() in _SAFE_METHODS or b"authorization" in headers:
+        return (
+            None  # a browser adds no Authorization by itself: a CORS-approved caller or no browser
+        )
+    site = headers.get(b"sec-fetch-site") or None  # empty: as absent
     if site is not None:
         if site in (b"same-origin", b"none"):
             return None
@@ -111,8 +114,11 @@ def cross_origin_reason(method: str, headers: Mapping[bytes, bytes]) -> str | No
     if origin is None:
         return None
     host = headers.get(b"host", b"").decode("latin-1").lower()
-    if urlsplit(origin.decode("latin-1")).netloc.lower() == host:
-        return None
+    try:
+        if urlsplit(origin.decode("latin-1")).netloc.lower() == host:
+            return None
+    except ValueError:  # not a URL (an unclosed IPv6 bracket): not this host
+        pass
     return (
         f"a browser request from another origin (Origin: {origin.decode('latin-1')[:100]}) may "
         "not change anything here; call the server from the same origin or from a backend"

@@ -287,6 +287,27 @@ def _takes_text(annotation: Any) -> bool:
     return any(_takes_text(a) for a in typing.get_args(annotation))
 
 
+def _boundary(content_type: str) -> str:
+    """The ``boundary`` parameter of a multipart ``Content-Type`` (1-70 characters of RFC 2046's
+    set, quoted or not).
+
+    Raises:
+        BodyError: 400; none, or one with other characters.
+    """
+    for param in content_type.split(";")[1:]:
+        key, _, value = param.strip().partition("=")
+        if key.strip().lower() == "boundary":
+            value = value.strip().strip('"')
+            if re.fullmatch(r"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]", value):
+                return value
+            break
+    raise BodyError(
+        "multipart/form-data needs a boundary parameter of 1-70 letters, digits or '()+_,-./:=?",
+        param="Content-Type",
+        code="invalid_form",
+    )
+
+
 async def parse_form_body(
     raw: bytes, content_type: str, model: type[BaseModel], max_fields: int = 64
 ) -> Any:
@@ -308,8 +329,14 @@ async def parse_form_body(
     async def stream():
         yield raw
 
+    # only the boundary is taken from the client: the parser would decode every field with a
+    # charset= the client names (punycode's decoder is quadratic: 2 minutes for 1 MiB)
+    boundary = _boundary(content_type)
     parser = MultiPartParser(
-        Headers({"content-type": content_type}), stream(), max_files=4, max_fields=max_fields
+        Headers({"content-type": f"multipart/form-data; boundary={boundary}"}),
+        stream(),
+        max_files=4,
+        max_fields=max_fields,
     )
     try:
         form = await parser.parse()

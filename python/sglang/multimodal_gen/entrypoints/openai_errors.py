@@ -61,8 +61,10 @@ def error_body(
     if len(message) > MAX_MESSAGE_CHARS:  # messages quote the request: never echo a whole body
         cut = len(message) - MAX_MESSAGE_CHARS
         message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more characters)"
-    if param is not None and len(param) > 200:
-        param = param[:200] + "..."
+    if param is not None:  # a field name can come from the client as well
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
+        if len(param) > 200:
+            param = param[:200] + "..."
     return {
         "error": {
             "message": message,

@@ -242,10 +242,8 @@ class DiffusionReplica:
         try:
             with self._local:
                 await asyncio.to_thread(self._apply_pending)
-                client = {
-                    k.decode("latin-1"): v.decode("latin-1")
-                    for k, v in scope.get("headers", ())
-                    if k in _FORWARDED
+                client = {  # raw values: httpx sends bytes as they are
+                    k.decode("latin-1"): v for k, v in scope.get("headers", ()) if k in _FORWARDED
                 }
                 status, content = await _call_app(self.inner, "POST", path, body, client)
                 if _error_text(status, content) is not None:

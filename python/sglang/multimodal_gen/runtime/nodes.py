@@ -65,8 +65,9 @@ class Workers:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+        deadline = time.monotonic() + 5  # one deadline for all, not 5 s each
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def spawn_workers(
