@@ -434,9 +434,9 @@ def test_catastrophic_config_pattern_is_a_400_within_the_budget(tmp_path, monkey
     module name, minutes for '(.*)*X'-like patterns on longer names), naming the field."""
     import time
 
-    from sglang.multimodal_gen.lora import peft_config
+    from sglang.multimodal_gen.lora import patterns
 
-    monkeypatch.setattr(peft_config, "PATTERN_BUDGET_S", 0.05)
+    monkeypatch.setattr(patterns, "PATTERN_BUDGET_S", 0.05)
     folder = tmp_path / "redos"
     folder.mkdir()
     write_lora(folder / "adapter_model.safetensors", 3)

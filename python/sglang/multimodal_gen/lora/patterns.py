@@ -63,13 +63,18 @@ _NAME_KEY = re.compile(r"(?:[A-Za-z0-9_\-.]|\\[.\-])+")
 _NAME_KEY_TOKEN = re.compile(r"\\[.\-]|.")
 
 _T = TypeVar("_T")
+#: Wall-clock seconds a regex call may take per CPU second left in the budget (other threads
+#: and processes share the cores).
+WALL_PER_CPU = 4.0
 
 
 class PatternBudget:
     """The time left for one adapter config's regular expressions (:data:`PATTERN_BUDGET_S`).
 
     Shared by every check, compile and match of the config's patterns, also across the targets
-    a file is converted for; each regex call gets what is left as its ``timeout``.
+    a file is converted for. It counts this thread's CPU time, so a busy server does not refuse a
+    config an idle one loads; each regex call gets a wall-clock ``timeout`` of
+    :data:`WALL_PER_CPU` times what is left (the GIL is released while it runs).
     """
 
     def __init__(self, seconds: float | None = None):
@@ -85,14 +90,14 @@ class PatternBudget:
         """
         if self.left <= 0:
             raise self.error(what, pattern)
-        start = time.perf_counter()
+        start = time.thread_time()
         try:
-            return step(self.left)
+            return step(self.left * WALL_PER_CPU + 0.05)
         except TimeoutError:
             self.left = 0.0
             raise self.error(what, pattern) from None
         finally:
-            self.left -= time.perf_counter() - start
+            self.left -= time.thread_time() - start
 
     def error(self, what: str, pattern: str) -> LoRAPatternTooExpensiveError:
         return LoRAPatternTooExpensiveError(
@@ -311,7 +316,7 @@ def _compile_for_regex(pattern: str, what: str, shown: str) -> regex.Pattern:
             f"{what} {short_pattern(shown)} is not a valid regular expression ({e})",
             param="lora_path",
         ) from None
-    except (_Unsupported, regex.error, RecursionError, OverflowError, MemoryError) as e:
+    except Exception as e:  # _Unsupported, regex.error, RecursionError, ... or a regex bug
         raise LoRAFormatError(
             f"{what} {short_pattern(shown)} cannot be matched with a time bound ({e})",
             param="lora_path",
@@ -324,7 +329,7 @@ class PatternMatcher:
     def __init__(self, budget: PatternBudget):
         self.budget = budget
         self._compiled: dict[str, regex.Pattern] = {}
-        self._name_keys: dict[str, list[str | None] | None] = {}
+        self._name_keys: dict[str, tuple[bool, list[str | None]] | None] = {}
 
     def _pattern(self, text: str, what: str, shown: str) -> regex.Pattern:
         compiled = self._compiled.get(text)
@@ -348,9 +353,18 @@ class PatternMatcher:
     def key_matches(self, key: str, name: str, what: str) -> bool:
         """``re.match(rf"(.*\\.)?({key})$", name) is not None`` (peft's ``get_pattern_key``)."""
         if key not in self._name_keys:
-            self._name_keys[key] = _name_key(key)
-        literal = self._name_keys[key]
-        if literal is not None and "\n" not in name:
+            # "^name" (and "name$", "^name$"): the wrapped key can only match the whole name
+            anchored = key.startswith("^")
+            body = key[1:] if anchored else key
+            if body.endswith("$") and not body.endswith("\\$"):
+                body = body[:-1]
+            literal = _name_key(body)
+            self._name_keys[key] = None if literal is None else (anchored, literal)
+        fast = self._name_keys[key]
+        if fast is not None and "\n" not in name:
+            anchored, literal = fast
+            if anchored:
+                return len(name) == len(literal) and _name_key_matches(literal, name)
             return _name_key_matches(literal, name)
         compiled = self._pattern(rf"(.*\.)?({key})$", what, key)
         return self.budget.run(
