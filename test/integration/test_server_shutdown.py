@@ -64,28 +64,35 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None
     raise AssertionError("server did not become healthy")
 
 
-def test_sigterm_finishes_in_flight_then_exits(tmp_path):
+def _gated_server(tmp_path, grace: float):
+    """The fake-engine server of SCRIPT in a child process: ``(proc, port, url, started,
+    release)``; a generation runs until the ``release`` file exists (or 120 s)."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     started, release = tmp_path / "started", tmp_path / "release"
     script = SCRIPT.format(
-        here=HERE, port=port, started=str(started), release=str(release), grace=300
+        here=HERE, port=port, started=str(started), release=str(release), grace=grace
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    return proc, port, f"http://127.0.0.1:{port}", started, release
+
+
+def _start_gated_request(pool, url, started):
+    """A generation that starts and then waits for the release file."""
+    body = {"prompt": "x", "size": "32x32", "num_inference_steps": 1, "seed": 1}
+    inflight = pool.submit(httpx.post, f"{url}/v1/images/generations", json=body, timeout=120)
+    wait_until(lambda: started.exists() or inflight.done(), "the request did not start")
+    assert not inflight.done(), inflight.result()
+    return inflight
+
+
+def test_sigterm_finishes_in_flight_then_exits(tmp_path):
+    proc, _, url, started, release = _gated_server(tmp_path, grace=300)
     try:
         wait_healthy(url, proc)
-        body = {"prompt": "x", "size": "32x32", "num_inference_steps": 1, "seed": 1}
         with ThreadPoolExecutor(max_workers=1) as pool:
-            inflight = pool.submit(
-                httpx.post, f"{url}/v1/images/generations", json=body, timeout=120
-            )
-            wait_until(lambda: started.exists() or inflight.done(), "the request did not start")
-            assert not inflight.done(), inflight.result()
+            inflight = _start_gated_request(pool, url, started)
             proc.send_signal(signal.SIGTERM)
             wait_not_accepting(url)
             assert not inflight.done()  # still running: held until the release file exists
@@ -106,27 +113,11 @@ def test_sigterm_past_the_graceful_timeout_answers_503_and_exits(tmp_path):
     envelope (it was a bare 500 with a CancelledError traceback), and the whole shutdown keeps to
     one timeout (uvicorn's wait and the scheduler's drain used to add up to two)."""
     grace = 4.0
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    started, never = tmp_path / "started", tmp_path / "never-released"
-    script = SCRIPT.format(
-        here=HERE, port=port, started=str(started), release=str(never), grace=grace
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, port, url, started, _ = _gated_server(tmp_path, grace)  # never released
     try:
         wait_healthy(url, proc)
-        body = {"prompt": "x", "size": "32x32", "num_inference_steps": 1, "seed": 1}
         with ThreadPoolExecutor(max_workers=1) as pool:
-            inflight = pool.submit(
-                httpx.post, f"{url}/v1/images/generations", json=body, timeout=120
-            )
-            wait_until(lambda: started.exists() or inflight.done(), "the request did not start")
-            assert not inflight.done(), inflight.result()
+            inflight = _start_gated_request(pool, url, started)
             # a second request still sending its body at the deadline: cancelled elsewhere
             # than in the wait for the engine, a 503 as well
             slow = socket.create_connection(("127.0.0.1", port), timeout=60)
