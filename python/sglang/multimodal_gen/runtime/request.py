@@ -103,24 +103,11 @@ class GenerationRequest:
         if self.negative_prompt is not None:
             check_text(self.negative_prompt, "negative_prompt")
         check_size(self.height, self.width, spatial_factor, limits.get("max_image_size"))
-        steps = self.num_inference_steps
-        max_steps = limits.get("max_inference_steps")
-        if steps is not None and (
-            not _is_int(steps) or steps < 1 or (max_steps is not None and steps > max_steps)
-        ):
-            raise InvalidRequestError(
-                f"num_inference_steps must be an integer {_range(1, max_steps)}, got {steps!r}",
-                param="num_inference_steps",
-            )
-        frames = self.num_frames
-        max_frames = limits.get("max_num_frames")
-        if frames is not None and (
-            not _is_int(frames) or frames < 1 or (max_frames is not None and frames > max_frames)
-        ):
-            raise InvalidRequestError(
-                f"num_frames must be an integer {_range(1, max_frames)}, got {frames!r}",
-                param="num_frames",
-            )
+        steps, frames = self.num_inference_steps, self.num_frames
+        if steps is not None:
+            _check_count(steps, "num_inference_steps", limits.get("max_inference_steps"))
+        if frames is not None:
+            _check_count(frames, "num_frames", limits.get("max_num_frames"))
         for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
             g = getattr(self, name)
             if g is None:
@@ -129,25 +116,16 @@ class GenerationRequest:
                 raise InvalidRequestError(
                     f"{name} must be a finite number >= 0, got {g!r}", param=name
                 )
-        msl = self.max_sequence_length
-        top = limits.get("max_sequence_length_limit")
-        if msl is not None and (not _is_int(msl) or msl < 1 or (top and msl > top)):
-            raise InvalidRequestError(
-                f"max_sequence_length must be an integer {_range(1, top)}, got {msl!r}",
-                param="max_sequence_length",
-            )
+        if self.max_sequence_length is not None:
+            top = limits.get("max_sequence_length_limit") or None
+            _check_count(self.max_sequence_length, "max_sequence_length", top)
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise InvalidRequestError(
                 f"seed must be an integer in [0, {MAX_SEED}] or null, got {self.seed!r}",
                 param="seed",
             )
         n = self.num_images
-        max_n = limits.get("max_num_images")
-        if not _is_int(n) or n < 1 or (max_n is not None and n > max_n):
-            raise InvalidRequestError(
-                f"n (images per request) must be an integer {_range(1, max_n)}, got {n!r}",
-                param="n",
-            )
+        _check_count(n, "n (images per request)", limits.get("max_num_images"), param="n")
         budget = limits.get("max_pixel_steps")
         if budget is not None and None not in (self.height, self.width, steps):
             frames = frames or 1
@@ -176,6 +154,18 @@ def _is_number(v: Any) -> bool:
 
 def _range(low: int, high: int | None) -> str:
     return f"in [{low}, {high}]" if high is not None else f">= {low}"
+
+
+def _check_count(value: Any, what: str, high: int | None, param: str | None = None) -> None:
+    """``value``: an integer in ``[1, high]`` (``high`` ``None``: no upper bound).
+
+    Raises:
+        InvalidRequestError: ``param`` (default ``what``) names the field.
+    """
+    if not _is_int(value) or value < 1 or (high is not None and value > high):
+        raise InvalidRequestError(
+            f"{what} must be an integer {_range(1, high)}, got {value!r}", param=param or what
+        )
 
 
 def check_text(value: Any, param: str, max_chars: int = MAX_PROMPT_CHARS) -> str:
