@@ -30,24 +30,22 @@ from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.engine_ops import LORA_CHANGE_OPS, get_op
 from sglang.multimodal_gen.errors import (
     InvalidRequestError,
-    NonFiniteOutputError,
     NotFoundError,
     SGLangError,
 )
 from sglang.multimodal_gen.layers.attention import set_attention_backend
 from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA
 from sglang.multimodal_gen.layers.lora.rows import RowPlan, lora_rows
-from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.lora.staging import UNCHANGED
 from sglang.multimodal_gen.lora.transactions import LoRAStateError
-from sglang.multimodal_gen.models.registry import ModelFamily, family_for_model, resolve_object
+from sglang.multimodal_gen.models.registry import family_for_model
 from sglang.multimodal_gen.runtime.placement import (
     DiTOffloader,
     compile_blocks,
-    merge_cache_device,
     resolve_dtype,
 )
 from sglang.multimodal_gen.runtime.request import GenerationRequest
+from sglang.multimodal_gen.runtime.runner_lora import blame_lora, build_lora_manager
 
 logger = logging.getLogger(__name__)
 
@@ -60,48 +58,6 @@ class LoRARollbackError(LoRAStateError):
     """Undoing a LoRA change failed: this rank's LoRA state may differ from the other ranks'."""
 
 
-def build_lora_manager(
-    denoisers: dict[str, torch.nn.Module],
-    family: ModelFamily,
-    lora_dirs: Sequence[str] | None = None,
-    cpu_offload: bool = False,
-    merge_cache_gb: float | None = None,
-    max_loaded_gb: float | None = None,
-) -> LoRAManager:
-    """The LoRA manager over the denoisers' LoRA-able layers.
-
-    Args:
-        denoisers: ``{component: module}`` of the pipeline (``transformer``, ``transformer_2``).
-        family: their family (LoRA target names, name map, display name).
-        lora_dirs: allowed roots for local LoRA paths; ``None``: any local path; empty: none
-            (see :class:`LoRAManager`'s ``allowed_roots``).
-        cpu_offload: the DiT weights live in host memory between commands (``--dit-cpu-offload``
-            on CUDA): pre-merge snapshots and cached merges are kept in host memory too, so the
-            accelerator holds one copy of the model.
-        merge_cache_gb: bound of the merge cache in GiB (``--lora-merge-cache-gb``; default 1).
-            It is kept in host memory when the accelerator could not hold it next to what is
-            free now (:func:`merge_cache_device`).
-        max_loaded_gb: bound of the loaded adapters in GiB (``--max-loaded-lora-gb``; default 8).
-    """
-    cache_bytes = int((1.0 if merge_cache_gb is None else merge_cache_gb) * 2**30)
-    kw: dict = dict(merge_cache_bytes=cache_bytes)
-    if max_loaded_gb is not None:
-        kw["max_loaded_bytes"] = int(max_loaded_gb * 2**30)
-    if cpu_offload:
-        kw.update(snapshot_device="cpu", merge_cache_device="cpu")
-    else:
-        weight = next(iter(denoisers.values())).parameters().__next__()
-        kw["merge_cache_device"] = merge_cache_device(weight.device, cache_bytes)
-    targets = {family.denoiser(c).lora_target: m for c, m in denoisers.items()}
-    return LoRAManager(
-        targets,
-        resolve_object(family.denoisers[0].name_map),
-        allowed_roots=None if lora_dirs is None else list(lora_dirs),
-        model_name=family.display_name,
-        **kw,
-    )
-
-
 __all__ = [
     "LORA_CHANGE_OPS",
     "DiTOffloader",
@@ -109,28 +65,10 @@ __all__ = [
     "LoRARollbackError",
     "ModelRunner",
     "StepCount",
+    "build_lora_manager",
     "compile_blocks",
     "resolve_dtype",
 ]
-
-
-#: A per-request adapter scale this large is named as the likely cause of NaN/Inf output.
-LARGE_LORA_SCALE = 100.0
-
-
-@contextlib.contextmanager
-def _blame_lora(lora) -> Iterator[None]:
-    """A :class:`NonFiniteOutputError` that names no field names ``lora`` when the request's
-    own composition has an extreme scale (the pipeline checks guidance values only)."""
-    try:
-        yield
-    except NonFiniteOutputError as e:
-        big = [(n, s) for n, s in (lora or ()) if abs(s) >= LARGE_LORA_SCALE]
-        if e.param is None and big:
-            e.param = "lora"
-            e.message += f" (adapter {big[0][0]!r} at scale {big[0][1]:g} is the likely cause)"
-            e.args = (e.message,)
-        raise
 
 
 class StepCount:
@@ -401,7 +339,7 @@ class ModelRunner:
         """Returns uint8 ``[n, H, W, 3]`` on rank 0, ``None`` on other ranks. ``agree``: TP, for
         a per-request composition (:meth:`LoRAManager.use_composition`)."""
         kwargs = self._pipeline_kwargs(req, progress)
-        with self._request_composition(req.lora, agree), _blame_lora(req.lora):
+        with self._request_composition(req.lora, agree), blame_lora(req.lora):
             return self.pipeline(**kwargs)
 
     def cmd_generate_batch(
@@ -453,7 +391,7 @@ class ModelRunner:
         def run(i: int) -> None:
             with lora_rows(plans[i]):
                 try:
-                    with _blame_lora(reqs[i].lora):
+                    with blame_lora(reqs[i].lora):
                         out[i] = (True, self.pipeline(**self._pipeline_kwargs(reqs[i], False)))
                 except BaseException as e:  # reported per request
                     out[i] = (False, pack_error(e))
