@@ -160,7 +160,7 @@ def run_direct(
     device: str | None = None,
 ):
     """The same requests straight into ``DiffusionEngine.generate``, one at a time, on one thread."""
-    from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+    from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
     engine = DiffusionEngine(
         model_path=model_path, device=device, lora_dirs=[lora_dir] if lora_dir else ()
@@ -171,7 +171,7 @@ def run_direct(
             engine.unset_lora()
         w, h = (int(x) for x in requests[0]["size"].split("x"))
         engine.generate(
-            GenerationRequest(prompt="warmup", width=w, height=h, num_inference_steps=1)
+            SamplingParams(prompt="warmup", width=w, height=h, num_inference_steps=1)
         )
         lat: list[float] = []
         kinds: list[bool] = []  # True: the request had a per-request LoRA
@@ -184,7 +184,7 @@ def run_direct(
                 comp = None
                 if "lora" in body:
                     comp = [(body["lora"]["name"], body["lora"]["scale"])]
-                req = GenerationRequest(
+                req = SamplingParams(
                     prompt=body["prompt"], width=w, height=h, seed=body["seed"],
                     num_inference_steps=body["num_inference_steps"], lora=comp,
                 )  # fmt: skip

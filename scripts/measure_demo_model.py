@@ -18,11 +18,11 @@ import argparse
 
 from sglang.multimodal_gen.models import demo_scenes as ds
 from sglang.multimodal_gen.models.default_model import default_model_path, demo_lora_path
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 
 def _pictures(engine, scenes):
-    reqs = [GenerationRequest(prompt=s.caption, seed=i) for i, s in enumerate(scenes)]
+    reqs = [SamplingParams(prompt=s.caption, seed=i) for i, s in enumerate(scenes)]
     return [r[0] for r in engine.generate_batch(reqs, progress=False)]
 
 

@@ -308,15 +308,15 @@ def make_figures(out_dir: str, scale: int = 3) -> None:
     README's first command writes) and ``demo-lora.png`` (top: base, bottom: the demo LoRA)."""
     from PIL import Image
     from sglang.multimodal_gen.models.default_model import demo_lora_path
-    from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+    from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
     os.makedirs(out_dir, exist_ok=True)
     with DiffusionEngine(device="cpu") as eng:
-        first = eng.generate(GenerationRequest(prompt=FIGURE_PROMPTS[0], seed=42))[0]
+        first = eng.generate(SamplingParams(prompt=FIGURE_PROMPTS[0], seed=42))[0]
         first.save(os.path.join(out_dir, "demo.png"))
-        base = [eng.generate(GenerationRequest(prompt=p, seed=42))[0] for p in FIGURE_PROMPTS]
+        base = [eng.generate(SamplingParams(prompt=p, seed=42))[0] for p in FIGURE_PROMPTS]
         eng.set_lora("swap", demo_lora_path(), trusted=True)
-        lora = [eng.generate(GenerationRequest(prompt=p, seed=42))[0] for p in FIGURE_PROMPTS]
+        lora = [eng.generate(SamplingParams(prompt=p, seed=42))[0] for p in FIGURE_PROMPTS]
     w, h = base[0].size
     sheet = Image.new("RGB", (w * len(base), 2 * h), "white")
     for i, (a, b) in enumerate(zip(base, lora)):

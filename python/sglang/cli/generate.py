@@ -1,4 +1,4 @@
-"""``sglang generate``: one image from the command line, written as PNG, JPEG or WebP.
+"""``sglang generate``: one request from the command line, its images or videos written to files.
 
 Same engine and defaults as the server, so the same arguments give the same pixels::
 
@@ -38,76 +38,9 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--model-path",
         default=None,
         help="diffusers-format model directory or a Hub id in the local HF cache "
-        "(default: the embedded tiny random-weight model; its images are noise)",
+        "(default: the embedded demo model, a tiny Z-Image trained on simple scenes)",
     )
-    parser.add_argument("--prompt", required=True, help="text prompt")
-    parser.add_argument(
-        "--negative-prompt",
-        default=None,
-        help="negative prompt for CFG (Z-Image: with --guidance-scale > 0; Flux: with "
-        "--true-cfg-scale > 1)",
-    )
-    parser.add_argument("--seed", type=int, default=None, help="seed (default: random, printed)")
-    parser.add_argument(
-        "--num-inference-steps",
-        type=int,
-        default=None,
-        help="denoising steps (default: the model family's, e.g. 8 for Z-Image-Turbo, 28 for "
-        "FLUX.1-dev, 4 for FLUX.1-schnell)",
-    )
-    parser.add_argument(
-        "--height",
-        type=int,
-        default=None,
-        help="pixels (default: the model's, 1024 for Z-Image-Turbo)",
-    )
-    parser.add_argument(
-        "--width",
-        type=int,
-        default=None,
-        help="pixels (default: the model's, 1024 for Z-Image-Turbo)",
-    )
-    parser.add_argument(
-        "--guidance-scale",
-        type=float,
-        default=None,
-        help="Z-Image: CFG weight, 0 disables CFG (default: the model's own, 0 for Z-Image-Turbo "
-        "and the demo model); Flux.1 [dev]: the embedded "
-        "(distilled) guidance (default 3.5)",
-    )
-    parser.add_argument(
-        "--true-cfg-scale",
-        type=float,
-        default=None,
-        help="real CFG weight with --negative-prompt for families with embedded guidance "
-        "(Flux); 1 disables it (default: 1)",
-    )
-    parser.add_argument(
-        "--guidance-scale-2",
-        type=float,
-        default=None,
-        help="guidance of the second (low-noise) expert of two-expert models such as Wan2.2 "
-        "T2V-A14B (default: the family's, 3.0 for A14B)",
-    )
-    parser.add_argument(
-        "--num-frames",
-        type=int,
-        default=None,
-        help="video models: frames (default: the family's, e.g. 81 for Wan2.2 A14B)",
-    )
-    parser.add_argument(
-        "--fps",
-        type=int,
-        default=None,
-        help="video models: frames per second of the written video (default: the family's)",
-    )
-    parser.add_argument(
-        "--max-sequence-length",
-        type=int,
-        default=None,
-        help="text-encoder tokens (default: the family's: 512 for Z-Image and FLUX.1-dev, "
-        "256 for FLUX.1-schnell)",
-    )
+    add_sampling_args(parser)
     parser.add_argument(
         "--output-path",
         default="output.png",
@@ -148,6 +81,46 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+_KIND_TYPES = {"text": str, "size": int, "count": int, "seed": int, "scale": float}
+
+
+def sampling_flags() -> dict[str, tuple]:
+    """``{field: (dataclass field, names of the families that declare it)}`` for every request
+    field a CLI flag sets: the fields every model takes, then each registered family's own
+    (the flags derive from the declarations; shared code names no family's field)."""
+    from dataclasses import fields
+
+    from sglang.multimodal_gen.configs.sampling_params import SamplingParams
+    from sglang.multimodal_gen.models.registry import list_families
+
+    out: dict[str, tuple] = {f.name: (f, ()) for f in fields(SamplingParams)}
+    for fam in list_families():
+        cls = fam.params_class()
+        for name in cls.own_fields():
+            f, owners = out.get(name, (cls.declared(name), ()))
+            out[name] = (f, (*owners, fam.display_name))
+    return {n: v for n, v in out.items() if v[0].metadata.get("cli", True)}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per request field (``--num-inference-steps``...), from the declarations."""
+    group = parser.add_argument_group("request (unset: the model's defaults)")
+    for name, (f, owners) in sampling_flags().items():
+        flag = "--" + name.replace("_", "-")
+        text = f.metadata["help"]
+        if owners:
+            text += f" (models: {', '.join(owners)})"
+        if name == "prompt":
+            group.add_argument(flag, required=True, help=text)
+            continue
+        group.add_argument(flag, type=_KIND_TYPES[f.metadata["kind"]], default=None, help=text)
+
+
+def sampling_values(args: argparse.Namespace) -> dict:
+    """The request fields given on the command line (unset flags left out)."""
+    return {n: getattr(args, n) for n in sampling_flags() if getattr(args, n, None) is not None}
+
+
 def lora_pairs(paths: list[str] | None, scales: list[float] | None) -> list[tuple[str, float]]:
     """``[(path, scale), ...]`` from the flags.
 
@@ -169,49 +142,6 @@ def lora_pairs(paths: list[str] | None, scales: list[float] | None) -> list[tupl
             "give one, or one per path"
         )
     return list(zip(paths, scales))
-
-
-def output_files(path: str, count: int, modality: str = "image") -> list[tuple[str, str]]:
-    """``[(file, format)]`` for ``count`` images (or videos) written to ``--output-path``.
-
-    A trailing slash or an existing directory gives ``image_000.png``, ... for images and one
-    folder of PNG frames per video (``video_000/frame_00000.png``, ...): sorted names are in
-    order. A file name needs an extension of the model's modality (``sglang.multimodal_gen.outputs``).
-
-    Raises:
-        ValueError: an extension of another modality or none, or several outputs for one file.
-    """
-    from sglang.multimodal_gen.outputs import is_directory_target, output_format
-
-    if is_directory_target(path):
-        name = "video_{:03d}" if modality == "video" else "image_{:03d}.png"
-        fmt = "frames" if modality == "video" else "PNG"
-        return [(os.path.join(path, name.format(i)), fmt) for i in range(count)]
-    fmt = output_format(path, modality)
-    if count != 1:
-        raise ValueError(f"--output-path {path!r} names one file for {count} outputs")
-    return [(path, fmt)]
-
-
-def save_video(frames, path: str, fmt: str, fps: int) -> None:
-    """Write uint8 ``[F, H, W, 3]`` frames as ``fmt`` (``mp4``/``webp``/``gif``) or, with
-    ``fmt="frames"``, as a directory of PNG frames."""
-    from sglang.multimodal_gen.outputs import encode_video, write_frames_dir
-
-    if fmt == "frames":
-        write_frames_dir(frames, path)
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(encode_video(frames, fps, fmt))
-
-
-def save_png(image, path: str, fmt: str = "PNG") -> None:
-    """Write a PIL image (PNG by default; ``fmt`` a PIL format name), creating the parent
-    directory."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    image.save(path, format=fmt)
 
 
 def check_output_dir(path: str) -> None:
@@ -249,33 +179,16 @@ def run_generate(args: argparse.Namespace) -> int:
         return report("generate", e)
 
 
-def _request_from_args(args: argparse.Namespace, seed: int):
-    from sglang.multimodal_gen.runtime import GenerationRequest
-
-    return GenerationRequest(
-        prompt=args.prompt,
-        negative_prompt=args.negative_prompt,
-        height=args.height,
-        width=args.width,
-        num_inference_steps=args.num_inference_steps,
-        guidance_scale=args.guidance_scale,
-        true_cfg_scale=args.true_cfg_scale,
-        max_sequence_length=args.max_sequence_length,
-        seed=seed,
-        num_frames=getattr(args, "num_frames", None),
-        fps=getattr(args, "fps", None),
-        guidance_scale_2=getattr(args, "guidance_scale_2", None),
-    )
-
-
-def _check_output_extension(path: str) -> None:
+def _check_output_target(path: str, count: int) -> None:
     """Before the model (and so its modality) is known: the extension must be an image or a
     video one (the exact check follows once the model is loaded)."""
+    from sglang.multimodal_gen.outputs import output_targets
+
     try:
-        output_files(path, 1, "image")
+        output_targets(path, count, "image")
     except ValueError:
         try:
-            output_files(path, 1, "video")
+            output_targets(path, count, "video")
         except ValueError:
             pass
         else:
@@ -309,24 +222,25 @@ def _run_generate(args: argparse.Namespace) -> int:
     if run_follower_node(**job, **multinode):
         return 0  # a node without rank 0: it followed node 0, which wrote the output
 
-    import secrets
-
+    from sglang.multimodal_gen.configs.sampling_params import RequestSpec
+    from sglang.multimodal_gen.outputs import output_targets, write_output
     from sglang.multimodal_gen.runtime import DiffusionEngine
     from sglang.multimodal_gen.runtime.engine import check_device
 
-    _check_output_extension(args.output_path)
-    seed = args.seed if args.seed is not None else secrets.randbits(31)
-    req = _request_from_args(args, seed)
-    # every value rule that does not need the model, before it loads (the same rules again,
-    # with the model's limits, in engine.generate)
-    req.validate(spatial_factor=1)
+    values = sampling_values(args)
+    count = int(values.get("num_outputs_per_prompt") or 1)
+    _check_output_target(args.output_path, count)
+    # the value rules that do not need the model, before it loads (all of them, with the
+    # model's defaults and limits, once it is loaded)
+    RequestSpec.generic().check_values(values)
     check_device(args.device)
     check_output_dir(args.output_path)
-    if args.seed is None:
-        print(f"seed: {seed}", file=sys.stderr)
     engine = None
     try:
         engine = DiffusionEngine(**job, **multinode)
+        params = engine.spec.resolve(engine.spec.params(**values))
+        if args.seed is None:
+            print(f"seed: {params.seed}", file=sys.stderr)
         if loras:
             engine.set_lora(
                 [f"lora{i}" for i in range(len(loras))],
@@ -335,16 +249,10 @@ def _run_generate(args: argparse.Namespace) -> int:
                 strength=[s for _, s in loras],
                 merge_mode=args.lora_merge_mode,
             )
-        modality = getattr(engine, "modality", "image")
-        targets = output_files(args.output_path, 1, modality)
+        targets = output_targets(args.output_path, count, engine.modality)
         progress = False if args.no_progress else None
-        if modality == "video":
-            fps = req.fps or engine.defaults.get("fps") or 16
-            for frames, (path, fmt) in zip(engine.generate_video(req, progress=progress), targets):
-                save_video(frames, path, fmt, int(fps))
-        else:
-            for image, (path, fmt) in zip(engine.generate(req, progress=progress), targets):
-                save_png(image.convert("RGB"), path, fmt)
+        for item, (path, fmt) in zip(engine.generate(params, progress=progress), targets):
+            write_output(item, path, fmt)
     finally:
         if engine is not None:
             try:

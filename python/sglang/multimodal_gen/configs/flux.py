@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from sglang.multimodal_gen.configs.base import DiffusersConfig
+from sglang.multimodal_gen.configs.sampling_params import SamplingParams, param
 
 FLUX_TRANSFORMER_CLASS = "FluxTransformer2DModel"
 
@@ -97,3 +98,15 @@ class FluxArchConfig(DiffusersConfig):
     @property
     def out_features(self) -> int:
         return self.patch_size * self.patch_size * self.out_channels
+
+
+@dataclass(frozen=True)
+class FluxSamplingParams(SamplingParams):
+    """Request fields of Flux.1 models: the common ones plus real classifier-free guidance
+    (``FluxPipeline``'s ``true_cfg_scale``; Flux.1 [dev]'s ``guidance_scale`` is the embedded,
+    distilled guidance)."""
+
+    true_cfg_scale: float | None = param(
+        "scale",
+        "real classifier-free guidance weight, used with negative_prompt when > 1 (1: off)",
+    )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from sglang.multimodal_gen.configs.base import DiffusersConfig
+from sglang.multimodal_gen.configs.sampling_params import SamplingParams, param
 
 QWEN_IMAGE_TRANSFORMER_CLASS = "QwenImageTransformer2DModel"
 
@@ -108,3 +109,14 @@ class QwenImageArchConfig(DiffusersConfig):
     @property
     def out_features(self) -> int:
         return self.patch_size * self.patch_size * self.out_channels
+
+
+@dataclass(frozen=True)
+class QwenImageSamplingParams(SamplingParams):
+    """Request fields of Qwen-Image models: the common ones plus real classifier-free guidance
+    (``QwenImagePipeline``'s ``true_cfg_scale``, with the norm rescale)."""
+
+    true_cfg_scale: float | None = param(
+        "scale",
+        "real classifier-free guidance weight, used with negative_prompt when > 1 (1: off)",
+    )

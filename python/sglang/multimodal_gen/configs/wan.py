@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from sglang.multimodal_gen.configs.base import DiffusersConfig
+from sglang.multimodal_gen.configs.sampling_params import VideoSamplingParams, param
 
 WAN_TRANSFORMER_CLASS = "WanTransformer3DModel"
 
@@ -132,3 +133,15 @@ class WanArchConfig(DiffusersConfig):
         """``(t_dim, h_dim, w_dim)``: RoPE channels of a head for frames, rows, columns."""
         hw = 2 * (self.attention_head_dim // 6)
         return (self.attention_head_dim - 2 * hw, hw, hw)
+
+
+@dataclass(frozen=True)
+class WanSamplingParams(VideoSamplingParams):
+    """Request fields of Wan2.x models: those of every video model plus the second expert's
+    guidance of two-expert models (``WanPipeline``'s ``guidance_scale_2``)."""
+
+    guidance_scale_2: float | None = param(
+        "scale",
+        "guidance weight of the second (low-noise) expert of two-expert models (default: the "
+        "model's)",
+    )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from sglang.multimodal_gen.configs.base import DiffusersConfig
+from sglang.multimodal_gen.configs.sampling_params import SamplingParams, param
 
 ZIMAGE_TRANSFORMER_CLASS = "ZImageTransformer2DModel"
 
@@ -87,3 +88,18 @@ class ZImageArchConfig(DiffusersConfig):
     @property
     def out_channels(self) -> int:
         return self.in_channels
+
+
+@dataclass(frozen=True)
+class ZImageSamplingParams(SamplingParams):
+    """Request fields of Z-Image models: the common ones plus ``ZImagePipeline``'s two CFG knobs
+    (diffusers 0.42.1, ``pipelines/z_image/pipeline_z_image.py``)."""
+
+    cfg_normalization: float | None = param(
+        "scale",
+        "caps the guided prediction's norm at this multiple of the conditional one (0: off)",
+    )
+    cfg_truncation: float | None = param(
+        "scale",
+        "classifier-free guidance stops once (1000 - t) / 1000 exceeds this value (1: never)",
+    )

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sglang.multimodal_gen.configs.sampling_params import RequestLimits, RequestSpec
 from sglang.multimodal_gen.configs.server_args import (
     DEFAULT_MAX_IMAGE_SIZE,
     DEFAULT_MAX_PIXEL_STEPS,
@@ -40,14 +40,13 @@ from sglang.multimodal_gen.configs.server_args import (
 )
 from sglang.multimodal_gen.engine_ops import OPS
 from sglang.multimodal_gen.entrypoints.auth import ApiKeyAuth
-from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
 from sglang.multimodal_gen.entrypoints.images import ImageStore, add_image_routes
 from sglang.multimodal_gen.entrypoints.lora_admin import add_lora_routes
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import error_body
-from sglang.multimodal_gen.entrypoints.protocol import Limits, ModelCard, ModelList
+from sglang.multimodal_gen.entrypoints.protocol import ModelCard, ModelList
 from sglang.multimodal_gen.entrypoints.routing import AuthAndCount, EnvelopeRoute, RouteContext
-from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, default_request_factory
+from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
 from sglang.multimodal_gen.entrypoints.schema_errors import schema_error_message
 from sglang.multimodal_gen.entrypoints.transport import run_uvicorn, uvicorn_server
 from sglang.multimodal_gen.entrypoints.videos import add_video_routes
@@ -55,43 +54,55 @@ from sglang.multimodal_gen.entrypoints.videos import add_video_routes
 logger = logging.getLogger(__name__)
 
 
+def server_spec(engine_spec: RequestSpec, args: ServerArgs) -> RequestSpec:
+    """The engine's request spec with the server's bounds on top (``--max-image-size``,
+    ``--max-n``, ``--max-steps``, ``--max-pixel-steps``).
+
+    Raises:
+        ValueError: ``--max-image-size`` above the model's maximum.
+    """
+    defaults = engine_spec.as_dict()
+    return engine_spec.with_limits(
+        RequestLimits(
+            max_image_size=resolve_max_image_size(args.max_image_size, defaults),
+            max_num_frames=None,
+            max_sequence_length=None,
+            max_inference_steps=args.max_inference_steps,
+            max_num_outputs_per_prompt=args.max_images_per_request,
+            max_pixel_steps=resolve_max_pixel_steps(args.max_pixel_steps, defaults),
+        )
+    )
+
+
 def create_app(
     engine: Any,
     server_args: ServerArgs | None = None,
     *,
-    request_factory: Callable[..., Any] | None = None,
     shutdown_engine: bool = False,
 ) -> FastAPI:
     """Build the FastAPI app in front of ``engine``.
 
     Args:
         engine: a ``DiffusionEngine`` (or an object with the same methods and properties:
-            ``generate``, ``set_lora``, ``unset_lora``, ``unload_lora``, ``merge_lora_weights``,
-            ``unmerge_lora_weights``, ``list_loras``, ``is_alive``, ``shutdown``, ``model_name``,
-            ``spatial_factor``, ``lora_targets``). Only the app's scheduler thread calls it.
+            ``generate``, ``generate_batch``, ``set_lora``, ``unset_lora``, ``unload_lora``,
+            ``merge_lora_weights``, ``unmerge_lora_weights``, ``list_loras``, ``is_alive``,
+            ``shutdown``, ``model_name``, ``spec``, ``lora_targets``). Only the app's scheduler
+            thread calls it.
         server_args: limits, keys and names (defaults: ``ServerArgs()``).
-        request_factory: builds the engine's request object (default ``GenerationRequest``).
         shutdown_engine: call ``engine.shutdown()`` when the app stops.
 
     Returns:
-        The app; ``app.state`` holds ``scheduler``, ``metrics``, ``engine`` and ``server_args``.
+        The app; ``app.state`` holds ``scheduler``, ``metrics``, ``engine``, ``server_args`` and
+        ``spec`` (the request spec with the server's bounds).
     """
     args = server_args or ServerArgs()
     info = dict(getattr(engine, "model_info", {}) or {})
-    defaults = dict(info.get("defaults") or getattr(engine, "defaults", None) or {})
-    limits = Limits(
-        spatial_factor=int(engine.spatial_factor),
-        max_image_size=resolve_max_image_size(args.max_image_size, defaults),
-        max_images=args.max_images_per_request,
-        max_steps=args.max_inference_steps,
-        max_pixel_steps=resolve_max_pixel_steps(args.max_pixel_steps, defaults),
-    )
+    spec = server_spec(engine.spec, args)
     metrics = ServerMetrics()
     scheduler = Scheduler(
         engine,
         args.max_queue_size,
         metrics=metrics,
-        request_factory=request_factory,
         stall_timeout_s=args.health_stall_timeout_s or None,
         max_batch_size=args.max_batch_size,
         batch_wait_s=float(args.batch_wait_ms) / 1000.0,
@@ -113,7 +124,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         scheduler.start()
-        logger.info("serving %s (spatial factor %d)", model_id, limits.spatial_factor)
+        logger.info("serving %s (spatial factor %d)", model_id, spec.spatial_factor)
         try:
             yield
         finally:
@@ -130,7 +141,7 @@ def create_app(
     app.state.engine = engine
     app.state.server_args = args
     app.state.images = images
-    app.state.limits = limits
+    app.state.spec = spec
 
     # ------------------------------------------------------------------ middleware / handlers
     app.add_middleware(AuthAndCount, auth=auth, metrics=metrics)
@@ -156,8 +167,7 @@ def create_app(
     # ------------------------------------------------------------------ routes
     ctx = RouteContext(
         scheduler=scheduler,
-        limits=limits,
-        defaults=defaults,
+        spec=spec,
         model_id=model_id,
         model_aliases=frozenset(model_aliases),
         timeout_body_s=args.timeout_body_s or None,
@@ -172,7 +182,9 @@ def create_app(
             root=args.model_path,
             family=info.get("family"),
             pipeline_class=info.get("pipeline_class"),
-            modality=(info.get("defaults") or {}).get("modality"),
+            modality=spec.outputs,
+            inputs=list(spec.inputs),
+            parameters=spec.parameters(),
             tp_sizes=info.get("tp_sizes"),
             parallel=info.get("parallel"),
         )
@@ -188,18 +200,7 @@ def create_app(
         return JSONResponse(model_card().model_dump())
 
     # /v1/videos: asynchronous video jobs (video models; 400 naming the modality otherwise)
-    app.state.videos = add_video_routes(
-        app,
-        scheduler=scheduler,
-        read_body=ctx.read_body,
-        parse_body=parse_json_body,
-        check_model=ctx.check_model,
-        limits=limits,
-        defaults=defaults,
-        modality=str(defaults.get("modality", "image")),
-        model_id=model_id,
-        request_factory=request_factory or default_request_factory(),
-    )
+    app.state.videos = add_video_routes(app, ctx)
 
     def unavailable(reason: str) -> JSONResponse:
         return JSONResponse(error_body(reason, 503), 503, headers={"Retry-After": "1"})

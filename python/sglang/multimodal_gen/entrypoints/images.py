@@ -5,12 +5,10 @@ lora) and ``GET /v1/images/files/{name}``."""
 from __future__ import annotations
 
 import base64
-import io
 import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -22,29 +20,11 @@ from sglang.multimodal_gen.entrypoints.protocol import (
     ImageData,
     ImageGenerationRequest,
     ImageGenerationResponse,
-    validate_generation,
+    image_job,
 )
 from sglang.multimodal_gen.entrypoints.routing import RouteContext
 from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError
-
-_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
-
-
-def encode_image(image: Any, output_format: str, compression: int | None) -> bytes:
-    """Encode a PIL image as PNG (lossless, ``compression`` ignored), JPEG or WebP.
-
-    ``compression`` is the OpenAI ``output_compression`` in [0, 100]; like OpenAI's (default 100 =
-    best), it is used as the JPEG/WebP quality (default 95 here).
-    """
-    buf = io.BytesIO()
-    quality = 95 if compression is None else int(compression)
-    if output_format == "png":
-        image.save(buf, format="PNG")
-    elif output_format == "jpeg":
-        image.convert("RGB").save(buf, format="JPEG", quality=quality)
-    else:
-        image.save(buf, format="WEBP", quality=quality)
-    return buf.getvalue()
+from sglang.multimodal_gen.outputs import IMAGE_FORMATS, encode_image
 
 
 class ImageStore:
@@ -70,7 +50,7 @@ class ImageStore:
         """Store ``data``; return its file name (``<random>.<ext>``)."""
         name = f"{secrets.token_urlsafe(18)}.{output_format}"
         with self._lock:
-            self._items[name] = (data, _MEDIA_TYPES[output_format], time.monotonic())
+            self._items[name] = (data, IMAGE_FORMATS[output_format], time.monotonic())
             self._bytes += len(data)
             while len(self._items) > 1 and (
                 len(self._items) > self.capacity or self._bytes > self.max_bytes
@@ -102,39 +82,35 @@ def add_image_routes(
         t0 = time.perf_counter()
         req = parse_json_body(await ctx.read_body(request), ImageGenerationRequest)
         ctx.check_model(req.model)
-        modality = ctx.defaults.get("modality", "image")
+        modality = ctx.spec.outputs
         if modality != "image":  # before the values: their bounds are a video's
             raise InvalidRequestError(
                 f"{ctx.model_id} is a {modality} model; use /v1/videos", param="model"
             )
-        params = validate_generation(req, ctx.limits, ctx.defaults)
-        if params.engine_kwargs.get("seed") is None:
-            # drawn here so the response can report it and the image can be reproduced
-            params.engine_kwargs["seed"] = secrets.randbits(63)
-        pil_images = await ctx.wait_for(
-            ctx.scheduler.submit_generation(**params.engine_kwargs), request
-        )
+        # the request resolved once, here: defaults, every value rule, the seed drawn (so the
+        # response can report it and the image can be reproduced)
+        job = image_job(req, ctx.spec)
+        pil_images = await ctx.wait_for(ctx.scheduler.submit_generation(job.params), request)
 
         def encode_all() -> list[bytes]:
             return [
-                encode_image(img, params.output_format, params.output_compression)
-                for img in pil_images
+                encode_image(img, job.output_format, job.output_compression) for img in pil_images
             ]
 
         blobs = await run_in_threadpool(encode_all)
         data = []
         for blob in blobs:
-            if params.response_format == "url":
-                name = images.put(blob, params.output_format)
+            if job.response_format == "url":
+                name = images.put(blob, job.output_format)
                 data.append(ImageData(url=f"{str(request.base_url)}v1/images/files/{name}"))
             else:
                 data.append(ImageData(b64_json=base64.b64encode(blob).decode("ascii")))
         body = ImageGenerationResponse(
             created=int(time.time()),
             data=data,
-            output_format=params.output_format,
-            size=params.size,
-            seed=params.engine_kwargs.get("seed"),
+            output_format=job.output_format,
+            size=job.size,
+            seed=job.params.seed,
         ).model_dump(exclude_none=True)
         metrics.images.inc(len(data))
         metrics.e2e.observe(time.perf_counter() - t0)

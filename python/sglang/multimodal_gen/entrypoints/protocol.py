@@ -1,19 +1,20 @@
-"""Request and response models of the HTTP API, and the value checks behind them.
+"""Request and response models of the HTTP API, and the translation of a request body into the
+engine's request object (:class:`~sglang.multimodal_gen.configs.sampling_params.SamplingParams`).
 
 Two levels of checking, mirroring the status codes of the design:
 
 - *schema* (pydantic in strict mode, HTTP 422): a field has the wrong JSON type (``"n": "2"``,
   ``"seed": true`` and ``"guidance_scale": true`` are refused, an integer is accepted where a
-  number is expected), a required field is missing, or an unknown field is sent (a misspelt
-  ``num_inference_step`` must not be silently ignored).
+  number is expected), a required field is missing, or a field no model declares is sent (a
+  misspelt ``num_inference_step`` must not be silently ignored).
   :func:`~.schema_errors.schema_error_message` words each error as one sentence naming the field
-  (no pydantic type paths);
-- *values* (:func:`validate_generation`, :func:`validate_set_lora`, HTTP 400): the type is right but
-  the value is outside its range; each error names the field in ``param`` and states the range.
-  The generation rules are :meth:`GenerationRequest.validate
-  <sglang.multimodal_gen.runtime.request.GenerationRequest.validate>`'s, which the CLI and the
-  Python API apply too; the LoRA rules (``set_lora`` list pairing, per-request ``lora``) are those
-  of :mod:`sglang.multimodal_gen.lora.requests`, which the engine and the LoRA manager apply too.
+  (no pydantic type paths). The generation fields of the request models derive from the
+  declarations: the fields every model takes and the fields each registered family adds
+  (``ModelFamily.sampling_params``);
+- *values* (HTTP 400): the body becomes the served model's ``SamplingParams`` and is resolved
+  once (:meth:`RequestSpec.resolve`: the one set of value rules, which the CLI and the Python API
+  apply too); a field the served model does not declare is refused naming it. The LoRA admin
+  rules (``set_lora`` list pairing) are those of :mod:`sglang.multimodal_gen.lora.requests`.
 
 OpenAI fields we accept but do not act on (``quality``, ``style``, ``background``, ``moderation``)
 are declared so that the official client's requests validate. Nothing here imports FastAPI.
@@ -21,30 +22,29 @@ are declared so that the official client's requests validate. Nothing here impor
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from sglang.multimodal_gen.errors import InvalidRequestError
-from sglang.multimodal_gen.lora.requests import (
-    check_target,
-    normalize_set_lora,
-    validate_composition,
-)
-from sglang.multimodal_gen.runtime.request import (
+from sglang.multimodal_gen.configs.sampling_params import (
     MAX_PROMPT_CHARS,
     MAX_SEED,
-    GenerationRequest,
+    RequestSpec,
+    SamplingParams,
     check_size,
 )
+from sglang.multimodal_gen.errors import InvalidRequestError
+from sglang.multimodal_gen.lora.requests import check_target, normalize_set_lora
+from sglang.multimodal_gen.models.registry import list_families
+from sglang.multimodal_gen.outputs import IMAGE_FORMATS
 
-__all__ = ["MAX_PROMPT_CHARS", "MAX_SEED"]  # re-exported: the rules live in runtime.request
+__all__ = ["MAX_PROMPT_CHARS", "MAX_SEED"]  # re-exported: the rules live in configs
 
 RESPONSE_FORMATS = ("b64_json", "url")
-OUTPUT_FORMATS = ("png", "jpeg", "webp")
+OUTPUT_FORMATS = tuple(IMAGE_FORMATS)
 DEFAULT_SIZE = "1024x1024"
 # at most 6 digits per side: bounded before int() (a 5,000-digit side is refused as a form error)
 # ASCII digits only (``\d`` alone takes full-width and other scripts' digits)
@@ -59,14 +59,73 @@ class _Strict(BaseModel):
 
 
 class LoRASpec(_Strict):
-    """One adapter of a per-request composition: a loaded ``name`` and its ``scale`` (strength)."""
+    """One adapter of a per-request composition: a loaded ``name`` and its ``strength``
+    (``scale`` is accepted as an alias, as OpenAI-style clients of this API send it)."""
 
     name: str
-    scale: float = 1.0
+    strength: float | None = None
+    scale: float | None = None
+
+    def as_pair(self) -> tuple[str, float]:
+        """``(name, strength)``; both given and different is an error.
+
+        Raises:
+            InvalidRequestError: ``param="lora"``.
+        """
+        if self.strength is not None and self.scale is not None and self.strength != self.scale:
+            raise InvalidRequestError(
+                f"lora entry {self.name!r} gives strength {self.strength:g} and scale "
+                f"{self.scale:g}; scale is an alias of strength: give one",
+                param="lora",
+            )
+        value = self.strength if self.strength is not None else self.scale
+        return self.name, 1.0 if value is None else value
 
 
-class ImageGenerationRequest(_Strict):
-    """Body of ``POST /v1/images/generations`` (OpenAI fields + engine extensions)."""
+#: JSON type of each field kind of a ``SamplingParams`` declaration.
+_KIND_TYPES = {
+    "text": str,
+    "size": int,
+    "count": int,
+    "seed": int,
+    "scale": float,
+    "lora": LoRASpec | list[LoRASpec],
+}
+#: Generation fields whose HTTP spelling is another (``n``, ``size``, ``seconds``).
+_HTTP_SPELLED = ("prompt", "num_outputs_per_prompt", "height", "width")
+
+
+def declared_fields(modality: str) -> dict[str, dataclasses.Field]:
+    """Every generation field a request may carry on a route of ``modality``: the fields every
+    model takes (``SamplingParams``, or ``VideoSamplingParams`` for ``"video"``) and the ones
+    each registered family of that modality adds, by name (first declaration wins)."""
+    out: dict[str, dataclasses.Field] = {}
+    for fam in list_families():
+        cls = fam.params_class()
+        if ("num_frames" in cls.field_names()) != (modality == "video"):
+            continue
+        for f in dataclasses.fields(cls):
+            out.setdefault(f.name, f)
+    for f in dataclasses.fields(SamplingParams):
+        out.setdefault(f.name, f)
+    return {k: v for k, v in out.items() if k not in _HTTP_SPELLED}
+
+
+def with_declared_fields(base: type[BaseModel], modality: str) -> type[BaseModel]:
+    """``base`` plus every declared generation field of ``modality`` (:func:`declared_fields`)
+    as an optional field of its kind's JSON type; the fields ``base`` has keep its types."""
+    extra = {
+        name: (_KIND_TYPES[f.metadata["kind"]] | None, None)
+        for name, f in declared_fields(modality).items()
+        if name not in base.model_fields
+    }
+    return create_model(base.__name__, __base__=base, __doc__=base.__doc__, **extra)
+
+
+class _ImageGenerationBody(_Strict):
+    """Body of ``POST /v1/images/generations``: OpenAI's fields, plus every declared generation
+    field (:func:`with_declared_fields`: ``seed``, ``num_inference_steps``, ``guidance_scale``,
+    ``negative_prompt``, ``max_sequence_length``, ``lora`` and the families' own)."""
 
     prompt: str
     model: str | None = None
@@ -82,14 +141,9 @@ class ImageGenerationRequest(_Strict):
     background: str | None = None
     moderation: str | None = None
     stream: bool | None = None
-    # Engine extensions.
-    seed: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    true_cfg_scale: float | None = None
-    max_sequence_length: int | None = None
-    negative_prompt: str | None = None
-    lora: LoRASpec | list[LoRASpec] | None = None
+
+
+ImageGenerationRequest = with_declared_fields(_ImageGenerationBody, "image")
 
 
 class SetLoRARequest(_Strict):
@@ -157,6 +211,11 @@ class ModelCard(BaseModel):
     family: str | None = None
     pipeline_class: str | None = None
     modality: str | None = None
+    # the conditioning the model takes ("text"; later "image")
+    inputs: list[str] | None = None
+    # the request fields it takes: [{name, kind, help, default}] (the common ones and its
+    # family's own)
+    parameters: list[dict[str, Any]] | None = None
     tp_sizes: list[int] | None = None
     # the layout in use: tp_size, ulysses_degree, ring_degree, cfg_degree
     parallel: dict[str, int] | None = None
@@ -174,79 +233,42 @@ class ModelList(BaseModel):
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Bounds the server enforces on generation requests.
+class ImageJob:
+    """A validated ``/v1/images/generations`` request: the engine's request and the output
+    options (HTTP-only).
 
     Attributes:
-        spatial_factor: width and height must be multiples of this (the model's VAE x patch size).
-        max_image_size: largest width or height.
-        max_images: largest ``n``.
-        max_steps: largest ``num_inference_steps``.
-        max_pixel_steps: largest ``n x num_frames x width x height x num_inference_steps``
-            (``None``: no bound).
+        params: the resolved request (every field set, the seed drawn).
+        response_format: ``b64_json`` or ``url``.
+        output_format: ``png``, ``jpeg`` or ``webp``.
+        output_compression: JPEG/WebP quality (``None``: the encoder's default).
     """
 
-    spatial_factor: int = 16
-    max_image_size: int = 2048
-    max_images: int = 8
-    max_steps: int = 1000
-    max_pixel_steps: int | None = None
-
-    def request_limits(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The ``limits`` of :meth:`GenerationRequest.validate`: the model's (``defaults``) with
-        the server's bounds on top (the server's image size is never above the model's)."""
-        out = dict(defaults or {})
-        out.update(
-            max_image_size=self.max_image_size,
-            max_num_images=self.max_images,
-            max_inference_steps=self.max_steps,
-            max_pixel_steps=self.max_pixel_steps,
-        )
-        return out
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """A validated generation request, in engine terms, plus the output options.
-
-    ``engine_kwargs`` holds only the fields the client gave (others keep the engine's defaults) and
-    is passed to ``GenerationRequest(**engine_kwargs)``.
-    """
-
-    engine_kwargs: dict
-    width: int
-    height: int
-    n: int
+    params: SamplingParams
     response_format: str
     output_format: str
     output_compression: int | None
 
     @property
     def size(self) -> str:
-        return f"{self.width}x{self.height}"
-
-    @property
-    def composition_key(self) -> tuple | None:
-        """The per-request composition as a hashable key (``None`` = the global one)."""
-        lora = self.engine_kwargs.get("lora")
-        return None if lora is None else tuple(lora)
+        return f"{self.params.width}x{self.params.height}"
 
 
 def _bad(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
-def _size_form(limits: Limits) -> str:
-    f, top = limits.spatial_factor, limits.max_image_size
+def _size_form(spec: RequestSpec) -> str:
+    f, top = spec.spatial_factor, spec.limits.max_image_size or 4096
     example = max(f, min(1024, top) // f * f)  # an example this server accepts
     return (
         f"expected 'WxH' with W and H multiples of {f} in [{f}, {top}], e.g. '{example}x{example}'"
     )
 
 
-def parse_size(size: str, limits: Limits) -> tuple[int, int]:
-    """Parse ``"WxH"`` and check it against ``limits`` (the rules of
-    :func:`~sglang.multimodal_gen.runtime.request.check_size`).
+def parse_size(size: str, spec: RequestSpec) -> tuple[int, int]:
+    """Parse ``"WxH"`` and check it against the model and server bounds of ``spec`` (the rules
+    of ``check_size``).
 
     Returns:
         ``(width, height)``.
@@ -254,7 +276,7 @@ def parse_size(size: str, limits: Limits) -> tuple[int, int]:
     Raises:
         InvalidRequestError: ``param="size"``; the message gives the allowed form.
     """
-    allowed = _size_form(limits)
+    allowed = _size_form(spec)
     m = _SIZE_RE.match(size)
     if not m:
         shown = size if len(size) <= 40 else size[:40] + "..."
@@ -263,115 +285,122 @@ def parse_size(size: str, limits: Limits) -> tuple[int, int]:
     if width < 1 or height < 1:
         raise _bad(f"invalid size {size!r}: {allowed}", "size")
     try:
-        check_size(height, width, limits.spatial_factor, limits.max_image_size)
+        check_size(height, "height", spec.spatial_factor, spec.limits.max_image_size)
+        check_size(width, "width", spec.spatial_factor, spec.limits.max_image_size)
     except InvalidRequestError:
-        raise _size_error(size, width, height, limits) from None
+        raise _size_error(size, width, height, spec) from None
     return width, height
 
 
-def _size_error(size: str, width: int, height: int, limits: Limits) -> InvalidRequestError:
-    """A ``height``/``width`` refusal of :func:`check_size`, worded for the HTTP ``size`` field."""
-    if max(width, height) > limits.max_image_size:
-        reason = (
-            f"larger than the server's maximum {limits.max_image_size} per side (--max-image-size)"
-        )
+def _size_error(size: str, width: int, height: int, spec: RequestSpec) -> InvalidRequestError:
+    """A ``height``/``width`` refusal of ``check_size``, worded for the HTTP ``size`` field."""
+    top = spec.limits.max_image_size
+    if top is not None and max(width, height) > top:
+        reason = f"larger than the server's maximum {top} per side (--max-image-size)"
     else:
-        reason = f"width and height must be multiples of {limits.spatial_factor} for this model"
-    return _bad(f"invalid size {size!r}: {reason}; {_size_form(limits)}", "size")
+        reason = f"width and height must be multiples of {spec.spatial_factor} for this model"
+    return _bad(f"invalid size {size!r}: {reason}; {_size_form(spec)}", "size")
 
 
-def validate_generation(
-    req: ImageGenerationRequest, limits: Limits, defaults: Mapping[str, Any] | None = None
-) -> GenerationParams:
-    """Check every value of a generation request and translate it for the engine.
+def default_size(spec: RequestSpec) -> tuple[int, int]:
+    """``(width, height)`` of a request without ``size``: the model's own default (a family's,
+    or a model directory's, e.g. the demo's 64x64), shrunk to the server's largest side."""
+    f, cap = spec.spatial_factor, spec.limits.max_image_size
+    w, h = spec.defaults.width or 1024, spec.defaults.height or 1024
+    if cap is not None:
+        w, h = (max(f, min(v, cap) // f * f) for v in (w, h))
+    return w, h
+
+
+def sampling_params(
+    body: BaseModel, spec: RequestSpec, size: tuple[int, int] | None, **fields: Any
+) -> SamplingParams:
+    """The served model's resolved request from a parsed body: every declared generation field
+    the client set (:func:`declared_fields`), ``size`` as ``(width, height)``, and ``fields``
+    (what the route spells otherwise: ``num_outputs_per_prompt`` from ``n``, ``num_frames``
+    from ``seconds``).
+
+    Raises:
+        InvalidRequestError: a field the served model does not declare (naming it); every value
+            rule of ``SamplingParams.validate`` (a ``height``/``width`` refusal is worded for
+            ``size``).
+    """
+    values: dict[str, Any] = {"prompt": body.prompt}
+    for name in body.model_fields_set:
+        if name in _HTTP_SPELLED or name not in _GENERATION_FIELDS:
+            continue
+        value = getattr(body, name)
+        if value is None:
+            continue
+        if name == "lora":
+            items = value if isinstance(value, list) else [value]
+            value = [item.as_pair() for item in items]
+        values[name] = float(value) if isinstance(value, int) and _is_scale(name) else value
+    if size is not None:
+        values["width"], values["height"] = size
+    values.update({k: v for k, v in fields.items() if v is not None})
+    params = spec.params(**values)
+    try:
+        return spec.resolve(params)
+    except InvalidRequestError as e:
+        if e.param in ("height", "width") and size is not None:
+            raise _size_error(f"{size[0]}x{size[1]}", size[0], size[1], spec) from None
+        raise
+
+
+#: Every generation field any registered family declares (HTTP spelling aside).
+_GENERATION_FIELDS = {**declared_fields("image"), **declared_fields("video")}
+
+
+def _is_scale(name: str) -> bool:
+    f = _GENERATION_FIELDS.get(name)
+    return f is not None and f.metadata.get("kind") == "scale"
+
+
+def image_job(body: BaseModel, spec: RequestSpec) -> ImageJob:
+    """Check a ``/v1/images/generations`` body and translate it for the engine.
 
     The output options (``response_format``, ``output_format``, ...) are the HTTP layer's; every
-    generation value is checked by :meth:`GenerationRequest.validate
-    <sglang.multimodal_gen.runtime.request.GenerationRequest.validate>` (the CLI's and the Python
-    API's rules) with the server's bounds (:meth:`Limits.request_limits`).
-
-    Args:
-        defaults: the model's sampling defaults (``engine.defaults``): the default step count
-            enters the pixel-steps budget.
-
-    Returns:
-        :class:`GenerationParams`; ``engine_kwargs`` uses the names of ``GenerationRequest``
-        (``height``, ``width``, ``num_images``, ``lora`` as ``[(name, scale)]``...).
+    generation value is checked once, by :meth:`RequestSpec.resolve` (the CLI's and the Python
+    API's rules) with the server's bounds (``spec`` carries them).
 
     Raises:
         InvalidRequestError: naming the field (``param``) and its allowed range.
     """
-    d = defaults or {}
-    if req.size in (None, "auto") and d.get("width") and d.get("height"):
-        # the model's own default size (a family's, or a model directory's, e.g. the demo's 64x64)
-        f, cap = limits.spatial_factor, limits.max_image_size
-        w, h = (min(int(d[k]), cap) // f * f for k in ("width", "height"))
-        size = f"{w}x{h}"
-    elif req.size in (None, "auto"):
-        # DEFAULT_SIZE, shrunk when the server's own limit is smaller.
-        side = min(1024, limits.max_image_size // limits.spatial_factor * limits.spatial_factor)
-        size = f"{side}x{side}"
+    if body.size in (None, "auto"):
+        size = default_size(spec)
     else:
-        size = req.size
-    width, height = parse_size(size, limits)
-
-    response_format = req.response_format or "b64_json"
+        size = parse_size(body.size, spec)
+    response_format = body.response_format or "b64_json"
     if response_format not in RESPONSE_FORMATS:
         raise _bad(
             f"response_format must be one of {list(RESPONSE_FORMATS)}, got {response_format!r}",
             "response_format",
         )
-    output_format = (req.output_format or "png").lower()
+    output_format = (body.output_format or "png").lower()
     if output_format == "jpg":
         output_format = "jpeg"
     if output_format not in OUTPUT_FORMATS:
         raise _bad(
-            f"output_format must be one of {list(OUTPUT_FORMATS)}, got {req.output_format!r}",
+            f"output_format must be one of {list(OUTPUT_FORMATS)}, got {body.output_format!r}",
             "output_format",
         )
-    if req.output_compression is not None and not 0 <= req.output_compression <= 100:
+    if body.output_compression is not None and not 0 <= body.output_compression <= 100:
         raise _bad(
-            f"output_compression must be an integer in [0, 100], got {req.output_compression}",
+            f"output_compression must be an integer in [0, 100], got {body.output_compression}",
             "output_compression",
         )
-    if req.stream:
+    if body.stream:
         raise _bad("stream=true is not supported; omit it or send false", "stream")
-
-    kwargs: dict[str, Any] = {
-        "prompt": req.prompt,
-        "height": height,
-        "width": width,
-        "num_images": req.n,
-    }
-    for name in (
-        "seed",
-        "num_inference_steps",
-        "guidance_scale",
-        "true_cfg_scale",
-        "max_sequence_length",
-        "negative_prompt",
-    ):
-        value = getattr(req, name)
-        if value is not None:
-            kwargs[name] = float(value) if name.endswith("_scale") else value
-    if req.lora is not None:
-        kwargs["lora"] = validate_composition(req.lora, "lora")
     try:
-        request = GenerationRequest(**kwargs).with_defaults(defaults or {})
-        request.validate(limits.spatial_factor, limits.request_limits(defaults))
+        params = sampling_params(body, spec, size, num_outputs_per_prompt=body.n)
     except InvalidRequestError as e:
-        if e.param in ("height", "width"):
-            raise _size_error(size, width, height, limits) from None
+        if e.param == "num_outputs_per_prompt":  # the HTTP spelling
+            e.param = "n"
+            e.message = e.message.replace("num_outputs_per_prompt", "n")
+            e.args = (e.message,)
         raise
-    return GenerationParams(
-        engine_kwargs=kwargs,
-        width=width,
-        height=height,
-        n=req.n,
-        response_format=response_format,
-        output_format=output_format,
-        output_compression=req.output_compression,
-    )
+    return ImageJob(params, response_format, output_format, body.output_compression)
 
 
 def validate_target(target: str, valid_targets: tuple[str, ...] | list[str]) -> str:

@@ -23,12 +23,12 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sglang.multimodal_gen.configs.sampling_params import RequestSpec
 from sglang.multimodal_gen.engine_ops import OPS
 from sglang.multimodal_gen.entrypoints.auth import ADMIN_PATHS, ApiKeyAuth, cross_origin_reason
 from sglang.multimodal_gen.entrypoints.http_body import MAX_BODY_BYTES, ClientGoneError, read_body
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception, error_body
-from sglang.multimodal_gen.entrypoints.protocol import Limits
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, ServerShuttingDownError
 from sglang.multimodal_gen.errors import EngineDeadError, NotFoundError
 
@@ -147,16 +147,15 @@ class RouteContext:
 
     Attributes:
         scheduler: the only way to the engine (one thread, arrival order).
-        limits: the bounds on generation requests.
-        defaults: the model's sampling defaults (``engine.defaults``).
+        spec: what a request to the served model may ask for, with the server's bounds (every
+            generation request is resolved against it once, in its handler).
         model_id: the id ``/v1/models`` reports.
         model_aliases: the names a request's ``model`` field may use.
         timeout_body_s: seconds a request body has to arrive (``None``: no bound).
     """
 
     scheduler: Scheduler
-    limits: Limits
-    defaults: dict
+    spec: RequestSpec
     model_id: str
     model_aliases: frozenset[str]
     timeout_body_s: float | None

@@ -25,8 +25,8 @@ started or finished, and no denoising step ended (``engine.steps_done()``), for 
 (``/health`` turns 503; it recovers when the engine moves again).
 
 Batching (``max_batch_size > 1``): when a generation reaches the head of the queue, the waiting
-generations with the same sampling settings (size, steps, frames, guidance values, whether a
-negative prompt is given; the LoRA composition may differ) join it, up to ``max_batch_size``, waiting up to ``batch_wait_s``
+generations with the same sampling settings (every field of the request but the per-row ones:
+prompts, seed, adapters; and whether a negative prompt is given) join it, up to ``max_batch_size``, waiting up to ``batch_wait_s``
 for more to arrive; the engine runs them in one denoising loop (``engine.generate_batch``), each
 with its own seed, prompts and LoRA composition. Only generations queued before the first waiting admin call can
 join, so admin changes stay ordered with generations exactly as without batching.
@@ -41,7 +41,6 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +58,7 @@ class ServerShuttingDownError(EngineDeadError):
 
 @dataclass
 class _Task:
-    kind: str  # "generate" or the name of an engine method
+    kind: str  # "generate" (args: one SamplingParams) or the name of an engine method
     args: tuple
     kwargs: dict
     future: Future
@@ -88,21 +87,14 @@ class SchedulerMetrics:
         pass
 
 
-def default_request_factory() -> Callable[..., Any]:
-    from sglang.multimodal_gen.runtime import GenerationRequest
-
-    return GenerationRequest
-
-
-_BATCH_FREE = ("prompt", "negative_prompt", "seed", "user", "lora")
-
-
-def _batch_key(task: _Task) -> str:
-    """Generations with equal keys can share a denoising loop: everything but the per-row
-    fields must match (a negative prompt's presence, not its text, changes CFG)."""
-    kw = task.kwargs
-    fixed = {k: v for k, v in kw.items() if k not in _BATCH_FREE}
-    return repr((task.args, sorted(fixed.items()), kw.get("negative_prompt") is None))
+def _batch_key(task: _Task) -> tuple:
+    """Generations with equal keys can share a denoising loop: every field of the request must
+    match but the per-row ones (prompts, seed, adapters; a negative prompt's presence, not its
+    text, changes CFG)."""
+    params = task.args[0]
+    per_row = params.per_row_fields()
+    fixed = tuple((n, getattr(params, n)) for n in params.field_names() if n not in per_row)
+    return (type(params), fixed, params.negative_prompt is None)
 
 
 class Scheduler(SchedulerHealth):
@@ -113,8 +105,6 @@ class Scheduler(SchedulerHealth):
             ``is_alive``).
         max_queue_size: generation requests allowed to wait (>= 1).
         metrics: a :class:`SchedulerMetrics` (queue depth, latencies, LoRA admin times).
-        request_factory: builds the engine's request object from keyword arguments (default:
-            ``sglang.multimodal_gen.runtime.GenerationRequest``).
         idle_check_s: how often the idle worker polls ``engine.is_alive()``.
         stall_timeout_s: :meth:`healthy` is false while work is pending and nothing started,
             finished or stepped for this long (``None``: never).
@@ -130,7 +120,6 @@ class Scheduler(SchedulerHealth):
         max_queue_size: int = 64,
         *,
         metrics: SchedulerMetrics | None = None,
-        request_factory: Callable[..., Any] | None = None,
         idle_check_s: float = 0.5,
         stall_timeout_s: float | None = None,
         max_batch_size: int = 1,
@@ -145,7 +134,6 @@ class Scheduler(SchedulerHealth):
         self.engine = engine
         self.max_queue_size = max_queue_size
         self.metrics = metrics or SchedulerMetrics()
-        self._request_factory = request_factory
         self._idle_check_s = idle_check_s
         self.stall_timeout_s = stall_timeout_s
         self._progress_at = time.monotonic()  # last task start/end, or work arriving when idle
@@ -232,22 +220,14 @@ class Scheduler(SchedulerHealth):
         if not self._accepting or self._stop:
             raise ServerShuttingDownError("the server is shutting down and accepts no new work")
 
-    def submit_generation(self, **request_kwargs: Any) -> Future:
-        """Queue one generation; the future resolves to the engine's list of PIL images.
+    def submit_generation(self, params: Any) -> Future:
+        """Queue one generation (a resolved ``SamplingParams``); the future resolves to the
+        engine's outputs (PIL images, or ``Video`` objects for a video model).
 
         Raises:
             QueueFullError: ``max_queue_size`` requests are already waiting.
             EngineDeadError: the engine is dead or the server is shutting down.
         """
-        return self._submit_generation(request_kwargs, video=False)
-
-    def submit_video(self, **request_kwargs: Any) -> Future:
-        """Queue one video generation (``engine.generate_video``); the future resolves to a list
-        of uint8 ``[F, H, W, 3]`` arrays. Same queue, limits and errors as
-        :meth:`submit_generation`."""
-        return self._submit_generation(request_kwargs, video=True)
-
-    def _submit_generation(self, request_kwargs: dict, video: bool) -> Future:
         with self._cond:
             self._check_open()
             if self._waiting_generations >= self.max_queue_size:
@@ -255,7 +235,7 @@ class Scheduler(SchedulerHealth):
                     f"the request queue is full ({self.max_queue_size} waiting); retry later",
                     retry_after_s=self.retry_after_s(),
                 )
-            task = _Task("generate", ("video",) if video else (), dict(request_kwargs), Future())
+            task = _Task("generate", (params,), {}, Future())
             self._note_arrival_locked()
             self._queue.append(task)
             self._waiting_generations += 1
@@ -385,31 +365,16 @@ class Scheduler(SchedulerHealth):
 
     def _run_batch(self, tasks: list[_Task]) -> None:
         """Generations that share one denoising loop; each future gets its own result."""
-        want = "video" if tasks[0].args == ("video",) else "image"
-        # an engine without batching, or a kind the model does not make (images of a video
-        # model): one by one, where the engine refuses the wrong kind (generate_batch would not)
-        if (
-            not hasattr(self.engine, "generate_batch")
-            or getattr(self.engine, "modality", want) != want
-        ):
+        if not hasattr(self.engine, "generate_batch"):  # an engine without batching
             for t in tasks:
                 self._run(t)
             return
         start = time.perf_counter()
-        factory = self._request_factory or default_request_factory()
-        requests, runnable = [], []
-        for t in tasks:
-            try:
-                requests.append(factory(**t.kwargs))
-                runnable.append(t)
-            except BaseException as e:
-                t.future.set_exception(e)
-        if not runnable:
-            return
+        requests = [t.args[0] for t in tasks]
         try:
             results = self.engine.generate_batch(requests)
         except BaseException as e:
-            for t in runnable:
+            for t in tasks:
                 t.future.set_exception(e)
             try:
                 alive = not isinstance(e, EngineDeadError) and bool(self.engine.is_alive())
@@ -422,7 +387,7 @@ class Scheduler(SchedulerHealth):
         self._avg_generation_s = (
             run_s if self._avg_generation_s is None else 0.8 * self._avg_generation_s + 0.2 * run_s
         )
-        for t, req, res in zip(runnable, requests, results):
+        for t, req, res in zip(tasks, requests, results):
             self.metrics.observe_generation(
                 start - t.enqueued_at, run_s, getattr(req, "num_inference_steps", None)
             )
@@ -436,11 +401,9 @@ class Scheduler(SchedulerHealth):
         steps = None
         try:
             if task.kind == "generate":
-                factory = self._request_factory or default_request_factory()
-                request = factory(**task.kwargs)
+                request = task.args[0]
                 steps = getattr(request, "num_inference_steps", None)
-                video = task.args == ("video",)
-                result = (self.engine.generate_video if video else self.engine.generate)(request)
+                result = self.engine.generate(request)
             else:
                 result = getattr(self.engine, task.kind)(*task.args, **task.kwargs)
         except BaseException as e:  # delivered to the waiting handler, which maps it

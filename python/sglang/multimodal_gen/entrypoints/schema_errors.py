@@ -31,10 +31,8 @@ _EXPECTED = {
     "fps": "an integer",
     "seconds": "a number or a numeric string",
     "guidance_scale": "a number",
-    "guidance_scale_2": "a number",
-    "true_cfg_scale": "a number",
     "stream": "true or false",
-    "lora": 'an object {"name": string, "scale": number}, a list of them, or null',
+    "lora": 'an object {"name": string, "strength": number}, a list of them, or null',
     "name": "a string",
     "scale": "a number",
     "lora_nickname": "a string or a list of strings",
@@ -45,12 +43,24 @@ _EXPECTED = {
 }
 #: What one element of a list field takes.
 _ELEMENT = {
-    "lora": 'an object {"name": string, "scale": number}',
+    "lora": 'an object {"name": string, "strength": number}',
     "lora_nickname": "a string",
     "lora_path": "a string or null",
     "strength": "a number",
 }
 _FIELD_NAMES = frozenset(_EXPECTED)
+#: What a field takes, by its annotation (fields of the declarations not in the table above).
+_BY_TYPE = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _expected(model: Any, name: str) -> str:
+    """What field ``name`` takes: the table's words, else its annotation's type in JSON terms."""
+    if name in _EXPECTED:
+        return _EXPECTED[name]
+    field = getattr(model, "model_fields", {}).get(name)
+    args = [a for a in _type_args(field.annotation) if a is not type(None)] if field else []
+    kinds = {_BY_TYPE.get(a) for a in args} - {None}
+    return kinds.pop() if len(kinds) == 1 else "a value of another type"
 
 
 def model_field_names(model: Any) -> set[str]:
@@ -132,7 +142,7 @@ def schema_error_message(errors: list[dict], model: Any = None) -> tuple[str, st
                     parent = next((p for p in reversed(path) if isinstance(p, str)), top)
                     expected = _ELEMENT.get(parent, "a value of another type")
                 else:
-                    expected = _EXPECTED.get(leaf, "a value of another type")
+                    expected = _expected(model, leaf)
                 sentence = f"{where} must be {expected}, got {_json_kind(err.get('input'))}"
                 rank = len(path)  # the most specific of a union's alternatives
         order.setdefault(top)

@@ -16,45 +16,44 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr
 
-from sglang.multimodal_gen.entrypoints.http_body import parse_form_body
+from sglang.multimodal_gen.entrypoints.http_body import parse_form_body, parse_json_body
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception
-from sglang.multimodal_gen.entrypoints.protocol import LoRASpec, parse_size
+from sglang.multimodal_gen.entrypoints.protocol import (
+    _Strict,
+    default_size,
+    parse_size,
+    sampling_params,
+    with_declared_fields,
+)
+from sglang.multimodal_gen.entrypoints.routing import RouteContext
 from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError, SGLangError
-from sglang.multimodal_gen.lora.requests import validate_composition
 from sglang.multimodal_gen.outputs import encode_video
 
 __all__ = ["VideoGenerationRequest", "VideoJobStore", "add_video_routes"]
 
-Number = StrictInt | StrictFloat
+
+class _VideoGenerationBody(_Strict):
+    """Body of ``POST /v1/videos``: OpenAI's fields (``prompt``, ``model``, ``size``,
+    ``seconds``), plus every declared generation field of video models
+    (:func:`~.protocol.with_declared_fields`: ``num_frames``, ``fps``, ``seed``,
+    ``negative_prompt``, ``guidance_scale``, ``num_inference_steps``, ``lora``, and the
+    families' own)."""
+
+    prompt: str
+    model: str | None = None
+    size: str | None = None
+    seconds: str | int | float | None = None
 
 
-class VideoGenerationRequest(BaseModel):
-    """Body of ``POST /v1/videos`` (OpenAI's fields plus the engine's)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: StrictStr
-    model: StrictStr | None = None
-    size: StrictStr | None = None
-    seconds: StrictStr | Number | None = None
-    num_frames: StrictInt | None = None
-    fps: StrictInt | None = None
-    seed: StrictInt | None = None
-    negative_prompt: StrictStr | None = None
-    guidance_scale: Number | None = None
-    guidance_scale_2: Number | None = None
-    num_inference_steps: StrictInt | None = None
-    max_sequence_length: StrictInt | None = None
-    lora: LoRASpec | list[LoRASpec] | None = None
+VideoGenerationRequest = with_declared_fields(_VideoGenerationBody, "video")
 
 
 class VideoJobError(SGLangError):
@@ -197,7 +196,7 @@ class VideoJobStore:
             self._expire_locked()
 
 
-def _frames_for(req: VideoGenerationRequest, fps: int, default_frames: int) -> tuple[int, str]:
+def _frames_for(req: Any, fps: int, default_frames: int) -> tuple[int, str]:
     """``(num_frames, seconds)``: ``num_frames`` when given, else ``seconds * fps + 1`` (both are
     validated when given), else the model's default."""
     seconds = None
@@ -220,24 +219,15 @@ def _frames_for(req: VideoGenerationRequest, fps: int, default_frames: int) -> t
 
 
 def add_video_routes(
-    app: FastAPI,
-    *,
-    scheduler: Any,
-    read_body: Callable[[Request], Awaitable[bytes]],
-    parse_body: Callable[[bytes, type[BaseModel]], Any],
-    check_model: Callable[[str | None], None],
-    limits: Any,
-    defaults: dict,
-    modality: str,
-    model_id: str,
-    request_factory: Callable[..., Any],
-    store: VideoJobStore | None = None,
+    app: FastAPI, ctx: RouteContext, store: VideoJobStore | None = None
 ) -> VideoJobStore:
     """Register the ``/v1/videos`` routes on ``app``; returns the job store.
 
     On an image model every route answers 400 naming the model's modality (``param="model"``).
     """
     store = store or VideoJobStore()
+    spec, scheduler = ctx.spec, ctx.scheduler
+    modality, model_id = spec.outputs, ctx.model_id
 
     def need_video_model() -> None:
         if modality != "video":
@@ -248,40 +238,25 @@ def add_video_routes(
     @app.post("/v1/videos")
     async def create_video(request: Request):
         need_video_model()
-        raw = await read_body(request)
+        raw = await ctx.read_body(request)
         content_type = request.headers.get("content-type", "")
         if content_type.lower().startswith("multipart/form-data"):  # the openai client's form
             req = await parse_form_body(raw, content_type, VideoGenerationRequest)
         else:
-            req = parse_body(raw, VideoGenerationRequest)
-        check_model(req.model)
-        fps = req.fps if req.fps is not None else int(defaults.get("fps") or 16)
+            req = parse_json_body(raw, VideoGenerationRequest)
+        ctx.check_model(req.model)
+        fps = req.fps if req.fps is not None else int(spec.defaults.fps or 16)
         if fps < 1 or fps > 120:
             raise InvalidRequestError(f"fps must be in [1, 120], got {fps}", param="fps")
-        num_frames, seconds = _frames_for(req, fps, int(defaults.get("num_frames") or 1))
-        if req.size is None:
-            width, height = int(defaults.get("width", 832)), int(defaults.get("height", 480))
-        else:
-            width, height = parse_size(req.size, limits)
-        kwargs: dict[str, Any] = dict(
-            prompt=req.prompt, height=height, width=width, num_frames=num_frames, fps=fps,
-            seed=req.seed if req.seed is not None else secrets.randbits(63),
-            negative_prompt=req.negative_prompt, num_inference_steps=req.num_inference_steps,
-            guidance_scale=req.guidance_scale, guidance_scale_2=req.guidance_scale_2,
-            max_sequence_length=req.max_sequence_length,
-        )  # fmt: skip
-        if req.lora is not None:
-            kwargs["lora"] = validate_composition(req.lora, "lora")
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        # every value rule, before anything is queued (the engine checks again)
-        request_factory(**kwargs).with_defaults(defaults).validate(
-            limits.spatial_factor, limits.request_limits(defaults)
-        )
+        num_frames, seconds = _frames_for(req, fps, int(spec.defaults.num_frames or 1))
+        size = default_size(spec) if req.size is None else parse_size(req.size, spec)
+        # the request resolved once, here: every value rule, before anything is queued
+        params = sampling_params(req, spec, size, num_frames=num_frames, fps=fps)
         job = VideoJob(
             id=f"video_{secrets.token_hex(12)}", model=model_id, prompt=req.prompt,
-            size=f"{width}x{height}", seconds=seconds, num_frames=num_frames, fps=fps,
-            seed=kwargs["seed"],
-            total_steps=req.num_inference_steps or int(defaults.get("num_inference_steps") or 0),
+            size=f"{params.width}x{params.height}", seconds=seconds,
+            num_frames=params.num_frames, fps=params.fps, seed=params.seed,
+            total_steps=params.num_inference_steps,
             steps_done=getattr(scheduler, "steps_done_for", None),
         )  # fmt: skip
         store.add(job)
@@ -289,7 +264,7 @@ def add_video_routes(
         # handler runs again, and the answer should not depend on that race
         created = job.as_dict()
         try:
-            job.future = scheduler.submit_video(**kwargs)
+            job.future = scheduler.submit_generation(params)
         except BaseException:
             store.delete(job.id)
             raise
@@ -298,8 +273,7 @@ def add_video_routes(
             if fut.cancelled():
                 return
             try:
-                frames = fut.result()[0]
-                content = encode_video(frames, fps, "mp4")
+                content = encode_video(fut.result()[0], fmt="mp4")
             except BaseException as e:
                 _, body, _ = describe_exception(e)
                 store.finish(job, None, body["error"])

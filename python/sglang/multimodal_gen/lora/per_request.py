@@ -36,6 +36,12 @@ class PerRequestMixin:
         self._check_strengths(per_target, self._registry.__getitem__, "lora")
         return comp, per_target
 
+    def selection(self, composition):
+        """TRANSITIONAL (replaced by the slot-based selection): ``None`` only."""
+        if composition is None:
+            return None
+        raise NotImplementedError("per-request LoRA compositions are being rewired")
+
     def row_composition(
         self, composition: Sequence[tuple[str, float]] | Sequence[Mapping[str, Any]]
     ) -> list[tuple[str, float]]:

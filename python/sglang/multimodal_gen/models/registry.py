@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sglang.multimodal_gen.configs.sampling_params import RequestLimits, SamplingParams
+
 __all__ = [
     "DenoiserSpec",
     "ModelFamily",
@@ -37,6 +39,8 @@ __all__ = [
 # A model directory's own sampling defaults (see ModelFamily.sampling_defaults).
 MODEL_DEFAULTS_KEY = "_sglang_defaults"
 MODEL_DEFAULT_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "max_image_size")
+#: Where the request fields every model takes are declared.
+BASE_SAMPLING_PARAMS = "sglang.multimodal_gen.configs.sampling_params:SamplingParams"
 
 
 class UnknownModelError(ValueError):
@@ -61,39 +65,19 @@ class SamplingDefaults:
     """Defaults and limits of a generation for one family (or one variant of it).
 
     Attributes:
-        num_inference_steps: default step count.
-        guidance_scale: default ``--guidance-scale`` (CFG weight, or the distilled guidance value
-            for families with a guidance embedding).
-        height, width: default size in pixels.
-        max_sequence_length: default text-encoder token length (and its upper bound below).
-        max_sequence_length_limit: largest accepted ``max_sequence_length``.
-        true_cfg_scale: default ``--true-cfg-scale`` (1: off).
-        max_image_size: largest height/width the model's position tables cover (pixels).
-        modality: ``"image"`` or ``"video"``.
-        num_frames: default frame count (1 for image models).
-        max_num_frames: largest accepted ``num_frames`` (what the model's position tables cover;
-            1 for image models).
-        fps: default frames per second of a written video (``None`` for image models).
-        guidance_scale_2: default guidance of the second (low-noise) expert of two-expert models
-            (``None``: the same as ``guidance_scale``).
+        params: an instance of the family's ``SamplingParams`` class
+            (:attr:`ModelFamily.sampling_params`) holding the default of every field (``None``
+            where the model has none, e.g. a second expert's guidance on a one-expert model).
+        limits: what the model's position tables and text encoder cover
+            (``max_image_size``, ``max_num_frames``, ``max_sequence_length``).
+        outputs: ``"image"`` or ``"video"``.
+        inputs: the conditioning the model takes (``("text",)``).
     """
 
-    num_inference_steps: int = 8
-    guidance_scale: float = 0.0
-    height: int = 1024
-    width: int = 1024
-    max_sequence_length: int = 512
-    max_sequence_length_limit: int = 512
-    true_cfg_scale: float = 1.0
-    max_image_size: int = 4096
-    modality: str = "image"
-    num_frames: int = 1
-    max_num_frames: int = 1
-    fps: int | None = None
-    guidance_scale_2: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+    params: SamplingParams
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    outputs: str = "image"
+    inputs: tuple[str, ...] = ("text",)
 
 
 @dataclass(frozen=True)
@@ -134,6 +118,9 @@ class ModelFamily:
         denoisers: the denoisers, ``transformer`` first.
         defaults: ``fn(arch_config) -> SamplingDefaults`` (variants differ, e.g. Flux dev vs
             schnell), or one :class:`SamplingDefaults` for every variant.
+        sampling_params: ``"module:Class"`` of the family's ``SamplingParams`` subclass: the
+            request fields it adds to the common ones (declared in its ``configs/`` module);
+            the HTTP schema, the CLI flags and ``/v1/models`` derive from it.
         tp_divisors: ``fn(arch_config) -> {what: number}``: every TP size must divide each number
             (attention heads, FFN hidden size...); the entry whose name mentions "heads" also
             bounds the Ulysses degree.
@@ -151,7 +138,8 @@ class ModelFamily:
     pipeline_classes: tuple[str, ...]
     pipeline: str
     denoisers: tuple[DenoiserSpec, ...]
-    defaults: Callable[[Any], SamplingDefaults] | SamplingDefaults = SamplingDefaults()
+    defaults: Callable[[Any], SamplingDefaults] | SamplingDefaults | None = None
+    sampling_params: str = BASE_SAMPLING_PARAMS
     tp_divisors: Callable[[Any], Mapping[str, int]] | None = None
     build_tiny: str | None = None
     embedded_model: str | None = None
@@ -172,6 +160,10 @@ class ModelFamily:
         cfg_cls = resolve_object(spec.config_class)
         return cfg_cls.from_json_file(os.path.join(model_path, component, "config.json"))
 
+    def params_class(self) -> type[SamplingParams]:
+        """The family's ``SamplingParams`` class (:attr:`sampling_params`)."""
+        return resolve_object(self.sampling_params)
+
     def sampling_defaults(self, arch_config: Any) -> SamplingDefaults:
         """The family's defaults for ``arch_config``, with the model directory's own overrides.
 
@@ -180,10 +172,16 @@ class ModelFamily:
         which is trained at 64x64; real checkpoints keep the family's defaults.
 
         Raises:
-            ValueError: ``_sglang_defaults`` is not an object or names another key.
+            ValueError: ``_sglang_defaults`` is not an object or names another key; the
+                declaration's defaults are not of the family's parameter class.
         """
         d = self.defaults
         d = d if isinstance(d, SamplingDefaults) else d(arch_config)
+        if type(d.params) is not self.params_class():
+            raise ValueError(
+                f"{self.display_name}: defaults are a {type(d.params).__name__}, not the "
+                f"family's {self.params_class().__name__}"
+            )
         own = (getattr(arch_config, "extra", None) or {}).get(MODEL_DEFAULTS_KEY)
         if own is None:
             return d
@@ -192,7 +190,11 @@ class ModelFamily:
                 f"{MODEL_DEFAULTS_KEY} must be an object with keys among "
                 f"{list(MODEL_DEFAULT_KEYS)}, got {own!r}"
             )
-        return replace(d, **own)
+        own = dict(own)
+        limits = d.limits
+        if "max_image_size" in own:
+            limits = replace(limits, max_image_size=own.pop("max_image_size"))
+        return replace(d, params=d.params.replace(**own), limits=limits)
 
     def valid_tp_sizes(self, arch_config: Any, limit: int = 8) -> list[int]:
         """TP sizes in ``[1, limit]`` that divide every number of :attr:`tp_divisors`."""

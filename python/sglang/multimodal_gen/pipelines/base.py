@@ -28,30 +28,57 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from sglang.multimodal_gen.distributed import (
-    broadcast_tensors_cpu,
-)
+from sglang.multimodal_gen.configs.sampling_params import RequestSpec, SamplingParams
+from sglang.multimodal_gen.distributed import broadcast_tensors_cpu
 from sglang.multimodal_gen.models.components import load_component, read_model_index
 from sglang.multimodal_gen.models.loader import load_denoiser, read_json
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
-from sglang.multimodal_gen.pipelines.batching import current_batcher
+from sglang.multimodal_gen.outputs import Video
+from sglang.multimodal_gen.pipelines.batching import StepBatcher
 from sglang.multimodal_gen.pipelines.cfg_parallel import cfg_parallel_call
 from sglang.multimodal_gen.pipelines.common import (
     EncodingFailed,
-    GenerationInputs,
     check_finite,
     flow_shift_helpers,
     latents_to_uint8,
 )
+from sglang.multimodal_gen.pipelines.lora_rows import with_row_adapters
 
-__all__ = ["GenerationInputs", "StagedPipeline", "check_finite", "latents_to_uint8"]
+__all__ = ["Generation", "StagedPipeline", "check_finite", "latents_to_uint8"]
+
+OUTPUT_TYPES = ("pil", "np", "latent", "media")
+
+
+@dataclass
+class Generation:
+    """One call of a pipeline: its request and what the runtime gives it. Every stage receives
+    it; nothing about a call is kept on the pipeline (the requests of a batch run concurrently).
+
+    Attributes:
+        params: the resolved request (every field set, a seed).
+        generator: seeded from ``params.seed``; draws the initial noise.
+        lora: the request's adapters, one composition per LoRA target (the LoRA manager's
+            ``LoRASelection``); ``None``: the layers' own active compositions.
+        batch: ``(batcher, index)`` when the call is request ``index`` of a batch whose module
+            calls run together (:mod:`~sglang.multimodal_gen.pipelines.batching`).
+    """
+
+    params: SamplingParams
+    generator: torch.Generator
+    lora: Any = None
+    batch: tuple[StepBatcher, int] | None = None
+
+    @property
+    def num_outputs(self) -> int:
+        """Images (or videos) of this call (``params.num_outputs_per_prompt``)."""
+        return int(self.params.num_outputs_per_prompt)
 
 
 class StagedPipeline:
@@ -66,6 +93,10 @@ class StagedPipeline:
         device: execution device. tp_rank, tp_size: this rank's TP coordinates.
         rank: this process's global rank (default ``tp_rank``); rank 0 encodes the prompt and
             broadcasts the conditioning to every rank (TP, sequence- and CFG-parallel alike).
+
+    Attributes:
+        spec: what a request to this model may ask for (its parameter class, defaults, limits;
+            :class:`~sglang.multimodal_gen.configs.sampling_params.RequestSpec`).
 
     Class attributes for subclasses:
         text_components: components used only by :meth:`encode_prompt` (rank 0 loads them).
@@ -110,7 +141,20 @@ class StagedPipeline:
         self.scheduler_config = dict(configs.get("scheduler", {}))
         self.vae_scale_factor = self.compute_vae_scale_factor()
         self.spatial_factor = self.compute_spatial_factor()
-        self.defaults: SamplingDefaults = family.sampling_defaults(self.transformer.cfg)
+        d: SamplingDefaults = family.sampling_defaults(self.transformer.cfg)
+        self.spec = RequestSpec(
+            family=family.name,
+            display_name=family.display_name,
+            params_class=family.params_class(),
+            defaults=d.params,
+            limits=d.limits,
+            spatial_factor=self.spatial_factor,
+            outputs=d.outputs,
+            inputs=tuple(d.inputs),
+        )
+        # where the initial noise is drawn (diffusers' examples seed a generator of the
+        # execution device); the runner may set "cpu" to reproduce a CPU-seeded run
+        self.generator_device = str(self.device) if self.device.type == "cuda" else self.device.type
         if self.shifted_schedule:
             flow_shift_helpers()
 
@@ -195,18 +239,8 @@ class StagedPipeline:
         """Height and width must be multiples of this. Default: VAE factor x 2 (2x2 patches)."""
         return self.vae_scale_factor * 2
 
-    def check_size(self, height: int, width: int) -> None:
-        """Raises ``ValueError`` unless both are positive multiples of :attr:`spatial_factor` and
-        at most the family's ``max_image_size``."""
-        s = self.spatial_factor
-        for name, v in (("height", height), ("width", width)):
-            if v <= 0 or v % s:
-                raise ValueError(f"{name} must be a positive multiple of {s}, got {v}")
-            if v > self.defaults.max_image_size:
-                raise ValueError(f"{name} must be <= {self.defaults.max_image_size}, got {v}")
-
     # ------------------------------------------------------------------ stages
-    def prompt_list(self, inp: GenerationInputs) -> list[str]:
+    def prompt_list(self, g: Generation) -> list[str]:
         """The texts a request encodes (its prompt, and its negative prompt under CFG)."""
         raise NotImplementedError
 
@@ -215,35 +249,35 @@ class StagedPipeline:
         ``[P, ...]`` or a list of ``P`` tensors). Rank 0 only; the result is broadcast."""
         raise NotImplementedError
 
-    def encode_prompt(self, inp: GenerationInputs) -> dict[str, Any]:
+    def encode_prompt(self, g: Generation) -> dict[str, Any]:
         """One request's conditioning: :meth:`encode_prompt_list` of its :meth:`prompt_list`."""
-        return self.encode_prompt_list(self.prompt_list(inp), inp.max_sequence_length)
+        return self.encode_prompt_list(self.prompt_list(g), g.params.max_sequence_length)
 
-    def encode_group_key(self, inp: GenerationInputs) -> Any:
+    def encode_group_key(self, g: Generation) -> Any:
         """Requests of a batch whose keys are equal share one encoder call (default: all of
         them). A family whose encoder pads a call's texts to the longest one returns the
         request's own padded length, so that sharing a call changes no request's conditioning
         (its image stays what it would be alone)."""
         return None
 
-    def encode_prompts(self, inps: list[GenerationInputs]) -> list[dict[str, Any] | Exception]:
+    def encode_prompts(self, gens: list[Generation]) -> list[dict[str, Any] | Exception]:
         """:meth:`encode_prompt` of several requests with one encoder call per group of
         requests (same ``max_sequence_length`` and :meth:`encode_group_key`): the group's texts
         concatenated, the result cut back per request. Every request of a group whose joint
         call fails is encoded alone, so that a failure is returned (not raised) for the
         requests it belongs to."""
-        results: list[dict[str, Any] | Exception | None] = [None] * len(inps)
+        results: list[dict[str, Any] | Exception | None] = [None] * len(gens)
         groups: dict[Any, list[int]] = {}
-        for i, inp in enumerate(inps):
+        for i, g in enumerate(gens):
             try:
-                key = (inp.max_sequence_length, self.encode_group_key(inp))
+                key = (g.params.max_sequence_length, self.encode_group_key(g))
             except Exception as e:  # e.g. the tokenizer refuses the text: this request fails
                 results[i] = e
                 continue
             groups.setdefault(key, []).append(i)
         for (max_len, _), idx in groups.items():
             if len(idx) > 1:
-                lists = [self.prompt_list(inps[i]) for i in idx]
+                lists = [self.prompt_list(gens[i]) for i in idx]
                 try:
                     out = self.encode_prompt_list([p for ps in lists for p in ps], max_len)
                 except Exception:
@@ -255,32 +289,33 @@ class StagedPipeline:
                     continue
             for i in idx:
                 try:
-                    results[i] = self.encode_prompt(inps[i])
+                    results[i] = self.encode_prompt(gens[i])
                 except Exception as e:
                     results[i] = e
         return results
 
-    def _encode(self, inp: GenerationInputs) -> dict[str, Any]:
+    def _encode(self, g: Generation) -> dict[str, Any]:
         """:meth:`encode_prompt`; in a batch, one encoder call for every request of the batch
         (a rendezvous like the DiT calls, before the prologue turns)."""
         out = self.batch_call(
             self,
-            lambda _pipe, inps, max_sequence_length: self.encode_prompts(inps),
-            dict(inps=[inp], max_sequence_length=inp.max_sequence_length),
-            ("inps",),
+            lambda _pipe, gens, max_sequence_length: self.encode_prompts(gens),
+            dict(gens=[g], max_sequence_length=g.params.max_sequence_length),
+            ("gens",),
+            g,
         )
         if isinstance(out[0], Exception):
             raise out[0]
         return out[0]
 
-    def prepare_latents(self, inp: GenerationInputs, cond: dict[str, Any]) -> torch.Tensor:
+    def prepare_latents(self, g: Generation, cond: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
 
-    def prepare_timesteps(self, inp: GenerationInputs, latents: torch.Tensor):
+    def prepare_timesteps(self, g: Generation, latents: torch.Tensor):
         """``(scheduler, timesteps)``: a fresh scheduler (so concurrent state never leaks)."""
         raise NotImplementedError
 
-    def prepare_conditioning(self, inp: GenerationInputs, cond: dict[str, Any]) -> dict[str, Any]:
+    def prepare_conditioning(self, g: Generation, cond: dict[str, Any]) -> dict[str, Any]:
         """Per-request work on the broadcast conditioning before the loop (e.g. a caption
         refiner that does not depend on the timestep). Default: nothing. In a batch it runs in
         the request threads concurrently: a module call with collectives (TP layers) must go
@@ -288,23 +323,34 @@ class StagedPipeline:
         return cond
 
     def batch_call(
-        self, module: Any, fn: Callable[..., Any], args: dict[str, Any], batched: tuple[str, ...]
+        self,
+        module: Any,
+        fn: Callable[..., Any],
+        args: dict[str, Any],
+        batched: tuple[str, ...],
+        g: Generation,
     ) -> Any:
-        """``fn(module, **args)``; inside a batch, one call for every request of the batch.
+        """``fn(module, **args)``, with the request's adapters on the module's LoRA layers; inside
+        a batch, one call for every request of the batch.
 
         The ``batched`` arguments (lists, tensors along dim 0, or objects with ``concat`` /
         ``select`` such as Z-Image's caption context) are concatenated in request order, the
         others must be equal (else the calls run one after the other, in request order); each
-        request gets its own rows of the result. Like the DiT calls it is a rendezvous: every
-        request of the batch must make the call.
+        request gets its own rows of the result, and each row runs with its own request's
+        adapters. Like the DiT calls it is a rendezvous: every request of the batch must make
+        the call.
         """
-        member = current_batcher()
-        if member is None:
-            return fn(module, **args)
-        run = lambda m, _rows, a, _batched: fn(m, **a)  # noqa: E731
-        return member[0].submit(member[1], run, module, 1, args, batched)
 
-    def select_denoiser(self, step_index: int, t: torch.Tensor, inp: GenerationInputs):
+        def run(m, _rows, a, _batched, row_lora):
+            return with_row_adapters(m, row_lora, lambda: fn(m, **a))
+
+        if g.batch is None:
+            n = _rows_of(args[batched[0]]) if batched else 0
+            return run(module, 1, args, batched, [g.lora] * n)
+        batcher, index = g.batch
+        return batcher.submit(index, run, module, 1, args, batched, g.lora)
+
+    def select_denoiser(self, step_index: int, t: torch.Tensor, g: Generation):
         """The denoiser of step ``step_index`` (default: the first one)."""
         return self.transformer
 
@@ -315,7 +361,7 @@ class StagedPipeline:
         t: torch.Tensor,
         step_index: int,
         cond: dict[str, Any],
-        inp: GenerationInputs,
+        g: Generation,
     ) -> torch.Tensor:
         """The scheduler's ``model_output`` for step ``step_index`` (CFG policy included)."""
         raise NotImplementedError
@@ -323,18 +369,29 @@ class StagedPipeline:
     def scheduler_step(self, scheduler, pred: torch.Tensor, t, latents: torch.Tensor):
         return scheduler.step(pred, t, latents, return_dict=False)[0]
 
-    def decode(self, latents: torch.Tensor, inp: GenerationInputs) -> np.ndarray:
+    def decode(self, latents: torch.Tensor, g: Generation) -> np.ndarray:
         """Latents -> uint8 ``[B, H, W, 3]`` (ranks with a VAE)."""
         raise NotImplementedError
 
-    def decode_each(self, latents: torch.Tensor, inp: GenerationInputs) -> list[np.ndarray]:
+    def decode_each(self, latents: torch.Tensor, g: Generation) -> list[np.ndarray]:
         """:meth:`decode` one image (or video) at a time: the VAE's convolutions round
         differently at other batch sizes (oneDNN picks its kernels by shape; measured: one level
         off in a few pixels), so this keeps an image bit-identical whether its request ran alone
         or in a batch. The price: a batch's decode no longer shares its calls (measured about
         3 ms per 64x64 image with the demo VAE on 2 CPU cores; less, relatively, at larger
         sizes, where one image keeps the device busy)."""
-        return [x for i in range(latents.shape[0]) for x in self.decode(latents[i : i + 1], inp)]
+        return [x for i in range(latents.shape[0]) for x in self.decode(latents[i : i + 1], g)]
+
+    def to_media(self, pixels: np.ndarray, g: Generation) -> list:
+        """Decoded pixels -> the typed outputs: PIL images (uint8 ``[B, H, W, 3]``) or
+        :class:`~sglang.multimodal_gen.outputs.Video` objects (``[B, F, H, W, 3]``, at the
+        request's ``fps``). A family whose model makes sound overrides it to attach the audio."""
+        if pixels.ndim == 5:
+            fps = int(getattr(g.params, "fps", None) or 16)
+            return [Video(frames=v, fps=fps) for v in pixels]
+        from PIL import Image
+
+        return [Image.fromarray(a) for a in pixels]
 
     # ------------------------------------------------------------------ helpers
     def shifted_timesteps(self, image_seq_len: int, num_steps: int, sigmas=None):
@@ -374,15 +431,21 @@ class StagedPipeline:
         return broadcast_tensors_cpu(cond, src=0, device=self.device)
 
     def run_branches(
-        self, denoiser: torch.nn.Module, rows: int, args: dict[str, Any], batched: tuple[str, ...]
+        self,
+        denoiser: torch.nn.Module,
+        rows: int,
+        args: dict[str, Any],
+        batched: tuple[str, ...],
+        g: Generation,
     ) -> Any:
         """``denoiser(**args)`` where the ``batched`` arguments stack ``rows`` CFG branches along
-        dim 0, branch-major (``[cond rows, uncond rows]``).
+        dim 0, branch-major (``[cond rows, uncond rows]``), every row with the request's adapters.
 
         Without CFG parallelism (or with one branch) it is that one call. With
         ``--enable-cfg-parallel`` each rank of the CFG group runs only its branch (the TP / SP
         groups inside it are that branch's) and one all-gather over the CFG group reassembles
-        the output, so the caller sees the same ``[rows * b, ...]`` result.
+        the output, so the caller sees the same ``[rows * b, ...]`` result. Inside a batch the
+        call joins the other requests' calls of the same step (:mod:`.batching`).
 
         Args:
             rows: number of branches in the batched arguments (1 or 2).
@@ -395,84 +458,89 @@ class StagedPipeline:
         Raises:
             ValueError: ``rows`` differs from the CFG degree while CFG parallelism is on.
         """
-        member = current_batcher()
-        if member is not None:  # several requests in one loop: one DiT call per step for all
-            batcher, index = member
-            return batcher.submit(index, cfg_parallel_call, denoiser, rows, args, batched)
-        return cfg_parallel_call(denoiser, rows, args, batched)
-
-    def resolve_inputs(self, **kwargs) -> GenerationInputs:
-        """:class:`GenerationInputs` from keyword arguments, unset ones from the defaults."""
-        d = self.defaults
-        base = dict(
-            height=d.height,
-            width=d.width,
-            num_inference_steps=d.num_inference_steps,
-            guidance_scale=d.guidance_scale,
-            true_cfg_scale=d.true_cfg_scale,
-            max_sequence_length=d.max_sequence_length,
-            num_frames=d.num_frames,
-            guidance_scale_2=d.guidance_scale_2,
-        )
-        names = {f.name for f in fields(GenerationInputs)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(f"unknown generation argument(s): {unknown}")
-        base.update({k: v for k, v in kwargs.items() if v is not None})
-        return GenerationInputs(**base)
+        if g.batch is not None:  # several requests in one loop: one DiT call per step for all
+            batcher, index = g.batch
+            return batcher.submit(index, cfg_parallel_call, denoiser, rows, args, batched, g.lora)
+        n = _rows_of(args[batched[0]])
+        return cfg_parallel_call(denoiser, rows, args, batched, [g.lora] * n)
 
     # ------------------------------------------------------------------ the loop
+    def new_generation(
+        self,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        lora: Any = None,
+        batch: tuple[StepBatcher, int] | None = None,
+    ) -> Generation:
+        """The :class:`Generation` of one call: ``params`` resolved against :attr:`spec` (a
+        resolved request is taken as is), a generator seeded from its seed (unless given)."""
+        params = self.spec.resolve(params)
+        if generator is None:
+            generator = torch.Generator(self.generator_device).manual_seed(int(params.seed))
+        return Generation(params=params, generator=generator, lora=lora, batch=batch)
+
     @torch.no_grad()
     def __call__(
         self,
-        prompt: str,
+        params: SamplingParams | str,
+        *,
+        generator: torch.Generator | None = None,
+        lora: Any = None,
+        batch: tuple[StepBatcher, int] | None = None,
         output_type: str = "pil",
         progress: bool | None = None,
         step_callback: Callable[[int, float], None] | None = None,
-        **kwargs,
+        **fields: Any,
     ):
-        """Generate ``num_images`` images for one prompt.
+        """Generate ``num_outputs_per_prompt`` images (or videos) for one request.
 
         Args:
-            prompt: the text prompt.
-            output_type: ``"np"`` (uint8 ``[B, H, W, 3]``), ``"pil"`` (list of PIL images) or
+            params: the request (resolved here when it is not), or a prompt string with the
+                other fields as keyword arguments (diffusers' calling convention).
+            generator: draws the initial noise (default: seeded from the request's seed).
+            lora: the request's adapters (the LoRA manager's selection); ``None``: the layers'
+                active compositions.
+            batch: ``(batcher, index)``: run as request ``index`` of a batch (the runner).
+            output_type: ``"pil"`` (list of PIL images; videos as lists of frames),
+                ``"np"`` (uint8 ``[B, H, W, 3]`` or ``[B, F, H, W, 3]``), ``"media"`` (PIL
+                images or :class:`~sglang.multimodal_gen.outputs.Video` objects) or
                 ``"latent"`` (the final latents). Ranks without a VAE return ``None`` for the
-                image types.
+                pixel types.
             progress: tqdm bar over steps (default: when stderr is a terminal).
             step_callback: ``fn(step_index, seconds)`` after each step.
-            kwargs: the fields of :class:`GenerationInputs` (unset: the family's defaults).
+            fields: request fields when ``params`` is a prompt string.
 
         Raises:
-            ValueError: bad size, step count, image count or output type.
+            InvalidRequestError: a bad request field (``param`` names it).
+            ValueError: a bad ``output_type``.
         """
-        inp = self.resolve_inputs(prompt=prompt, **kwargs)
-        self.check_size(inp.height, inp.width)
-        if inp.num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {inp.num_inference_steps}")
-        if inp.num_images < 1:
-            raise ValueError(f"num_images must be >= 1, got {inp.num_images}")
-        if output_type not in ("pil", "np", "latent"):
-            raise ValueError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
+        if isinstance(params, str):
+            params = self.spec.params(prompt=params, **fields)
+        elif fields:
+            raise TypeError(f"unexpected arguments next to a SamplingParams: {sorted(fields)}")
+        g = self.new_generation(params, generator, lora, batch)
+        p = g.params
 
-        member = current_batcher()
         cond, failure = None, None
         if self.rank == 0:
             try:
-                cond = self._encode(inp)
+                cond = self._encode(g)
             except Exception as e:  # the other ranks wait in the broadcast: send them the failure
                 failure, cond = e, EncodingFailed(f"{type(e).__name__}: {e}")
         # in a batch the broadcasts (collectives) take turns in request order on every rank
-        with member[0].prologue(member[1]) if member else contextlib.nullcontext():
+        with g.batch[0].prologue(g.batch[1]) if g.batch else contextlib.nullcontext():
             cond = self.broadcast_conditioning(cond)
         if failure is not None:
             raise failure
         if isinstance(cond, EncodingFailed):
             raise RuntimeError(f"rank 0 could not encode the prompt: {cond.message}")
-        cond = self.prepare_conditioning(inp, cond)
-        latents = self.prepare_latents(inp, cond)
-        scheduler, timesteps = self.prepare_timesteps(inp, latents)
+        cond = self.prepare_conditioning(g, cond)
+        latents = self.prepare_latents(g, cond)
+        scheduler, timesteps = self.prepare_timesteps(g, latents)
         show = sys.stderr.isatty() if progress is None else progress
-        plan = [self.select_denoiser(i, t, inp) for i, t in enumerate(timesteps)]
+        plan = [self.select_denoiser(i, t, g) for i, t in enumerate(timesteps)]
         names = {id(m): n for n, m in self.denoisers.items()}
         bar, current = None, None
         for i, t in enumerate(timesteps):
@@ -488,7 +556,7 @@ class StagedPipeline:
                 )
                 bar = tqdm(total=steps, disable=not show, desc=desc)
             t0 = time.perf_counter()
-            pred = self.predict(current, latents, t, i, cond, inp)
+            pred = self.predict(current, latents, t, i, cond, g)
             latents = self.scheduler_step(scheduler, pred, t, latents)
             bar.update()
             if step_callback is not None:
@@ -496,22 +564,32 @@ class StagedPipeline:
         if bar is not None:
             bar.close()
         # non-finite latents would decode to a blank image: fail the request instead (one check)
-        check_finite(latents, f"latents after {len(timesteps)} denoising steps", inp)
+        check_finite(latents, f"latents after {len(timesteps)} denoising steps", p)
         if output_type == "latent":
             return latents
         if self.vae is None:
             return None
         # in a batch, the latents of every request of one size meet in one call
-        images = np.stack(
+        geom = (p.height, p.width, getattr(p, "num_frames", None))
+        pixels = np.stack(
             self.batch_call(
                 self.vae,
-                lambda _vae, latents, geom: self.decode_each(latents, inp),
-                dict(latents=latents, geom=(inp.height, inp.width, inp.num_frames)),
+                lambda _vae, latents, geom: self.decode_each(latents, g),
+                dict(latents=latents, geom=geom),
                 ("latents",),
+                g,
             )
         )
-        if output_type == "np" or images.ndim == 5:  # videos stay [B, F, H, W, 3] arrays
-            return images
-        from PIL import Image
+        if output_type == "np":
+            return pixels
+        media = self.to_media(pixels, g)
+        if output_type == "pil" and pixels.ndim == 5:  # videos as lists of frames
+            from PIL import Image
 
-        return [Image.fromarray(a) for a in images]
+            return [[Image.fromarray(f) for f in v.frames] for v in media]
+        return media
+
+
+def _rows_of(value: Any) -> int:
+    """Leading rows of a batched argument (a tensor, a list, or a sized object)."""
+    return int(value.shape[0]) if isinstance(value, torch.Tensor) else len(value)

@@ -3,9 +3,9 @@
 Each request of a batch runs the ordinary pipeline (``StagedPipeline.__call__``) in its own
 thread, with its own seed, prompt, negative prompt, guidance and scheduler, so everything but the
 DiT is exactly what it would be alone. The DiT calls all go through
-``StagedPipeline.run_branches`` (and the VAE decodes through the same rendezvous); with a
-:class:`StepBatcher` active, a call waits there until every request of the batch has reached the
-same step, and then the batch's executor (the thread that called :meth:`StepBatcher.run`) runs all
+``StagedPipeline.run_branches`` (and the VAE decodes through the same rendezvous); a request of a
+batch carries its membership ``(batcher, index)`` in its ``Generation``, and a call waits there
+until every request of the batch has reached the same step, and then the batch's executor (the thread that called :meth:`StepBatcher.run`) runs all
 of them as one call: each batched argument is concatenated branch-major (``[cond rows of every
 request, uncond rows of every request]``, so CFG parallelism still splits it by branch), the output
 is cut back into each request's rows. The request threads themselves only do per-request work
@@ -17,11 +17,11 @@ encoding, a collective) take turns in request order, module calls with collectiv
 (Z-Image's caption refiner) go through the same rendezvous as the DiT calls
 (``StagedPipeline.batch_call``), and a batched call concatenates the requests in request order, so tensor- and sequence-parallel ranks run the
 same collectives on the same rows. Calls that cannot be concatenated (different non-batched
-arguments or shapes, e.g. Qwen-Image prompts of different lengths) run one after the other, in
-request order. Requests with different LoRA compositions share a call: each request thread runs
-under its own one-row :class:`~sglang.multimodal_gen.layers.lora.rows.RowPlan`, and the batched
-call runs under the plan of its rows (``layers.lora.rows``). Decoding is one call for the batch too, which also keeps two decodes from running
-at once (the Wan / Qwen-Image VAEs keep a causal-convolution cache on the module while decoding).
+arguments or shapes, e.g. prompts of different lengths) run one after the other, in request
+order. Requests with different LoRA compositions share a call: each call carries its request's
+LoRA selection, and the batched call gives every row its own request's adapters
+(:mod:`.lora_rows`). Decoding is one call for the batch too, which also keeps two decodes from
+running at once (some VAEs keep a causal-convolution cache on the module while decoding).
 """
 
 from __future__ import annotations
@@ -33,21 +33,12 @@ from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.layers.lora.rows import RowPlan, current_row_plan, lora_rows
-
-_LOCAL = threading.local()
-
-
-def current_batcher() -> tuple[StepBatcher, int] | None:
-    """``(batcher, request index)`` of the calling thread, or ``None`` outside a batch."""
-    return getattr(_LOCAL, "member", None)
-
 
 class _Call:
-    def __init__(self, index, run, denoiser, rows, args, batched):
+    def __init__(self, index, run, denoiser, rows, args, batched, lora):
         self.index, self.run, self.denoiser = index, run, denoiser
         self.rows, self.args, self.batched = rows, args, batched
-        self.plan = current_row_plan()  # the request's LoRA composition (mixed batches)
+        self.lora = lora  # the request's LoRA selection (None: the layers' active ones)
         # grad mode is per thread: the batch's executor thread runs the call outside the
         # request's pipeline (and its no_grad)
         self.grad = torch.is_grad_enabled()
@@ -125,12 +116,11 @@ class StepBatcher:
 
     @contextmanager
     def member(self, index: int) -> Iterator[None]:
-        """Run the body as request ``index`` of the batch; leaving releases the others."""
-        _LOCAL.member = (self, index)
+        """Run the body as request ``index`` of the batch (its pipeline call gets
+        ``batch=(batcher, index)``); leaving releases the others."""
         try:
             yield
         finally:
-            _LOCAL.member = None
             with self.cv:
                 self.active.discard(index)
                 self.prologued.add(index)  # a request that failed early gives up its turn
@@ -158,10 +148,17 @@ class StepBatcher:
         while self.turn < self.n and self.turn in self.prologued:
             self.turn += 1
 
-    def submit(self, index: int, run: Callable, denoiser, rows: int, args: dict, batched) -> Any:
-        """Request ``index``'s module call; returns its own output once the step's batch ran
-        (on the thread in :meth:`run`)."""
-        call = _Call(index, run, denoiser, rows, args, tuple(batched))
+    def submit(
+        self, index: int, run: Callable, denoiser, rows: int, args: dict, batched, lora=None
+    ) -> Any:
+        """Request ``index``'s module call ``run(module, rows, args, batched, row_lora)``;
+        returns its own output once the step's batch ran (on the thread in :meth:`run`).
+
+        Args:
+            lora: the request's LoRA selection; the batched call's ``row_lora`` gives each row
+                its own request's.
+        """
+        call = _Call(index, run, denoiser, rows, args, tuple(batched), lora)
         with self.cv:
             if self.broken:
                 raise _BatchInterrupted("the batch was interrupted")
@@ -188,8 +185,8 @@ class StepBatcher:
                     with torch.set_grad_enabled(group[0].grad):  # the same in every request
                         if len(group) == 1:
                             c = group[0]
-                            with lora_rows(c.plan):
-                                c.result = c.run(c.denoiser, c.rows, c.args, c.batched)
+                            n = _rows_of(c.args[c.batched[0]]) if c.batched else 0
+                            c.result = c.run(c.denoiser, c.rows, c.args, c.batched, [c.lora] * n)
                         else:
                             _run_group(group)
                 except Exception as e:  # the group's requests fail with its error, no others
@@ -266,15 +263,8 @@ def _concat(values: list) -> Any:
     return type(v0).concat(values)  # e.g. Z-Image's caption context
 
 
-def _row_plan(group: list[_Call], sizes: list[int], rows: int) -> RowPlan | None:
-    """The LoRA rows of a batched call, in its row order (branch-major, then request order);
-    the requests' own plan when they all share one."""
-    plans = {c.plan for c in group}
-    if len(plans) == 1:
-        return group[0].plan
-    comps = [None if c.plan is None else c.plan.rows[0] for c in group]
-    per_branch = [comp for comp, n in zip(comps, sizes) for _ in range(n)]
-    return RowPlan(tuple(per_branch * rows))
+def _rows_of(value: Any) -> int:
+    return int(value.shape[0]) if isinstance(value, torch.Tensor) else len(value)
 
 
 def _run_group(group: list[_Call]) -> None:
@@ -287,8 +277,10 @@ def _run_group(group: list[_Call]) -> None:
         if not sizes:
             sizes = [len(p) for p in parts[0]]
         args[k] = _concat([p for branch in parts for p in branch])
-    with lora_rows(_row_plan(group, sizes, rows)):
-        out = c0.run(c0.denoiser, rows, args, c0.batched)
+    # the LoRA selection of every row of the batched call, in its row order (branch-major, then
+    # request order)
+    row_lora = [c.lora for _ in range(rows) for c, n in zip(group, sizes) for _ in range(n)]
+    out = c0.run(c0.denoiser, rows, args, c0.batched, row_lora)
     total = sum(sizes)
     for i, c in enumerate(group):
         lo = sum(sizes[:i])

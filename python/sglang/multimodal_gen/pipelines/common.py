@@ -1,55 +1,23 @@
-"""What every family pipeline shares besides the loop: a generation's resolved inputs, the
-NaN/Inf check, pixels as diffusers' image processor returns them, and the marker rank 0 sends
-when a prompt cannot be encoded."""
+"""What every family pipeline shares besides the loop: the NaN/Inf check, pixels as diffusers'
+image processor returns them, the schedule helpers, and the marker rank 0 sends when a prompt
+cannot be encoded."""
 
 from __future__ import annotations
 
 import functools
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 __all__ = [
     "EncodingFailed",
-    "GenerationInputs",
     "check_finite",
     "flow_shift_helpers",
     "latents_to_uint8",
 ]
-
-
-@dataclass
-class GenerationInputs:
-    """Resolved inputs of one generation (every field set; defaults come from the family).
-
-    Attributes:
-        prompt, negative_prompt: text (``negative_prompt`` ``None``: none given).
-        height, width: pixels, multiples of the pipeline's ``spatial_factor``.
-        num_inference_steps: denoising steps.
-        guidance_scale: the family's ``--guidance-scale`` (CFG weight or embedded guidance).
-        true_cfg_scale: real CFG weight for families with embedded guidance (1: off).
-        max_sequence_length: text-encoder token length.
-        num_images: images (or videos) for the prompt.
-        generator: seeds the initial noise.
-        num_frames: frames of a video (1 for image models).
-        guidance_scale_2: guidance of the second expert (two-expert video models; ``None``: as
-            ``guidance_scale``).
-    """
-
-    prompt: str
-    negative_prompt: str | None = None
-    height: int = 1024
-    width: int = 1024
-    num_inference_steps: int = 8
-    guidance_scale: float = 0.0
-    true_cfg_scale: float = 1.0
-    max_sequence_length: int = 512
-    num_images: int = 1
-    generator: torch.Generator | None = None
-    num_frames: int = 1
-    guidance_scale_2: float | None = None
 
 
 def latents_to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -62,11 +30,12 @@ def latents_to_uint8(images: torch.Tensor) -> np.ndarray:
     return (x * 255).round().astype("uint8")
 
 
-def check_finite(x: torch.Tensor, what: str, inp: GenerationInputs | None = None) -> None:
+def check_finite(x: torch.Tensor, what: str, params: Any = None) -> None:
     """Fail a generation whose ``x`` holds NaN/Inf instead of returning a blank image.
 
     One reduction per generation (after the loop, after decoding). ``param`` names a guidance
-    value when it is the likely cause (>= 1000); the engine stays healthy either way.
+    weight of the request (its ``scale`` fields) when it is the likely cause (>= 1000); the
+    engine stays healthy either way.
 
     Raises:
         NonFiniteOutputError: 400, ``code="non_finite_output"``.
@@ -76,15 +45,14 @@ def check_finite(x: torch.Tensor, what: str, inp: GenerationInputs | None = None
     from sglang.multimodal_gen.errors import NonFiniteOutputError
 
     param, hint = None, ""
-    if inp is not None:
-        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
-            value = getattr(inp, name, None)
-            if value is not None and abs(value) >= 1000 and param is None:
-                param, hint = name, f" ({name}={value:g} is the likely cause)"
+    values = params.guidance_values() if params is not None else {}
+    for name, value in values.items():
+        if abs(value) >= 1000:
+            param, hint = name, f" ({name}={value:g} is the likely cause)"
+            break
     raise NonFiniteOutputError(
         f"the generation produced NaN/Inf {what}{hint}; no image is returned. Usual causes: a "
-        "very large guidance_scale / true_cfg_scale, or an active LoRA with extreme weights "
-        "or strength",
+        "very large guidance weight, or an active LoRA with extreme weights or strength",
         param=param,
     )
 

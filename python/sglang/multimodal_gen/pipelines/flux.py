@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang.multimodal_gen.pipelines.base import GenerationInputs, StagedPipeline, latents_to_uint8
+from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline, latents_to_uint8
 
 __all__ = ["FluxPipeline", "image_ids", "pack_latents", "unpack_latents"]
 
@@ -87,9 +87,10 @@ class FluxPipeline(StagedPipeline):
         out = enc(ids.to(enc.device), output_hidden_states=False)[0]
         return out.to(dtype=enc.dtype, device=self.device)
 
-    def prompt_list(self, inp: GenerationInputs) -> list[str]:
+    def prompt_list(self, g: Generation) -> list[str]:
         """The prompt, and the negative prompt when true CFG runs."""
-        return [inp.prompt] + ([inp.negative_prompt] if self._true_cfg(inp) else [])
+        p = g.params
+        return [p.prompt] + ([p.negative_prompt] if self._true_cfg(g) else [])
 
     @torch.no_grad()
     def encode_prompt_list(self, prompts: list[str], max_sequence_length: int) -> dict[str, Any]:
@@ -101,43 +102,43 @@ class FluxPipeline(StagedPipeline):
         }
 
     @staticmethod
-    def _true_cfg(inp: GenerationInputs) -> bool:
-        return inp.true_cfg_scale > 1 and inp.negative_prompt is not None
+    def _true_cfg(g: Generation) -> bool:
+        return g.params.true_cfg_scale > 1 and g.params.negative_prompt is not None
 
-    def prepare_conditioning(self, inp, cond):
-        """Repeat each prompt's conditioning ``num_images`` times: rows ``[pos x n, neg x n]``."""
-        n = inp.num_images
+    def prepare_conditioning(self, g, cond):
+        """Repeat each prompt's conditioning ``n`` times: rows ``[pos x n, neg x n]``."""
+        n = g.num_outputs
         embeds = cond["embeds"].repeat_interleave(n, dim=0)
         pooled = cond["pooled"].repeat_interleave(n, dim=0)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype)
         return dict(cond, embeds=embeds, pooled=pooled, txt_ids=txt_ids)
 
     # ------------------------------------------------------------------ latents / schedule
-    def _latent_hw(self, inp: GenerationInputs) -> tuple[int, int]:
+    def _latent_hw(self, g: Generation) -> tuple[int, int]:
         s = self.vae_scale_factor * 2
-        return 2 * (inp.height // s), 2 * (inp.width // s)
+        return 2 * (g.params.height // s), 2 * (g.params.width // s)
 
-    def prepare_latents(self, inp, cond):
+    def prepare_latents(self, g, cond):
         from diffusers.utils.torch_utils import randn_tensor
 
-        h, w = self._latent_hw(inp)
+        h, w = self._latent_hw(g)
         dtype = cond["embeds"].dtype
         c = self.transformer.cfg.in_channels // 4
         noise = randn_tensor(
-            (inp.num_images, c, h, w), generator=inp.generator, device=self.device, dtype=dtype
+            (g.num_outputs, c, h, w), generator=g.generator, device=self.device, dtype=dtype
         )
         cond["img_ids"] = image_ids(h // 2, w // 2, self.device, dtype)
         return pack_latents(noise)
 
-    def prepare_timesteps(self, inp, latents):
-        n = inp.num_inference_steps
+    def prepare_timesteps(self, g, latents):
+        n = g.params.num_inference_steps
         use_own = self.scheduler_config.get("use_flow_sigmas")
         return self.shifted_timesteps(
             latents.shape[1], n, None if use_own else np.linspace(1.0, 1 / n, n)
         )
 
     # ------------------------------------------------------------------ denoise
-    def predict(self, denoiser, latents, t, step_index, cond, inp):
+    def predict(self, denoiser, latents, t, step_index, cond, g):
         """One DiT call: the distilled guidance value for [dev]; cond and uncond batched in one
         forward under true CFG, combined as ``neg + s (pos - neg)``."""
         b = latents.shape[0]
@@ -145,7 +146,9 @@ class FluxPipeline(StagedPipeline):
         timestep = t.expand(b).to(latents.dtype)
         guidance = None
         if denoiser.cfg.guidance_embeds:
-            guidance = torch.full([b], inp.guidance_scale, device=self.device, dtype=torch.float32)
+            guidance = torch.full(
+                [b], g.params.guidance_scale, device=self.device, dtype=torch.float32
+            )
         x = latents.to(denoiser.dtype)
         if rows > 1:
             x = x.repeat(rows, 1, 1)
@@ -162,16 +165,16 @@ class FluxPipeline(StagedPipeline):
         )
         batched = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
         out = self.run_branches(
-            denoiser, rows, args, batched + (() if guidance is None else ("guidance",))
+            denoiser, rows, args, batched + (() if guidance is None else ("guidance",)), g
         )
         if rows == 1:
             return out
         pos, neg = out[:b], out[b:]
-        return neg + inp.true_cfg_scale * (pos - neg)
+        return neg + g.params.true_cfg_scale * (pos - neg)
 
     # ------------------------------------------------------------------ decode
-    def decode(self, latents, inp) -> np.ndarray:
-        h, w = self._latent_hw(inp)
+    def decode(self, latents, g) -> np.ndarray:
+        h, w = self._latent_hw(g)
         z = unpack_latents(latents, h, w)
         z = z / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
         return latents_to_uint8(self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0])

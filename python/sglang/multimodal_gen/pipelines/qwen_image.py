@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang.multimodal_gen.pipelines.base import GenerationInputs, StagedPipeline, latents_to_uint8
+from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline, latents_to_uint8
 from sglang.multimodal_gen.pipelines.flux import pack_latents, unpack_latents
 
 __all__ = ["QwenImagePipeline"]
@@ -80,12 +80,13 @@ class QwenImagePipeline(StagedPipeline):
         return row[:max_sequence_length].to(dtype=enc.dtype, device=self.device)
 
     @staticmethod
-    def _true_cfg(inp: GenerationInputs) -> bool:
-        return inp.true_cfg_scale > 1 and inp.negative_prompt is not None
+    def _true_cfg(g: Generation) -> bool:
+        return g.params.true_cfg_scale > 1 and g.params.negative_prompt is not None
 
-    def prompt_list(self, inp: GenerationInputs) -> list[str]:
+    def prompt_list(self, g: Generation) -> list[str]:
         """The prompt, and the negative prompt under true CFG."""
-        return [inp.prompt] + ([inp.negative_prompt] if self._true_cfg(inp) else [])
+        p = g.params
+        return [p.prompt] + ([p.negative_prompt] if self._true_cfg(g) else [])
 
     @torch.no_grad()
     def encode_prompt_list(self, prompts: list[str], max_sequence_length: int) -> dict[str, Any]:
@@ -93,41 +94,41 @@ class QwenImagePipeline(StagedPipeline):
         (its template drop and unpadded length make a padded batch differ)."""
         return {"rows": [self._encode_one(p, max_sequence_length) for p in prompts]}
 
-    def prepare_conditioning(self, inp, cond):
+    def prepare_conditioning(self, g, cond):
         """Rows ``[pos x n, neg x n]`` padded to one length, with the key mask when they differ."""
-        rows = [r for r in cond["rows"] for _ in range(inp.num_images)]
+        rows = [r for r in cond["rows"] for _ in range(g.num_outputs)]
         embeds, mask = _pad_rows(rows)
         return {"embeds": embeds, "mask": mask}
 
     # ------------------------------------------------------------------ latents / schedule
-    def _latent_hw(self, inp: GenerationInputs) -> tuple[int, int]:
+    def _latent_hw(self, g: Generation) -> tuple[int, int]:
         s = self.vae_scale_factor * 2
-        return 2 * (inp.height // s), 2 * (inp.width // s)
+        return 2 * (g.params.height // s), 2 * (g.params.width // s)
 
-    def prepare_latents(self, inp, cond):
+    def prepare_latents(self, g, cond):
         from diffusers.utils.torch_utils import randn_tensor
 
-        h, w = self._latent_hw(inp)
+        h, w = self._latent_hw(g)
         c = self.transformer.cfg.in_channels // 4
         noise = randn_tensor(
-            (inp.num_images, 1, c, h, w), generator=inp.generator, device=self.device,
+            (g.num_outputs, 1, c, h, w), generator=g.generator, device=self.device,
             dtype=cond["embeds"].dtype,
         )  # fmt: skip
         return pack_latents(noise[:, 0])
 
-    def prepare_timesteps(self, inp, latents):
-        n = inp.num_inference_steps
+    def prepare_timesteps(self, g, latents):
+        n = g.params.num_inference_steps
         return self.shifted_timesteps(latents.shape[1], n, np.linspace(1.0, 1 / n, n))
 
     # ------------------------------------------------------------------ denoise
-    def predict(self, denoiser, latents, t, step_index, cond, inp):
+    def predict(self, denoiser, latents, t, step_index, cond, g):
         b = latents.shape[0]
         rows = cond["embeds"].shape[0] // b  # 2 under true CFG
-        h, w = self._latent_hw(inp)
+        h, w = self._latent_hw(g)
         timestep = t.expand(b * rows).to(latents.dtype)
         guidance = None
         if getattr(denoiser.cfg, "guidance_embeds", False):
-            guidance = torch.full([b * rows], inp.guidance_scale, device=self.device)
+            guidance = torch.full([b * rows], g.params.guidance_scale, device=self.device)
         x = latents.to(denoiser.dtype).repeat(rows, 1, 1)
         args = dict(
             hidden_states=x,
@@ -138,18 +139,18 @@ class QwenImagePipeline(StagedPipeline):
             guidance=guidance,
         )
         batched = tuple(k for k, v in args.items() if v is not None)
-        out = self.run_branches(denoiser, rows, args, batched)
+        out = self.run_branches(denoiser, rows, args, batched, g)
         if rows == 1:
             return out
         pos, neg = out[:b], out[b:]
-        comb = neg + inp.true_cfg_scale * (pos - neg)
+        comb = neg + g.params.true_cfg_scale * (pos - neg)
         cond_norm = torch.norm(pos, dim=-1, keepdim=True)
         return comb * (cond_norm / torch.norm(comb, dim=-1, keepdim=True))
 
     # ------------------------------------------------------------------ decode
-    def decode(self, latents, inp) -> np.ndarray:
+    def decode(self, latents, g) -> np.ndarray:
         cfg = self.vae.config
-        h, w = self._latent_hw(inp)
+        h, w = self._latent_hw(g)
         z = unpack_latents(latents, h, w).unsqueeze(2).to(self.vae.dtype)
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)

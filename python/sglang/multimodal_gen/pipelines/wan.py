@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang.multimodal_gen.pipelines.base import GenerationInputs, StagedPipeline
+from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline
 
 __all__ = ["WanPipeline"]
 
@@ -49,8 +49,10 @@ class WanPipeline(StagedPipeline):
         self.expand_timesteps = bool(self.pipeline_config.get("expand_timesteps", False))
         if self.boundary_ratio is not None and "transformer_2" not in self.denoisers:
             raise ValueError("model_index.json sets boundary_ratio but has no transformer_2")
-        if self.boundary_ratio is None:
-            self.defaults = replace(self.defaults, guidance_scale_2=None)
+        if self.boundary_ratio is None:  # one expert: no second guidance
+            self.spec = replace(
+                self.spec, defaults=self.spec.defaults.replace(guidance_scale_2=None)
+            )
 
     def compute_vae_scale_factor(self) -> int:
         return int(self.configs.get("vae", {}).get("scale_factor_spatial") or 8)
@@ -82,22 +84,23 @@ class WanPipeline(StagedPipeline):
         return out
 
     @staticmethod
-    def _do_cfg(inp: GenerationInputs) -> bool:
-        return inp.guidance_scale > 1.0
+    def _do_cfg(g: Generation) -> bool:
+        return g.params.guidance_scale > 1.0
 
-    def prompt_list(self, inp: GenerationInputs) -> list[str]:
+    def prompt_list(self, g: Generation) -> list[str]:
         """The prompt, and the negative prompt (empty when not given) with CFG."""
-        neg = inp.negative_prompt if inp.negative_prompt is not None else ""
-        return [inp.prompt] + ([neg] if self._do_cfg(inp) else [])
+        p = g.params
+        neg = p.negative_prompt if p.negative_prompt is not None else ""
+        return [p.prompt] + ([neg] if self._do_cfg(g) else [])
 
     @torch.no_grad()
     def encode_prompt_list(self, prompts: list[str], max_sequence_length: int) -> dict[str, Any]:
         """``{"embeds": [P, L, D]}`` in the DiT dtype (padded to ``max_sequence_length``)."""
         return {"embeds": self._t5(prompts, max_sequence_length).to(self.transformer.dtype)}
 
-    def prepare_conditioning(self, inp, cond):
+    def prepare_conditioning(self, g, cond):
         """Rows ``[pos x n, neg x n]``."""
-        return dict(cond, embeds=cond["embeds"].repeat_interleave(inp.num_images, dim=0))
+        return dict(cond, embeds=cond["embeds"].repeat_interleave(g.num_outputs, dim=0))
 
     # ------------------------------------------------------------------ latents / schedule
     def latent_frames(self, num_frames: int) -> int:
@@ -107,22 +110,23 @@ class WanPipeline(StagedPipeline):
             num_frames = num_frames // t * t + 1
         return (max(num_frames, 1) - 1) // t + 1
 
-    def prepare_latents(self, inp, cond):
+    def prepare_latents(self, g, cond):
         from diffusers.utils.torch_utils import randn_tensor
 
         s = self.vae_scale_factor
+        p = g.params
         shape = (
-            inp.num_images,
+            g.num_outputs,
             self.transformer.cfg.in_channels,
-            self.latent_frames(inp.num_frames),
-            inp.height // s,
-            inp.width // s,
+            self.latent_frames(p.num_frames),
+            p.height // s,
+            p.width // s,
         )
-        return randn_tensor(shape, generator=inp.generator, device=self.device, dtype=torch.float32)
+        return randn_tensor(shape, generator=g.generator, device=self.device, dtype=torch.float32)
 
-    def prepare_timesteps(self, inp, latents):
+    def prepare_timesteps(self, g, latents):
         scheduler = self.new_scheduler()
-        scheduler.set_timesteps(inp.num_inference_steps, device=self.device)
+        scheduler.set_timesteps(g.params.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
 
@@ -136,16 +140,16 @@ class WanPipeline(StagedPipeline):
         b = self._boundary()
         return b is None or bool(t >= b)
 
-    def select_denoiser(self, step_index, t, inp):
+    def select_denoiser(self, step_index, t, g):
         """``transformer`` while ``t >= boundary`` (or always, for one expert), then
         ``transformer_2``."""
         return self.transformer if self._high_noise(t) else self.denoisers["transformer_2"]
 
-    def predict(self, denoiser, latents, t, step_index, cond, inp):
+    def predict(self, denoiser, latents, t, step_index, cond, g):
         b = latents.shape[0]
-        g = inp.guidance_scale
-        if not self._high_noise(t) and inp.guidance_scale_2 is not None:
-            g = inp.guidance_scale_2
+        w = g.params.guidance_scale
+        if not self._high_noise(t) and g.params.guidance_scale_2 is not None:
+            w = g.params.guidance_scale_2
         x = latents.to(denoiser.dtype)
         if self.expand_timesteps:
             p = denoiser.cfg.patch_size
@@ -159,14 +163,14 @@ class WanPipeline(StagedPipeline):
             x = x.repeat(rows, 1, 1, 1, 1)
             timestep = timestep.repeat(rows, *([1] * (timestep.dim() - 1)))
         args = dict(hidden_states=x, timestep=timestep, encoder_hidden_states=cond["embeds"])
-        out = self.run_branches(denoiser, rows, args, tuple(args))
+        out = self.run_branches(denoiser, rows, args, tuple(args), g)
         if rows == 1:
             return out
         pos, neg = out[:b], out[b:]
-        return neg + g * (pos - neg)
+        return neg + w * (pos - neg)
 
     # ------------------------------------------------------------------ decode
-    def decode(self, latents, inp) -> np.ndarray:
+    def decode(self, latents, g) -> np.ndarray:
         from diffusers.video_processor import VideoProcessor
 
         cfg = self.vae.config

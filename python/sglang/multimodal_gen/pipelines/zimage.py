@@ -8,8 +8,9 @@ the same image:
   padded to ``max_sequence_length`` (512), text encoder ``hidden_states[-2]``, keeping the
   attention-masked tokens of each prompt;
 * CFG is on when ``guidance_scale > 0``; the negative prompt defaults to ``""``; the prediction is
-  ``pos + g * (pos - neg)`` (optionally norm-capped), and guidance is switched off on steps whose
-  ``t_norm = (1000 - t) / 1000`` exceeds ``cfg_truncation``;
+  ``pos + g * (pos - neg)`` (norm-capped at ``cfg_normalization`` times the conditional norm when
+  that is > 0), and guidance is switched off on steps whose ``t_norm = (1000 - t) / 1000``
+  exceeds ``cfg_truncation`` (both request fields of the family, ``ZImageSamplingParams``);
 * latents ``[B, C, 2 * (H // 16), 2 * (W // 16)]`` fp32 from diffusers' ``randn_tensor`` with the
   caller's generator (drawn on the generator's device, moved to the execution device);
 * schedule: sigmas ``linspace(1, 1/n, n)`` passed to the directory's scheduler through diffusers'
@@ -33,11 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang.multimodal_gen.pipelines.base import (
-    GenerationInputs,
-    StagedPipeline,
-    latents_to_uint8,
-)
+from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline, latents_to_uint8
 
 __all__ = ["ZImagePipeline", "default_sigmas"]
 
@@ -56,16 +53,15 @@ class ZImagePipeline(StagedPipeline):
 
     family_name = "zimage"
     shifted_schedule = True
-    cfg_normalization: float = 0.0
-    cfg_truncation: float = 1.0
     # texts are padded to a multiple of this many tokens (see encode_texts, encode_group_key)
     TEXT_PAD_MULTIPLE: int = 16
 
     # ------------------------------------------------------------------ text
-    def prompt_list(self, inp: GenerationInputs) -> list[str]:
+    def prompt_list(self, g: Generation) -> list[str]:
         """The prompt, and the negative prompt (empty when not given) with CFG."""
-        neg = inp.negative_prompt if inp.negative_prompt is not None else ""
-        return [inp.prompt] + ([neg] if inp.guidance_scale > 0 else [])
+        p = g.params
+        neg = p.negative_prompt if p.negative_prompt is not None else ""
+        return [p.prompt] + ([neg] if p.guidance_scale > 0 else [])
 
     def encode_prompt_list(self, prompts: list[str], max_sequence_length: int) -> dict[str, Any]:
         """``{"embeds": [L_i, hidden] per prompt}``: the text encoder's second-to-last hidden
@@ -96,11 +92,13 @@ class ZImagePipeline(StagedPipeline):
         m = self.TEXT_PAD_MULTIPLE
         return -(-max(len(t) for t in ids) // m) * m
 
-    def encode_group_key(self, inp: GenerationInputs) -> int:
+    def encode_group_key(self, g: Generation) -> int:
         """The request's own padded length (its longest text in tokens, capped, rounded up to
         :attr:`TEXT_PAD_MULTIPLE`): a call pads its texts to that of its longest, so only
         requests of one padded length share a call (and each gets what it would alone)."""
-        return self._padded_length(self._token_ids(self.prompt_list(inp), inp.max_sequence_length))
+        return self._padded_length(
+            self._token_ids(self.prompt_list(g), g.params.max_sequence_length)
+        )
 
     @torch.no_grad()
     def encode_texts(
@@ -136,10 +134,10 @@ class ZImagePipeline(StagedPipeline):
         ).hidden_states[-2]
         return [hidden[i][mask[i]] for i in range(len(prompts))]
 
-    def prepare_conditioning(self, inp, cond):
+    def prepare_conditioning(self, g, cond):
         """The caption side of the DiT (embedding + context refiner) once per request:
         ``ctx_full`` for ``[pos x n, neg x n]`` (CFG) and ``ctx_pos`` for ``pos x n``."""
-        n = inp.num_images
+        n = g.num_outputs
         embeds = cond["embeds"]
         do_cfg = len(embeds) > 1
         pos, neg = [embeds[0]] * n, ([embeds[1]] * n if do_cfg else [])
@@ -149,6 +147,7 @@ class ZImagePipeline(StagedPipeline):
             lambda t, cap_feats: t.encode_captions(cap_feats),
             dict(cap_feats=pos + neg),
             ("cap_feats",),
+            g,
         )
         ctx_pos = ctx_full.select(list(range(n))) if do_cfg else ctx_full
         return {"do_cfg": do_cfg, "ctx_full": ctx_full, "ctx_pos": ctx_pos}
@@ -158,46 +157,47 @@ class ZImagePipeline(StagedPipeline):
         s = self.vae_scale_factor * 2
         return (batch, self.transformer.cfg.in_channels, 2 * (height // s), 2 * (width // s))
 
-    def prepare_latents(self, inp, cond):
+    def prepare_latents(self, g, cond):
         from diffusers.utils.torch_utils import randn_tensor
 
-        shape = self.latent_shape(inp.num_images, inp.height, inp.width)
-        return randn_tensor(shape, generator=inp.generator, device=self.device, dtype=torch.float32)
+        shape = self.latent_shape(g.num_outputs, g.params.height, g.params.width)
+        return randn_tensor(shape, generator=g.generator, device=self.device, dtype=torch.float32)
 
-    def prepare_timesteps(self, inp, latents):
+    def prepare_timesteps(self, g, latents):
         image_seq_len = (latents.shape[2] // 2) * (latents.shape[3] // 2)
-        n = inp.num_inference_steps
+        n = g.params.num_inference_steps
         return self.shifted_timesteps(image_seq_len, n, default_sigmas(n))
 
     # ------------------------------------------------------------------ denoise
-    def predict(self, denoiser, latents, t, step_index, cond, inp):
-        """The negated DiT output (flow velocity), with CFG ``pos + g (pos - neg)`` on steps
+    def predict(self, denoiser, latents, t, step_index, cond, g):
+        """The negated DiT output (flow velocity), with CFG ``pos + w (pos - neg)`` on steps
         whose ``(1000 - t) / 1000`` is within ``cfg_truncation``."""
-        n = inp.num_images
+        p = g.params
+        n = g.num_outputs
         tt = (1000 - t.expand(latents.shape[0])) / 1000
-        g = inp.guidance_scale
-        if cond["do_cfg"] and float((1000 - t.float()) / 1000) > self.cfg_truncation:
-            g = 0.0
+        w = p.guidance_scale
+        if cond["do_cfg"] and float((1000 - t.float()) / 1000) > p.cfg_truncation:
+            w = 0.0
         lat = latents.to(denoiser.dtype).unsqueeze(2)
-        if cond["do_cfg"] and g > 0:
+        if cond["do_cfg"] and w > 0:
             args = dict(x=lat.repeat(2, 1, 1, 1, 1), t=tt.repeat(2), cap=cond["ctx_full"])
-            out = self.run_branches(denoiser, 2, args, ("x", "t", "cap"))
+            out = self.run_branches(denoiser, 2, args, ("x", "t", "cap"), g)
             pos = torch.stack(out[:n]).float()
             neg = torch.stack(out[n:]).float()
-            pred = pos + g * (pos - neg)
-            if self.cfg_normalization > 0:
+            pred = pos + w * (pos - neg)
+            if p.cfg_normalization > 0:
                 for j in range(n):
-                    cap = torch.linalg.vector_norm(pos[j]) * float(self.cfg_normalization)
+                    cap = torch.linalg.vector_norm(pos[j]) * float(p.cfg_normalization)
                     norm = torch.linalg.vector_norm(pred[j])
                     if norm > cap:
                         pred[j] = pred[j] * (cap / norm)
         else:
             args = dict(x=lat, t=tt, cap=cond["ctx_pos"])
-            pred = torch.stack(self.run_branches(denoiser, 1, args, ("x", "t", "cap"))).float()
+            pred = torch.stack(self.run_branches(denoiser, 1, args, ("x", "t", "cap"), g)).float()
         return -pred.squeeze(2)
 
     # ------------------------------------------------------------------ decode
-    def decode(self, latents, inp) -> np.ndarray:
+    def decode(self, latents, g) -> np.ndarray:
         shift = self.vae.config.shift_factor or 0.0
         z = latents.to(self.vae.dtype) / self.vae.config.scaling_factor + shift
         return latents_to_uint8(self.vae.decode(z, return_dict=False)[0])

@@ -1,6 +1,6 @@
-"""Generation runtime: requests, the engine (TP workers), the embedded default model."""
+"""Generation runtime: the engine (in process or TP workers) and its request object."""
 
+from sglang.multimodal_gen.configs.sampling_params import SamplingParams
 from sglang.multimodal_gen.runtime.engine import DiffusionEngine
-from sglang.multimodal_gen.runtime.request import GenerationRequest
 
-__all__ = ["DiffusionEngine", "GenerationRequest"]
+__all__ = ["DiffusionEngine", "SamplingParams"]

@@ -17,12 +17,10 @@ collectives never time out.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,6 +28,7 @@ import torch
 from sglang.multimodal_gen import errors as errors_mod
 from sglang.multimodal_gen.configs.launch_plan import DEFAULT_DIST_TIMEOUT_S, LaunchPlan
 from sglang.multimodal_gen.configs.parallel import check_float32_matmul_precision
+from sglang.multimodal_gen.configs.sampling_params import RequestSpec, SamplingParams
 from sglang.multimodal_gen.engine_ops import get_op
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.layers.attention import check_attention_backend
@@ -47,7 +46,6 @@ from sglang.multimodal_gen.runtime.nodes import (
     spawn_workers,
     wait_message,
 )
-from sglang.multimodal_gen.runtime.request import GenerationRequest
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 from sglang.multimodal_gen.runtime.worker import unpack_error
 
@@ -289,8 +287,16 @@ class DiffusionEngine:
         return dict(self._info)
 
     @property
+    def spec(self) -> RequestSpec:
+        """What a request to the served model may ask for: its ``SamplingParams`` class (the
+        family's fields), defaults and limits. ``engine.spec.params(prompt=..., ...)`` builds a
+        request; ``engine.spec.resolve(params)`` fills the defaults, checks every value and
+        draws the seed (``generate`` does it for an unresolved request)."""
+        return self._info["spec"]
+
+    @property
     def defaults(self) -> dict:
-        """The family's sampling defaults and limits (``SamplingDefaults.as_dict()``)."""
+        """The model's defaults and limits as one flat dict (``RequestSpec.as_dict()``)."""
         return dict(self._info["defaults"])
 
     @property
@@ -298,92 +304,69 @@ class DiffusionEngine:
         """Valid LoRA ``target`` values of this model (``"all"`` first), from its LoRA manager."""
         return tuple(self._info["lora_targets"])
 
-    def generate(self, req: GenerationRequest, progress: bool | None = None) -> list:
-        """Generate ``req.num_images`` images.
+    @property
+    def modality(self) -> str:
+        """``"image"`` or ``"video"``: what the served model makes."""
+        return self.spec.outputs
+
+    def generate(
+        self, params: SamplingParams | None = None, progress: bool | None = None, **fields: Any
+    ) -> list:
+        """Run one request.
+
+        Args:
+            params: the request (``SamplingParams`` or the family's subclass; resolved here when
+                it is not: the model's defaults, every value checked, a seed drawn), or ``None``
+                to build it from ``fields`` (``engine.generate(prompt="a fox", seed=1)``).
+            progress: tqdm bar over the steps (default: when stderr is a terminal).
 
         Returns:
-            ``list[PIL.Image.Image]`` (RGB, ``req.width`` x ``req.height``).
+            ``num_outputs_per_prompt`` outputs: PIL images (RGB) for an image model,
+            :class:`~sglang.multimodal_gen.outputs.Video` objects for a video model.
 
         Raises:
-            InvalidRequestError: a bad field (``param`` names it) or an unknown adapter in
-                ``req.lora`` (``NotFoundError``); EngineDeadError: a worker died.
+            InvalidRequestError: a bad field (``param`` names it), a field the model does not
+                declare, an unknown adapter in ``lora`` (``NotFoundError``); EngineDeadError: a
+                worker died.
         """
-        from PIL import Image
+        params = self._resolve(params, fields)
+        return list(self._call("generate", params=params, progress=progress))
 
-        self._check_modality("image")
-        arr = self._call("generate", req=self._prepared(req), progress=progress)
-        return [Image.fromarray(a) for a in arr]
+    def generate_batch(self, reqs: Sequence[SamplingParams], progress: bool | None = None):
+        """Run several requests in one denoising loop (their module calls batched step by step).
 
-    def generate_video(self, req: GenerationRequest, progress: bool | None = None) -> list:
-        """Generate ``req.num_images`` videos of ``req.num_frames`` frames (video models).
+        Each request gets what :meth:`generate` would give it alone, up to the
+        batch-size-dependent rounding of the GEMMs (none on the CPU: the GEMMs there are
+        row-invariant). Requests with different sizes, step counts or CFG settings are accepted
+        (their calls then run one after the other); requests with different ``lora``
+        compositions share the calls, each row with its own adapters.
 
         Returns:
-            ``list[np.ndarray]``, each uint8 ``[frames, height, width, 3]``.
+            One entry per request, in order: its outputs, or the exception it raised (a bad
+            field or an unknown adapter fails that request only).
 
         Raises:
-            InvalidRequestError: an image model (``param="model"``) or a bad field; as
-                :meth:`generate` otherwise.
+            EngineDeadError: a worker died.
         """
-        self._check_modality("video")
-        return list(self._call("generate", req=self._prepared(req), progress=progress))
-
-    def generate_batch(self, reqs: Sequence[GenerationRequest], progress: bool | None = None):
-        """Run several requests in one denoising loop (their DiT calls batched step by step).
-
-        Each request gets what :meth:`generate` (image models) or :meth:`generate_video` (video
-        models) would give it alone, up to the batch-size-dependent rounding of the GEMMs.
-        Requests with different sizes, step counts or CFG settings are accepted (their DiT calls
-        then run one after the other); requests with different ``lora`` compositions share the
-        DiT calls, each row with its own adapters (``layers.lora.rows``).
-
-        Returns:
-            One entry per request, in order: its images / videos, or the exception it raised (a
-            bad field or an unknown adapter fails that request only).
-
-        Raises:
-            NotFoundError, InvalidRequestError: a ``lora`` composition shared by every request is
-                invalid; EngineDeadError.
-        """
-        from PIL import Image
-
-        video = self.modality == "video"
         results: list = [None] * len(reqs)
-        ready: list[tuple[int, GenerationRequest]] = []
+        ready: list[tuple[int, SamplingParams]] = []
         for i, r in enumerate(reqs):
             try:
-                ready.append((i, self._prepared(r)))
+                ready.append((i, self._resolve(r, {})))
             except errors_mod.SGLangError as e:
                 results[i] = e
         if ready:
             out = self._call("generate_batch", reqs=[r for _, r in ready], progress=progress)
             for (i, _), (ok, val) in zip(ready, out):
-                if not ok:
-                    results[i] = unpack_error(val)
-                elif video:
-                    results[i] = list(val)
-                else:
-                    results[i] = [Image.fromarray(a) for a in val]
+                results[i] = list(val) if ok else unpack_error(val)
         return results
 
-    @property
-    def modality(self) -> str:
-        """``"image"`` or ``"video"``: what the served model makes."""
-        return str(self.defaults.get("modality", "image"))
-
-    def _check_modality(self, want: str) -> None:
-        if self.modality != want:
-            raise errors_mod.InvalidRequestError(
-                f"{self.model_name} is a {self.modality} model; it cannot make {want}s",
-                param="model",
-            )
-
-    def _prepared(self, req: GenerationRequest) -> GenerationRequest:
-        """``req`` with the family's defaults, validated, with a drawn seed if it had none."""
-        req = req.with_defaults(self.defaults)
-        req.validate(self.spatial_factor, self.defaults)
-        if req.seed is None:
-            req = replace(req, seed=secrets.randbits(63))
-        return req
+    def _resolve(self, params: SamplingParams | None, fields: dict) -> SamplingParams:
+        if params is None:
+            params = self.spec.params(**fields)
+        elif fields:
+            raise TypeError(f"unexpected arguments next to a SamplingParams: {sorted(fields)}")
+        return self.spec.resolve(params)
 
     def set_lora(
         self,

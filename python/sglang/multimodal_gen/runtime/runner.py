@@ -9,10 +9,9 @@ the latter case rank 0 receives every command, reads the LoRA files it names
 :meth:`ModelRunner.execute` with the same command in the same order, so weights (base and LoRA)
 stay identical across ranks. LoRA changes are all-or-nothing across ranks: each rank applies the
 change under a savepoint, the ranks agree on the outcome, and when any rank failed every rank
-rolls back (:meth:`ModelRunner.execute` with ``agree``). A generation with its own LoRA
-composition joins the same protocol: the composition is applied on every rank or none, and a
-failed restore on any rank stops the engine. Which command needs what is the op table's
-(:mod:`sglang.multimodal_gen.engine_ops`).
+rolls back (:meth:`ModelRunner.execute` with ``agree``). A generation changes no weights: its
+adapters are chosen per row in the forward (the LoRA manager's selection), the same on every rank.
+Which command needs what is the op table's (:mod:`sglang.multimodal_gen.engine_ops`).
 """
 
 from __future__ import annotations
@@ -26,16 +25,11 @@ from typing import Any
 
 import torch
 
+from sglang.multimodal_gen.configs.sampling_params import SamplingParams
 from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.engine_ops import LORA_CHANGE_OPS, get_op
-from sglang.multimodal_gen.errors import (
-    InvalidRequestError,
-    NotFoundError,
-    SGLangError,
-)
+from sglang.multimodal_gen.errors import SGLangError
 from sglang.multimodal_gen.layers.attention import set_attention_backend
-from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA
-from sglang.multimodal_gen.layers.lora.rows import RowPlan, lora_rows
 from sglang.multimodal_gen.lora.staging import UNCHANGED
 from sglang.multimodal_gen.lora.transactions import LoRAStateError
 from sglang.multimodal_gen.models.registry import family_for_model
@@ -44,7 +38,6 @@ from sglang.multimodal_gen.runtime.placement import (
     compile_blocks,
     resolve_dtype,
 )
-from sglang.multimodal_gen.runtime.request import GenerationRequest
 from sglang.multimodal_gen.runtime.runner_lora import blame_lora, build_lora_manager
 
 logger = logging.getLogger(__name__)
@@ -157,9 +150,8 @@ class ModelRunner:
         if enable_torch_compile:
             for denoiser in self.pipeline.denoisers.values():
                 compile_blocks(denoiser)
-        self.generator_device = generator_device or (
-            str(self.device) if self.device.type == "cuda" else self.device.type
-        )
+        if generator_device is not None:
+            self.pipeline.generator_device = generator_device
         offload = dit_cpu_offload and self.device.type == "cuda"
         self.lora_manager = build_lora_manager(
             self.pipeline.denoisers,
@@ -184,8 +176,8 @@ class ModelRunner:
 
     def _activate_expert(self, module: torch.nn.Module | None) -> None:
         """Only ``module`` on the accelerator (``None``: none). Generations never change the
-        host copies: a per-request composition is merged into (and restored on) the host weights
-        while every expert is parked there."""
+        weights (a request's adapters are applied per row in the forward), so the host copies
+        need no write-back."""
         with self._expert_lock:  # the requests of a batch switch experts at the same step
             for off in self.offloaders.values():
                 if off.module is not module:
@@ -198,15 +190,22 @@ class ModelRunner:
     def spatial_factor(self) -> int:
         return self.pipeline.spatial_factor
 
+    @property
+    def spec(self):
+        """What a request to this model may ask for (the pipeline's ``RequestSpec``)."""
+        return self.pipeline.spec
+
     def info(self) -> dict:
-        """What the engine and the server need to know of the model (JSON-able)."""
+        """What the engine and the server need to know of the model (picklable; every value
+        but ``spec`` JSON-able)."""
         arch = self.pipeline.transformer.cfg
         return {
             "family": self.family.name,
             "family_display_name": self.family.display_name,
             "pipeline_class": self.family.pipeline_classes[0],
             "spatial_factor": self.spatial_factor,
-            "defaults": self.pipeline.defaults.as_dict(),
+            "spec": self.pipeline.spec,
+            "defaults": self.pipeline.spec.as_dict(),
             "tp_sizes": self.family.valid_tp_sizes(arch),
             "parallel": {
                 "tp_size": self.layout.tp_size,
@@ -296,8 +295,6 @@ class ModelRunner:
             LoRARollbackError: the rollback itself failed (this rank may now differ).
         """
         fn = getattr(self, f"cmd_{get_op(op).name}")
-        if op in ("generate", "generate_batch") and agree is not None:
-            kwargs = dict(kwargs, agree=agree)  # a per-request composition joins the protocol
         if agree is None or op not in LORA_CHANGE_OPS:
             with self._weights_on_device(op):
                 try:
@@ -335,105 +332,60 @@ class ModelRunner:
             )
         return out
 
-    def cmd_generate(self, req: GenerationRequest, progress: bool | None = None, agree=None):
-        """Returns uint8 ``[n, H, W, 3]`` on rank 0, ``None`` on other ranks. ``agree``: TP, for
-        a per-request composition (:meth:`LoRAManager.use_composition`)."""
-        kwargs = self._pipeline_kwargs(req, progress)
-        with self._request_composition(req.lora, agree), blame_lora(req.lora):
-            return self.pipeline(**kwargs)
-
-    def cmd_generate_batch(
-        self, reqs: list[GenerationRequest], progress: bool | None = None, agree=None
-    ):
-        """Several requests in one denoising loop (``pipelines.batching``): each keeps its own
-        seed, prompts, guidance and LoRA composition; their DiT calls are batched step by step.
-
-        Requests that share one composition (``lora``) run under it (``use_composition``).
-        Different compositions run as rows of the same batch (``layers.lora.rows``): nothing is
-        applied to the layers, each row's adapters are added in the forward itself, so no row
-        sees another's adapters (merged layers subtract their merged composition per row). A
-        request whose composition is invalid fails alone. With per-expert DiT offload the
-        compositions run one after the other (each a batch of its own).
-
-        Returns one ``(True, images)`` or ``(False, packed error)`` per request, in order: one
-        request's failure does not fail the others.
+    def cmd_generate(self, params: SamplingParams, progress: bool | None = None):
+        """One request: its outputs (PIL images or ``Video`` objects) on the rank that decodes,
+        ``None`` on the others. The request's adapters (``params.lora``; ``None``: the active
+        ones) are resolved by the LoRA manager and applied per row in the forward; no weight
+        changes.
 
         Raises:
-            NotFoundError, InvalidRequestError: a composition shared by every request is invalid.
+            InvalidRequestError / NotFoundError: a bad field or an adapter that is not loaded.
+        """
+        lora = self.lora_manager.selection(params.lora)
+        with blame_lora(params.lora):
+            return self.pipeline(params, lora=lora, **self._call_kwargs(progress))
+
+    def cmd_generate_batch(self, reqs: list[SamplingParams], progress: bool | None = None):
+        """Several requests in one denoising loop (``pipelines.batching``): each keeps its own
+        seed, prompts, guidance and adapters; their module calls are batched step by step, every
+        row computed with its own request's adapters (nothing is applied to the layers, so no
+        row sees another's adapters). A request whose adapters are invalid fails alone.
+
+        Returns one ``(True, outputs)`` or ``(False, packed error)`` per request, in order: one
+        request's failure does not fail the others.
         """
         from sglang.multimodal_gen.pipelines.batching import StepBatcher
         from sglang.multimodal_gen.runtime.worker import pack_error
 
         out: list = [None] * len(reqs)
-        loras = [None if r.lora is None else list(r.lora) for r in reqs]
-        shared = all(c == loras[0] for c in loras)
-        if not shared and self.per_expert_offload:
-            for comp in {repr(c): c for c in loras}.values():
-                idx = [i for i, c in enumerate(loras) if c == comp]
-                try:
-                    part = self.cmd_generate_batch([reqs[i] for i in idx], progress, agree)
-                except (NotFoundError, InvalidRequestError) as e:  # this composition's requests
-                    part = [(False, pack_error(e))] * len(idx)
-                for i, res in zip(idx, part):
-                    out[i] = res
-            return out
-        plans: list = [None] * len(reqs)
-        if not shared:
-            for i, comp in enumerate(loras):
-                if comp is not None:
-                    try:
-                        plans[i] = RowPlan.of([self.lora_manager.row_composition(comp)])
-                    except Exception as e:  # the same outcome on every rank: same registry
-                        out[i] = (False, pack_error(e))
+        selections: list = [None] * len(reqs)
+        for i, params in enumerate(reqs):
+            try:  # the same outcome on every rank: same adapters loaded
+                selections[i] = self.lora_manager.selection(params.lora)
+            except Exception as e:
+                out[i] = (False, pack_error(e))
         live = [i for i in range(len(reqs)) if out[i] is None]
         batcher = StepBatcher(len(live))
 
-        def run(i: int) -> None:
-            with lora_rows(plans[i]):
-                try:
-                    with blame_lora(reqs[i].lora):
-                        out[i] = (True, self.pipeline(**self._pipeline_kwargs(reqs[i], False)))
-                except BaseException as e:  # reported per request
-                    out[i] = (False, pack_error(e))
+        def run(slot: int, i: int) -> None:
+            try:
+                with blame_lora(reqs[i].lora):
+                    images = self.pipeline(
+                        reqs[i],
+                        lora=selections[i],
+                        batch=(batcher, slot),
+                        **self._call_kwargs(False),
+                    )
+                out[i] = (True, images)
+            except BaseException as e:  # reported per request
+                out[i] = (False, pack_error(e))
 
-        with self._request_composition(loras[0] if shared else None, agree):
-            batcher.run([functools.partial(run, i) for i in live])
-        if not shared:  # free the per-layer union forms (at real size a copy of every adapter)
-            for module in self.pipeline.denoisers.values():
-                for m in module.modules():
-                    if isinstance(m, BaseLayerWithLoRA):
-                        m.drop_row_cache()
+        batcher.run([functools.partial(run, slot, i) for slot, i in enumerate(live)])
         return out
 
-    @contextlib.contextmanager
-    def _request_composition(self, lora, agree=None) -> Iterator[None]:
-        """A request's own adapter composition (``None``: the global one) around its run."""
-        if lora is None:
-            yield
-            return
-        with self.lora_manager.use_composition(list(lora), agree=agree):
-            try:
-                yield
-            finally:
-                if self.per_expert_offload:  # restore the composition on the host copies
-                    self._activate_expert(None)
-
-    def _pipeline_kwargs(self, req: GenerationRequest, progress: bool | None) -> dict:
-        gen = torch.Generator(self.generator_device).manual_seed(int(req.seed))
+    def _call_kwargs(self, progress: bool | None) -> dict:
         return dict(
-            prompt=req.prompt,
-            negative_prompt=req.negative_prompt,
-            height=req.height,
-            width=req.width,
-            num_inference_steps=req.num_inference_steps,
-            guidance_scale=None if req.guidance_scale is None else float(req.guidance_scale),
-            true_cfg_scale=None if req.true_cfg_scale is None else float(req.true_cfg_scale),
-            max_sequence_length=req.max_sequence_length,
-            num_frames=req.num_frames,
-            guidance_scale_2=None if req.guidance_scale_2 is None else float(req.guidance_scale_2),
-            generator=gen,
-            num_images=req.num_images,
-            output_type="np",
+            output_type="media",
             progress=progress if self.rank == 0 else False,
             step_callback=self._count_step,
         )

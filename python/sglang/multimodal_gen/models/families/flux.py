@@ -8,6 +8,8 @@ guidance 3.5, 512 T5 tokens), [schnell] has not (4 steps, 256 T5 tokens).
 
 from __future__ import annotations
 
+from sglang.multimodal_gen.configs.flux import FluxSamplingParams
+from sglang.multimodal_gen.configs.sampling_params import RequestLimits
 from sglang.multimodal_gen.models.registry import (
     DenoiserSpec,
     ModelFamily,
@@ -19,19 +21,18 @@ _PKG = "sglang.multimodal_gen"
 
 
 def _defaults(cfg) -> SamplingDefaults:
+    limits = RequestLimits(max_sequence_length=512)
     if cfg.guidance_embeds:  # FLUX.1-dev
-        return SamplingDefaults(
-            num_inference_steps=28,
-            guidance_scale=3.5,
-            max_sequence_length=512,
-            max_sequence_length_limit=512,
-        )
-    return SamplingDefaults(  # FLUX.1-schnell
-        num_inference_steps=4,
-        guidance_scale=0.0,
-        max_sequence_length=256,
-        max_sequence_length_limit=512,
-    )
+        params = FluxSamplingParams(
+            height=1024, width=1024, num_inference_steps=28, guidance_scale=3.5,
+            max_sequence_length=512, true_cfg_scale=1.0,
+        )  # fmt: skip
+    else:  # FLUX.1-schnell
+        params = FluxSamplingParams(
+            height=1024, width=1024, num_inference_steps=4, guidance_scale=0.0,
+            max_sequence_length=256, true_cfg_scale=1.0,
+        )  # fmt: skip
+    return SamplingDefaults(params=params, limits=limits)
 
 
 def _tp_divisors(cfg) -> dict[str, int]:
@@ -54,6 +55,7 @@ FLUX = register_family(
             ),
         ),
         defaults=_defaults,
+        sampling_params=f"{_PKG}.configs.flux:FluxSamplingParams",
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.flux_tiny:build_flux_dir",
         default_model_name="sglang-default-flux-tiny",

@@ -8,6 +8,8 @@ only in weights and config values and load through the same family.
 
 from __future__ import annotations
 
+from sglang.multimodal_gen.configs.qwen_image import QwenImageSamplingParams
+from sglang.multimodal_gen.configs.sampling_params import RequestLimits
 from sglang.multimodal_gen.models.registry import (
     DenoiserSpec,
     ModelFamily,
@@ -20,11 +22,15 @@ _PKG = "sglang.multimodal_gen"
 # QwenImagePipeline.__call__'s defaults: 50 steps, true CFG 4.0 (with a negative prompt), 512
 # text tokens (at most 1024); --guidance-scale only matters for guidance-distilled variants.
 _DEFAULTS = SamplingDefaults(
-    num_inference_steps=50,
-    guidance_scale=1.0,
-    true_cfg_scale=4.0,
-    max_sequence_length=512,
-    max_sequence_length_limit=1024,
+    params=QwenImageSamplingParams(
+        height=1024,
+        width=1024,
+        num_inference_steps=50,
+        guidance_scale=1.0,
+        max_sequence_length=512,
+        true_cfg_scale=4.0,
+    ),  # fmt: skip
+    limits=RequestLimits(max_sequence_length=1024),
 )
 
 
@@ -48,6 +54,7 @@ QWEN_IMAGE = register_family(
             ),
         ),
         defaults=_DEFAULTS,
+        sampling_params=f"{_PKG}.configs.qwen_image:QwenImageSamplingParams",
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.qwen_image_tiny:build_qwen_image_dir",
         default_model_name="sglang-default-qwen-image-tiny",

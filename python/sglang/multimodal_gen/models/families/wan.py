@@ -10,6 +10,8 @@ declaration.
 
 from __future__ import annotations
 
+from sglang.multimodal_gen.configs.sampling_params import RequestLimits
+from sglang.multimodal_gen.configs.wan import WanSamplingParams
 from sglang.multimodal_gen.models.registry import (
     DenoiserSpec,
     ModelFamily,
@@ -28,19 +30,20 @@ def _max_frames(cfg) -> int:
 
 
 def _defaults(cfg) -> SamplingDefaults:
+    limits = RequestLimits(max_sequence_length=512, max_num_frames=_max_frames(cfg))
     if cfg.in_channels == 48:  # TI2V-5B: 704x1280, 121 frames at 24 fps
-        return SamplingDefaults(
+        params = WanSamplingParams(
             num_inference_steps=50, guidance_scale=5.0, height=704, width=1280,
-            max_sequence_length=512, max_sequence_length_limit=512, modality="video",
-            num_frames=121, fps=24, max_num_frames=_max_frames(cfg),
+            max_sequence_length=512, num_frames=121, fps=24,
         )  # fmt: skip
-    # T2V-A14B (and Wan2.1): 480x832, 81 frames at 16 fps; the second expert's guidance 3.0
-    # (the pipeline drops it for one-expert directories)
-    return SamplingDefaults(
-        num_inference_steps=40, guidance_scale=4.0, height=480, width=832,
-        max_sequence_length=512, max_sequence_length_limit=512, modality="video",
-        num_frames=81, fps=16, guidance_scale_2=3.0, max_num_frames=_max_frames(cfg),
-    )  # fmt: skip
+    else:
+        # T2V-A14B (and Wan2.1): 480x832, 81 frames at 16 fps; the second expert's guidance 3.0
+        # (the pipeline drops it for one-expert directories)
+        params = WanSamplingParams(
+            num_inference_steps=40, guidance_scale=4.0, height=480, width=832,
+            max_sequence_length=512, num_frames=81, fps=16, guidance_scale_2=3.0,
+        )  # fmt: skip
+    return SamplingDefaults(params=params, limits=limits, outputs="video")
 
 
 def _tp_divisors(cfg) -> dict[str, int]:
@@ -67,6 +70,7 @@ WAN = register_family(
         pipeline=f"{_PKG}.pipelines.wan:WanPipeline",
         denoisers=(_expert("transformer"), _expert("transformer_2")),
         defaults=_defaults,
+        sampling_params=f"{_PKG}.configs.wan:WanSamplingParams",
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.wan_tiny:build_wan_dir",
         default_model_name="sglang-default-wan-tiny",

@@ -7,6 +7,8 @@ and this declaration.
 
 from __future__ import annotations
 
+from sglang.multimodal_gen.configs.sampling_params import RequestLimits
+from sglang.multimodal_gen.configs.zimage import ZImageSamplingParams
 from sglang.multimodal_gen.models.registry import (
     DenoiserSpec,
     ModelFamily,
@@ -22,11 +24,16 @@ def _defaults(cfg) -> SamplingDefaults:
     patch = cfg.all_patch_size[0]
     side = min(cfg.axes_lens[1], cfg.axes_lens[2]) * patch * 8
     return SamplingDefaults(
-        num_inference_steps=8,
-        guidance_scale=0.0,
-        max_sequence_length=512,
-        max_sequence_length_limit=1024,
-        max_image_size=side,
+        params=ZImageSamplingParams(
+            height=1024,
+            width=1024,
+            num_inference_steps=8,
+            guidance_scale=0.0,
+            max_sequence_length=512,
+            cfg_normalization=0.0,
+            cfg_truncation=1.0,
+        ),  # fmt: skip
+        limits=RequestLimits(max_image_size=side, max_sequence_length=1024),
     )
 
 
@@ -50,6 +57,7 @@ ZIMAGE = register_family(
             ),
         ),
         defaults=_defaults,
+        sampling_params=f"{_PKG}.configs.zimage:ZImageSamplingParams",
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.zimage_tiny:build_zimage_dir",
         embedded_model=f"{_PKG}.models:demo/zimage-shapes",  # scripts/train_demo_model.py

@@ -1,0 +1,541 @@
+"""``SamplingParams``: one generation request, the same object from the edge to the pipeline.
+
+A request is built once at each edge (the HTTP body or form, ``sglang generate``'s arguments, the
+Python API), resolved once against the served model (:meth:`RequestSpec.resolve`: the model's
+defaults filled in, every value checked, the seed drawn) and handed as that object to the
+pipeline. There is no second defaults pass and no other validation.
+
+The fields every model takes are declared here (:class:`SamplingParams`; :class:`VideoSamplingParams`
+adds the frame count and rate of video models). A model family declares the fields it adds as a
+frozen dataclass subclass in its own config module, each field made with :func:`param`, so that
+the HTTP schema, the CLI flags, the ``/v1/models`` entry and the checks derive from the
+declaration; shared code never names a family's field. A field the served model does not
+declare is refused naming it (:class:`~sglang.multimodal_gen.errors.InvalidRequestError`, HTTP 400).
+
+Field kinds (``param(kind=...)``) and their rules, checked by :meth:`SamplingParams.validate`:
+
+==========  =========================================================================
+``text``    a string of at most :data:`MAX_PROMPT_CHARS` characters, valid Unicode
+``size``    pixels: a positive multiple of the model's spatial factor, at most the
+            smaller of the model's and the server's largest side
+``count``   an integer >= 1, at most the limit its ``limit=`` names (if any)
+``scale``   a finite number >= 0 (guidance weights)
+``seed``    an integer in ``[0, MAX_SEED]`` (``torch.Generator.manual_seed``)
+``lora``    a per-request adapter composition (``lora.requests.validate_composition``)
+==========  =========================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from sglang.multimodal_gen.errors import InvalidRequestError
+from sglang.multimodal_gen.lora.requests import validate_composition
+
+__all__ = [
+    "MAX_FPS",
+    "MAX_PROMPT_CHARS",
+    "MAX_SEED",
+    "RequestLimits",
+    "RequestSpec",
+    "SamplingParams",
+    "VideoSamplingParams",
+    "check_size",
+    "check_text",
+    "param",
+]
+
+#: Longest accepted ``prompt`` / ``negative_prompt`` (characters).
+MAX_PROMPT_CHARS = 20000
+#: Largest accepted ``seed`` (``torch.Generator.manual_seed`` takes 64-bit values).
+MAX_SEED = 2**63 - 1
+#: Largest accepted ``fps`` (frames per second of a video).
+MAX_FPS = 120
+
+_KINDS = ("text", "size", "count", "scale", "seed", "lora")
+
+
+def param(
+    kind: str,
+    help: str,
+    *,
+    default: Any = None,
+    limit: str | None = None,
+    per_row: bool = False,
+    cli: bool = True,
+) -> Any:
+    """A :class:`SamplingParams` field with its declaration.
+
+    Args:
+        kind: one of ``text``, ``size``, ``count``, ``scale``, ``seed``, ``lora`` (the rules in
+            the module docstring).
+        help: one sentence for ``--help``, the docs and ``/v1/models`` (no model names: the
+            models that declare a field are listed next to it).
+        default: ``None`` means "the model's default" (resolved by :meth:`RequestSpec.resolve`).
+        limit: for ``count`` fields, the :class:`RequestLimits` attribute that bounds it.
+        per_row: the field may differ between the requests of one batch (prompts, seeds,
+            adapters); every other field must be equal for requests to share a denoising loop.
+        cli: ``sglang generate`` takes it as ``--name-with-dashes``.
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"unknown parameter kind {kind!r}; one of {_KINDS}")
+    meta = {"kind": kind, "help": help, "limit": limit, "per_row": per_row, "cli": cli}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Upper bounds of a request: the model's (what its position tables and text encoder cover)
+    combined with the server's (``--max-image-size``, ``--max-n``, ``--max-steps``,
+    ``--max-pixel-steps``). ``None``: no bound.
+
+    Attributes:
+        max_image_size: largest height / width (pixels).
+        max_num_frames: largest ``num_frames`` (video models; 1 for image models).
+        max_sequence_length: largest ``max_sequence_length`` (text-encoder tokens).
+        max_inference_steps: largest ``num_inference_steps``.
+        max_num_outputs_per_prompt: largest ``num_outputs_per_prompt`` (HTTP ``n``).
+        max_pixel_steps: largest ``n x num_frames x width x height x num_inference_steps``.
+    """
+
+    max_image_size: int | None = 4096
+    max_num_frames: int | None = 1
+    max_sequence_length: int | None = 512
+    max_inference_steps: int | None = None
+    max_num_outputs_per_prompt: int | None = None
+    max_pixel_steps: int | None = None
+
+    def tightened(self, other: RequestLimits) -> RequestLimits:
+        """The smaller bound of each pair (``None`` counts as no bound)."""
+
+        def low(a, b):
+            return b if a is None else a if b is None else min(a, b)
+
+        return RequestLimits(
+            **{f.name: low(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)}
+        )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _range(low: int, high: int | None) -> str:
+    return f"in [{low}, {high}]" if high is not None else f">= {low}"
+
+
+def check_count(value: Any, name: str, high: int | None = None) -> int:
+    """``value``: an integer in ``[1, high]`` (``high`` ``None``: no upper bound).
+
+    Raises:
+        InvalidRequestError: ``param=name``.
+    """
+    if not _is_int(value) or value < 1 or (high is not None and value > high):
+        raise InvalidRequestError(
+            f"{name} must be an integer {_range(1, high)}, got {value!r}", param=name
+        )
+    return value
+
+
+def check_text(value: Any, name: str, max_chars: int = MAX_PROMPT_CHARS) -> str:
+    """A prompt-like field: a string of at most ``max_chars`` characters that is valid Unicode.
+
+    A lone UTF-16 surrogate (``"\\ud800"`` in JSON, or a byte that is not UTF-8 in a command
+    line argument, which Python decodes to one) cannot be encoded for the tokenizer, the log or
+    the answer, so it is refused here, where the field can be named.
+
+    Raises:
+        InvalidRequestError: ``param=name``.
+    """
+    if not isinstance(value, str):
+        raise InvalidRequestError(
+            f"{name} must be a string, got {type(value).__name__}", param=name
+        )
+    if len(value) > max_chars:
+        raise InvalidRequestError(
+            f"{name} is longer than {max_chars} characters ({len(value)})", param=name
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{name} is not valid Unicode text: character {e.start} is a lone UTF-16 surrogate "
+            f"({ascii(value[e.start])}), from an unpaired \\uXXXX escape or bytes that are not "
+            "UTF-8",
+            param=name,
+        ) from None
+    return value
+
+
+def check_size(value: Any, name: str, spatial_factor: int, max_side: int | None = None) -> int:
+    """A height or width: a positive integer multiple of ``spatial_factor``, at most ``max_side``.
+
+    Raises:
+        InvalidRequestError: ``param=name``.
+    """
+    if not _is_int(value) or value <= 0 or value % spatial_factor:
+        raise InvalidRequestError(
+            f"{name} must be a positive multiple of {spatial_factor}, got {value!r}", param=name
+        )
+    if max_side is not None and value > max_side:
+        raise InvalidRequestError(f"{name} must be <= {max_side}, got {value}", param=name)
+    return value
+
+
+def check_scale(value: Any, name: str) -> float:
+    """A guidance weight: a finite number >= 0.
+
+    Raises:
+        InvalidRequestError: ``param=name``.
+    """
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise InvalidRequestError(f"{name} must be a finite number >= 0, got {value!r}", param=name)
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One generation request (the fields every model takes).
+
+    Fields left ``None`` take the served model's defaults when the request is resolved
+    (:meth:`RequestSpec.resolve`); a resolved request has every field set and a seed. Families
+    subclass it to declare their own fields (see the module docstring); build one for a served
+    model with ``engine.spec.params(**fields)`` or pass this base class to the engine, which
+    converts it.
+
+    Attributes:
+        prompt: the text prompt.
+        negative_prompt: the text guided away from under classifier-free guidance.
+        height, width: pixels, positive multiples of the model's spatial factor.
+        num_inference_steps: denoising steps.
+        guidance_scale: the model's guidance weight (the CFG weight, or the embedded guidance of
+            guidance-distilled models).
+        max_sequence_length: text-encoder tokens.
+        seed: seeds the initial noise (``torch.Generator.manual_seed``); ``None`` draws one.
+        num_outputs_per_prompt: images (or videos) for the prompt (HTTP ``n``).
+        lora: per-request adapter composition ``((nickname, strength), ...)`` of loaded adapters
+            (``{"name", "strength"}`` entries are accepted; ``scale`` is an alias of
+            ``strength``); ``None`` uses the globally active composition, ``()`` none at all.
+    """
+
+    prompt: str = param("text", "the text prompt", per_row=True)
+    negative_prompt: str | None = param(
+        "text", "the prompt guided away from under classifier-free guidance", per_row=True
+    )
+    height: int | None = param("size", "image height in pixels")
+    width: int | None = param("size", "image width in pixels")
+    num_inference_steps: int | None = param("count", "denoising steps", limit="max_inference_steps")
+    guidance_scale: float | None = param(
+        "scale",
+        "the guidance weight: the CFG weight, or the embedded guidance of guidance-distilled "
+        "models",
+    )
+    max_sequence_length: int | None = param(
+        "count", "text-encoder tokens", limit="max_sequence_length"
+    )
+    seed: int | None = param("seed", "seed of the initial noise (default: random)", per_row=True)
+    num_outputs_per_prompt: int | None = param(
+        "count",
+        "images (or videos) generated for the prompt",
+        default=1,
+        limit="max_num_outputs_per_prompt",
+    )
+    lora: tuple[tuple[str, float], ...] | None = param(
+        "lora",
+        "adapters for this request: [{name, strength}] of loaded adapters; null: the active ones",
+        per_row=True,
+        cli=False,
+    )
+
+    # ------------------------------------------------------------------ declarations
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Every field of this class, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def declared(cls, name: str) -> dataclasses.Field | None:
+        """The field ``name`` of this class, or ``None``."""
+        return next((f for f in fields(cls) if f.name == name), None)
+
+    @classmethod
+    def own_fields(cls) -> tuple[str, ...]:
+        """Fields this class adds to :class:`SamplingParams` (a family's or a modality's)."""
+        base = {f.name for f in fields(SamplingParams)}
+        return tuple(f.name for f in fields(cls) if f.name not in base)
+
+    @classmethod
+    def per_row_fields(cls) -> frozenset[str]:
+        """Fields that may differ between the requests of one batch."""
+        return frozenset(f.name for f in fields(cls) if f.metadata.get("per_row"))
+
+    # ------------------------------------------------------------------ values
+    def set_fields(self) -> dict[str, Any]:
+        """``{name: value}`` of the fields that are not ``None``."""
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` (an unresolved request: it is resolved again when used)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether :meth:`RequestSpec.resolve` produced this object (every field set)."""
+        return self.__dict__.get("_resolved_for") is not None
+
+    def validate(self, spec: RequestSpec) -> None:
+        """Check every field that is set against ``spec``: the one set of value rules.
+
+        Types are strict: ``True`` is not an integer nor a number, ``"2"`` is not an integer.
+        The pixel-steps budget is checked once height, width and steps are known.
+
+        Raises:
+            InvalidRequestError: naming the field (``param``) and the allowed values.
+        """
+        limits = spec.limits
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name != "prompt":
+                continue
+            kind = f.metadata.get("kind")
+            if kind == "text":
+                check_text(value, f.name)
+            elif kind == "size":
+                check_size(value, f.name, spec.spatial_factor, limits.max_image_size)
+            elif kind == "count":
+                top = getattr(limits, f.metadata["limit"]) if f.metadata.get("limit") else None
+                check_count(value, f.name, top)
+            elif kind == "scale":
+                check_scale(value, f.name)
+            elif kind == "seed":
+                if not _is_int(value) or not 0 <= value <= MAX_SEED:
+                    raise InvalidRequestError(
+                        f"seed must be an integer in [0, {MAX_SEED}] or null, got {value!r}",
+                        param="seed",
+                    )
+            elif kind == "lora":
+                validate_composition(value, f.name)
+        self._check_budget(limits)
+        self.check(spec)
+
+    def check(self, spec: RequestSpec) -> None:
+        """Rules of a family's own fields beyond their kind's (default: none)."""
+
+    def _check_budget(self, limits: RequestLimits) -> None:
+        budget = limits.max_pixel_steps
+        steps = self.num_inference_steps
+        if budget is None or None in (self.height, self.width, steps):
+            return
+        n = self.num_outputs_per_prompt or 1
+        frames = getattr(self, "num_frames", None) or 1
+        cost = n * frames * self.height * self.width * steps
+        if cost <= budget:
+            return
+        param_name = (
+            "num_outputs_per_prompt"
+            if n > 1
+            else "num_frames"
+            if frames > 1
+            else "num_inference_steps"
+        )
+        what = "n x num_frames" if frames > 1 else "n"
+        count = f"{n} x {frames}" if frames > 1 else f"{n}"
+        raise InvalidRequestError(
+            f"this request costs {what} x width x height x num_inference_steps = "
+            f"{count} x {self.width} x {self.height} x {steps} = {cost} pixel-steps, "
+            f"over this server's budget of {budget} (--max-pixel-steps); lower {what}, "
+            "size or num_inference_steps",
+            param=param_name,
+        )
+
+    def guidance_values(self) -> dict[str, float]:
+        """``{name: value}`` of the guidance weights that are set (fields of kind ``scale``)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.metadata.get("kind") == "scale" and getattr(self, f.name) is not None
+        }
+
+
+@dataclass(frozen=True)
+class VideoSamplingParams(SamplingParams):
+    """The fields of a video model: :class:`SamplingParams` plus the frame count and rate."""
+
+    num_frames: int | None = param("count", "frames of the video", limit="max_num_frames")
+    fps: int | None = param("count", "frames per second of the video", limit=None)
+
+    def check(self, spec: RequestSpec) -> None:
+        if self.fps is not None:
+            check_count(self.fps, "fps", MAX_FPS)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What one served model accepts: its parameter class, defaults and limits.
+
+    Built by the pipeline from its family's declaration (:meth:`for_model`), and tightened with
+    the server's bounds (:meth:`with_limits`). Picklable (TP workers send it to the engine).
+
+    Attributes:
+        family: the family id (``/v1/models``'s ``family``).
+        display_name: the family's name in messages.
+        params_class: the family's :class:`SamplingParams` subclass.
+        defaults: an instance of ``params_class`` holding the model's default of every field.
+        limits: the bounds (:class:`RequestLimits`).
+        spatial_factor: height and width must be multiples of it.
+        outputs: ``"image"`` or ``"video"``.
+        inputs: the conditioning the model takes (``("text",)``).
+    """
+
+    family: str
+    display_name: str
+    params_class: type[SamplingParams]
+    defaults: SamplingParams
+    limits: RequestLimits
+    spatial_factor: int = 16
+    outputs: str = "image"
+    inputs: tuple[str, ...] = ("text",)
+
+    @classmethod
+    def generic(cls) -> RequestSpec:
+        """A spec of no particular model: the common fields, spatial factor 1, no bounds (the
+        checks that can run before a model is loaded: ``sglang generate`` runs them first)."""
+        none = RequestLimits(**{f.name: None for f in fields(RequestLimits)})
+        return cls("", "any", SamplingParams, SamplingParams(), none, spatial_factor=1)
+
+    def check_values(self, values: Mapping[str, Any]) -> None:
+        """Check the ``values`` of the fields this spec's class declares (others are left to
+        the model's spec), without defaults.
+
+        Raises:
+            InvalidRequestError: as :meth:`SamplingParams.validate`.
+        """
+        names = set(self.params_class.field_names())
+        self.params_class(**{k: v for k, v in values.items() if k in names}).validate(self)
+
+    def with_limits(self, limits: RequestLimits) -> RequestSpec:
+        """This spec with ``limits`` applied on top (each bound the smaller of the two)."""
+        return dataclasses.replace(self, limits=self.limits.tightened(limits))
+
+    # ------------------------------------------------------------------ building requests
+    def params(self, **values: Any) -> SamplingParams:
+        """A request of this model from field values (an edge: HTTP, CLI, Python).
+
+        Raises:
+            InvalidRequestError: a field this model does not declare (``param`` names it);
+                ``prompt`` missing.
+        """
+        self._check_names(values)
+        if "prompt" not in values:
+            raise InvalidRequestError("prompt is required", param="prompt")
+        return self.params_class(**values)
+
+    def _check_names(self, values: Mapping[str, Any]) -> None:
+        known = set(self.params_class.field_names())
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            raise InvalidRequestError(
+                f"{unknown[0]} is not a parameter of {self.display_name} models; their "
+                f"parameters: {', '.join(sorted(known))}",
+                param=unknown[0],
+            )
+
+    def convert(self, params: SamplingParams) -> SamplingParams:
+        """``params`` as an instance of this model's class (a base :class:`SamplingParams`
+        from the Python API, or another family's class whose extra fields are unset).
+
+        Raises:
+            InvalidRequestError: a set field this model does not declare.
+        """
+        if type(params) is self.params_class:
+            return params
+        values = params.set_fields()
+        if "num_outputs_per_prompt" in values and values["num_outputs_per_prompt"] == 1:
+            values.pop("num_outputs_per_prompt")
+        self._check_names(values)
+        return self.params_class(**{"prompt": params.prompt, **values})
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """The request as the pipeline runs it: this model's class, every unset field from the
+        model's defaults, checked (:meth:`SamplingParams.validate`), the seed drawn when unset
+        (the one place a seed is drawn), the adapter composition normalised. A request already
+        resolved for this model (under these limits or tighter ones: the server's) is returned
+        as is, so a request is validated once.
+
+        Raises:
+            InvalidRequestError: as :meth:`SamplingParams.validate` and :meth:`convert`.
+        """
+        if params.__dict__.get("_resolved_for") == self.key:
+            return params
+        params = self.convert(params)
+        fill = {
+            f.name: getattr(self.defaults, f.name)
+            for f in fields(params)
+            if getattr(params, f.name) is None and getattr(self.defaults, f.name) is not None
+        }
+        params = dataclasses.replace(params, **fill) if fill else params
+        params.validate(self)
+        changes: dict[str, Any] = {}
+        if params.seed is None:
+            changes["seed"] = secrets.randbits(63)
+        if params.lora is not None:
+            changes["lora"] = tuple(validate_composition(params.lora, "lora"))
+        if changes:
+            params = dataclasses.replace(params, **changes)
+        object.__setattr__(params, "_resolved_for", self.key)
+        return params
+
+    @property
+    def key(self) -> tuple:
+        """The model a resolved request was resolved for (family, parameter class, spatial
+        factor); limits only tighten, so a request resolved under the server's limits is valid
+        for the engine's."""
+        return (self.family, self.params_class.__qualname__, self.spatial_factor)
+
+    # ------------------------------------------------------------------ describing
+    def parameters(self) -> list[dict[str, Any]]:
+        """``[{name, kind, help, default}]`` of this model's fields (``/v1/models``)."""
+        out = []
+        for f in fields(self.params_class):
+            default = getattr(self.defaults, f.name)
+            out.append(
+                {
+                    "name": f.name,
+                    "kind": f.metadata.get("kind"),
+                    "help": f.metadata.get("help"),
+                    "default": list(default) if isinstance(default, tuple) else default,
+                }
+            )
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """The model's defaults and limits as one flat JSON-able dict (``engine.defaults``):
+        every field's default, ``max_image_size``, ``max_num_frames``,
+        ``max_sequence_length_limit``, ``modality`` (``outputs``) and ``inputs``."""
+        out = {
+            f.name: getattr(self.defaults, f.name)
+            for f in fields(self.params_class)
+            if f.name not in ("prompt", "lora", "seed")
+        }
+        out.update(
+            max_image_size=self.limits.max_image_size,
+            max_num_frames=self.limits.max_num_frames,
+            max_sequence_length_limit=self.limits.max_sequence_length,
+            modality=self.outputs,
+            inputs=list(self.inputs),
+        )
+        return out
