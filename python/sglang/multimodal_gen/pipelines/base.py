@@ -101,13 +101,14 @@ class StagedPipeline:
     Class attributes for subclasses:
         text_components: components used only by :meth:`encode_prompt` (rank 0 loads them).
         spatial_factor: from :meth:`compute_spatial_factor` (VAE factor x patch size).
-        shifted_schedule: the family's timesteps come from :meth:`shifted_timesteps` (its
-            diffusers helpers are then imported when the pipeline is built, not by a request).
+        shifted_schedule: the diffusers pipeline module whose ``calculate_shift`` and
+            ``retrieve_timesteps`` the family's timesteps come from (:meth:`shifted_timesteps`;
+            imported when the pipeline is built, not by a request), or ``None``.
     """
 
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer")
     family_name: str = ""
-    shifted_schedule: bool = False
+    shifted_schedule: str | None = None
     # Called with the denoiser about to run whenever the loop switches denoisers (two-expert
     # models): the runner's per-expert CPU offload keeps only that one on the accelerator.
     on_denoiser_change: Callable[[torch.nn.Module], None] | None = None
@@ -156,7 +157,7 @@ class StagedPipeline:
         # execution device); the runner may set "cpu" to reproduce a CPU-seeded run
         self.generator_device = str(self.device) if self.device.type == "cuda" else self.device.type
         if self.shifted_schedule:
-            flow_shift_helpers()
+            flow_shift_helpers(self.shifted_schedule)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -405,7 +406,7 @@ class StagedPipeline:
             image_seq_len: image tokens of one item (latent patches).
             sigmas: a sequence of ``num_steps`` floats or ``None``.
         """
-        calculate_shift, retrieve_timesteps = flow_shift_helpers()
+        calculate_shift, retrieve_timesteps = flow_shift_helpers(self.shifted_schedule)
         sc = self.scheduler_config
         mu = calculate_shift(
             image_seq_len,

@@ -66,19 +66,23 @@ class EncodingFailed:
 
 
 @functools.cache
-def flow_shift_helpers():
-    """diffusers' ``(calculate_shift, retrieve_timesteps)`` (``pipelines/flux/pipeline_flux.py``).
+def flow_shift_helpers(module: str):
+    """``(calculate_shift, retrieve_timesteps)`` of the diffusers pipeline module ``module``
+    (e.g. ``"diffusers.pipelines.z_image.pipeline_z_image"``): the schedule helpers the family's
+    reference pipeline calls (diffusers keeps one copy per pipeline module).
 
-    Importing that module imports transformers' CLIP and SigLIP classes: about 1.7 s on a 2-core
-    CPU, and without torchvision transformers warns that their image processors fall back to PIL
-    (processors no family here uses). Pipelines that need the helpers call this when they are
+    Importing a pipeline module imports transformers' model classes (about 1.7 s on a 2-core
+    CPU; without torchvision transformers warns that their image processors fall back to PIL,
+    processors no family here uses). Pipelines that need the helpers call this when they are
     built, so no request pays the import, and those warnings are kept out of the log.
     """
+    import importlib
+
     tf_logger = logging.getLogger("transformers")
     level = tf_logger.level
     tf_logger.setLevel(logging.ERROR)
     try:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+        mod = importlib.import_module(module)
     finally:
         tf_logger.setLevel(level)
-    return calculate_shift, retrieve_timesteps
+    return mod.calculate_shift, mod.retrieve_timesteps

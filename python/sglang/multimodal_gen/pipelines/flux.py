@@ -58,7 +58,7 @@ class FluxPipeline(StagedPipeline):
     """Flux.1 on our DiT (``models/dits/flux.py``) with the reference CLIP/T5/VAE/scheduler."""
 
     family_name = "flux"
-    shifted_schedule = True
+    shifted_schedule = "diffusers.pipelines.flux.pipeline_flux"
     text_components = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
 
     # ------------------------------------------------------------------ text

@@ -57,7 +57,7 @@ class QwenImagePipeline(StagedPipeline):
     """Qwen-Image on our DiT (``models/dits/qwen_image.py``)."""
 
     family_name = "qwen-image"
-    shifted_schedule = True
+    shifted_schedule = "diffusers.pipelines.qwenimage.pipeline_qwenimage"
     text_components = ("text_encoder", "tokenizer")
 
     def compute_vae_scale_factor(self) -> int:

@@ -52,7 +52,7 @@ class ZImagePipeline(StagedPipeline):
     """
 
     family_name = "zimage"
-    shifted_schedule = True
+    shifted_schedule = "diffusers.pipelines.z_image.pipeline_z_image"
     # texts are padded to a multiple of this many tokens (see encode_texts, encode_group_key)
     TEXT_PAD_MULTIPLE: int = 16
 
