@@ -293,20 +293,28 @@ def test_merge_cache_bound_and_snapshot_memory(files):
 def test_adapters_per_call_are_bounded(files):
     """A set_lora naming 10000 nicknames (a 100 KB body) or a request composing 2000 adapters used
     to hold the engine for minutes; both are a 400 naming the field before anything is read."""
+    from sglang.multimodal_gen.configs.sampling_params import RequestLimits, RequestSpec
+    from sglang.multimodal_gen.configs.zimage import ZImageSamplingParams
     from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
     from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception
     from sglang.multimodal_gen.entrypoints.protocol import (
         ImageGenerationRequest,
-        Limits,
         SetLoRARequest,
-        validate_generation,
+        image_job,
         validate_set_lora,
     )
     from sglang.multimodal_gen.lora.requests import MAX_ADAPTERS_PER_CALL as N
 
     assert N == 64
     targets = ("all", "transformer")
-    limits = Limits(spatial_factor=16, max_image_size=1024, max_images=8, max_steps=1000)
+    spec = RequestSpec(
+        "zimage",
+        "Z-Image",
+        ZImageSamplingParams,
+        ZImageSamplingParams(height=1024, width=1024, num_inference_steps=8, guidance_scale=0.0),
+        RequestLimits(max_image_size=1024, max_num_outputs_per_prompt=8, max_inference_steps=1000),
+        spatial_factor=16,
+    )
 
     def set_lora_body(n):
         body = {"lora_nickname": [f"x{i}" for i in range(n)], "lora_path": "a.safetensors"}
@@ -318,12 +326,12 @@ def test_adapters_per_call_are_bounded(files):
 
     # the HTTP routes' validation
     assert len(validate_set_lora(set_lora_body(N), targets)["lora_nickname"]) == N
-    assert len(validate_generation(generation_body(N), limits).engine_kwargs["lora"]) == N
+    assert len(image_job(generation_body(N), spec).params.lora) == N
     for call, param, n in (
         (lambda n: validate_set_lora(set_lora_body(n), targets), "lora_nickname", 10_000),
         (lambda n: validate_set_lora(set_lora_body(n), targets), "lora_nickname", N + 1),
-        (lambda n: validate_generation(generation_body(n), limits), "lora", 2000),
-        (lambda n: validate_generation(generation_body(n), limits), "lora", N + 1),
+        (lambda n: image_job(generation_body(n), spec), "lora", 2000),
+        (lambda n: image_job(generation_body(n), spec), "lora", N + 1),
     ):
         with pytest.raises(InvalidRequestError) as e:
             call(n)

@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from sglang.multimodal_gen.configs.sampling_params import RequestLimits, RequestSpec
 from sglang.multimodal_gen.configs.server_args import ServerArgs, detect_model_type
+from sglang.multimodal_gen.configs.zimage import ZImageSamplingParams
 from sglang.multimodal_gen.entrypoints.auth import ApiKeyAuth, bearer_token
 from sglang.multimodal_gen.entrypoints.http_body import (
     BodyError,
@@ -18,10 +20,10 @@ from sglang.multimodal_gen.entrypoints.http_body import (
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception
 from sglang.multimodal_gen.entrypoints.protocol import (
     ImageGenerationRequest,
-    Limits,
     SetLoRARequest,
+    default_size,
+    image_job,
     parse_size,
-    validate_generation,
     validate_set_lora,
 )
 from sglang.multimodal_gen.errors import (
@@ -32,7 +34,48 @@ from sglang.multimodal_gen.errors import (
     QueueFullError,
 )
 
-LIMITS = Limits(spatial_factor=16, max_image_size=1024, max_images=8, max_steps=1000)
+#: A Z-Image model's declaration (its defaults and model limits: ``models/families/zimage.py``).
+ZIMAGE_DEFAULTS = ZImageSamplingParams(
+    height=1024,
+    width=1024,
+    num_inference_steps=8,
+    guidance_scale=0.0,
+    max_sequence_length=512,
+    cfg_normalization=0.0,
+    cfg_truncation=1.0,
+)
+
+
+def _spec(
+    spatial_factor: int = 16,
+    max_image_size: int = 1024,
+    max_n: int | None = 8,
+    max_steps: int | None = 1000,
+    max_pixel_steps: int | None = None,
+    defaults: ZImageSamplingParams = ZIMAGE_DEFAULTS,
+) -> RequestSpec:
+    """A Z-Image model's spec with a server's bounds on top (as ``server_spec`` makes it)."""
+    model = RequestSpec(
+        "zimage",
+        "Z-Image",
+        ZImageSamplingParams,
+        defaults,
+        RequestLimits(max_image_size=4096, max_sequence_length=1024),
+        spatial_factor=spatial_factor,
+    )
+    return model.with_limits(
+        RequestLimits(
+            max_image_size=max_image_size,
+            max_num_frames=None,
+            max_sequence_length=None,
+            max_inference_steps=max_steps,
+            max_num_outputs_per_prompt=max_n,
+            max_pixel_steps=max_pixel_steps,
+        )
+    )
+
+
+SPEC = _spec()
 
 
 # ------------------------------------------------------------------------------ size / values
@@ -42,7 +85,7 @@ LIMITS = Limits(spatial_factor=16, max_image_size=1024, max_images=8, max_steps=
     "size,wh", [("64x64", (64, 64)), ("1024X512", (1024, 512)), (" 32 x 48 ", (32, 48))]
 )
 def test_parse_size_ok(size, wh):
-    assert parse_size(size, LIMITS) == wh
+    assert parse_size(size, SPEC) == wh
 
 
 @pytest.mark.parametrize(
@@ -53,84 +96,128 @@ def test_parse_size_ok(size, wh):
 )  # fmt: skip
 def test_parse_size_bad(size, needle):
     with pytest.raises(InvalidRequestError) as e:
-        parse_size(size, LIMITS)
+        parse_size(size, SPEC)
     assert e.value.param == "size" and needle in e.value.message
 
 
 def test_size_error_gives_an_example_the_server_accepts():
-    small = Limits(spatial_factor=8, max_image_size=256)
+    small = _spec(spatial_factor=8, max_image_size=256)
     with pytest.raises(InvalidRequestError) as e:
         parse_size("512x512", small)
     example = e.value.message.split("e.g. ")[1].strip("'")
     assert example == "256x256" and parse_size(example, small) == (256, 256)
     with pytest.raises(InvalidRequestError) as e:
-        parse_size("big", LIMITS)
+        parse_size("big", SPEC)
     assert "e.g. '1024x1024'" in e.value.message
 
 
-def test_validate_generation_translates_fields():
+def test_image_job_translates_fields():
     req = ImageGenerationRequest(
         prompt="p",
         size="128x64",
         n=2,
         seed=5,
         num_inference_steps=3,
-        guidance_scale=2.0,
+        guidance_scale=2,
         negative_prompt="blurry",
         lora=[{"name": "a", "scale": 0.5}, {"name": "b"}],
         output_format="JPG",
         quality="high",
         user="u1",
     )
-    p = validate_generation(req, LIMITS)
-    assert p.engine_kwargs == {
+    job = image_job(req, SPEC)
+    p = job.params
+    assert type(p) is ZImageSamplingParams and p.resolved
+    assert p.set_fields() == {
         "prompt": "p",
         "height": 64,
         "width": 128,
-        "num_images": 2,
+        "num_outputs_per_prompt": 2,
         "seed": 5,
         "num_inference_steps": 3,
         "guidance_scale": 2.0,
         "negative_prompt": "blurry",
-        "lora": [("a", 0.5), ("b", 1.0)],
+        "lora": (("a", 0.5), ("b", 1.0)),
+        # the model's defaults of the fields the client left out
+        "max_sequence_length": 512,
+        "cfg_normalization": 0.0,
+        "cfg_truncation": 1.0,
     }
-    assert p.output_format == "jpeg" and p.response_format == "b64_json" and p.size == "128x64"
-    assert p.composition_key == (("a", 0.5), ("b", 1.0))
+    assert isinstance(p.guidance_scale, float)
+    assert job.output_format == "jpeg" and job.response_format == "b64_json"
+    assert job.size == "128x64"
 
 
-def test_validate_generation_defaults_leave_engine_defaults():
-    p = validate_generation(ImageGenerationRequest(prompt="p"), LIMITS)
-    assert p.engine_kwargs == {"prompt": "p", "height": 1024, "width": 1024, "num_images": 1}
-    small = Limits(spatial_factor=16, max_image_size=500)
-    assert validate_generation(ImageGenerationRequest(prompt="p", size="auto"), small).size == (
-        "496x496"
+def test_image_job_family_fields_and_strength():
+    """A field of the served model's family is passed on; ``strength`` is the adapter weight
+    (``scale`` its alias; both given and different is refused)."""
+    req = ImageGenerationRequest(
+        prompt="p", cfg_normalization=1, cfg_truncation=0.5, lora={"name": "a", "strength": 0.25}
     )
+    p = image_job(req, SPEC).params
+    assert (p.cfg_normalization, p.cfg_truncation) == (1.0, 0.5)
+    assert p.lora == (("a", 0.25),)
+    req = ImageGenerationRequest(prompt="p", lora={"name": "a", "strength": 0.5, "scale": 0.5})
+    assert image_job(req, SPEC).params.lora == (("a", 0.5),)
+    with pytest.raises(InvalidRequestError) as e:
+        image_job(
+            ImageGenerationRequest(prompt="p", lora={"name": "a", "strength": 1, "scale": 2}), SPEC
+        )
+    assert e.value.param == "lora" and "alias" in e.value.message
+
+
+@pytest.mark.parametrize("field,value", [("true_cfg_scale", 4.0), ("guidance_scale_2", 3.0)])
+def test_a_field_of_another_family_is_refused_naming_it(field, value):
+    """The body's schema takes every registered family's fields (Flux's ``true_cfg_scale``,
+    Wan's ``guidance_scale_2``: 422 only for a field no model declares); the served model's
+    spec refuses the ones it does not declare (400, naming the field)."""
+    req = parse_json_body(
+        json.dumps({"prompt": "p", field: value}).encode(), ImageGenerationRequest
+    )
+    with pytest.raises(InvalidRequestError) as e:
+        image_job(req, SPEC)
+    assert e.value.param == field and e.value.status_code == 400
+    assert e.value.message.startswith(f"{field} is not a parameter of Z-Image models")
+
+
+def test_a_field_no_model_declares_is_a_schema_error():
+    with pytest.raises(SchemaError) as e:
+        parse_json_body(b'{"prompt": "p", "num_inference_step": 3}', ImageGenerationRequest)
+    assert e.value.status_code == 422 and e.value.param == "num_inference_step"
+
+
+def test_image_job_defaults_are_the_models():
+    p = image_job(ImageGenerationRequest(prompt="p"), SPEC).params
+    assert p.replace(seed=None) == ZIMAGE_DEFAULTS.replace(prompt="p", num_outputs_per_prompt=1)
+    assert p.seed is not None  # drawn once, here
+    small = _spec(max_image_size=500)
+    assert image_job(ImageGenerationRequest(prompt="p", size="auto"), small).size == "496x496"
     # without a size the model's own default size is used (the demo model's 64x64)
-    own = validate_generation(
-        ImageGenerationRequest(prompt="p"), LIMITS, {"height": 64, "width": 64}
+    own = image_job(
+        ImageGenerationRequest(prompt="p"),
+        _spec(defaults=ZIMAGE_DEFAULTS.replace(height=64, width=64)),
     )
-    assert own.engine_kwargs["height"] == own.engine_kwargs["width"] == 64
-    wide = validate_generation(
-        ImageGenerationRequest(prompt="p"), small, {"height": 480, "width": 832}
+    assert own.params.height == own.params.width == 64
+    wide = image_job(
+        ImageGenerationRequest(prompt="p"),
+        _spec(max_image_size=500, defaults=ZIMAGE_DEFAULTS.replace(height=480, width=832)),
     )
     assert wide.size == "496x480"  # capped at the server's maximum, on the model's grid
-    assert (
-        validate_generation(ImageGenerationRequest(prompt="p", lora=[]), LIMITS).engine_kwargs[
-            "lora"
-        ]
-        == []
-    )
+    assert default_size(_spec(defaults=ZImageSamplingParams())) == (1024, 1024)
+    assert default_size(_spec(max_image_size=500, defaults=ZImageSamplingParams())) == (496, 496)
+    assert image_job(ImageGenerationRequest(prompt="p", lora=[]), SPEC).params.lora == ()
 
 
 @pytest.mark.parametrize(
     "fields,param,needle",
     [
-        ({"n": 0}, "n", "[1, 8]"),
-        ({"n": 9}, "n", "[1, 8]"),
+        ({"n": 0}, "n", "n must be an integer in [1, 8], got 0"),
+        ({"n": 9}, "n", "n must be an integer in [1, 8], got 9"),
         ({"num_inference_steps": 0}, "num_inference_steps", "[1, 1000]"),
         ({"num_inference_steps": 1001}, "num_inference_steps", "[1, 1000]"),
         ({"guidance_scale": float("nan")}, "guidance_scale", "finite"),
         ({"guidance_scale": -0.5}, "guidance_scale", ">= 0"),
+        ({"cfg_truncation": -0.5}, "cfg_truncation", ">= 0"),
         ({"seed": 2**63}, "seed", "[0, "),
         ({"response_format": "file"}, "response_format", "b64_json"),
         ({"output_format": "gif"}, "output_format", "png"),
@@ -141,10 +228,10 @@ def test_validate_generation_defaults_leave_engine_defaults():
         ({"prompt": "x" * 20001}, "prompt", "longer"),
     ],
 )
-def test_validate_generation_errors(fields, param, needle):
+def test_image_job_errors(fields, param, needle):
     req = ImageGenerationRequest(**{"prompt": "p", "size": "64x64", **fields})
     with pytest.raises(InvalidRequestError) as e:
-        validate_generation(req, LIMITS)
+        image_job(req, SPEC)
     assert e.value.param == param and needle in e.value.message, e.value.message
 
 
@@ -208,7 +295,7 @@ def test_parse_json_body_errors_have_line_and_column():
 def test_parse_json_body_accepts_nan_literal_for_value_check():
     req = parse_json_body(b'{"prompt": "x", "guidance_scale": NaN}', ImageGenerationRequest)
     with pytest.raises(InvalidRequestError, match="guidance_scale"):
-        validate_generation(req, LIMITS)
+        image_job(req, SPEC)
 
 
 def test_encode_image_quality_follows_output_compression():
@@ -216,7 +303,7 @@ def test_encode_image_quality_follows_output_compression():
 
     import numpy as np
     from PIL import Image
-    from sglang.multimodal_gen.entrypoints.images import encode_image
+    from sglang.multimodal_gen.outputs import encode_image
 
     rng = np.random.default_rng(0)
     img = Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))
@@ -403,24 +490,45 @@ def test_schema_errors_are_one_sentence_per_field(body, param, message):
 def _request_models():
     from sglang.multimodal_gen.entrypoints import protocol, videos
 
-    return [
-        m
+    # by their public names (the generation bodies are built with ``create_model`` from
+    # ``_ImageGenerationBody`` / ``_VideoGenerationBody`` plus the declared fields)
+    return {
+        name: m
         for mod in (protocol, videos)
-        for m in vars(mod).values()
-        if isinstance(m, type) and m.__name__.endswith("Request") and hasattr(m, "model_fields")
-    ]
+        for name, m in vars(mod).items()
+        if isinstance(m, type) and name.endswith("Request") and hasattr(m, "model_fields")
+    }
 
 
 def test_every_request_field_has_its_own_schema_sentence():
     """A wrong JSON type in any field of any request body is a 422 naming that field and what
     it takes (the video fields once fell through to 'the body must be a JSON object')."""
-    from sglang.multimodal_gen.entrypoints.schema_errors import _EXPECTED, model_field_names
+    from sglang.multimodal_gen.entrypoints.protocol import LoRASpec
+    from sglang.multimodal_gen.entrypoints.schema_errors import _expected, model_field_names
 
     models = _request_models()
-    assert {m.__name__ for m in models} >= {"ImageGenerationRequest", "VideoGenerationRequest"}
-    for model in models:
-        missing = model_field_names(model) - set(_EXPECTED)
-        assert not missing, (model.__name__, missing)
+    assert set(models) >= {"ImageGenerationRequest", "VideoGenerationRequest"}
+    for name, model in models.items():
+        for field in model_field_names(model):
+            # the table's words, or (a family's declared field) its annotation's JSON type
+            owner = model if field in model.model_fields else LoRASpec
+            assert field in owner.model_fields, (name, field)
+            assert _expected(owner, field) != "a value of another type", (name, field)
+
+
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("cfg_normalization", True, "cfg_normalization must be a number, got true"),
+        ("cfg_truncation", "1", "cfg_truncation must be a number, got the string '1'"),
+        ("true_cfg_scale", [4], "true_cfg_scale must be a number, got a list"),
+    ],
+)
+def test_family_fields_schema_errors_name_the_field(field, value, expected):
+    with pytest.raises(SchemaError) as e:
+        parse_json_body(json.dumps({"prompt": "p", field: value}).encode(), ImageGenerationRequest)
+    assert e.value.param == field and e.value.status_code == 422
+    assert e.value.message == "request body does not match the schema: " + expected
 
 
 @pytest.mark.parametrize(
@@ -451,15 +559,20 @@ def test_set_lora_schema_is_strict():
 
 def test_size_digits_bounded_and_pixel_budget():
     with pytest.raises(InvalidRequestError) as e:
-        parse_size("9" * 5000 + "x64", LIMITS)
+        parse_size("9" * 5000 + "x64", SPEC)
     assert e.value.param == "size" and "Exceeds" not in e.value.message
-    limits = Limits(spatial_factor=16, max_image_size=1024, max_pixel_steps=1024 * 1024 * 256)
-    defaults = {"num_inference_steps": 8}
+    spec = _spec(max_pixel_steps=1024 * 1024 * 256)
     big = dict(prompt="p", size="1024x1024", num_inference_steps=50)
-    validate_generation(ImageGenerationRequest(**big, n=1), limits, defaults)
+    image_job(ImageGenerationRequest(**big, n=1), spec)
     with pytest.raises(InvalidRequestError) as e:
-        validate_generation(ImageGenerationRequest(**big, n=8), limits, defaults)
+        image_job(ImageGenerationRequest(**big, n=8), spec)
     assert e.value.param == "n" and "419430400 pixel-steps" in e.value.message
+    # the model's default step count enters the budget when the request has none
+    many = _spec(max_pixel_steps=1024 * 1024 * 8 * 2)
+    image_job(ImageGenerationRequest(prompt="p", size="1024x1024", n=2), many)
+    with pytest.raises(InvalidRequestError) as e:
+        image_job(ImageGenerationRequest(prompt="p", size="1024x1024", n=3), many)
+    assert e.value.param == "n" and "3 x 1024 x 1024 x 8 = " in e.value.message
 
 
 def test_server_args_cost_and_connection_flags():
