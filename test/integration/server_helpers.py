@@ -27,8 +27,38 @@ import numpy as np
 import torch
 from PIL import Image
 from safetensors.torch import save_file
+from sglang.multimodal_gen.configs.sampling_params import (
+    RequestLimits,
+    RequestSpec,
+    SamplingParams,
+)
+from sglang.multimodal_gen.configs.zimage import ZImageSamplingParams
 from sglang.multimodal_gen.errors import EngineDeadError, NotFoundError
-from sglang.multimodal_gen.runtime import GenerationRequest
+
+#: What the fake engine serves: a Z-Image model's request spec (its family's fields and
+#: defaults; no model bound on the side below the server's own 2048).
+FAKE_SPEC = RequestSpec(
+    "zimage",
+    "Z-Image",
+    ZImageSamplingParams,
+    ZImageSamplingParams(
+        height=1024,
+        width=1024,
+        num_inference_steps=8,
+        guidance_scale=0.0,
+        max_sequence_length=512,
+        cfg_normalization=0.0,
+        cfg_truncation=1.0,
+    ),
+    RequestLimits(max_image_size=4096, max_sequence_length=1024),
+    spatial_factor=16,
+)
+
+
+def fake_params(**fields: Any) -> SamplingParams:
+    """A request of the fake engine's model (``FAKE_SPEC.params``; unset fields keep the
+    model's defaults, an unset seed stays unset)."""
+    return FAKE_SPEC.params(**fields)
 
 
 def fake_reference_image(
@@ -37,19 +67,25 @@ def fake_reference_image(
     """The image :class:`FakeEngine` returns for ``req`` under ``composition``.
 
     Args:
-        req: a ``GenerationRequest``.
+        req: a ``SamplingParams`` (resolved or not: unset fields take the fake model's
+            defaults; the seed is the request's).
         composition: ``[(nickname, strength, content_hash), ...]`` in application order.
         index: image index within the request.
     """
-    req = req.with_defaults(FakeEngine.defaults)
+    d = FAKE_SPEC.defaults
+
+    def value(name: str) -> Any:
+        v = getattr(req, name)
+        return getattr(d, name) if v is None else v
+
     key = json.dumps(
         [
             req.prompt,
             req.negative_prompt,
-            req.height,
-            req.width,
-            req.num_inference_steps,
-            float(req.guidance_scale),
+            value("height"),
+            value("width"),
+            value("num_inference_steps"),
+            float(value("guidance_scale")),
             req.seed,
             [[n, float(s), h] for n, s, h in composition],
             index,
@@ -57,7 +93,7 @@ def fake_reference_image(
     )
     digest = hashlib.sha256(key.encode()).digest()
     rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
-    pixels = rng.integers(0, 256, size=(req.height, req.width, 3), dtype=np.uint8)
+    pixels = rng.integers(0, 256, size=(value("height"), value("width"), 3), dtype=np.uint8)
     return Image.fromarray(pixels, "RGB")
 
 
@@ -78,16 +114,20 @@ class FakeEngine:
     """
 
     model_name = "fake-zimage"
-    spatial_factor = 16
+    spec: RequestSpec = FAKE_SPEC
     lora_targets = ("all", "transformer")
-    defaults = {
-        "height": 1024,
-        "width": 1024,
-        "num_inference_steps": 8,
-        "guidance_scale": 0.0,
-        "true_cfg_scale": 1.0,
-        "max_sequence_length": 512,
-    }
+
+    @property
+    def spatial_factor(self) -> int:
+        return self.spec.spatial_factor
+
+    @property
+    def defaults(self) -> dict:
+        return self.spec.as_dict()
+
+    @property
+    def modality(self) -> str:
+        return self.spec.outputs
 
     def __init__(self, delay_s: float = 0.0, lora_dirs: list[str] | None = None):
         self.delay_s = delay_s
@@ -126,8 +166,14 @@ class FakeEngine:
         return out
 
     # -- DiffusionEngine API ----------------------------------------------------------------
-    def generate(self, req: Any) -> list[Image.Image]:
-        req = req.with_defaults(self.defaults)
+    def generate(
+        self, params: SamplingParams | None = None, progress: bool | None = None, **fields: Any
+    ) -> list[Image.Image]:
+        if params is None:
+            params = self.spec.params(**fields)
+        elif fields:
+            raise TypeError(f"unexpected arguments next to a SamplingParams: {sorted(fields)}")
+        req = self.spec.resolve(params)  # as the engine: a resolved request is taken as is
         with self._exclusive("generate"):
             if req.prompt == "raise internal error":
                 raise RuntimeError("secret internal detail /opt/model.py line 3")
@@ -136,7 +182,7 @@ class FakeEngine:
             if self.delay_s:
                 time.sleep(self.delay_s)
             self.generate_log.append((req, comp))
-            return [fake_reference_image(req, comp, i) for i in range(req.num_images)]
+            return [fake_reference_image(req, comp, i) for i in range(req.num_outputs_per_prompt)]
 
     def set_lora(
         self,
@@ -254,7 +300,6 @@ def running_server(engine: Any, server_args: Any = None, **app_kwargs):
     sock.listen(2048)
     port = sock.getsockname()[1]
     args = (server_args or ServerArgs()).replace(host="127.0.0.1", port=port)
-    app_kwargs.setdefault("request_factory", GenerationRequest)
     app = create_app(engine, args, **app_kwargs)
     # the server's own connection bounds (header/body timeouts, connection cap)
     config = uvicorn_config(app, args, log_level="warning", access_log=False)

@@ -8,6 +8,7 @@ files go through the project's real loader (path containment, Hub cache lookups)
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -22,9 +23,10 @@ import openai
 import pytest
 from PIL import Image
 from server_helpers import (
+    FAKE_SPEC,
     FakeEngine,
-    GenerationRequest,
     assert_envelope,
+    fake_params,
     fake_reference_image,
     free_port,
     running_server,
@@ -62,7 +64,7 @@ def decode(b64: str) -> Image.Image:
 
 
 def expected(engine: FakeEngine, comp_names, index=0, **fields) -> np.ndarray:
-    req = GenerationRequest(**fields)
+    req = fake_params(**fields)
     comp = engine.composition_of(comp_names)
     return np.asarray(fake_reference_image(req, comp, index))
 
@@ -104,7 +106,7 @@ def test_openai_client_png_equals_engine_output(server, engine):
         seed=42,
         num_inference_steps=2,
         guidance_scale=1.5,
-        num_images=2,
+        num_outputs_per_prompt=2,
     )
     for i, item in enumerate(resp.data):
         got = np.asarray(decode(item.b64_json).convert("RGB"))
@@ -937,11 +939,15 @@ def test_max_image_size_above_the_models_refused_at_startup(monkeypatch, capsys)
     from sglang.multimodal_gen.entrypoints import http_server
 
     class SmallModel(FakeEngine):
-        model_info = {"defaults": {**FakeEngine.defaults, "max_image_size": 512}}
+        spec = dataclasses.replace(
+            FAKE_SPEC, limits=dataclasses.replace(FAKE_SPEC.limits, max_image_size=512)
+        )
 
     app = http_server.create_app(SmallModel(), ServerArgs())
-    assert app.state.limits.max_image_size == 512  # the default follows a smaller model
-    assert http_server.create_app(FakeEngine(), ServerArgs()).state.limits.max_image_size == 2048
+    assert app.state.spec.limits.max_image_size == 512  # the default follows a smaller model
+    assert http_server.create_app(FakeEngine(), ServerArgs()).state.spec.limits.max_image_size == (
+        2048
+    )
     with pytest.raises(ValueError, match="larger than this model's maximum of 512"):
         http_server.create_app(SmallModel(), ServerArgs(max_image_size=1024))
     engine = SmallModel()
@@ -1031,11 +1037,11 @@ def test_scheduler_keeps_its_state_across_generations(engine):
 
     from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
 
-    sched = Scheduler(engine, request_factory=GenerationRequest, idle_check_s=0.05)
+    sched = Scheduler(engine, idle_check_s=0.05)
     assert sched.steps_done_for(Future()) is None  # before any task: not running, no error
     sched.start()
     kw = dict(prompt="x", height=32, width=32, num_inference_steps=1, seed=1)
-    sched.submit_generation(**kw).result(timeout=60)
+    sched.submit_generation(FAKE_SPEC.resolve(fake_params(**kw))).result(timeout=60)
     sched.start()  # idempotent, also after a generation
     assert sched.engine_alive()
 

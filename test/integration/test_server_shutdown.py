@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     """
     import os, sys, time
     sys.path.insert(0, {here!r})
-    from server_helpers import FakeEngine, GenerationRequest
+    from server_helpers import FakeEngine
     from sglang.multimodal_gen.configs.server_args import ServerArgs
     from sglang.multimodal_gen.entrypoints import http_server
 
@@ -41,8 +41,6 @@ SCRIPT = textwrap.dedent(
 
     engine.generate = gated_generate
     http_server.build_engine = lambda args: engine
-    import sglang.multimodal_gen.entrypoints.scheduler as sched
-    sched.default_request_factory = lambda: GenerationRequest
     http_server.launch_server(
         ServerArgs(host="127.0.0.1", port={port}, graceful_shutdown_timeout_s={grace})
     )
