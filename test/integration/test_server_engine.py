@@ -27,7 +27,7 @@ from PIL import Image
 from server_helpers import assert_envelope, running_server, write_zimage_lora
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.entrypoints.http_server import load_startup_loras
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def engine(model_path, lora_dirs):
 @pytest.fixture(scope="module")
 def server(engine, lora_dirs, model_path):
     args = ServerArgs(model_path=model_path, lora_dirs=lora_dirs)
-    with running_server(engine, args, request_factory=GenerationRequest) as (url, app, _):
+    with running_server(engine, args) as (url, app, _):
         yield url
 
 
@@ -71,7 +71,7 @@ def pixels(b64: str) -> np.ndarray:
 
 
 def direct(engine, **fields) -> np.ndarray:
-    return np.asarray(engine.generate(GenerationRequest(**fields))[0].convert("RGB"))
+    return np.asarray(engine.generate(**fields)[0].convert("RGB"))
 
 
 def assert_close(got: np.ndarray, ref: np.ndarray, max_levels: int = 2) -> None:
