@@ -19,7 +19,7 @@ from sglang.cli.main import main as sglang_main
 from sglang.multimodal_gen.models import demo_scenes as ds
 from sglang.multimodal_gen.models.default_model import default_model_path, demo_lora_path
 from sglang.multimodal_gen.models.registry import get_family
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 N_PROMPTS = 40
 GUIDANCE = 3.0  # the demo model's own default (its transformer config's _sglang_defaults)
@@ -44,7 +44,7 @@ def assert_accuracy(images, scenes, minimum) -> dict[str, float]:
 
 def generate(engine, scenes, **fields) -> list[Image.Image]:
     """One picture per scene (seed = its index), all in one batch."""
-    reqs = [GenerationRequest(prompt=s.caption, seed=i, **fields) for i, s in enumerate(scenes)]
+    reqs = [SamplingParams(prompt=s.caption, seed=i, **fields) for i, s in enumerate(scenes)]
     out = engine.generate_batch(reqs, progress=False)
     assert not [r for r in out if isinstance(r, Exception)], out
     return [r[0] for r in out]
@@ -95,7 +95,7 @@ def test_default_model_is_the_packaged_demo_with_its_own_defaults(engine, tiny_z
     # a directory without its own defaults keeps the family's (Z-Image-Turbo: 1024 px, 8 steps)
     fam = get_family("zimage")
     real = fam.sampling_defaults(fam.read_config(tiny_zimage_dir))
-    assert (real.height, real.width, real.guidance_scale) == (1024, 1024, 0.0)
+    assert (real.params.height, real.params.width, real.params.guidance_scale) == (1024, 1024, 0.0)
 
 
 def test_bad_own_defaults_are_refused_naming_the_key(tmp_path):
@@ -118,7 +118,7 @@ def test_engine_pictures_match_their_prompts(engine, scenes, base_images):
     assert ds.accuracy(base_images, wrong)["shape"] < MIN_SHAPE
     assert ds.accuracy(base_images, scenes[1:] + scenes[:1])["color"] < 0.5
     # batched pictures are the unbatched ones (up to the GEMMs' batch-size rounding)
-    alone = engine.generate(GenerationRequest(prompt=scenes[0].caption, seed=0))[0]
+    alone = engine.generate(prompt=scenes[0].caption, seed=0)[0]
     assert psnr(np.asarray(alone), np.asarray(base_images[0])) >= 40
 
 
@@ -160,6 +160,6 @@ def test_diffusers_loads_the_demo_model_and_draws_the_same_picture(engine):
             ref, s.caption, seed=i, height=64, width=64, num_inference_steps=8,
             guidance_scale=GUIDANCE,
         )  # fmt: skip
-        got = np.asarray(engine.generate(GenerationRequest(prompt=s.caption, seed=i))[0])
+        got = np.asarray(engine.generate(prompt=s.caption, seed=i)[0])
         assert psnr(got, expected) >= 45, psnr(got, expected)
         assert ds.measure_scene(expected) == ds.measure_scene(got)

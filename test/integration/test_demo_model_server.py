@@ -17,7 +17,7 @@ from server_helpers import running_server
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.models import demo_scenes as ds
 from sglang.multimodal_gen.models.default_model import demo_lora_path
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine
 from test_demo_model import MIN, MIN_LORA, MIN_SHAPE, assert_accuracy, generate, swapped
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def test_tp2_server_draws_prompts_and_applies_the_demo_lora():
     engine = DiffusionEngine(tp_size=2, device="cpu", lora_dirs=roots)
     try:
         args = ServerArgs(tp_size=2, lora_dirs=roots, max_batch_size=40, batch_wait_ms=200)
-        with running_server(engine, args, request_factory=GenerationRequest) as (url, _, _):
+        with running_server(engine, args) as (url, _, _):
             models = httpx.get(f"{url}/v1/models").json()["data"]
             assert models[0]["id"] == "sglang-default-zimage-tiny"
             scenes = ds.random_scenes(40, seed=99)
