@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
 
 import numpy as np
 import pytest
+from sglang.multimodal_gen.configs.sampling_params import RequestSpec
 from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -20,26 +22,26 @@ from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
         ("num_inference_steps", 0, "num_inference_steps"),
         ("guidance_scale", float("nan"), "guidance_scale"),
         ("seed", -1, "seed"),
-        ("num_images", 0, "n"),
+        ("num_outputs_per_prompt", 0, "num_outputs_per_prompt"),
         ("lora", [("a", 1.0), ("a", 2.0)], "lora"),
         ("lora", [("a", float("inf"))], "lora"),
         ("prompt", None, "prompt"),
     ],
 )
 def test_request_validation_names_the_field(field, value, param):
-    req = GenerationRequest(prompt="x", height=32, width=32)
-    setattr(req, field, value)
+    req = SamplingParams(prompt="x", height=32, width=32).replace(**{field: value})
+    spec = dataclasses.replace(RequestSpec.generic(), spatial_factor=16)
     with pytest.raises(InvalidRequestError) as e:
-        req.validate(16)
+        spec.resolve(req)
     assert e.value.param == param and e.value.status_code == 400
 
 
 def test_seedless_requests_differ_and_shutdown_is_final(tiny_zimage_dir):
     engine = DiffusionEngine(tiny_zimage_dir)
-    req = GenerationRequest(prompt="x", height=16, width=16, num_inference_steps=1)
+    req = SamplingParams(prompt="x", height=16, width=16, num_inference_steps=1)
     a, b = (np.asarray(engine.generate(req)[0]) for _ in range(2))
     assert not np.array_equal(a, b)  # a fresh seed per request
-    images = engine.generate(GenerationRequest(prompt="x", height=16, width=32, num_images=2))
+    images = engine.generate(prompt="x", height=16, width=32, num_outputs_per_prompt=2)
     assert [im.size for im in images] == [(32, 16), (32, 16)]
     engine.shutdown()
     assert not engine.is_alive()
@@ -57,7 +59,7 @@ def test_dead_tp_worker_makes_engine_dead(tiny_zimage_dir):
             time.sleep(0.05)
         assert not engine.is_alive()
         with pytest.raises(EngineDeadError):
-            engine.generate(GenerationRequest(prompt="x", height=16, width=16, seed=1))
+            engine.generate(prompt="x", height=16, width=16, seed=1)
     finally:
         engine.shutdown()
     assert all(not p.is_alive() for p in engine._procs)
@@ -99,7 +101,7 @@ def test_in_process_engine_loads_and_runs_on_one_thread(tiny_zimage_dir):
             return forward(*a, **k)
 
         pipe.transformer.forward = record
-        req = GenerationRequest(prompt="a fox", height=32, width=32, num_inference_steps=1, seed=1)
+        req = SamplingParams(prompt="a fox", height=32, width=32, num_inference_steps=1, seed=1)
         engine.generate(req)
         other = threading.Thread(target=engine.generate_batch, args=([req, req],))
         other.start()
