@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 from PIL import Image
-from sglang.cli.generate import save_png
 from sglang.cli.main import main as sglang_main
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.outputs import write_output
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 ARGS = dict(prompt="a paper boat on a lake", seed=7, steps=2, height=32, width=48, guidance=1.5)
 
@@ -30,7 +30,7 @@ def _cli_args(model_dir, out):
 
 
 def _python_entry_png(model_dir, out):
-    req = GenerationRequest(
+    req = SamplingParams(
         prompt=ARGS["prompt"],
         seed=ARGS["seed"],
         num_inference_steps=ARGS["steps"],
@@ -39,7 +39,7 @@ def _python_entry_png(model_dir, out):
         guidance_scale=ARGS["guidance"],
     )
     with DiffusionEngine(model_dir) as engine:
-        save_png(engine.generate(req)[0], str(out))
+        write_output(engine.generate(req)[0], str(out), "png")
 
 
 def test_cli_writes_same_png_as_python_entry(tiny_zimage_dir, tmp_path):
@@ -131,7 +131,7 @@ def test_cli_lora_flags_match_python_entry(tiny_zimage_dir, tiny_zimage_loras, t
     out_cli, out_py, out_base = tmp_path / "l.png", tmp_path / "lp.png", tmp_path / "b.png"
     lora_flags = ["--lora-path", *tiny_zimage_loras, "--lora-scale", "0.7", "1.3"]
     assert sglang_main(_cli_args(tiny_zimage_dir, out_cli) + lora_flags) == 0
-    req = GenerationRequest(
+    req = SamplingParams(
         prompt=ARGS["prompt"],
         seed=ARGS["seed"],
         num_inference_steps=ARGS["steps"],
@@ -140,9 +140,9 @@ def test_cli_lora_flags_match_python_entry(tiny_zimage_dir, tiny_zimage_loras, t
         guidance_scale=ARGS["guidance"],
     )
     with DiffusionEngine(tiny_zimage_dir) as engine:
-        save_png(engine.generate(req)[0], str(out_base))
+        write_output(engine.generate(req)[0], str(out_base), "png")
         engine.set_lora(["x", "y"], list(tiny_zimage_loras), strength=[0.7, 1.3])
-        save_png(engine.generate(req)[0], str(out_py))
+        write_output(engine.generate(req)[0], str(out_py), "png")
     assert out_cli.read_bytes() == out_py.read_bytes()
     assert out_cli.read_bytes() != out_base.read_bytes()
 
@@ -161,7 +161,7 @@ def test_ctrl_c_during_generation_exits_130(tiny_zimage_dir, tmp_path):
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         line = ""
-        while not line.startswith("seed:"):  # printed just before the model loads
+        while not line.startswith("seed:"):  # printed once the model is loaded
             line = proc.stderr.readline()
             assert line or proc.poll() is None, "generate exited before loading"
         time.sleep(8.0)
