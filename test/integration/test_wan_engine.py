@@ -18,8 +18,9 @@ from fixtures.tiny_models import psnr
 from fixtures.tiny_wan import reference_frames, reference_wan
 from PIL import Image
 from sglang.cli.main import main as sglang_main
-from sglang.multimodal_gen.errors import InvalidRequestError
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.configs.wan import WanSamplingParams
+from sglang.multimodal_gen.outputs import Video
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 REQ = dict(prompt="a paper boat", height=32, width=32, num_frames=5, num_inference_steps=4,
            guidance_scale=3.0, guidance_scale_2=2.0, negative_prompt="blurry", seed=3)  # fmt: skip
@@ -63,10 +64,10 @@ def loras(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp1(tiny_wan_a14b_dir, loras):
     with DiffusionEngine(tiny_wan_a14b_dir, device="cpu") as engine:
-        base = engine.generate_video(GenerationRequest(**REQ))[0]
+        base = engine.generate(**REQ)[0].frames
         engine.set_lora(["high", "low"], list(loras), target=["transformer", "transformer_2"],
                         strength=[0.8, 1.2], merge_mode="merge")  # fmt: skip
-        with_lora = engine.generate_video(GenerationRequest(**REQ))[0]
+        with_lora = engine.generate(**REQ)[0].frames
         yield engine, base, with_lora
 
 
@@ -86,22 +87,35 @@ def test_engine_equals_diffusers_with_lora_on_both_experts(tiny_wan_a14b_dir, lo
     assert psnr(with_lora, base) < 45.0  # the adapters change the video
 
 
-def test_image_api_refused_on_a_video_model(tp1):
-    engine, _, _ = tp1
-    with pytest.raises(InvalidRequestError, match="video model") as e:
-        engine.generate(GenerationRequest(prompt="x", height=32, width=32))
-    assert e.value.param == "model"
+def test_generate_on_a_video_model_returns_videos(tp1):
+    """``generate`` makes what the model makes: ``Video`` objects (uint8 frames at the request's
+    frame rate, the model's by default) for a video model; a base ``SamplingParams`` (the common
+    fields) is converted to the model's class."""
+    engine, _, with_lora = tp1  # the fixture's global adapters are active
+    assert engine.spec.outputs == "video" and engine.spec.params_class is WanSamplingParams
+    (video,) = engine.generate(**REQ)
+    assert isinstance(video, Video) and video.audio is None
+    assert video.frames.dtype == np.uint8 and video.frames.shape == (5, 32, 32, 3)
+    assert video.fps == engine.spec.defaults.fps == 16
+    assert np.array_equal(video.frames, with_lora)
+    assert engine.generate(**REQ, fps=8)[0].fps == 8
+    common = SamplingParams(
+        prompt="x", height=32, width=32, num_inference_steps=1, num_outputs_per_prompt=2
+    )
+    two = engine.generate(common)
+    assert len(two) == 2 and all(isinstance(v, Video) for v in two)
+    assert two[0].frames.shape == (engine.spec.defaults.num_frames, 32, 32, 3)
 
 
 @pytest.mark.slow
 def test_tp2_equals_tp1_with_lora_on_both_experts(tiny_wan_a14b_dir, loras, tp1):
     _, base, with_lora = tp1
     with DiffusionEngine(tiny_wan_a14b_dir, tp_size=2, device="cpu") as engine:
-        assert psnr(engine.generate_video(GenerationRequest(**REQ))[0], base) >= TP_MIN_PSNR
+        assert psnr(engine.generate(**REQ)[0].frames, base) >= TP_MIN_PSNR
         for mode in ("merge", "dynamic"):
             engine.set_lora(["high", "low"], list(loras), target=["transformer", "transformer_2"],
                             strength=[0.8, 1.2], merge_mode=mode)  # fmt: skip
-            got = engine.generate_video(GenerationRequest(**REQ))[0]
+            got = engine.generate(**REQ)[0].frames
             assert psnr(got, with_lora) >= TP_MIN_PSNR, mode
             assert psnr(got, base) < TP_MIN_PSNR
 
@@ -147,7 +161,7 @@ def test_serve_startup_loras_per_expert(tiny_wan_a14b_dir, loras, tp1):
     assert args.startup_lora_targets == ["transformer", "transformer_2"]
     engine.unset_lora()
     load_startup_loras(engine, args)
-    assert np.array_equal(engine.generate_video(GenerationRequest(**REQ))[0], with_lora)
+    assert np.array_equal(engine.generate(**REQ)[0].frames, with_lora)
     with pytest.raises(ValueError, match="--lora-target given 3 values for 2"):
         ServerArgs.from_cli_args(parser.parse_args(argv + ["all"])).validate()
 
@@ -157,7 +171,7 @@ def test_offload_keeps_only_the_active_expert_on_the_gpu(tiny_wan_a14b_dir, lora
     """``--dit-cpu-offload`` on a two-expert model: during a generation exactly one expert is on
     the accelerator; frames equal the non-offloaded engine's, also with a global merged LoRA and
     a per-request composition (merged into, and restored on, the host copies)."""
-    req = GenerationRequest(**REQ)
+    req = WanSamplingParams(**REQ)
     comp = dict(REQ, lora=[("high", 0.5), ("low", 1.5)])
     results = {}
     for offload in (False, True):
@@ -177,13 +191,13 @@ def test_offload_keeps_only_the_active_expert_on_the_gpu(tiny_wan_a14b_dir, lora
 
                 runner._activate_expert = spy
                 runner.pipeline.on_denoiser_change = spy
-            out = [engine.generate_video(req)[0]]
+            out = [engine.generate(req)[0].frames]
             engine.set_lora(["high", "low"], list(loras), target=["transformer", "transformer_2"],
                             strength=[0.8, 1.2], merge_mode="merge")  # fmt: skip
-            out.append(engine.generate_video(req)[0])
-            out.append(engine.generate_video(GenerationRequest(**comp))[0])
+            out.append(engine.generate(req)[0].frames)
+            out.append(engine.generate(**comp)[0].frames)
             engine.unset_lora()
-            out.append(engine.generate_video(req)[0])  # the composition left nothing behind
+            out.append(engine.generate(req)[0].frames)  # the composition left nothing behind
             results[offload] = out
             if offload:
                 assert ["transformer"] in seen and ["transformer_2"] in seen
@@ -198,9 +212,9 @@ def test_cfg_and_ring_parallel_equal_one_process(tiny_wan_a14b_dir, loras, tp1):
     """CFG 2 x ring 2 (4 processes) on both experts, with their LoRAs merged and dynamic."""
     _, base, with_lora = tp1
     with DiffusionEngine(tiny_wan_a14b_dir, cfg_degree=2, ring_degree=2, device="cpu") as engine:
-        assert psnr(engine.generate_video(GenerationRequest(**REQ))[0], base) >= TP_MIN_PSNR
+        assert psnr(engine.generate(**REQ)[0].frames, base) >= TP_MIN_PSNR
         for mode in ("merge", "dynamic"):
             engine.set_lora(["high", "low"], list(loras), target=["transformer", "transformer_2"],
                             strength=[0.8, 1.2], merge_mode=mode)  # fmt: skip
-            got = engine.generate_video(GenerationRequest(**REQ))[0]
+            got = engine.generate(**REQ)[0].frames
             assert psnr(got, with_lora) >= TP_MIN_PSNR, mode

@@ -17,10 +17,10 @@ import pytest
 from fixtures.tiny_models import psnr
 from server_helpers import FakeEngine, assert_envelope, running_server
 from sglang.multimodal_gen.configs.server_args import ServerArgs
+from sglang.multimodal_gen.configs.wan import WanSamplingParams
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
-from sglang.multimodal_gen.errors import InvalidRequestError
-from sglang.multimodal_gen.outputs import encode_video
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.outputs import Video, encode_video
+from sglang.multimodal_gen.runtime import DiffusionEngine
 
 BODY = dict(prompt="a paper boat", size="32x32", num_frames=5, fps=8, num_inference_steps=2,
             seed=11, guidance_scale=3.0, negative_prompt="blurry")  # fmt: skip
@@ -66,18 +66,20 @@ def test_job_lifecycle_and_content(served):
     content = httpx.get(f"{url}/v1/videos/{job['id']}/content", timeout=30)
     assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
     frames = _decode(content.content)
-    req = GenerationRequest(prompt=BODY["prompt"], height=32, width=32, num_frames=5,
+    req = WanSamplingParams(prompt=BODY["prompt"], height=32, width=32, num_frames=5, fps=8,
                             num_inference_steps=2, seed=11, guidance_scale=3.0,
                             negative_prompt="blurry")  # fmt: skip
-    direct = engine.generate_video(req)[0]
-    assert frames.shape == direct.shape == (5, 32, 32, 3)
+    video = engine.generate(req)[0]
+    direct = video.frames
+    assert frames.shape == direct.shape == (5, 32, 32, 3) and video.fps == 8
     # the job's MP4 is our encoder's output for the engine's frames (x264 is deterministic for
     # the same frames and settings); once in a full CI run the frames differed by rounding (a
     # different mdat size), so a byte mismatch must still decode within 40 dB of the direct MP4
-    expected = encode_video(direct, 8, "mp4")
+    expected = encode_video(video)  # at the video's own 8 fps
+    assert expected == encode_video(direct, 8, "mp4")
     if content.content != expected:
         assert psnr(frames, _decode(expected)) >= 40, psnr(frames, _decode(expected))
-    other = engine.generate_video(GenerationRequest(**{**req.__dict__, "seed": 12}))[0]
+    other = engine.generate(req.replace(seed=12))[0].frames
     assert content.content != encode_video(other, 8, "mp4")
     assert psnr(frames, _decode(encode_video(other, 8, "mp4"))) < 30  # another seed: far off
     assert psnr(frames, direct) > psnr(frames, other)
@@ -148,24 +150,45 @@ def test_image_endpoint_on_video_model_and_content_before_done(served):
     assert _wait(url, job["id"])["status"] == "completed"
 
 
-def test_image_requests_batched_on_a_video_model_are_refused(served):
-    """Two image requests that share a batch are refused like one alone (the batch path must not
-    make videos for the image route)."""
+def test_video_requests_batched_by_the_scheduler_get_their_own_videos(served):
+    """Two video requests that share a batch (``engine.generate_batch``) each get their own
+    ``Video``, as alone; the image route never reaches the scheduler on a video model (it is
+    refused in its handler: ``test_image_endpoint_on_video_model_and_content_before_done``)."""
     _, engine = served
-    scheduler = Scheduler(engine, max_batch_size=2)
-    futures = [
-        scheduler.submit_generation(prompt=p, height=32, width=32, num_frames=5,
-                                    num_inference_steps=2, seed=1)
-        for p in ("a boat", "a cat")
+    reqs = [
+        engine.spec.resolve(engine.spec.params(
+            prompt=p, height=32, width=32, num_frames=5, fps=8, num_inference_steps=2, seed=s,
+        ))
+        for p, s in (("a boat", 1), ("a cat", 2))
     ]  # fmt: skip
+    alone = [engine.generate(r)[0] for r in reqs]
+    counting = _CountingBatches(engine)
+    scheduler = Scheduler(counting, max_batch_size=2)
+    futures = [scheduler.submit_generation(r) for r in reqs]
     scheduler.start()  # both queued first: they form one batch
     try:
-        for f in futures:
-            with pytest.raises(InvalidRequestError, match="video model") as e:
-                f.result(timeout=120)
-            assert e.value.param == "model"
+        got = [f.result(timeout=120) for f in futures]
     finally:
         scheduler.stop(timeout=60)
+    assert counting.batches == [2]
+    for (video,), ref in zip(got, alone):
+        assert isinstance(video, Video) and video.fps == 8
+        assert psnr(video.frames, ref.frames) >= 45
+    assert psnr(got[0][0].frames, got[1][0].frames) < 35  # the rows really differ
+
+
+class _CountingBatches:
+    """The engine, recording the size of every batch the scheduler hands it."""
+
+    def __init__(self, engine):
+        self.engine, self.batches = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate_batch(self, reqs, progress=None):
+        self.batches.append(len(reqs))
+        return self.engine.generate_batch(reqs, progress)
 
 
 def test_video_routes_on_an_image_model():
@@ -224,9 +247,9 @@ def test_the_openai_client_creates_polls_and_downloads_a_video(served):
         with pytest.raises(openai.BadRequestError) as e:  # image-to-video is not offered
             client.videos.create(prompt="x", size="32x32", input_reference=b"\x89PNG....")
         assert e.value.body["param"] == "input_reference"
-    req = GenerationRequest(prompt=BODY["prompt"], height=32, width=32, num_frames=5,
+    req = WanSamplingParams(prompt=BODY["prompt"], height=32, width=32, num_frames=5,
                             num_inference_steps=2, seed=11, guidance_scale=3.0,
                             negative_prompt="blurry")  # fmt: skip
-    expected = encode_video(engine.generate_video(req)[0], 8, "mp4")
+    expected = encode_video(engine.generate(req)[0].frames, 8, "mp4")
     if content != expected:  # rounding of the frames: see test_job_lifecycle_and_content
         assert psnr(_decode(content), _decode(expected)) >= 40
