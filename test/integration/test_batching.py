@@ -17,7 +17,6 @@ import base64
 import io
 import threading
 import time
-from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -25,10 +24,13 @@ import pytest
 from fixtures.tiny_models import count_dit_calls, psnr
 from PIL import Image
 from server_helpers import running_server
+from sglang.multimodal_gen.configs.flux import FluxSamplingParams
+from sglang.multimodal_gen.configs.qwen_image import QwenImageSamplingParams
 from sglang.multimodal_gen.configs.server_args import ServerArgs
+from sglang.multimodal_gen.configs.wan import WanSamplingParams
 from sglang.multimodal_gen.errors import NotFoundError
-from sglang.multimodal_gen.pipelines.batching import current_batcher
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.outputs import Video
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
 MIN_PSNR = 45.0
@@ -37,28 +39,34 @@ MIN_PSNR = 45.0
 def _zimage_requests():
     base = dict(height=32, width=48, num_inference_steps=3)
     return [
-        GenerationRequest(prompt="a red fox", negative_prompt="blurry", guidance_scale=3.0,
-                          seed=1, **base),
-        GenerationRequest(prompt="a lighthouse at dusk over a calm sea, " * 3,
-                          negative_prompt="grey", guidance_scale=4.0, seed=2, **base),
-        GenerationRequest(prompt="a red fox", negative_prompt="blurry", guidance_scale=3.0,
-                          seed=3, num_images=2, **base),
+        SamplingParams(prompt="a red fox", negative_prompt="blurry", guidance_scale=3.0,
+                       seed=1, **base),
+        SamplingParams(prompt="a lighthouse at dusk over a calm sea, " * 3,
+                       negative_prompt="grey", guidance_scale=4.0, seed=2, **base),
+        SamplingParams(prompt="a red fox", negative_prompt="blurry", guidance_scale=3.0,
+                       seed=3, num_outputs_per_prompt=2, **base),
         # another size: cannot share the DiT call, runs beside the others in the same loop
-        GenerationRequest(prompt="a boat", negative_prompt="blurry", guidance_scale=3.0, seed=4,
-                          height=48, width=32, num_inference_steps=3),
+        SamplingParams(prompt="a boat", negative_prompt="blurry", guidance_scale=3.0, seed=4,
+                       height=48, width=32, num_inference_steps=3),
     ]  # fmt: skip
 
 
+def _pixels(outputs) -> np.ndarray:
+    """A request's typed outputs (PIL images or ``Video`` objects) as uint8 ``[n, ...]``."""
+    return np.stack([o.frames if isinstance(o, Video) else np.asarray(o) for o in outputs])
+
+
 def _check_batched_equals_single(runner, reqs, steps):
-    prepared = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in reqs]
-    single = [runner.cmd_generate(r) for r in prepared]
+    prepared = [runner.spec.resolve(r) for r in reqs]
+    single = [_pixels(runner.cmd_generate(r)) for r in prepared]
     calls = count_dit_calls(runner)
     out = runner.cmd_generate_batch(prepared)
     # requests of one size share ONE DiT call per step (CFG branches included)
-    sizes = {(r.height, r.width, r.num_frames) for r in prepared}
+    sizes = {(r.height, r.width, getattr(r, "num_frames", None)) for r in prepared}
     assert calls[0] == steps * len(sizes), (calls[0], steps, len(sizes))
     for i, (a, (ok, b)) in enumerate(zip(single, out)):
         assert ok, b
+        b = _pixels(b)
         assert a.shape == b.shape
         assert psnr(a, b) >= MIN_PSNR, f"request {i}: {psnr(a, b):.1f} dB"
     assert psnr(single[0][0], single[1][0]) < 35  # the rows really differ
@@ -72,8 +80,8 @@ def test_zimage_batch_equals_single_requests(tiny_zimage_dir):
 def test_flux_true_cfg_batch_equals_single_requests(tiny_flux_dev_dir):
     base = dict(height=32, width=48, num_inference_steps=2, true_cfg_scale=2.0)
     reqs = [
-        GenerationRequest(prompt="a red fox", negative_prompt="blurry", seed=1, **base),
-        GenerationRequest(prompt="a lighthouse", negative_prompt="grey", seed=2, **base),
+        FluxSamplingParams(prompt="a red fox", negative_prompt="blurry", seed=1, **base),
+        FluxSamplingParams(prompt="a lighthouse", negative_prompt="grey", seed=2, **base),
     ]
     _check_batched_equals_single(ModelRunner(tiny_flux_dev_dir), reqs, steps=2)
 
@@ -83,28 +91,30 @@ def test_qwen_image_and_wan_batches(tiny_qwen_image_dir, tiny_wan_a14b_dir):
     differ): the loop still runs them together, one DiT call each; Wan batches its video rows."""
     base = dict(height=32, width=32, num_inference_steps=2, true_cfg_scale=3.0)
     reqs = [
-        GenerationRequest(prompt="a red fox in the snow", negative_prompt="blurry", seed=1, **base),
-        GenerationRequest(prompt="a red fox", negative_prompt="blurry", seed=2, **base),
-        GenerationRequest(prompt="a red cat", negative_prompt="blurry", seed=3, **base),
-    ]
+        QwenImageSamplingParams(prompt="a red fox in the snow", negative_prompt="blurry", seed=1,
+                                **base),
+        QwenImageSamplingParams(prompt="a red fox", negative_prompt="blurry", seed=2, **base),
+        QwenImageSamplingParams(prompt="a red cat", negative_prompt="blurry", seed=3, **base),
+    ]  # fmt: skip
     runner = ModelRunner(tiny_qwen_image_dir)
-    prepared = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in reqs]
-    single = [runner.cmd_generate(r) for r in prepared]
+    prepared = [runner.spec.resolve(r) for r in reqs]
+    single = [_pixels(runner.cmd_generate(r)) for r in prepared]
     for a, (ok, b) in zip(single, runner.cmd_generate_batch(prepared)):
-        assert ok and psnr(a, b) >= MIN_PSNR
+        assert ok and psnr(a, _pixels(b)) >= MIN_PSNR
     wan = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0,
                negative_prompt="blurry")  # fmt: skip
-    reqs = [GenerationRequest(prompt=p, seed=s, **wan) for p, s in (("a boat", 1), ("a cat", 2))]
+    reqs = [WanSamplingParams(prompt=p, seed=s, **wan) for p, s in (("a boat", 1), ("a cat", 2))]
     _check_batched_equals_single(ModelRunner(tiny_wan_a14b_dir), reqs, steps=2)
 
 
 def test_failed_request_fails_alone(tiny_zimage_dir):
     runner = ModelRunner(tiny_zimage_dir)
-    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in _zimage_requests()[:2]]
-    alone = runner.cmd_generate(reqs[0])
-    out = runner.cmd_generate_batch([reqs[0], replace(reqs[1], height=40)])  # 40: not 16k
-    assert out[0][0] and psnr(out[0][1], alone) >= MIN_PSNR
+    reqs = [runner.spec.resolve(r) for r in _zimage_requests()[:2]]
+    alone = _pixels(runner.cmd_generate(reqs[0]))
+    out = runner.cmd_generate_batch([reqs[0], reqs[1].replace(height=40)])  # 40: not 16k
+    assert out[0][0] and psnr(_pixels(out[0][1]), alone) >= MIN_PSNR
     assert not out[1][0] and "40" in out[1][1]["message"]
+    assert out[1][1]["param"] == "height"
     # the batch's prompts are encoded in one call; a text the encoder refuses fails its own
     # request only (the others are encoded again one by one)
     pipe, encode = runner.pipeline, runner.pipeline.encode_prompt_list
@@ -116,14 +126,33 @@ def test_failed_request_fails_alone(tiny_zimage_dir):
 
     pipe.encode_prompt_list = refuse_boom
     try:
-        out = runner.cmd_generate_batch([reqs[0], replace(reqs[1], prompt="boom"), reqs[0]])
+        out = runner.cmd_generate_batch([reqs[0], reqs[1].replace(prompt="boom"), reqs[0]])
     finally:
         del pipe.encode_prompt_list
-    assert out[0][0] and out[2][0] and psnr(out[0][1], alone) >= MIN_PSNR
+    assert out[0][0] and out[2][0] and psnr(_pixels(out[0][1]), alone) >= MIN_PSNR
     assert not out[1][0] and "refused boom" in out[1][1]["message"]
-    # an unknown adapter shared by every request of the batch fails them all
-    with pytest.raises(NotFoundError):
-        runner.cmd_generate_batch([replace(r, lora=[("missing", 1.0)]) for r in reqs])
+
+
+def test_unknown_adapter_fails_its_requests_alone(tiny_zimage_dir):
+    """An adapter that is not loaded fails the requests that name it, each with its
+    ``NotFoundError``; the batch's other requests get their images (``cmd_generate_batch``: a
+    request whose adapters are invalid fails alone)."""
+    from sglang.multimodal_gen.runtime.worker import unpack_error
+
+    runner = ModelRunner(tiny_zimage_dir)
+    reqs = [runner.spec.resolve(r) for r in _zimage_requests()[:2]]
+    alone = _pixels(runner.cmd_generate(reqs[0]))
+    missing = [r.replace(lora=[("missing", 1.0)]) for r in reqs]
+    out = runner.cmd_generate_batch([missing[0], reqs[0], missing[1]])
+    for ok, err in (out[0], out[2]):
+        assert not ok
+        e = unpack_error(err)
+        assert isinstance(e, NotFoundError) and e.param == "lora" and "missing" in e.message
+    assert out[1][0] and psnr(_pixels(out[1][1]), alone) >= MIN_PSNR
+    # every request of the batch naming it: each fails, nothing raises
+    out = runner.cmd_generate_batch(missing)
+    assert [ok for ok, _ in out] == [False, False]
+    assert all(isinstance(unpack_error(err), NotFoundError) for _, err in out)
 
 
 def test_every_module_call_of_a_batch_runs_on_the_executor_thread(tiny_zimage_dir):
@@ -132,7 +161,7 @@ def test_every_module_call_of_a_batch_runs_on_the_executor_thread(tiny_zimage_di
     threads do only per-request work."""
     runner = ModelRunner(tiny_zimage_dir)
     pipe = runner.pipeline
-    reqs = [r.with_defaults(pipe.defaults.as_dict()) for r in _zimage_requests()]
+    reqs = [pipe.spec.resolve(r) for r in _zimage_requests()]
     seen: dict[str, set[int]] = {}
 
     def record(obj, name):
@@ -157,7 +186,7 @@ def test_an_interrupted_batch_raises_and_leaves_no_thread_behind(tiny_zimage_dir
     """Ctrl-C inside a batched module call (or while the executor waits) is not one request's
     error: ``cmd_generate_batch`` re-raises it after every request thread has left."""
     runner = ModelRunner(tiny_zimage_dir)
-    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in _zimage_requests()]
+    reqs = [runner.spec.resolve(r) for r in _zimage_requests()]
     calls = count_dit_calls(runner)
     module = runner.pipeline.transformer
     counted = module.forward
@@ -182,14 +211,19 @@ def test_request_failing_after_its_loop_does_not_fail_a_waiting_decode(tiny_zima
     as soon as request 0 has left. Request 1 must still get its own image (the VAE's parameters
     require grad, so a decode run with grad enabled cannot be turned into numpy)."""
     runner = ModelRunner(tiny_zimage_dir)
-    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in _zimage_requests()[:2]]
-    alone = runner.cmd_generate(reqs[1])
-    pipe, step = runner.pipeline, runner.pipeline.scheduler_step
+    reqs = [runner.spec.resolve(r) for r in _zimage_requests()[:2]]
+    alone = _pixels(runner.cmd_generate(reqs[1]))
+    pipe, step, predict = runner.pipeline, runner.pipeline.scheduler_step, runner.pipeline.predict
     steps_done = [0, 0]
+    this = threading.local()  # each request of the batch runs its loop on its own thread
+
+    def predict_seen(denoiser, latents, t, i, cond, g):
+        this.g = g  # the request's Generation: its batch membership is g.batch
+        return predict(denoiser, latents, t, i, cond, g)
 
     def step_then_fail(scheduler, pred, t, latents):
         out = step(scheduler, pred, t, latents)
-        batcher, index = current_batcher()
+        batcher, index = this.g.batch
         steps_done[index] += 1
         if index == 0 and steps_done[0] == reqs[0].num_inference_steps:
             deadline = time.monotonic() + 60
@@ -199,14 +233,14 @@ def test_request_failing_after_its_loop_does_not_fail_a_waiting_decode(tiny_zima
             raise RuntimeError("request 0 failed after its loop")
         return out
 
-    pipe.scheduler_step = step_then_fail
+    pipe.scheduler_step, pipe.predict = step_then_fail, predict_seen
     try:
         out = runner.cmd_generate_batch(reqs)
     finally:
-        del pipe.scheduler_step
+        del pipe.scheduler_step, pipe.predict
     assert not out[0][0] and "after its loop" in out[0][1]["message"]
     assert out[1][0], out[1][1]
-    assert psnr(out[1][1], alone) >= MIN_PSNR
+    assert psnr(_pixels(out[1][1]), alone) >= MIN_PSNR
 
 
 def test_per_expert_offload_batch_keeps_one_expert_on_the_device(tiny_wan_a14b_dir):
@@ -232,8 +266,8 @@ def test_per_expert_offload_batch_keeps_one_expert_on_the_device(tiny_wan_a14b_d
     runner.pipeline.on_denoiser_change = runner._activate_expert
     wan = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0,
                negative_prompt="blurry")  # fmt: skip
-    reqs = [GenerationRequest(prompt=p, seed=s, **wan) for p, s in (("a boat", 1), ("a cat", 2))]
-    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in reqs]
+    reqs = [WanSamplingParams(prompt=p, seed=s, **wan) for p, s in (("a boat", 1), ("a cat", 2))]
+    reqs = [runner.spec.resolve(r) for r in reqs]
     out = runner.execute("generate_batch", dict(reqs=reqs))
     assert all(ok for ok, _ in out), out
     assert on_device and max(on_device) == 1, on_device
@@ -295,7 +329,7 @@ def _body(i, **kw):
 def _request(body):
     w, h = (int(v) for v in body["size"].split("x"))
     lora = body.get("lora")
-    return GenerationRequest(
+    return SamplingParams(
         prompt=body["prompt"], negative_prompt=body.get("negative_prompt"), seed=body["seed"],
         height=h, width=w, num_inference_steps=2, guidance_scale=2.5,
         lora=None if lora is None else [(lora["name"], lora["scale"])],
