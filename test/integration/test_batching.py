@@ -21,7 +21,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from fixtures.tiny_models import count_dit_calls, psnr
+from fixtures.tiny_models import count_dit_calls, output_pixels, psnr
 from PIL import Image
 from server_helpers import running_server
 from sglang.multimodal_gen.configs.flux import FluxSamplingParams
@@ -29,7 +29,6 @@ from sglang.multimodal_gen.configs.qwen_image import QwenImageSamplingParams
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.configs.wan import WanSamplingParams
 from sglang.multimodal_gen.errors import NotFoundError
-from sglang.multimodal_gen.outputs import Video
 from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
@@ -51,14 +50,9 @@ def _zimage_requests():
     ]  # fmt: skip
 
 
-def _pixels(outputs) -> np.ndarray:
-    """A request's typed outputs (PIL images or ``Video`` objects) as uint8 ``[n, ...]``."""
-    return np.stack([o.frames if isinstance(o, Video) else np.asarray(o) for o in outputs])
-
-
 def _check_batched_equals_single(runner, reqs, steps):
     prepared = [runner.spec.resolve(r) for r in reqs]
-    single = [_pixels(runner.cmd_generate(r)) for r in prepared]
+    single = [output_pixels(runner.cmd_generate(r)) for r in prepared]
     calls = count_dit_calls(runner)
     out = runner.cmd_generate_batch(prepared)
     # requests of one size share ONE DiT call per step (CFG branches included)
@@ -66,7 +60,7 @@ def _check_batched_equals_single(runner, reqs, steps):
     assert calls[0] == steps * len(sizes), (calls[0], steps, len(sizes))
     for i, (a, (ok, b)) in enumerate(zip(single, out)):
         assert ok, b
-        b = _pixels(b)
+        b = output_pixels(b)
         assert a.shape == b.shape
         assert psnr(a, b) >= MIN_PSNR, f"request {i}: {psnr(a, b):.1f} dB"
     assert psnr(single[0][0], single[1][0]) < 35  # the rows really differ
@@ -98,9 +92,9 @@ def test_qwen_image_and_wan_batches(tiny_qwen_image_dir, tiny_wan_a14b_dir):
     ]  # fmt: skip
     runner = ModelRunner(tiny_qwen_image_dir)
     prepared = [runner.spec.resolve(r) for r in reqs]
-    single = [_pixels(runner.cmd_generate(r)) for r in prepared]
+    single = [output_pixels(runner.cmd_generate(r)) for r in prepared]
     for a, (ok, b) in zip(single, runner.cmd_generate_batch(prepared)):
-        assert ok and psnr(a, _pixels(b)) >= MIN_PSNR
+        assert ok and psnr(a, output_pixels(b)) >= MIN_PSNR
     wan = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0,
                negative_prompt="blurry")  # fmt: skip
     reqs = [WanSamplingParams(prompt=p, seed=s, **wan) for p, s in (("a boat", 1), ("a cat", 2))]
@@ -110,9 +104,9 @@ def test_qwen_image_and_wan_batches(tiny_qwen_image_dir, tiny_wan_a14b_dir):
 def test_failed_request_fails_alone(tiny_zimage_dir):
     runner = ModelRunner(tiny_zimage_dir)
     reqs = [runner.spec.resolve(r) for r in _zimage_requests()[:2]]
-    alone = _pixels(runner.cmd_generate(reqs[0]))
+    alone = output_pixels(runner.cmd_generate(reqs[0]))
     out = runner.cmd_generate_batch([reqs[0], reqs[1].replace(height=40)])  # 40: not 16k
-    assert out[0][0] and psnr(_pixels(out[0][1]), alone) >= MIN_PSNR
+    assert out[0][0] and psnr(output_pixels(out[0][1]), alone) >= MIN_PSNR
     assert not out[1][0] and "40" in out[1][1]["message"]
     assert out[1][1]["param"] == "height"
     # the batch's prompts are encoded in one call; a text the encoder refuses fails its own
@@ -129,7 +123,7 @@ def test_failed_request_fails_alone(tiny_zimage_dir):
         out = runner.cmd_generate_batch([reqs[0], reqs[1].replace(prompt="boom"), reqs[0]])
     finally:
         del pipe.encode_prompt_list
-    assert out[0][0] and out[2][0] and psnr(_pixels(out[0][1]), alone) >= MIN_PSNR
+    assert out[0][0] and out[2][0] and psnr(output_pixels(out[0][1]), alone) >= MIN_PSNR
     assert not out[1][0] and "refused boom" in out[1][1]["message"]
 
 
@@ -141,14 +135,14 @@ def test_unknown_adapter_fails_its_requests_alone(tiny_zimage_dir):
 
     runner = ModelRunner(tiny_zimage_dir)
     reqs = [runner.spec.resolve(r) for r in _zimage_requests()[:2]]
-    alone = _pixels(runner.cmd_generate(reqs[0]))
+    alone = output_pixels(runner.cmd_generate(reqs[0]))
     missing = [r.replace(lora=[("missing", 1.0)]) for r in reqs]
     out = runner.cmd_generate_batch([missing[0], reqs[0], missing[1]])
     for ok, err in (out[0], out[2]):
         assert not ok
         e = unpack_error(err)
         assert isinstance(e, NotFoundError) and e.param == "lora" and "missing" in e.message
-    assert out[1][0] and psnr(_pixels(out[1][1]), alone) >= MIN_PSNR
+    assert out[1][0] and psnr(output_pixels(out[1][1]), alone) >= MIN_PSNR
     # every request of the batch naming it: each fails, nothing raises
     out = runner.cmd_generate_batch(missing)
     assert [ok for ok, _ in out] == [False, False]
@@ -212,7 +206,7 @@ def test_request_failing_after_its_loop_does_not_fail_a_waiting_decode(tiny_zima
     require grad, so a decode run with grad enabled cannot be turned into numpy)."""
     runner = ModelRunner(tiny_zimage_dir)
     reqs = [runner.spec.resolve(r) for r in _zimage_requests()[:2]]
-    alone = _pixels(runner.cmd_generate(reqs[1]))
+    alone = output_pixels(runner.cmd_generate(reqs[1]))
     pipe, step, predict = runner.pipeline, runner.pipeline.scheduler_step, runner.pipeline.predict
     steps_done = [0, 0]
     this = threading.local()  # each request of the batch runs its loop on its own thread
@@ -240,7 +234,7 @@ def test_request_failing_after_its_loop_does_not_fail_a_waiting_decode(tiny_zima
         del pipe.scheduler_step, pipe.predict
     assert not out[0][0] and "after its loop" in out[0][1]["message"]
     assert out[1][0], out[1][1]
-    assert psnr(_pixels(out[1][1]), alone) >= MIN_PSNR
+    assert psnr(output_pixels(out[1][1]), alone) >= MIN_PSNR
 
 
 def test_per_expert_offload_batch_keeps_one_expert_on_the_device(tiny_wan_a14b_dir):

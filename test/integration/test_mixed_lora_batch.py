@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 
 import pytest
 import torch
-from fixtures.tiny_models import count_dit_calls, psnr
+from fixtures.tiny_models import count_dit_calls, output_pixels, psnr
 from safetensors.torch import save_file
 from sglang.multimodal_gen.errors import NotFoundError
-from sglang.multimodal_gen.runtime import GenerationRequest
+from sglang.multimodal_gen.runtime import SamplingParams
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
 MIN_PSNR = 45.0
@@ -62,20 +61,21 @@ def _runner(model_dir, tmp_path, merged: bool) -> ModelRunner:
 
 def _check(runner: ModelRunner, base: dict, prompts=("a red fox", "a lighthouse at dusk")):
     reqs = [
-        GenerationRequest(prompt=prompts[i % len(prompts)], seed=10 + i, lora=comp, **base)
+        runner.spec.params(prompt=prompts[i % len(prompts)], seed=10 + i, lora=comp, **base)
         for i, comp in enumerate(COMPOSITIONS)
     ]
-    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in reqs]
-    single = [runner.cmd_generate(r) for r in reqs]
+    reqs = [runner.spec.resolve(r) for r in reqs]
+    single = [output_pixels(runner.cmd_generate(r)) for r in reqs]
     calls = count_dit_calls(runner)
     out = runner.cmd_generate_batch(reqs)
     # every row shares one DiT call per step, whatever its composition
     assert calls[0] == base["num_inference_steps"], calls[0]
     for i, (a, (ok, b)) in enumerate(zip(single, out)):
         assert ok, b
+        b = output_pixels(b)
         assert psnr(a, b) >= MIN_PSNR, f"row {i} ({COMPOSITIONS[i]}): {psnr(a, b):.1f} dB"
     # the compositions matter: the same request under two compositions is far apart
-    other = runner.cmd_generate(replace(reqs[2], lora=COMPOSITIONS[3]))
+    other = output_pixels(runner.cmd_generate(reqs[2].replace(lora=COMPOSITIONS[3])))
     assert psnr(other, single[2]) < 30
     return runner
 
@@ -87,22 +87,21 @@ def test_zimage_mixed_compositions(tiny_zimage_dir, tmp_path, merged):
                         negative_prompt="blurry"))  # fmt: skip
     # an unknown adapter fails its own request only; the others run
     reqs = [
-        GenerationRequest(prompt="a boat", seed=1, height=32, width=32, num_inference_steps=2,
-                          lora=comp)
+        SamplingParams(prompt="a boat", seed=1, height=32, width=32, num_inference_steps=2,
+                       lora=comp)
         for comp in ([("a", 1.0)], [("missing", 1.0)], None)
     ]  # fmt: skip
-    reqs = [r.with_defaults(runner.pipeline.defaults.as_dict()) for r in reqs]
+    reqs = [runner.spec.resolve(r) for r in reqs]
     out = runner.cmd_generate_batch(reqs)
     assert out[0][0] and out[2][0]
     assert not out[1][0] and out[1][1]["type"] == NotFoundError.__name__, out[1][1]
-    assert psnr(out[0][1], runner.cmd_generate(reqs[0])) >= MIN_PSNR
+    assert psnr(output_pixels(out[0][1]), output_pixels(runner.cmd_generate(reqs[0]))) >= MIN_PSNR
     # the union forms are per batch: none is left on the layers afterwards
     layers = [m for m in runner.pipeline.transformer.modules() if hasattr(m, "drop_row_cache")]
     assert layers and all(m._rows_cache is None for m in layers)
     if merged:
         return
-    # per-expert offload runs each composition as a batch of its own: an unknown adapter still
-    # fails its own request only (the expert switch is a no-op on this one-expert CPU model)
+    # with per-expert offload an unknown adapter still fails its own request only (the expert switch is a no-op on this one-expert CPU model)
     runner.per_expert_offload = True
     runner._activate_expert = lambda module: None
     out = runner.cmd_generate_batch(reqs)
@@ -136,7 +135,7 @@ def test_parallel_mixed_batch_equals_one_process(tiny_zimage_dir, tiny_zimage_lo
     base = dict(height=32, width=32, num_inference_steps=2, guidance_scale=3.0,
                 negative_prompt="blurry")  # fmt: skip
     reqs = [
-        GenerationRequest(prompt=["a red fox", "a boat"][i % 2], seed=i, lora=comp, **base)
+        SamplingParams(prompt=["a red fox", "a boat"][i % 2], seed=i, lora=comp, **base)
         for i, comp in enumerate(COMPOSITIONS)
     ]
 
