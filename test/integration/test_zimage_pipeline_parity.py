@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from fixtures.tiny_models import psnr, reference_image, reference_pipeline
+from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
 
 # Measured (fp32, CPU, diffusers 0.42.1): identical pixels (inf dB, 0 pixels off) in every case
@@ -140,7 +141,7 @@ def test_batch_of_images_matches_diffusers(pipes):
     got = ours(
         "two images",
         generator=torch.Generator().manual_seed(3),
-        num_images=2,
+        num_outputs_per_prompt=2,
         output_type="np",
         **kw,
     )
@@ -168,8 +169,37 @@ def test_seed_prompt_and_guidance_change_the_image(pipes):
 
 
 def test_bad_sizes_raise(pipes):
+    """The pipeline resolves a request against its spec: the one set of rules, the field named."""
     ours, _ = pipes
-    with pytest.raises(ValueError, match="height must be a positive multiple of 16"):
+    with pytest.raises(InvalidRequestError, match="height must be a positive multiple of 16") as e:
         ours("x", height=40, width=32, num_inference_steps=1)
-    with pytest.raises(ValueError, match="num_inference_steps"):
+    assert e.value.param == "height"
+    with pytest.raises(InvalidRequestError, match="num_inference_steps") as e:
         ours("x", height=32, width=32, num_inference_steps=0)
+    assert e.value.param == "num_inference_steps"
+    with pytest.raises(InvalidRequestError) as e:  # a field of another family
+        ours("x", height=32, width=32, num_inference_steps=1, true_cfg_scale=2.0)
+    assert e.value.param == "true_cfg_scale"
+    with pytest.raises(TypeError):  # fields next to a request object
+        ours(ours.spec.params(prompt="x"), height=32)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [dict(cfg_truncation=0.2), dict(cfg_normalization=1.0), dict(cfg_normalization=0.5,
+                                                                   cfg_truncation=0.7)],
+    ids=["truncation", "normalization", "both"],
+)  # fmt: skip
+def test_cfg_knobs_are_request_fields_matching_diffusers(pipes, knobs):
+    """``cfg_normalization`` / ``cfg_truncation``: fields of the request (``ZImageSamplingParams``),
+    diffusers' ``ZImagePipeline`` arguments of the same names; each changes the image."""
+    ours, ref = pipes
+    kw = dict(height=32, width=48, num_inference_steps=3, guidance_scale=3.5,
+              negative_prompt="blurry")  # fmt: skip
+    expected = reference_image(ref, PROMPT, seed=42, **kw, **knobs)
+    assert_same_image(_ours(ours, PROMPT, **kw, **knobs), expected)
+    params = ours.spec.params(prompt=PROMPT, seed=42, **kw, **knobs)
+    got = ours(params, output_type="np")[0]
+    assert_same_image(got, expected)
+    assert psnr(_ours(ours, PROMPT, **kw), expected) < MIN_PSNR  # the defaults: another image
+    assert (ours.spec.defaults.cfg_normalization, ours.spec.defaults.cfg_truncation) == (0.0, 1.0)
