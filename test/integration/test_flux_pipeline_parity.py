@@ -12,6 +12,7 @@ import pytest
 import torch
 from fixtures.tiny_flux import reference_flux, reference_flux_images
 from fixtures.tiny_models import psnr
+from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.pipelines.flux import FluxPipeline
 
 # Measured (fp32, CPU): identical pixels (inf dB) in every case below, also with the batched
@@ -72,11 +73,9 @@ def test_dev_matches_diffusers(dev, kw, knob, wrong):
 def test_dev_dynamic_shift_is_used(dev):
     """The [dev] scheduler shifts by the image size: 64x64 and 32x32 use different sigmas."""
     ours, _ = dev
-    s64 = ours.prepare_timesteps(
-        ours.resolve_inputs(prompt="x", num_inference_steps=3), torch.zeros(1, 16, 64)
-    )[1]
-    s16 = ours.prepare_timesteps(ours.resolve_inputs(prompt="x", num_inference_steps=3),
-                                 torch.zeros(1, 4, 64))[1]  # fmt: skip
+    g = ours.new_generation(ours.spec.params(prompt="x", num_inference_steps=3))
+    s64 = ours.prepare_timesteps(g, torch.zeros(1, 16, 64))[1]
+    s16 = ours.prepare_timesteps(g, torch.zeros(1, 4, 64))[1]
     assert not torch.equal(s64, s16)
 
 
@@ -84,17 +83,18 @@ def test_dev_batch_and_prompt_sensitivity(dev):
     ours, ref = dev
     kw = dict(height=32, width=32, num_inference_steps=2, num_images_per_prompt=2)
     expected = reference_flux_images(ref, "two foxes", seed=3, **kw)
-    got = _ours(ours, "two foxes", 3, height=32, width=32, num_inference_steps=2, num_images=2)
+    got = _ours(ours, "two foxes", 3, height=32, width=32, num_inference_steps=2,
+                num_outputs_per_prompt=2)  # fmt: skip
     assert psnr(got, expected) >= MIN_PSNR
     one_letter = _ours(ours, "two fixes", 3, height=32, width=32, num_inference_steps=2,
-                       num_images=2)  # fmt: skip
+                       num_outputs_per_prompt=2)  # fmt: skip
     assert psnr(one_letter, expected) < MIN_PSNR
 
 
 def test_schnell_matches_diffusers(schnell):
     ours, ref = schnell
-    assert ours.defaults.num_inference_steps == 4
-    assert ours.defaults.max_sequence_length == 256
+    assert ours.spec.defaults.num_inference_steps == 4
+    assert ours.spec.defaults.max_sequence_length == 256
     kw = dict(height=64, width=48, num_inference_steps=4, max_sequence_length=256)
     expected = reference_flux_images(ref, "a lighthouse at dusk", seed=7, **kw)
     got = _ours(ours, "a lighthouse at dusk", 7, **kw)
@@ -104,16 +104,21 @@ def test_schnell_matches_diffusers(schnell):
 
 
 def test_defaults_follow_the_variant(dev, schnell):
-    assert dev[0].defaults.num_inference_steps == 28
-    assert dev[0].defaults.guidance_scale == 3.5
-    assert dev[0].defaults.max_sequence_length == 512
-    assert schnell[0].defaults.guidance_scale == 0.0
+    assert dev[0].spec.defaults.num_inference_steps == 28
+    assert dev[0].spec.defaults.guidance_scale == 3.5
+    assert dev[0].spec.defaults.max_sequence_length == 512
+    assert dev[0].spec.defaults.true_cfg_scale == 1.0
+    assert schnell[0].spec.defaults.guidance_scale == 0.0
+    assert schnell[0].spec.defaults.max_sequence_length == 256
+    assert dev[0].spec.limits.max_sequence_length == schnell[0].spec.limits.max_sequence_length
+    assert dev[0].spec.limits.max_sequence_length == 512
 
 
 def test_bad_sizes(dev):
     ours, _ = dev
-    with pytest.raises(ValueError, match="height must be a positive multiple of 16"):
+    with pytest.raises(InvalidRequestError, match="height must be a positive multiple of 16") as e:
         _ours(ours, "x", 0, height=40, width=32, num_inference_steps=1)
+    assert e.value.param == "height"
     assert np.asarray(_ours(ours, "x", 0, height=16, width=16, num_inference_steps=1)).shape == (
         1, 16, 16, 3,
     )  # fmt: skip
