@@ -59,8 +59,10 @@ def test_matches_diffusers(pipes, kw, wrong):
 
 def test_two_images_and_defaults(pipes):
     ours, ref = pipes
-    assert (ours.defaults.num_inference_steps, ours.defaults.true_cfg_scale) == (50, 4.0)
+    d = ours.spec.defaults
+    assert (d.num_inference_steps, d.true_cfg_scale) == (50, 4.0)
+    assert ours.spec.limits.max_sequence_length == 1024
     kw = dict(height=32, width=32, num_inference_steps=2, negative_prompt="x", true_cfg_scale=3.0)
     expected = reference_qwen_images(ref, "two foxes", 3, num_images_per_prompt=2, **kw)
-    got = _ours(ours, "two foxes", 3, num_images=2, **kw)
+    got = _ours(ours, "two foxes", 3, num_outputs_per_prompt=2, **kw)
     assert psnr(np.asarray(got), expected) >= MIN_PSNR

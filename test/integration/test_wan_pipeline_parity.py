@@ -37,8 +37,9 @@ def ti2v(tiny_wan_ti2v_dir):
 def test_a14b_two_experts_match_diffusers(a14b):
     ours, ref = a14b
     kw = dict(KW, guidance_scale=3.0, guidance_scale_2=2.0)
-    _, timesteps = ours.prepare_timesteps(ours.resolve_inputs(prompt="x", **kw), None)
-    experts = {id(ours.select_denoiser(i, t, None)) for i, t in enumerate(timesteps)}
+    g = ours.new_generation(ours.spec.params(prompt="x", **kw))
+    _, timesteps = ours.prepare_timesteps(g, None)
+    experts = {id(ours.select_denoiser(i, t, g)) for i, t in enumerate(timesteps)}
     assert len(experts) == 2  # the boundary lies inside the schedule: both experts run
     expected = reference_frames(ref, "a paper boat", 3, **kw)
     got = _ours(ours, "a paper boat", 3, **kw)
@@ -53,8 +54,9 @@ def test_a14b_two_experts_match_diffusers(a14b):
 
 def test_a14b_defaults_and_no_cfg(a14b):
     ours, ref = a14b
-    d = ours.defaults
-    assert (d.modality, d.num_frames, d.fps, d.guidance_scale_2) == ("video", 81, 16, 3.0)
+    d = ours.spec.defaults
+    assert ours.spec.outputs == "video"
+    assert (d.num_frames, d.fps, d.guidance_scale_2) == (81, 16, 3.0)
     kw = dict(KW, guidance_scale=1.0, guidance_scale_2=1.0, num_frames=1)  # no CFG, one frame
     expected = reference_frames(ref, "a lighthouse", 5, **kw)
     assert psnr(_ours(ours, "a lighthouse", 5, **kw), expected) >= MIN_PSNR
