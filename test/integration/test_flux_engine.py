@@ -22,8 +22,9 @@ from PIL import Image
 from safetensors.torch import save_file
 from server_helpers import running_server
 from sglang.cli.main import main as sglang_main
+from sglang.multimodal_gen.configs.flux import FluxSamplingParams
 from sglang.multimodal_gen.configs.server_args import ServerArgs
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine
 
 REQ = dict(prompt="a lighthouse at dusk", height=32, width=48, num_inference_steps=2, seed=5)
 # TP > 1 changes only the summation order of the row-parallel GEMMs: measured 78-inf dB here.
@@ -57,9 +58,9 @@ def kohya(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp1(tiny_flux_dev_dir, kohya):
     with DiffusionEngine(tiny_flux_dev_dir, device="cpu") as engine:
-        base = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+        base = np.asarray(engine.generate(**REQ)[0])
         engine.set_lora("style", kohya, strength=0.8, merge_mode="merge")
-        merged = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+        merged = np.asarray(engine.generate(**REQ)[0])
         yield engine, base, merged
 
 
@@ -67,6 +68,10 @@ def test_engine_equals_diffusers_and_reports_family(tiny_flux_dev_dir, tp1):
     engine, base, merged = tp1
     assert engine.family == "flux"
     assert engine.defaults["num_inference_steps"] == 28
+    assert (
+        engine.spec.params_class is FluxSamplingParams
+        and engine.spec.defaults.true_cfg_scale == 1.0
+    )
     assert engine.model_info["tp_sizes"] == [1, 2, 4]
     kw = {k: REQ[k] for k in ("height", "width", "num_inference_steps")}
     expected = reference_flux_images(reference_flux(tiny_flux_dev_dir), REQ["prompt"], 5, **kw)[0]
@@ -79,11 +84,11 @@ def test_engine_equals_diffusers_and_reports_family(tiny_flux_dev_dir, tp1):
 def test_tp_equals_tp1_base_and_kohya_lora(tiny_flux_dev_dir, kohya, tp1, tp):
     _, base, merged = tp1
     with DiffusionEngine(tiny_flux_dev_dir, tp_size=tp, device="cpu") as engine:
-        got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+        got = np.asarray(engine.generate(**REQ)[0])
         assert psnr(got, base) >= TP_MIN_PSNR
         for mode in ("merge", "dynamic"):
             engine.set_lora("style", kohya, strength=0.8, merge_mode=mode)
-            got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+            got = np.asarray(engine.generate(**REQ)[0])
             assert psnr(got, merged) >= TP_MIN_PSNR, mode
             assert psnr(got, base) < TP_MIN_PSNR
 
@@ -129,7 +134,7 @@ def test_sequence_and_cfg_parallel_equal_one_process(tiny_flux_dev_dir, kohya, t
     """CFG 2 x Ulysses 2 (4 processes): true CFG with a negative prompt splits its two branches
     over the CFG group, each sharded over its SP pair; with the kohya LoRA merged and dynamic."""
     _, base, merged = tp1
-    cfg_req = GenerationRequest(**REQ, negative_prompt="blurry", true_cfg_scale=2.5)
+    cfg_req = FluxSamplingParams(**REQ, negative_prompt="blurry", true_cfg_scale=2.5)
     with DiffusionEngine(tiny_flux_dev_dir, device="cpu") as one:
         expected = np.asarray(one.generate(cfg_req)[0])
     assert psnr(expected, base) < 40.0  # true CFG really changes the image
@@ -138,8 +143,8 @@ def test_sequence_and_cfg_parallel_equal_one_process(tiny_flux_dev_dir, kohya, t
             tp_size=1, ulysses_degree=2, ring_degree=1, cfg_degree=2
         )
         assert psnr(np.asarray(engine.generate(cfg_req)[0]), expected) >= TP_MIN_PSNR
-        assert psnr(np.asarray(engine.generate(GenerationRequest(**REQ))[0]), base) >= TP_MIN_PSNR
+        assert psnr(np.asarray(engine.generate(**REQ)[0]), base) >= TP_MIN_PSNR
         for mode in ("merge", "dynamic"):
             engine.set_lora("style", kohya, strength=0.8, merge_mode=mode)
-            got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+            got = np.asarray(engine.generate(**REQ)[0])
             assert psnr(got, merged) >= TP_MIN_PSNR, mode

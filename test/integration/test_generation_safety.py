@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from server_helpers import write_zimage_lora
 from sglang.multimodal_gen.errors import InvalidRequestError, NonFiniteOutputError
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 KW = dict(prompt="a watercolor fox", height=32, width=48, num_inference_steps=2, seed=4)
 
@@ -38,7 +38,7 @@ def lora(tiny_zimage_dir, tmp_path_factory):
 
 
 def _image(engine, **fields) -> np.ndarray:
-    return np.asarray(engine.generate(GenerationRequest(**{**KW, **fields}))[0])
+    return np.asarray(engine.generate(SamplingParams(**{**KW, **fields}))[0])
 
 
 def test_non_finite_generation_fails_and_the_engine_keeps_serving(engine):
@@ -131,7 +131,7 @@ def test_a_per_request_lora_scale_that_blows_up_is_named(engine, lora):
     # in a batch (rows with their own compositions): the same for that request, the other one
     # is served
     bad, good = engine.generate_batch(
-        [GenerationRequest(**{**KW, "lora": [("a", 3e38)]}), GenerationRequest(**KW)]
+        [SamplingParams(**{**KW, "lora": [("a", 3e38)]}), SamplingParams(**KW)]
     )
     assert isinstance(bad, NonFiniteOutputError) and bad.param == "lora", bad
     np.testing.assert_array_equal(np.asarray(good[0]), _image(engine))

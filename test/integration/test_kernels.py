@@ -16,7 +16,7 @@ import torch
 from fixtures.tiny_models import psnr
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.layers.attention import set_attention_backend
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
 REQ = dict(prompt="a lighthouse at dusk", negative_prompt="blurry", guidance_scale=3.0,
@@ -24,7 +24,7 @@ REQ = dict(prompt="a lighthouse at dusk", negative_prompt="blurry", guidance_sca
 
 
 def _image(runner, **kw):
-    req = GenerationRequest(**dict(REQ, **kw)).with_defaults(runner.pipeline.defaults.as_dict())
+    req = runner.spec.resolve(SamplingParams(**dict(REQ, **kw)))
     return np.asarray(runner.cmd_generate(req)[0])
 
 
@@ -72,7 +72,7 @@ def test_float32_matmul_precision_is_set_in_every_engine_process(tiny_zimage_dir
     ) as engine:
         assert engine.model_info["float32_matmul_precision"] == "medium"  # rank 0's process
         assert torch.get_float32_matmul_precision() == "highest"  # TP 2: not this process
-        got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+        got = np.asarray(engine.generate(**REQ)[0])
     assert psnr(got, ref) >= 40  # the same picture, to bf16 rounding (wrong seed: < 15 dB)
 
 

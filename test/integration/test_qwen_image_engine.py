@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from server_helpers import running_server
 from sglang.cli.main import main as sglang_main
 from sglang.multimodal_gen.configs.server_args import ServerArgs
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine
 
 REQ = dict(prompt="a lighthouse at dusk", height=32, width=32, num_inference_steps=2, seed=5,
            negative_prompt="blurry", true_cfg_scale=3.0)  # fmt: skip
@@ -72,9 +72,9 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp1(tiny_qwen_image_dir, files):
     with DiffusionEngine(tiny_qwen_image_dir, device="cpu") as engine:
-        base = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+        base = np.asarray(engine.generate(**REQ)[0])
         engine.set_lora("style", files["peft"], strength=0.8, merge_mode="merge")
-        with_lora = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+        with_lora = np.asarray(engine.generate(**REQ)[0])
         yield engine, base, with_lora
 
 
@@ -94,7 +94,7 @@ def test_engine_and_lora_equal_diffusers(tiny_qwen_image_dir, files, tp1):
 def test_other_spellings_of_the_same_numbers(files, tp1, fmt):
     engine, _, with_lora = tp1
     engine.set_lora(fmt, files[fmt], strength=0.8, merge_mode="dynamic")
-    assert psnr(np.asarray(engine.generate(GenerationRequest(**REQ))[0]), with_lora) >= 70.0
+    assert psnr(np.asarray(engine.generate(**REQ)[0]), with_lora) >= 70.0
     engine.set_lora("style", None, strength=0.8, merge_mode="merge")
 
 
@@ -103,10 +103,10 @@ def test_other_spellings_of_the_same_numbers(files, tp1, fmt):
 def test_tp_equals_tp1(tiny_qwen_image_dir, files, tp1, tp):
     _, base, with_lora = tp1
     with DiffusionEngine(tiny_qwen_image_dir, tp_size=tp, device="cpu") as engine:
-        assert psnr(np.asarray(engine.generate(GenerationRequest(**REQ))[0]), base) >= 60.0
+        assert psnr(np.asarray(engine.generate(**REQ)[0]), base) >= 60.0
         for mode in ("merge", "dynamic"):
             engine.set_lora("style", files["peft"], strength=0.8, merge_mode=mode)
-            got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+            got = np.asarray(engine.generate(**REQ)[0])
             assert psnr(got, with_lora) >= 60.0, mode
 
 
@@ -130,9 +130,9 @@ def test_cfg_and_ulysses_parallel_equal_one_process(tiny_qwen_image_dir, files, 
     rank pairs, each sequence-sharded; with the LoRA merged and dynamic."""
     _, base, with_lora = tp1
     with DiffusionEngine(tiny_qwen_image_dir, cfg_degree=2, sp_degree=2, device="cpu") as engine:
-        got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+        got = np.asarray(engine.generate(**REQ)[0])
         assert psnr(got, base) >= 60.0
         for mode in ("merge", "dynamic"):
             engine.set_lora("style", files["peft"], strength=0.8, merge_mode=mode)
-            got = np.asarray(engine.generate(GenerationRequest(**REQ))[0])
+            got = np.asarray(engine.generate(**REQ)[0])
             assert psnr(got, with_lora) >= 60.0, mode
