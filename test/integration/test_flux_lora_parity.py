@@ -23,7 +23,7 @@ import torch
 from fixtures.tiny_flux import reference_flux, reference_flux_images
 from fixtures.tiny_models import psnr
 from safetensors.torch import save_file
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 PROMPT = "a red fox in the snow"
 SEED = 7
@@ -86,7 +86,7 @@ def base(engine, tiny_flux_dev_dir):
 
 
 def _ours(engine) -> np.ndarray:
-    return np.asarray(engine.generate(GenerationRequest(prompt=PROMPT, seed=SEED, **KW))[0])
+    return np.asarray(engine.generate(SamplingParams(prompt=PROMPT, seed=SEED, **KW))[0])
 
 
 def _theirs(pipe) -> np.ndarray:

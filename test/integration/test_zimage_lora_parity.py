@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fixtures.tiny_models import psnr, reference_image, reference_pipeline
 from sglang.multimodal_gen.errors import NotFoundError
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 PROMPT = "a watercolor fox"
 KW = dict(height=32, width=48, num_inference_steps=2, guidance_scale=0.0)
@@ -78,7 +78,7 @@ def base_image(engine_and_base, reference):
 
 
 def _generate(engine, **kw):
-    req = GenerationRequest(prompt=PROMPT, seed=SEED, **KW, **kw)
+    req = SamplingParams(prompt=PROMPT, seed=SEED, **KW, **kw)
     return np.asarray(engine.generate(req)[0])
 
 

@@ -18,7 +18,7 @@ import torch
 from server_helpers import assert_envelope, running_server
 from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError
 from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 REQ = dict(prompt="a lighthouse at dusk", height=32, width=32, num_inference_steps=2, seed=9)
 FAIL_ON = "b"  # per-request compositions naming this adapter fail on rank 1
@@ -78,7 +78,7 @@ def _rank1_fails_restores(runner, rank):
 
 
 def _image(engine, **kw):
-    return np.asarray(engine.generate(GenerationRequest(**REQ, **kw))[0])
+    return np.asarray(engine.generate(SamplingParams(**REQ, **kw))[0])
 
 
 @pytest.mark.slow

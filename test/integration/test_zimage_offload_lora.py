@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 from sglang.multimodal_gen.runtime.runner import build_lora_manager
 
 
@@ -25,7 +25,7 @@ def test_build_lora_manager_devices(tiny_zimage_dir, offload):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DiT CPU offload needs a GPU")
 def test_offloaded_dit_merges_with_host_snapshots(tiny_zimage_dir, tiny_zimage_loras):
-    req = GenerationRequest(prompt="a fox", height=32, width=32, num_inference_steps=2, seed=3)
+    req = SamplingParams(prompt="a fox", height=32, width=32, num_inference_steps=2, seed=3)
     with DiffusionEngine(tiny_zimage_dir, device="cuda", dit_cpu_offload=True) as engine:
         base = np.asarray(engine.generate(req)[0])
         engine.set_lora("a", tiny_zimage_loras[0], strength=0.8, merge_mode="merge")
