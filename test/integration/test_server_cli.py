@@ -136,7 +136,7 @@ def test_tp2_server_equals_tp1(tiny_zimage_dir):
     tp1 = runtime.DiffusionEngine(model_path=model, device="cpu")
     try:
         refs = [
-            np.asarray(tp1.generate(runtime.GenerationRequest(**fields, num_images=2))[i])
+            np.asarray(tp1.generate(runtime.SamplingParams(**fields, num_outputs_per_prompt=2))[i])
             for i in (0, 1)
         ]
     finally:
@@ -144,7 +144,7 @@ def test_tp2_server_equals_tp1(tiny_zimage_dir):
     tp2 = runtime.DiffusionEngine(model_path=model, tp_size=2, device="cpu")
     try:
         args = ServerArgs(model_path=model, tp_size=2)
-        with running_server(tp2, args, request_factory=runtime.GenerationRequest) as (url, _, _):
+        with running_server(tp2, args) as (url, _, _):
             body = {
                 "prompt": "two lanterns",
                 "size": "32x32",
@@ -157,7 +157,7 @@ def test_tp2_server_equals_tp1(tiny_zimage_dir):
             assert httpx.get(f"{url}/health").status_code == 200
             got = [_pixels(base64.b64decode(item["b64_json"])) for item in r.json()["data"]]
             # exactly what the TP 2 engine returns when called directly ...
-            tp2_direct = tp2.generate(runtime.GenerationRequest(**fields, num_images=2))
+            tp2_direct = tp2.generate(runtime.SamplingParams(**fields, num_outputs_per_prompt=2))
             for g, d in zip(got, tp2_direct):
                 np.testing.assert_array_equal(g, np.asarray(d))
             # ... and TP 1's images up to the all-reduce's summation order (a level of 255)

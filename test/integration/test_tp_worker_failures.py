@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 from fixtures.tiny_models import psnr
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 BAD = "BOOM"
 
@@ -41,7 +41,7 @@ def _rank0_encoder_rejects(runner, rank):
 
 
 def _req(prompt, seed=3):
-    return GenerationRequest(
+    return SamplingParams(
         prompt=prompt, height=32, width=32, num_inference_steps=2, seed=seed, guidance_scale=2.0
     )
 

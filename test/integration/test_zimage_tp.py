@@ -15,7 +15,7 @@ from fixtures.tiny_models import psnr
 from sglang.multimodal_gen.distributed import get_tp_world_size, launch_processes
 from sglang.multimodal_gen.errors import NotFoundError
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 GEN_KW = dict(height=32, width=48, num_inference_steps=2, guidance_scale=2.5, output_type="np")
 
@@ -98,7 +98,7 @@ def test_tp2_transformer_and_image_equal_tp1(tiny_zimage_dir, tp1, tp1_near):
 
 def _engine_images(engine, loras):
     """Base, two LoRAs dynamic, the same merged, a per-request composition, back to base."""
-    req = GenerationRequest(
+    req = SamplingParams(
         prompt="a lighthouse at dusk", height=32, width=32, num_inference_steps=2, seed=9
     )
     out = [np.asarray(engine.generate(req)[0])]
@@ -116,7 +116,7 @@ def test_engine_tp2_equals_tp1_with_and_without_lora(tiny_zimage_dir, tiny_zimag
     with DiffusionEngine(tiny_zimage_dir, tp_size=1, device="cpu") as e1:
         ref = _engine_images(e1, tiny_zimage_loras)
         assert e1.steps_done() == 5 * 2  # five generations of two steps (the stall detector)
-        near = GenerationRequest(
+        near = SamplingParams(
             prompt="a lighthouse at dusk", height=32, width=32, num_inference_steps=2, seed=9,
             lora=[("a", 0.7), ("b", 1.4)],
         )  # fmt: skip
@@ -127,7 +127,7 @@ def test_engine_tp2_equals_tp1_with_and_without_lora(tiny_zimage_dir, tiny_zimag
         assert e2.steps_done() == 5 * 2  # counted by rank 0, read across processes
         # errors raised on the ranks come back as the same error types
         with pytest.raises(NotFoundError):
-            e2.generate(GenerationRequest(prompt="x", height=16, width=16, lora=[("zz", 1.0)]))
+            e2.generate(SamplingParams(prompt="x", height=16, width=16, lora=[("zz", 1.0)]))
         assert e2.list_loras()["active"]["transformer"]["adapters"] == []
     assert not e2.is_alive()
     assert psnr(ref[1], ref[0]) < 35  # LoRA really changes the image

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from sglang.multimodal_gen.errors import InvalidRequestError
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
-REQ = GenerationRequest(
+REQ = SamplingParams(
     prompt="a lighthouse at dusk", height=32, width=32, num_inference_steps=2, seed=9
 )
 FAIL_ON = "c"  # set_lora calls naming this adapter fail on rank 1
