@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from fixtures.tiny_models import TINY_TEXT_ENCODER, TINY_TRANSFORMER, make_lora, psnr
 from sglang.multimodal_gen.models.families.zimage_tiny import build_zimage_dir
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 MIN_PSNR = 45.0
 REQ = dict(
@@ -41,7 +41,7 @@ def model_and_lora(tmp_path_factory):
 
 
 def _images(engine, lora):
-    req = GenerationRequest(**REQ)
+    req = SamplingParams(**REQ)
     out = [np.asarray(engine.generate(req)[0])]
     engine.set_lora("a", lora, strength=0.8, merge_mode="dynamic")
     out.append(np.asarray(engine.generate(req)[0]))
@@ -58,7 +58,7 @@ def reference(model_and_lora):
     with DiffusionEngine(model, device="cpu") as e:
         ref = _images(e, lora)
         e.set_lora("a", None, strength=0.9, merge_mode="dynamic")
-        near = np.asarray(e.generate(GenerationRequest(**REQ))[0])
+        near = np.asarray(e.generate(**REQ)[0])
     assert psnr(ref[1], ref[0]) < 30  # the LoRA really changes the image
     assert psnr(ref[1], near) < MIN_PSNR  # and its strength is resolved by the bar
     return ref
@@ -93,7 +93,7 @@ def test_heads_that_do_not_divide(tmp_path):
     model = build_zimage_dir(
         str(tmp_path / "m3"), transformer=transformer, text_encoder=TINY_TEXT_ENCODER, seed=0
     )
-    req = GenerationRequest(**REQ)
+    req = SamplingParams(**REQ)
     with DiffusionEngine(model, device="cpu") as e:
         ref = np.asarray(e.generate(req)[0])
     with pytest.raises(ValueError, match=r"3 attention heads.*ulysses_degree=2.*\[1, 3\]"):
