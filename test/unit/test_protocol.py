@@ -91,7 +91,7 @@ def test_parse_size_ok(size, wh):
 @pytest.mark.parametrize(
     "size,needle",
     [("64", "WxH"), ("x64", "WxH"), ("-64x64", "WxH"), ("65x64", "multiples of 16"),
-     ("2048x64", "maximum 1024"), ("0x64", "WxH"), ("64.0x64", "WxH"),
+     ("2048x64", "maximum 1024"), ("64x2048", "maximum 1024"), ("0x64", "WxH"), ("64.0x64", "WxH"),
      ("\uff16\uff14x64", "WxH"), ("\u0666\u0664x64", "WxH")],  # full-width, Arabic-Indic digits
 )  # fmt: skip
 def test_parse_size_bad(size, needle):
@@ -233,6 +233,37 @@ def test_image_job_errors(fields, param, needle):
     with pytest.raises(InvalidRequestError) as e:
         image_job(req, SPEC)
     assert e.value.param == param and needle in e.value.message, e.value.message
+
+
+def test_server_spec_tightens_with_the_servers_bounds():
+    """``server_spec``: the engine's spec with ``--max-image-size``, ``--max-n``,
+    ``--max-steps`` and ``--max-pixel-steps`` on top; the model's own bounds stay."""
+    from sglang.multimodal_gen.entrypoints.http_server import server_spec
+
+    model = _spec(max_image_size=4096, max_n=None, max_steps=None)
+    args = ServerArgs(
+        max_image_size=512, max_images_per_request=3, max_inference_steps=20, max_pixel_steps=0
+    )
+    spec = server_spec(model, args)
+    limits = spec.limits
+    assert (limits.max_image_size, limits.max_num_outputs_per_prompt) == (512, 3)
+    assert (limits.max_inference_steps, limits.max_pixel_steps) == (20, None)
+    assert limits.max_sequence_length == 1024  # the model's
+    assert (spec.params_class, spec.defaults) == (model.params_class, model.defaults)
+    for body, param, message in (
+        ({"n": 4}, "n", "n must be an integer in [1, 3], got 4"),
+        ({"num_inference_steps": 21}, "num_inference_steps", "[1, 20]"),
+        ({"size": "528x512"}, "size", "maximum 512"),
+    ):
+        with pytest.raises(InvalidRequestError) as e:
+            image_job(ImageGenerationRequest(prompt="p", **body), spec)
+        assert e.value.param == param and message in e.value.message, e.value.message
+    image_job(ImageGenerationRequest(prompt="p", n=3, num_inference_steps=20, size="512x512"), spec)
+    # unset: the server's default side (2048), or the model's when smaller; a default budget
+    default = server_spec(model, ServerArgs()).limits
+    assert default.max_image_size == 2048 and default.max_pixel_steps is not None
+    with pytest.raises(ValueError, match="larger than this model's maximum of 4096"):
+        server_spec(model, ServerArgs(max_image_size=8192))
 
 
 def test_validate_set_lora():
