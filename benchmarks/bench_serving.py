@@ -170,9 +170,7 @@ def run_direct(
             engine.set_lora(lora[0], lora[1])
             engine.unset_lora()
         w, h = (int(x) for x in requests[0]["size"].split("x"))
-        engine.generate(
-            SamplingParams(prompt="warmup", width=w, height=h, num_inference_steps=1)
-        )
+        engine.generate(SamplingParams(prompt="warmup", width=w, height=h, num_inference_steps=1))
         lat: list[float] = []
         kinds: list[bool] = []  # True: the request had a per-request LoRA
         wall = 0.0
