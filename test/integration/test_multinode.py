@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from server_helpers import free_port
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 PROMPT, SEED, STEPS, SIZE = "a red kite over dunes", 5, 2, 32
 MIN_PSNR = 45.0
@@ -56,8 +56,8 @@ def _generate_args(model: str, out: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _request(**kw) -> GenerationRequest:
-    return GenerationRequest(
+def _request(**kw) -> SamplingParams:
+    return SamplingParams(
         prompt=PROMPT, seed=SEED, num_inference_steps=STEPS, height=SIZE, width=SIZE, **kw
     )
 

@@ -28,7 +28,7 @@ serve = pytest.importorskip("ray.serve", reason="ray[serve] is an optional extra
 import openai  # noqa: E402
 from server_helpers import free_port  # noqa: E402
 from sglang.multimodal_gen.configs.server_args import ServerArgs  # noqa: E402
-from sglang.multimodal_gen.runtime import DiffusionEngine, GenerationRequest  # noqa: E402
+from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def serve_url(tiny_zimage_dir, tiny_zimage_loras):
 @pytest.fixture(scope="module")
 def reference(tiny_zimage_dir, tiny_zimage_loras):
     with DiffusionEngine(tiny_zimage_dir, device="cpu") as engine:
-        req = lambda seed: GenerationRequest(  # noqa: E731
+        req = lambda seed: SamplingParams(  # noqa: E731
             prompt=PROMPT, seed=seed, num_inference_steps=STEPS, height=SIZE, width=SIZE
         )
         base = {s: np.asarray(engine.generate(req(s))[0]) for s in range(4)}
