@@ -54,6 +54,10 @@ ZIMAGE = register_family(
         build_tiny=f"{_PKG}.models.families.zimage_tiny:build_zimage_dir",
         embedded_model=f"{_PKG}.models:demo/zimage-shapes",  # scripts/train_demo_model.py
         default_model_name="sglang-default-zimage-tiny",
+        # the main and refiner blocks' attention and feed-forward (diffusers and kohya names)
+        lora_signature=(
+            r"(layers|noise_refiner|context_refiner)[._]\d+[._](attention|feed_forward)",
+        ),
     )
 )
 
