@@ -141,7 +141,11 @@ class ModelFamily:
             (``fn(path, seed=...) -> path``), for tests, and the default model of a family
             without :attr:`embedded_model`.
         embedded_model: ``"package:relative/dir"`` of a trained diffusers-format directory
-            shipped inside the package (package data); the family's default model when set.
+            shipped inside the package (package data); the family's default model when set, and
+            the family that declares one is the server's default family
+            (``models.default_model``; at most one family may).
+        embedded_lora: ``"package:relative/dir"`` of a LoRA folder for :attr:`embedded_model`
+            shipped as package data (``models.default_model.demo_lora_path``).
         default_model_name: the served name of the default model.
         lora_signature: regexes (``re.search`` on each key of a LoRA file) that mark a key as
             written for this family's denoiser, in the spellings LoRA files use (diffusers names,
@@ -165,6 +169,7 @@ class ModelFamily:
     tp_divisors: Callable[[Any], Mapping[str, int]] | None = None
     build_tiny: str | None = None
     embedded_model: str | None = None
+    embedded_lora: str | None = None
     default_model_name: str | None = None
     lora_signature: tuple[str, ...] = ()
     lora_architecture: str | None = None
