@@ -135,14 +135,14 @@ def build_flux(cfg):
         FluxPipeline,
         FluxTransformer2DModel,
     )
-    from sglang.multimodal_gen.models.families.flux_tiny import build_tokenizers
+    from sglang.multimodal_gen.models.families.tiny_common import build_clip_t5_tokenizers
     from sglang.multimodal_gen.models.loader import denoiser_from_module
     from sglang.multimodal_gen.models.registry import get_family
     from sglang.multimodal_gen.pipelines.flux import FluxPipeline as OurPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
-    clip_tok, t5_tok = build_tokenizers()
+    clip_tok, t5_tok = build_clip_t5_tokenizers()
     torch.manual_seed(0)
     with torch.device(dev):
         clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(clip_tok), **cfg["clip"]))
@@ -198,14 +198,14 @@ def build_wan(cfg):
         WanPipeline,
         WanTransformer3DModel,
     )
-    from sglang.multimodal_gen.models.families.flux_tiny import build_tokenizers
+    from sglang.multimodal_gen.models.families.tiny_common import build_clip_t5_tokenizers
     from sglang.multimodal_gen.models.loader import denoiser_from_module
     from sglang.multimodal_gen.models.registry import get_family
     from sglang.multimodal_gen.pipelines.wan import WanPipeline as OurPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
     dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
-    _, tok = build_tokenizers()
+    _, tok = build_clip_t5_tokenizers()
     torch.manual_seed(0)
     with torch.device(dev):
         te = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), **cfg["t5"])).to(dtype).eval()
@@ -260,14 +260,14 @@ def build_qwen(cfg):
         QwenImageTransformer2DModel,
     )
     from sglang.multimodal_gen.models.families.qwen_image_tiny import QWEN_SCHEDULER
-    from sglang.multimodal_gen.models.families.zimage_tiny import build_tokenizer
+    from sglang.multimodal_gen.models.families.tiny_common import build_byte_level_chat_tokenizer
     from sglang.multimodal_gen.models.loader import denoiser_from_module
     from sglang.multimodal_gen.models.registry import get_family
     from sglang.multimodal_gen.pipelines.qwen_image import QwenImagePipeline as OurPipeline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
-    tok = build_tokenizer()
+    tok = build_byte_level_chat_tokenizer()
     text = dict(cfg["text"], vocab_size=len(tok), max_position_embeddings=4096,
                 rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}
                 if cfg["text"]["hidden_size"] > 256 else {"type": "mrope",
@@ -304,14 +304,15 @@ def build(cfg):
         ZImagePipeline,
         ZImageTransformer2DModel,
     )
+    from sglang.multimodal_gen.models.families.tiny_common import build_byte_level_chat_tokenizer
     from sglang.multimodal_gen.models.families.zimage import zimage_from_diffusers_module
-    from sglang.multimodal_gen.models.families.zimage_tiny import DEFAULT_SCHEDULER, build_tokenizer
+    from sglang.multimodal_gen.models.families.zimage_tiny import DEFAULT_SCHEDULER
     from sglang.multimodal_gen.models.registry import get_family
     from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline as OurPipeline
     from transformers import Qwen3Config, Qwen3Model
 
     dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
-    tok = build_tokenizer()
+    tok = build_byte_level_chat_tokenizer()
     torch.manual_seed(0)
     with torch.device(dev):
         te_cfg = dict(cfg["text_encoder"], vocab_size=len(tok), tie_word_embeddings=False)

@@ -98,6 +98,24 @@ def test_default_model_is_the_packaged_demo_with_its_own_defaults(engine, tiny_z
     assert (real.params.height, real.params.width, real.params.guidance_scale) == (1024, 1024, 0.0)
 
 
+def test_the_default_family_is_the_one_declaring_an_embedded_model(monkeypatch):
+    from dataclasses import replace
+
+    from sglang.multimodal_gen.models import default_model, registry
+
+    fam = default_model.default_family()
+    assert fam is get_family("zimage") and fam.embedded_model and fam.embedded_lora
+    assert default_model.default_model_name() == fam.default_model_name
+    assert os.path.isdir(demo_lora_path())
+    # a second family shipping an embedded model makes the default ambiguous: refused, named
+    monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))
+    registry.register_family(
+        replace(fam, name="zimage-copy", pipeline_classes=("ZImageCopyPipeline",))
+    )
+    with pytest.raises(ValueError, match=r"found 2: \['zimage', 'zimage-copy'\]"):
+        default_model_path()
+
+
 def test_bad_own_defaults_are_refused_naming_the_key(tmp_path):
     fam = get_family("zimage")
     with open(os.path.join(default_model_path(), "transformer", "config.json")) as f:

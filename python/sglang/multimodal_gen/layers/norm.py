@@ -1,8 +1,15 @@
-"""Normalization layers used by the DiTs.
+"""Normalization layers used by the DiTs, and the adaLN modulations built on them.
 
-``RMSNorm`` follows the numerics of diffusers' ``diffusers.models.normalization.RMSNorm`` (0.42):
-the mean of squares is taken in fp32, the input is scaled by ``rsqrt(mean + eps)`` (promoting to
-fp32), cast to the weight's dtype when that is half precision, then multiplied by the weight.
+Follows diffusers 0.42.1 ``models/normalization.py``:
+
+* ``RMSNorm``: the mean of squares is taken in fp32, the input is scaled by ``rsqrt(mean + eps)``
+  (promoting to fp32), cast to the weight's dtype when that is half precision, then multiplied
+  by the weight (diffusers' ``RMSNorm``);
+* ``LayerNormNoAffine`` and ``FP32LayerNorm`` (diffusers' ``FP32LayerNorm``);
+* :func:`modulate` (``x * (1 + scale) + shift``) and the adaLN modules that compute their
+  ``shift``/``scale`` from a conditioning vector: ``AdaLayerNormZero`` (diffusers'
+  ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle``) and ``AdaLayerNormContinuous``. Their
+  linears are replicated ``ReplicatedLinear``.
 """
 
 from __future__ import annotations
@@ -10,6 +17,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sglang.multimodal_gen.layers.linear import ReplicatedLinear
+
+__all__ = [
+    "AdaLayerNormContinuous",
+    "AdaLayerNormZero",
+    "FP32LayerNorm",
+    "LayerNormNoAffine",
+    "RMSNorm",
+    "modulate",
+]
 
 
 class RMSNorm(nn.Module):
@@ -70,3 +88,94 @@ class LayerNormNoAffine(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
+
+
+class FP32LayerNorm(nn.Module):
+    """Affine LayerNorm computed in fp32 with fp32 ``weight``/``bias`` ``[dim]`` (diffusers'
+    ``FP32LayerNorm(elementwise_affine=True)``, ``normalization.py``; a model keeps it in fp32
+    with its ``_keep_in_fp32_modules``, e.g. Wan's cross-attention norms).
+
+    Shapes: ``x [..., dim]`` any float dtype -> same shape, in ``x.dtype``.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (self.dim,), self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+# ------------------------------------------------------------------------------ modulation
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN modulation ``x * (1 + scale) + shift`` (the expression of diffusers' adaLN norms,
+    ``normalization.py``, and of the DiT blocks that modulate their feed-forward input).
+
+    Shapes: ``x [B, S, D]``; ``shift`` and ``scale`` broadcast against it (``[B, 1, D]`` for one
+    vector per item, ``[B, S, D]`` per token); the result has the promoted dtype of the three
+    (callers round it back where the reference does).
+    """
+    return x * (1 + scale) + shift
+
+
+class AdaLayerNormZero(nn.Module):
+    """adaLN-Zero: ``linear(silu(temb))`` gives ``n_chunks`` vectors of ``[B, D]``; the first two
+    (shift, scale) modulate a LayerNorm (no affine) of ``x``.
+
+    ``n_chunks=6``: diffusers' ``AdaLayerNormZero`` (``normalization.py``, the norms of an MMDiT
+    double block), returns ``(x_mod, gate_msa, shift_mlp, scale_mlp, gate_mlp)``.
+    ``n_chunks=3``: ``AdaLayerNormZeroSingle``, returns ``(x_mod, gate)``.
+
+    Args:
+        dim: ``D``.
+        n_chunks: 6 or 3 (see above).
+        eps: the LayerNorm's epsilon (1e-6 in diffusers).
+        prefix: the module's dotted name (loading errors).
+        **kw: passed to ``ReplicatedLinear`` (``tp_rank``, ``tp_size``, ``params_dtype``).
+
+    Shapes: ``x [B, S, D]``, ``temb [B, D]``; ``x_mod [B, S, D]``, the others ``[B, D]``.
+    """
+
+    def __init__(self, dim: int, n_chunks: int, eps: float, prefix: str, **kw):
+        super().__init__()
+        self.n_chunks = n_chunks
+        self.linear = ReplicatedLinear(dim, n_chunks * dim, prefix=f"{prefix}.linear", **kw)
+        self.norm = LayerNormNoAffine(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor):
+        chunks = self.linear(F.silu(temb))[0].chunk(self.n_chunks, dim=1)
+        shift, scale, rest = chunks[0], chunks[1], chunks[2:]
+        x = modulate(self.norm(x), shift[:, None], scale[:, None])
+        return (x, *rest)
+
+
+class AdaLayerNormContinuous(nn.Module):
+    """Output norm: ``scale, shift = linear(silu(temb))`` (in that order, unlike BFL's
+    ``(shift, scale)``), ``LayerNorm(x) * (1 + scale) + shift`` (diffusers'
+    ``AdaLayerNormContinuous(elementwise_affine=False, eps=1e-6)``, ``normalization.py``; the
+    ``silu(temb)`` is cast to ``x.dtype`` before the linear, as there).
+
+    Args:
+        dim: ``D`` (the conditioning vector has the same width).
+        eps: the LayerNorm's epsilon.
+        prefix: the module's dotted name (loading errors).
+        **kw: passed to ``ReplicatedLinear`` (``tp_rank``, ``tp_size``, ``params_dtype``).
+
+    Shapes: ``x [B, S, D]``, ``temb [B, D]`` -> ``[B, S, D]``.
+    """
+
+    def __init__(self, dim: int, eps: float, prefix: str, **kw):
+        super().__init__()
+        self.linear = ReplicatedLinear(dim, 2 * dim, prefix=f"{prefix}.linear", **kw)
+        self.norm = LayerNormNoAffine(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(temb).to(x.dtype))[0].chunk(2, dim=1)
+        return modulate(self.norm(x), shift[:, None, :], scale[:, None, :])

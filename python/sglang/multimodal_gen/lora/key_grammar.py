@@ -20,8 +20,16 @@ import torch
 from sglang.multimodal_gen.errors import LoRAFormatError
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
 from sglang.multimodal_gen.models.name_map import ShardGroup, ShardId
+from sglang.multimodal_gen.models.registry import list_families
 
-__all__ = ["KeyPair", "guess_architecture", "parse_keys", "unsupported_error"]
+__all__ = [
+    "KeyPair",
+    "architecture_signatures",
+    "best_architecture",
+    "guess_architecture",
+    "parse_keys",
+    "unsupported_error",
+]
 
 _TEXT_ENCODER_PREFIXES = (
     "lora_te",  # lora_te_, lora_te1_, lora_te2_, lora_te3_ (kohya)
@@ -67,32 +75,69 @@ _COMPONENT_RE = re.compile(r"^(transformer(?:_\d+)?)\.")
 _FLAT_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
 _ROLE = {"A": "A", "down": "A", "B": "B", "up": "B"}
 
-# Architecture signatures for "this file seems to target X" (G1). First pattern wins per key.
-_ARCH_SIGNATURES = (
-    ("Qwen-Image", re.compile(r"transformer_blocks[._]\d+[._](img_mlp|txt_mlp|img_mod|txt_mod)")),
-    ("Flux", re.compile(r"(double_blocks|single_blocks|single_transformer_blocks)[._]\d+")),
-    ("Stable Diffusion 3", re.compile(r"joint_blocks[._]\d+|context_block")),
-    ("Wan", re.compile(r"(^|[._])blocks[._]\d+[._](self_attn|cross_attn|ffn)")),
+# Architectures we do not serve, for "the keys seem to target X" (the families we serve declare
+# their own patterns: ModelFamily.lora_signature). (name, regexes searched in each key)
+_OTHER_ARCH_SIGNATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Stable Diffusion 3", (r"joint_blocks[._]\d+|context_block",)),
     (
         "Stable Diffusion UNet (SD 1.x/2.x/XL)",
-        re.compile(r"(down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)"),
-    ),
-    (
-        "Z-Image",
-        re.compile(r"(layers|noise_refiner|context_refiner)[._]\d+[._](attention|feed_forward)"),
+        (r"(down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)",),
     ),
 )
 
 
-def guess_architecture(keys: Iterable[str]) -> str | None:
-    """Best guess of the model family a list of LoRA keys was trained for, or None."""
+def architecture_signatures() -> list[tuple[str, tuple[str, ...]]]:
+    """``(name, regexes)`` of every architecture :func:`guess_architecture` knows: the served
+    families' ``lora_signature`` (from the registry, named by their ``lora_architecture`` or
+    ``display_name``), then the non-served architectures of this module."""
+    served = [
+        (fam.lora_architecture or fam.display_name, tuple(fam.lora_signature))
+        for fam in list_families()
+        if fam.lora_signature
+    ]
+    return served + list(_OTHER_ARCH_SIGNATURES)
+
+
+def best_architecture(
+    keys: Iterable[str], signatures: Iterable[tuple[str, Iterable[str | re.Pattern]]]
+) -> str | None:
+    """The architecture of ``signatures`` whose regexes match the most ``keys``, or None.
+
+    Every architecture counts the keys that at least one of its regexes matches (``re.search``;
+    a key may count for several architectures). The rule, independent of the order of
+    ``signatures`` (so of the order families are registered in):
+
+    1. the most matching keys wins;
+    2. on a tie, the more specific signature: the one that matched the longest piece of a key
+       (``double_blocks.0.img_attn_qkv`` is more specific than ``double_blocks.0``);
+    3. then the name that sorts first.
+
+    Args:
+        keys: the LoRA file's keys.
+        signatures: ``(name, regexes)`` pairs (strings or compiled patterns); a name given twice
+            counts once per key.
+    """
+    compiled = [(name, [re.compile(p) for p in pats]) for name, pats in signatures]
     votes: Counter[str] = Counter()
+    longest: dict[str, int] = {}  # name -> longest matched piece of a key
     for k in keys:
-        for arch, pat in _ARCH_SIGNATURES:
-            if pat.search(k):
-                votes[arch] += 1
-                break
-    return votes.most_common(1)[0][0] if votes else None
+        matched: dict[str, int] = {}
+        for name, pats in compiled:
+            for p in pats:
+                if (m := p.search(k)) is not None:
+                    matched[name] = max(matched.get(name, 0), m.end() - m.start())
+        for name, span in matched.items():
+            votes[name] += 1
+            longest[name] = max(longest.get(name, 0), span)
+    if not votes:
+        return None
+    return min(votes, key=lambda name: (-votes[name], -longest[name], name))
+
+
+def guess_architecture(keys: Iterable[str]) -> str | None:
+    """Best guess of the model a list of LoRA keys was trained for (:func:`best_architecture`
+    over :func:`architecture_signatures`), or None when no signature matches."""
+    return best_architecture(keys, architecture_signatures())
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """The default models: ``sglang generate`` / ``sglang serve`` without ``--model-path``.
 
-The default family (:data:`DEFAULT_FAMILY`, Z-Image) ships a trained demo model inside the package
-(``ModelFamily.embedded_model``: ``models/demo/zimage-shapes``, made by
-``scripts/train_demo_model.py``; it draws simple captioned scenes, see ``models/demo_scenes.py``),
-with a demo LoRA next to it (:func:`demo_lora_path`). A family without one gets a seeded tiny
-random-weight model (``ModelFamily.build_tiny``), built once under ``$SGLANG_CACHE_DIR`` (default
-``~/.cache/sglang``), written atomically so concurrent first uses are safe.
+The default family (:func:`default_family`) is the registered family that ships a trained demo
+model inside the package (``ModelFamily.embedded_model``; today Z-Image's
+``models/demo/zimage-shapes``, made by ``scripts/train_demo_model.py``; it draws simple captioned
+scenes, see ``models/demo_scenes.py``), with a demo LoRA next to it (``ModelFamily.embedded_lora``,
+:func:`demo_lora_path`). A family without one gets a seeded tiny random-weight model
+(``ModelFamily.build_tiny``), built once under ``$SGLANG_CACHE_DIR`` (default
+``~/.cache/sglang``), written atomically so concurrent first uses are safe. Nothing here names a
+family: everything comes from the registry.
 """
 
 from __future__ import annotations
@@ -16,20 +18,43 @@ import os
 import shutil
 import tempfile
 
-from sglang.multimodal_gen.models.registry import get_family, resolve_object
+from sglang.multimodal_gen.models.registry import (
+    ModelFamily,
+    get_family,
+    list_families,
+    resolve_object,
+)
 
-DEFAULT_FAMILY = "zimage"
 DEFAULT_SEED = 1234
 
-DEMO_LORA = "sglang.multimodal_gen.models:demo/lora-swap-colors"
-
 __all__ = [
-    "DEFAULT_FAMILY",
     "default_cache_dir",
+    "default_family",
     "default_model_name",
     "default_model_path",
     "demo_lora_path",
 ]
+
+
+def default_family() -> ModelFamily:
+    """The family whose embedded model is the default model: the one registered family that
+    declares ``embedded_model``.
+
+    Raises:
+        ValueError: no family, or more than one, declares an embedded model (both named).
+    """
+    embedded = [f for f in list_families() if f.embedded_model is not None]
+    if len(embedded) != 1:
+        names = [f.name for f in embedded]
+        raise ValueError(
+            "exactly one model family must ship an embedded default model "
+            f"(ModelFamily.embedded_model); found {len(embedded)}: {names}"
+        )
+    return embedded[0]
+
+
+def _family(family: str | None) -> ModelFamily:
+    return default_family() if family is None else get_family(family)
 
 
 def _package_path(spec: str) -> str:
@@ -40,14 +65,18 @@ def _package_path(spec: str) -> str:
 
 
 def demo_lora_path() -> str:
-    """Folder of the demo LoRA of the embedded default model ("swap colours": the object takes
-    the background's colour and the background the object's; diffusers
-    ``pytorch_lora_weights.safetensors``).
+    """Folder of the demo LoRA of the embedded default model (the default family's
+    ``embedded_lora``; Z-Image's "swap colours": the object takes the background's colour and
+    the background the object's; diffusers ``pytorch_lora_weights.safetensors``).
 
     Raises:
+        ValueError: the default family ships no demo LoRA.
         FileNotFoundError: the package was installed without its package data.
     """
-    path = _package_path(DEMO_LORA)
+    fam = default_family()
+    if fam.embedded_lora is None:
+        raise ValueError(f"the default model family {fam.name!r} ships no demo LoRA")
+    path = _package_path(fam.embedded_lora)
     if not os.path.isfile(os.path.join(path, "pytorch_lora_weights.safetensors")):
         raise FileNotFoundError(f"demo LoRA missing at {path}: reinstall the package")
     return path
@@ -62,15 +91,16 @@ def default_cache_dir() -> str:
     return os.path.join(xdg, "sglang")
 
 
-def default_model_name(family: str = DEFAULT_FAMILY) -> str:
-    """The served name of ``family``'s default model (``sglang-default-zimage-tiny``)."""
-    fam = get_family(family)
+def default_model_name(family: str | None = None) -> str:
+    """The served name of ``family``'s default model (``None``: the :func:`default_family`'s,
+    e.g. ``sglang-default-zimage-tiny``)."""
+    fam = _family(family)
     return fam.default_model_name or f"sglang-default-{fam.name}-tiny"
 
 
-def default_model_path(cache_dir: str | None = None, family: str = DEFAULT_FAMILY) -> str:
-    """Path of ``family``'s default model: its embedded trained model, else its tiny random
-    model, built on first use.
+def default_model_path(cache_dir: str | None = None, family: str | None = None) -> str:
+    """Path of ``family``'s default model (``None``: the :func:`default_family`): its embedded
+    trained model, else its tiny random model, built on first use.
 
     The tiny model is written to a temporary sibling and renamed into place, so concurrent first
     uses cannot see a half-written model (the loser of the race discards its copy).
@@ -79,7 +109,7 @@ def default_model_path(cache_dir: str | None = None, family: str = DEFAULT_FAMIL
         ValueError: the family declares neither.
         FileNotFoundError: the embedded model is missing (package installed without its data).
     """
-    fam = get_family(family)
+    fam = _family(family)
     if fam.embedded_model is not None:
         path = _package_path(fam.embedded_model)
         if not os.path.isfile(os.path.join(path, "model_index.json")):
@@ -89,7 +119,7 @@ def default_model_path(cache_dir: str | None = None, family: str = DEFAULT_FAMIL
             )
         return path
     if fam.build_tiny is None:
-        raise ValueError(f"model family {family!r} has no default model")
+        raise ValueError(f"model family {fam.name!r} has no default model")
     build = resolve_object(fam.build_tiny)
     version = getattr(build, "version", "1")
     root = cache_dir or default_cache_dir()

@@ -128,9 +128,23 @@ class ModelFamily:
             (``fn(path, seed=...) -> path``), for tests, and the default model of a family
             without :attr:`embedded_model`.
         embedded_model: ``"package:relative/dir"`` of a trained diffusers-format directory
-            shipped inside the package (package data); the family's default model when set.
+            shipped inside the package (package data); the family's default model when set, and
+            the family that declares one is the server's default family
+            (``models.default_model``; at most one family may).
+        embedded_lora: ``"package:relative/dir"`` of a LoRA folder for :attr:`embedded_model`
+            shipped as package data (``models.default_model.demo_lora_path``).
         default_model_name: the served name of the default model.
-        lora_family_hint: words a LoRA file of this family may show (used in error messages).
+        lora_signature: regexes (``re.search`` on each key of a LoRA file) that mark a key as
+            written for this family's denoiser, in the spellings LoRA files use (diffusers names,
+            kohya's flattened ``lora_unet_...``, the original checkpoint's names). When a file
+            matches none of a model's modules, ``lora.key_grammar.guess_architecture`` says which
+            model it seems to be for: the family (or non-served architecture) whose patterns
+            match the most keys; on a tie, the one that matched the longest piece of a key
+            (``lora.key_grammar.best_architecture``). Keep the patterns specific to the family:
+            keys that another family's patterns also match count for both. Empty: the family is
+            never guessed.
+        lora_architecture: the name that guess reports (``None``: :attr:`display_name`), e.g.
+            ``"Flux"`` for a file that could be for any Flux version.
     """
 
     name: str
@@ -143,7 +157,10 @@ class ModelFamily:
     tp_divisors: Callable[[Any], Mapping[str, int]] | None = None
     build_tiny: str | None = None
     embedded_model: str | None = None
+    embedded_lora: str | None = None
     default_model_name: str | None = None
+    lora_signature: tuple[str, ...] = ()
+    lora_architecture: str | None = None
     extra: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ helpers

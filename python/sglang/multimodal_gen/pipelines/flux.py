@@ -28,30 +28,9 @@ import numpy as np
 import torch
 
 from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline, latents_to_uint8
+from sglang.multimodal_gen.pipelines.latent_packing import image_ids, pack_latents, unpack_latents
 
-__all__ = ["FluxPipeline", "image_ids", "pack_latents", "unpack_latents"]
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """``[B, C, h, w]`` -> 2x2 patches ``[B, (h/2)(w/2), 4C]`` (channel order ``C, 2, 2``)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Inverse of :func:`pack_latents`: ``[B, (h/2)(w/2), 4C]`` -> ``[B, C, h, w]``."""
-    b, _, c4 = latents.shape
-    x = latents.view(b, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c4 // 4, h, w)
-
-
-def image_ids(h2: int, w2: int, device, dtype) -> torch.Tensor:
-    """RoPE positions of the packed patches: ``[(h2 * w2), 3]`` rows ``(0, row, col)``."""
-    ids = torch.zeros(h2, w2, 3)
-    ids[..., 1] = torch.arange(h2)[:, None]
-    ids[..., 2] = torch.arange(w2)[None, :]
-    return ids.reshape(h2 * w2, 3).to(device=device, dtype=dtype)
+__all__ = ["FluxPipeline"]
 
 
 class FluxPipeline(StagedPipeline):

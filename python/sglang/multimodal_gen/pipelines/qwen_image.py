@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline, latents_to_uint8
-from sglang.multimodal_gen.pipelines.flux import pack_latents, unpack_latents
+from sglang.multimodal_gen.pipelines.latent_packing import pack_latents, unpack_latents
 
 __all__ = ["QwenImagePipeline"]
 

@@ -38,6 +38,7 @@ from sglang.multimodal_gen.configs.flux import FluxArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.attention import attention
+from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding, timestep_sinusoid
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
     MergedColumnParallelLinear,
@@ -45,17 +46,16 @@ from sglang.multimodal_gen.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from sglang.multimodal_gen.layers.norm import LayerNormNoAffine
-from sglang.multimodal_gen.models.dits.common import tp_kwargs
-from sglang.multimodal_gen.models.dits.flux_embed import (
-    FluxAdaLNContinuous,
-    FluxAdaLNZero,
-    FluxPosEmbed,
-    FluxTimeTextEmbed,
-    apply_rope_real,
+from sglang.multimodal_gen.layers.norm import (
+    AdaLayerNormContinuous,
+    AdaLayerNormZero,
+    LayerNormNoAffine,
+    modulate,
 )
+from sglang.multimodal_gen.layers.rotary import MultiAxisRopeReal, apply_rope_real
+from sglang.multimodal_gen.models.dits.common import tp_kwargs
 
-__all__ = ["FluxPosEmbed", "FluxTransformer", "apply_rope_real", "flux_from_diffusers_module"]
+__all__ = ["FluxTimeTextEmbed", "FluxTransformer", "flux_from_diffusers_module"]
 
 FP16_MAX = 65504.0
 
@@ -74,6 +74,40 @@ def _attend(q, k, v, cos, sin) -> torch.Tensor:
     return attention(q, k, v).to(q.dtype)
 
 
+# ------------------------------------------------------------------------------ conditioning
+class FluxTimeTextEmbed(nn.Module):
+    """``temb = MLP(sinusoid(t)) [+ MLP(sinusoid(guidance))] + MLP(pooled)``.
+
+    Diffusers' ``CombinedTimestepTextProjEmbeddings`` (no guidance) and
+    ``CombinedTimestepGuidanceTextProjEmbeddings`` (with ``guidance_embedder``) of
+    ``embeddings.py``; the sum is taken in the same order (``(t + g) + pooled``). The MLPs are
+    :class:`~sglang.multimodal_gen.layers.embeddings.TimestepEmbedding` (SiLU).
+
+    Shapes: ``t [B]``, ``guidance [B] | None`` (both already multiplied by 1000),
+    ``pooled [B, pooled_projection_dim]`` -> ``[B, D]`` in the weight dtype.
+    """
+
+    def __init__(self, cfg: FluxArchConfig, prefix: str, **kw):
+        super().__init__()
+        d, f = cfg.inner_dim, cfg.T_FREQ_DIM
+        self.freq_dim = f
+        self.timestep_embedder = TimestepEmbedding(f, d, f"{prefix}.timestep_embedder", **kw)
+        if cfg.guidance_embeds:
+            self.guidance_embedder = TimestepEmbedding(f, d, f"{prefix}.guidance_embedder", **kw)
+        else:
+            self.guidance_embedder = None
+        self.text_embedder = TimestepEmbedding(  # diffusers' PixArtAlphaTextProjection
+            cfg.pooled_projection_dim, d, f"{prefix}.text_embedder", **kw
+        )
+
+    def forward(self, t, pooled, guidance=None) -> torch.Tensor:
+        emb = self.timestep_embedder(timestep_sinusoid(t, self.freq_dim).to(pooled.dtype))
+        if self.guidance_embedder is not None:
+            g = self.guidance_embedder(timestep_sinusoid(guidance, self.freq_dim).to(pooled.dtype))
+            emb = emb + g
+        return emb + self.text_embedder(pooled)
+
+
 # ------------------------------------------------------------------------------- double block
 class FluxJointAttention(nn.Module):
     """Joint attention of a double block: image and text tokens have their own fused QKV
@@ -81,7 +115,7 @@ class FluxJointAttention(nn.Module):
     ``[text, image]`` (diffusers' ``FluxAttention`` with ``added_kv_proj_dim`` +
     ``FluxAttnProcessor``). Heads are split over TP.
 
-    Shapes: ``x [B, S_img, D]``, ``ctx [B, S_txt, D]``, ``cos``/``sin`` ``[S_txt + S_img, hd]``
+    Shapes: ``x [B, S_img, D]``, ``ctx [B, S_txt, D]``, ``cos``/``sin`` ``[S_txt + S_img, hd / 2]``
     -> ``(x_out [B, S_img, D], ctx_out [B, S_txt, D])`` (all-reduced over TP).
     """
 
@@ -158,15 +192,15 @@ class FluxDoubleBlock(nn.Module):
         s = s + gate_f * ff_s(LN(s) * (1 + scale_f) + shift_f)
 
     Shapes: ``x [B, S_img, D]``, ``ctx [B, S_txt, D]``, ``temb [B, D]``,
-    ``cos``/``sin`` ``[S_txt + S_img, hd]`` -> ``(ctx, x)`` (the reference's order).
+    ``cos``/``sin`` ``[S_txt + S_img, hd / 2]`` -> ``(ctx, x)`` (the reference's order).
     """
 
     def __init__(self, cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype):
         super().__init__()
         d, eps = cfg.inner_dim, cfg.NORM_EPS
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
-        self.norm1 = FluxAdaLNZero(d, 6, eps, f"{prefix}.norm1", **kw)
-        self.norm1_context = FluxAdaLNZero(d, 6, eps, f"{prefix}.norm1_context", **kw)
+        self.norm1 = AdaLayerNormZero(d, 6, eps, f"{prefix}.norm1", **kw)
+        self.norm1_context = AdaLayerNormZero(d, 6, eps, f"{prefix}.norm1_context", **kw)
         self.attn = FluxJointAttention(cfg, f"{prefix}.attn", tp_rank, tp_size, dtype)
         self.norm2 = LayerNormNoAffine(d, eps=eps)
         self.ff = GeluTanhFeedForward(
@@ -183,11 +217,11 @@ class FluxDoubleBlock(nn.Module):
         attn_x, attn_c = self.attn(nx, nc, cos, sin)
 
         x = x + gate_a.unsqueeze(1) * attn_x
-        h = self.norm2(x) * (1 + scale_f[:, None]) + shift_f[:, None]
+        h = modulate(self.norm2(x), shift_f[:, None], scale_f[:, None])
         x = x + gate_f.unsqueeze(1) * self.ff(h)
 
         ctx = ctx + c_gate_a.unsqueeze(1) * attn_c
-        h = self.norm2_context(ctx) * (1 + c_scale_f[:, None]) + c_shift_f[:, None]
+        h = modulate(self.norm2_context(ctx), c_shift_f[:, None], c_scale_f[:, None])
         ctx = ctx + c_gate_f.unsqueeze(1) * self.ff_context(h)
         if ctx.dtype == torch.float16:
             ctx = ctx.clip(-FP16_MAX, FP16_MAX)
@@ -222,7 +256,7 @@ class FluxSingleBlock(nn.Module):
         x = x + gate * proj_out([attention(q, k, v) | gelu_tanh(m)])
 
     Shapes: ``x [B, S_txt + S_img, D]`` (text first), ``temb [B, D]``, ``cos``/``sin``
-    ``[S, hd]`` -> ``[B, S, D]``.
+    ``[S, hd / 2]`` -> ``[B, S, D]``.
     """
 
     def __init__(self, cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype):
@@ -230,7 +264,7 @@ class FluxSingleBlock(nn.Module):
         d, h, hd = cfg.inner_dim, cfg.mlp_hidden, cfg.attention_head_dim
         self.head_dim = hd
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
-        self.norm = FluxAdaLNZero(d, 3, cfg.NORM_EPS, f"{prefix}.norm", **kw)
+        self.norm = AdaLayerNormZero(d, 3, cfg.NORM_EPS, f"{prefix}.norm", **kw)
         self.to_qkv_mlp = MergedColumnParallelLinear(
             d,
             [d, d, d, h],
@@ -301,7 +335,7 @@ class FluxTransformer(nn.Module):
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
         d = cfg.inner_dim
         with torch.device(device or "cpu"):
-            self.pos_embed = FluxPosEmbed(cfg.ROPE_THETA, cfg.axes_dims_rope)
+            self.pos_embed = MultiAxisRopeReal(cfg.ROPE_THETA, cfg.axes_dims_rope)
             self.time_text_embed = FluxTimeTextEmbed(cfg, "time_text_embed", **kw)
             self.context_embedder = ReplicatedLinear(
                 cfg.joint_attention_dim, d, prefix="context_embedder", **kw
@@ -315,7 +349,7 @@ class FluxTransformer(nn.Module):
                 FluxSingleBlock(cfg, f"single_transformer_blocks.{i}", tp_rank, tp_size, dtype)
                 for i in range(cfg.num_single_layers)
             )
-            self.norm_out = FluxAdaLNContinuous(d, cfg.NORM_EPS, "norm_out", **kw)
+            self.norm_out = AdaLayerNormContinuous(d, cfg.NORM_EPS, "norm_out", **kw)
             self.proj_out = ReplicatedLinear(d, cfg.out_features, prefix="proj_out", **kw)
         self.to(dtype)
         for p in self.parameters():
@@ -332,7 +366,8 @@ class FluxTransformer(nn.Module):
     def rotary_tables(
         self, img_ids: torch.Tensor, txt_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[S_txt + S_img, head_dim]`` fp32 for the joint sequence (text first)."""
+        """``(cos, sin)`` ``[S_txt + S_img, head_dim / 2]`` fp32 for the joint sequence (text
+        first), one value per channel pair."""
         return self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
 
     def forward(

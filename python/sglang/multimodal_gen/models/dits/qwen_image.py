@@ -42,21 +42,17 @@ from sglang.multimodal_gen.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from sglang.multimodal_gen.layers.norm import LayerNormNoAffine, RMSNorm
-from sglang.multimodal_gen.models.dits.common import tp_kwargs
-from sglang.multimodal_gen.models.dits.qwen_image_layers import (
-    QwenAdaLNContinuous,
-    QwenImageRope,
-    QwenTimeTextEmbed,
-    apply_rope_complex,
+from sglang.multimodal_gen.layers.norm import (
+    AdaLayerNormContinuous,
+    LayerNormNoAffine,
+    RMSNorm,
+    modulate,
 )
+from sglang.multimodal_gen.layers.rotary import apply_rope_complex
+from sglang.multimodal_gen.models.dits.common import tp_kwargs
+from sglang.multimodal_gen.models.dits.qwen_image_layers import QwenImageRope, QwenTimeTextEmbed
 
-__all__ = [
-    "QwenImageRope",
-    "QwenImageTransformer",
-    "apply_rope_complex",
-    "qwen_image_from_diffusers_module",
-]
+__all__ = ["QwenImageRope", "QwenImageTransformer", "qwen_image_from_diffusers_module"]
 
 FP16_MAX = 65504.0
 
@@ -144,7 +140,7 @@ def _modulate(x: torch.Tensor, params: torch.Tensor):
     """``shift, scale, gate = params.chunk(3)``; returns ``(x * (1 + scale) + shift, gate)`` with
     ``x [B, S, D]``, ``params [B, 3D]``, ``gate [B, 1, D]``."""
     shift, scale, gate = params.chunk(3, dim=-1)
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), gate.unsqueeze(1)
+    return modulate(x, shift.unsqueeze(1), scale.unsqueeze(1)), gate.unsqueeze(1)
 
 
 class QwenImageBlock(nn.Module):
@@ -266,7 +262,7 @@ class QwenImageTransformer(nn.Module):
                 QwenImageBlock(cfg, f"transformer_blocks.{i}", tp_rank, tp_size, dtype)
                 for i in range(cfg.num_layers)
             )
-            self.norm_out = QwenAdaLNContinuous(d, cfg.NORM_EPS, "norm_out", **kw)
+            self.norm_out = AdaLayerNormContinuous(d, cfg.NORM_EPS, "norm_out", **kw)
             self.proj_out = ReplicatedLinear(d, cfg.out_features, prefix="proj_out", **kw)
         self.to(dtype)
         for p in self.parameters():

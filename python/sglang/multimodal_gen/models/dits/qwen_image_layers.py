@@ -1,30 +1,21 @@
-"""The Qwen-Image DiT's RoPE (complex, with the reference's positive/negative position tables)
-and its timestep embedding and continuous adaLN output norm.
+"""The Qwen-Image DiT's RoPE tables (complex, with the reference's positive/negative position
+tables) and its timestep embedding.
 
 Same numerics as diffusers 0.42.1 ``models/transformers/transformer_qwenimage.py``; the blocks
-and the model are in :mod:`sglang.multimodal_gen.models.dits.qwen_image`.
+and the model are in :mod:`sglang.multimodal_gen.models.dits.qwen_image`. The shared pieces
+(the complex rotation, the sinusoid and MLP of the timestep embedding, the continuous adaLN
+output norm) are in ``layers/``.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglang.multimodal_gen.configs.qwen_image import QwenImageArchConfig
-from sglang.multimodal_gen.layers.linear import ReplicatedLinear
-from sglang.multimodal_gen.layers.norm import LayerNormNoAffine
-from sglang.multimodal_gen.models.dits.flux_embed import FluxMLPEmbedder
+from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding, timestep_sinusoid
 
-__all__ = [
-    "QwenAdaLNContinuous",
-    "QwenImageRope",
-    "QwenTimeTextEmbed",
-    "apply_rope_complex",
-    "timestep_sinusoid",
-]
+__all__ = ["QwenImageRope", "QwenTimeTextEmbed"]
 
 ROPE_TABLE_LEN = 4096  # positions per direction the reference tabulates
 
@@ -108,37 +99,7 @@ class QwenImageRope(nn.Module):
         return f"theta={self.theta}, axes_dims={list(self.axes_dims)}"
 
 
-def apply_rope_complex(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs ``(a, b)`` as the complex number ``a + ib`` times
-    ``freqs``.
-
-    Args:
-        x: ``[B, S, H, D]`` any float dtype.
-        freqs: ``[S, D / 2]`` complex64 (from :class:`QwenImageRope`), broadcast over batch and
-            heads.
-
-    Returns:
-        ``[B, S, H, D]`` in ``x.dtype``, computed in complex64 (diffusers'
-        ``apply_rotary_emb_qwen(use_real=False)``, same operations).
-    """
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * freqs.unsqueeze(1)).flatten(3).type_as(x)
-
-
 # --------------------------------------------------------------------------------- embeddings
-def timestep_sinusoid(t: torch.Tensor, dim: int, scale: float, max_period: float = 10000.0):
-    """Sinusoidal features ``[B] -> [B, dim]`` fp32, ``cos`` half first then ``sin``, of the
-    angles ``scale * (t * w_k)`` with ``w_k = exp(-ln(max_period) * k / (dim / 2))`` (diffusers'
-    ``Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0, scale=scale)``, same order of
-    operations: the scale multiplies the angles, not ``t``)."""
-    half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
-    freqs = torch.exp(exponent / half)
-    angles = scale * (t[:, None].float() * freqs[None, :])
-    out = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-    return F.pad(out, (0, 1)) if dim % 2 else out
-
-
 class QwenTimeTextEmbed(nn.Module):
     """``temb = timestep_embedder(sinusoid(1000 t))`` (diffusers' ``QwenTimestepProjEmbeddings``
     without the additional-t embedding).
@@ -150,27 +111,10 @@ class QwenTimeTextEmbed(nn.Module):
         super().__init__()
         self.freq_dim = cfg.T_FREQ_DIM
         self.scale = cfg.TIMESTEP_SCALE
-        self.timestep_embedder = FluxMLPEmbedder(  # diffusers' TimestepEmbedding
+        self.timestep_embedder = TimestepEmbedding(
             cfg.T_FREQ_DIM, cfg.inner_dim, f"{prefix}.timestep_embedder", **kw
         )
 
     def forward(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.timestep_embedder(timestep_sinusoid(t, self.freq_dim, self.scale).to(dtype))
-
-
-class QwenAdaLNContinuous(nn.Module):
-    """Final norm: ``scale, shift = linear(silu(temb))`` (in that order),
-    ``LayerNorm(x) * (1 + scale) + shift`` (diffusers'
-    ``AdaLayerNormContinuous(elementwise_affine=False, eps=1e-6)``).
-
-    Shapes: ``x [B, S, D]``, ``temb [B, D]`` -> ``[B, S, D]``.
-    """
-
-    def __init__(self, dim: int, eps: float, prefix: str, **kw):
-        super().__init__()
-        self.linear = ReplicatedLinear(dim, 2 * dim, prefix=f"{prefix}.linear", **kw)
-        self.norm = LayerNormNoAffine(dim, eps=eps)
-
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.linear(F.silu(temb).to(x.dtype))[0].chunk(2, dim=1)
-        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+        features = timestep_sinusoid(t, self.freq_dim, scale=self.scale)
+        return self.timestep_embedder(features.to(dtype))

@@ -58,14 +58,13 @@ from sglang.multimodal_gen.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from sglang.multimodal_gen.layers.norm import LayerNormNoAffine
+from sglang.multimodal_gen.layers.norm import FP32LayerNorm, LayerNormNoAffine, modulate
+from sglang.multimodal_gen.layers.rotary import apply_rope_real
 from sglang.multimodal_gen.models.dits.common import tp_kwargs
 from sglang.multimodal_gen.models.dits.wan_layers import (
     WanConditionEmbedder,
-    WanFP32LayerNorm,
     WanRMSNormAcrossHeads,
     WanRotaryEmbed,
-    apply_wan_rope,
     rms_norm_qk,
 )
 
@@ -73,7 +72,6 @@ __all__ = [
     "WanRMSNormAcrossHeads",
     "WanRotaryEmbed",
     "WanTransformer",
-    "apply_wan_rope",
     "wan_from_diffusers_module",
 ]
 
@@ -119,8 +117,8 @@ class WanSelfAttention(nn.Module):
         q, k, v = self.to_qkv(x)[0].split(self.split_sizes, dim=-1)
         q, k = rms_norm_qk(self.norm_q, q, self.norm_k, k)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
-        q = apply_wan_rope(q, cos, sin)
-        k = apply_wan_rope(k, cos, sin)
+        q = apply_rope_real(q, cos, sin)
+        k = apply_rope_real(k, cos, sin)
         out = attention(q, k, v).type_as(q)
         return self.to_out[0](out)[0]
 
@@ -191,7 +189,7 @@ class WanBlock(nn.Module):
         self.norm1 = LayerNormNoAffine(d, eps=eps)
         self.attn1 = WanSelfAttention(cfg, f"{prefix}.attn1", tp_rank, tp_size, dtype)
         self.attn2 = WanCrossAttention(cfg, f"{prefix}.attn2", tp_rank, tp_size, dtype)
-        self.norm2 = WanFP32LayerNorm(d, eps) if cfg.cross_attn_norm else nn.Identity()
+        self.norm2 = FP32LayerNorm(d, eps) if cfg.cross_attn_norm else nn.Identity()
         self.ffn = GeluTanhFeedForward(
             cfg.inner_dim, cfg.ffn_dim, f"{prefix}.ffn", tp_rank, tp_size, dtype
         )
@@ -209,13 +207,13 @@ class WanBlock(nn.Module):
             mods = (self.scale_shift_table + timestep_proj.float()).chunk(6, dim=1)
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mods
 
-        h = (self.norm1(x.float()) * (1 + scale_a) + shift_a).type_as(x)
+        h = modulate(self.norm1(x.float()), shift_a, scale_a).type_as(x)
         x = (x.float() + self.attn1(h, cos, sin) * gate_a).type_as(x)
 
         h = self.norm2(x.float()).type_as(x)
         x = x + self.attn2(h, ctx)
 
-        h = (self.norm3(x.float()) * (1 + scale_f) + shift_f).type_as(x)
+        h = modulate(self.norm3(x.float()), shift_f, scale_f).type_as(x)
         return (x.float() + self.ffn(h).float() * gate_f).type_as(x)
 
 
@@ -397,7 +395,7 @@ class WanTransformer(nn.Module):
             shift, scale = shift.squeeze(2), scale.squeeze(2)
         else:  # temb [B, D]
             shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+        x = modulate(self.norm_out(x.float()), shift, scale).type_as(x)
         x = xs.gather(self.proj_out(x)[0])  # [B, S, p_t * p_h * p_w * C_out]
 
         x = x.reshape(b, ppf, pph, ppw, p_t, p_h, p_w, -1)

@@ -1,8 +1,10 @@
 """The Wan DiT's building blocks that are not attention: the q/k RMSNorm across tensor-parallel
-heads, 3-axis RoPE, the condition embedder (timestep and text) and the fp32 affine LayerNorm.
+heads, the 3-axis RoPE tables and the condition embedder (timestep and text).
 
 Same numerics as diffusers 0.42.1 ``models/transformers/transformer_wan.py``; the architecture and
-the tensor-parallel layout are described in :mod:`sglang.multimodal_gen.models.dits.wan`.
+the tensor-parallel layout are described in :mod:`sglang.multimodal_gen.models.dits.wan`. The
+shared pieces (the real-table rotation, the timestep sinusoid and MLP embedders, the fp32
+LayerNorm) are in ``layers/``.
 """
 
 from __future__ import annotations
@@ -17,19 +19,14 @@ from sglang.multimodal_gen.distributed import (
     get_tp_world_size,
     tensor_model_parallel_all_reduce,
 )
-from sglang.multimodal_gen.layers.linear import (
-    ReplicatedLinear,
-)
+from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding, timestep_sinusoid
+from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.models.dits.common import loaded_shape
-from sglang.multimodal_gen.models.dits.flux_embed import timestep_sinusoid
 
 __all__ = [
     "WanConditionEmbedder",
-    "WanFP32LayerNorm",
-    "WanMLP",
     "WanRMSNormAcrossHeads",
     "WanRotaryEmbed",
-    "apply_wan_rope",
     "rms_norm_qk",
 ]
 
@@ -155,7 +152,8 @@ class WanRotaryEmbed:
     one value per pair.
 
     ``__call__(ppf, pph, ppw, device) -> (cos, sin)``, each ``[ppf * pph * ppw, head_dim // 2]``
-    fp32, tokens in ``(frame, row, col)`` row-major order (the Conv3d's flatten order).
+    fp32, tokens in ``(frame, row, col)`` row-major order (the Conv3d's flatten order), as
+    :func:`~sglang.multimodal_gen.layers.rotary.apply_rope_real` takes them.
     """
 
     def __init__(self, head_dim: int, axes_dims, max_seq_len: int, theta: float):
@@ -198,50 +196,7 @@ class WanRotaryEmbed:
         return expand(ct, ch, cw), expand(st, sh, sw)
 
 
-def apply_wan_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs ``(a, b) -> (a cos - b sin, a sin + b cos)``.
-
-    Args:
-        x: ``[B, S, H, D]`` any float dtype.
-        cos, sin: ``[S, D / 2]`` fp32 (from :class:`WanRotaryEmbed`), broadcast over batch and
-            heads.
-
-    Returns:
-        ``[B, S, H, D]`` in ``x.dtype``; the products and sums in fp32 (the tables' dtype), one
-        rounding at the end: the reference's ``apply_rotary_emb`` in ``WanAttnProcessor``.
-    """
-    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)
-    c = cos[None, :, None, :]
-    s = sin[None, :, None, :]
-    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).to(x.dtype)
-
-
 # ---------------------------------------------------------------------------- embeddings
-class WanMLP(nn.Module):
-    """``linear_2(act(linear_1(x)))`` on replicated layers.
-
-    diffusers' ``TimestepEmbedding`` (``act="silu"``, the time embedder) and
-    ``PixArtAlphaTextProjection(act_fn="gelu_tanh")`` (the text embedder).
-
-    Shapes: ``x [..., in_features]`` -> ``[..., out_features]`` in the weight dtype.
-    """
-
-    def __init__(self, in_features: int, out_features: int, act: str, prefix: str, **kw):
-        super().__init__()
-        self.act = act
-        self.linear_1 = ReplicatedLinear(
-            in_features, out_features, prefix=f"{prefix}.linear_1", **kw
-        )
-        self.linear_2 = ReplicatedLinear(
-            out_features, out_features, prefix=f"{prefix}.linear_2", **kw
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_1(x)[0]
-        h = F.silu(h) if self.act == "silu" else F.gelu(h, approximate="tanh")
-        return self.linear_2(h)[0]
-
-
 class WanConditionEmbedder(nn.Module):
     """Timestep and text conditioning (diffusers' ``WanTimeTextImageEmbedding`` without the image
     branch).
@@ -262,8 +217,8 @@ class WanConditionEmbedder(nn.Module):
         self.freq_dim = cfg.freq_dim
         kw = dict(tp_rank=tp_rank, tp_size=tp_size)
         # kept in fp32 like diffusers' _keep_in_fp32_modules ("time_embedder")
-        self.time_embedder = WanMLP(
-            cfg.freq_dim, d, "silu", f"{prefix}.time_embedder", params_dtype=torch.float32, **kw
+        self.time_embedder = TimestepEmbedding(
+            cfg.freq_dim, d, f"{prefix}.time_embedder", params_dtype=torch.float32, **kw
         )
         self.time_proj = ReplicatedLinear(
             d,
@@ -272,8 +227,8 @@ class WanConditionEmbedder(nn.Module):
             params_dtype=dtype,
             **kw,
         )
-        self.text_embedder = WanMLP(
-            cfg.text_dim, d, "gelu_tanh", f"{prefix}.text_embedder", params_dtype=dtype, **kw
+        self.text_embedder = TimestepEmbedding(  # diffusers' PixArtAlphaTextProjection
+            cfg.text_dim, d, f"{prefix}.text_embedder", act="gelu_tanh", params_dtype=dtype, **kw
         )
 
     def forward(
@@ -289,25 +244,3 @@ class WanConditionEmbedder(nn.Module):
         temb = self.time_embedder(t).type_as(encoder_hidden_states)
         timestep_proj = self.time_proj(F.silu(temb))[0]
         return temb, timestep_proj, self.text_embedder(encoder_hidden_states)
-
-
-class WanFP32LayerNorm(nn.Module):
-    """Affine LayerNorm computed in fp32 with fp32 ``weight``/``bias`` ``[dim]`` (diffusers'
-    ``FP32LayerNorm(elementwise_affine=True)``, kept in fp32 as its ``_keep_in_fp32_modules``).
-
-    Shapes: ``x [..., dim]`` -> same shape, in ``x.dtype``.
-    """
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.dim = dim
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float32), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x.float(), (self.dim,), self.weight.float(), self.bias.float(), self.eps)
-        return y.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}"

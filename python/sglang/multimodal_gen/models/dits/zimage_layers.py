@@ -3,11 +3,10 @@ timestep embedder and the final layer, on our tensor-parallel layers.
 
 Same numerics as diffusers 0.42.1 ``models/transformers/transformer_z_image.py``; the model
 that assembles them, and its data flow, are in :mod:`sglang.multimodal_gen.models.dits.zimage`.
+The shared pieces (RoPE, the timestep sinusoid, the norms) are in ``layers/``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +14,7 @@ from torch import nn
 
 from sglang.multimodal_gen.configs.zimage import ZImageArchConfig
 from sglang.multimodal_gen.layers.attention import attention
+from sglang.multimodal_gen.layers.embeddings import timestep_sinusoid
 from sglang.multimodal_gen.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -22,7 +22,7 @@ from sglang.multimodal_gen.layers.linear import (
     RowParallelLinear,
 )
 from sglang.multimodal_gen.layers.norm import LayerNormNoAffine, RMSNorm
-from sglang.multimodal_gen.layers.rotary import apply_rope_interleaved
+from sglang.multimodal_gen.layers.rotary import apply_rope_complex
 from sglang.multimodal_gen.models.dits.common import tp_kwargs
 
 __all__ = [
@@ -83,8 +83,8 @@ class ZImageAttention(nn.Module):
         if self.norm_q is not None:
             q = self.norm_q(q)
             k = self.norm_k(k)
-        q = apply_rope_interleaved(q, cis)
-        k = apply_rope_interleaved(k, cis)
+        q = apply_rope_complex(q, cis)
+        k = apply_rope_complex(k, cis)
         out = attention(q, k, v.to(q.dtype), key_mask).to(q.dtype)
         return self.to_out[0](out)[0]
 
@@ -170,7 +170,9 @@ class ZImageBlock(nn.Module):
 
 
 class ZImageTimestepEmbedder(nn.Module):
-    """Sinusoidal timestep features (256: cos half then sin half, period 10000) -> MLP.
+    """Sinusoidal timestep features (256: cos half then sin half, period 10000; the shared
+    :func:`~sglang.multimodal_gen.layers.embeddings.timestep_sinusoid`, which is the reference's
+    ``TimestepEmbedder.timestep_embedding``) -> MLP ``mlp.0`` / SiLU / ``mlp.2``.
 
     Shapes: ``t [B]`` (already multiplied by ``t_scale``) -> ``[B, adaln_dim]`` in the weight dtype.
     """
@@ -187,20 +189,8 @@ class ZImageTimestepEmbedder(nn.Module):
             ]
         )
 
-    @staticmethod
-    def sinusoid(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-        """``[B]`` -> ``[B, dim]`` fp32: ``cos(t w_k) | sin(t w_k)``, ``w_k = P^(-k / (dim/2))``."""
-        half = dim // 2
-        k = torch.arange(half, dtype=torch.float32, device=t.device)
-        w = torch.exp(k * (-math.log(max_period) / half))
-        ang = t.float()[:, None] * w[None]
-        out = torch.cat([ang.cos(), ang.sin()], dim=-1)
-        if dim % 2:
-            out = F.pad(out, (0, 1))
-        return out
-
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        h = self.sinusoid(t, self.freq_dim).to(self.mlp[0].weight.dtype)
+        h = timestep_sinusoid(t, self.freq_dim).to(self.mlp[0].weight.dtype)
         h = self.mlp[0](h)[0]
         return self.mlp[2](self.mlp[1](h))[0]
 

@@ -59,5 +59,8 @@ FLUX = register_family(
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.flux_tiny:build_flux_dir",
         default_model_name="sglang-default-flux-tiny",
+        # BFL names (kohya, ComfyUI, XLabs: double_blocks, single_blocks), diffusers' single blocks
+        lora_signature=(r"(double_blocks|single_blocks|single_transformer_blocks)[._]\d+",),
+        lora_architecture="Flux",
     )
 )

@@ -17,7 +17,10 @@ from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.models.families.zimage_tiny import _redraw_constant_params
+from sglang.multimodal_gen.models.families.tiny_common import (
+    build_clip_t5_tokenizers,
+    redraw_constant_params,
+)
 
 TINY_VERSION = "1"
 DEFAULT_SEED = 1234
@@ -81,30 +84,6 @@ SCHNELL_SCHEDULER: dict[str, Any] = dict(
 )
 
 
-def build_tokenizers():
-    """``(clip_tokenizer, t5_tokenizer)`` built offline.
-
-    CLIP: byte-level BPE without merges (each byte symbol, also with the end-of-word marker
-    ``</w>``, is a token), ``<|startoftext|>``/``<|endoftext|>``, ``model_max_length`` 77.
-    T5: a unigram vocabulary of ``<pad>``, ``</s>``, ``<unk>``, the word marker and printable ASCII.
-    """
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTokenizer, T5Tokenizer
-
-    syms = sorted(ByteLevel.alphabet())
-    vocab = {s: i for i, s in enumerate(syms)}
-    for s in syms:
-        vocab[s + "</w>"] = len(vocab)
-    vocab["<|startoftext|>"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    clip = CLIPTokenizer(vocab=vocab, merges=[])
-    clip.model_max_length = 77
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
-    pieces += [(chr(c), -2.0) for c in range(33, 127)]
-    t5 = T5Tokenizer(vocab=pieces, extra_ids=0)
-    return clip, t5
-
-
 def build_flux_components(
     guidance_embeds: bool = True,
     transformer: dict | None = None,
@@ -123,7 +102,7 @@ def build_flux_components(
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    clip_tok, t5_tok = build_tokenizers()
+    clip_tok, t5_tok = build_clip_t5_tokenizers()
     t_cfg = dict(copy.deepcopy(transformer or TINY_TRANSFORMER), guidance_embeds=guidance_embeds)
     t_cfg["joint_attention_dim"] = TINY_T5["d_model"]
     t_cfg["pooled_projection_dim"] = TINY_CLIP["hidden_size"]
@@ -146,7 +125,7 @@ def build_flux_components(
     torch.manual_seed(seed + 3)
     vae = AutoencoderKL(**vae_cfg).eval()
     for m in (clip, t5, dit, vae):
-        _redraw_constant_params(m, gen, redraw_std)
+        redraw_constant_params(m, gen, redraw_std)
     sched = FlowMatchEulerDiscreteScheduler(
         **(DEV_SCHEDULER if guidance_embeds else SCHNELL_SCHEDULER)
     )

@@ -58,5 +58,7 @@ QWEN_IMAGE = register_family(
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.qwen_image_tiny:build_qwen_image_dir",
         default_model_name="sglang-default-qwen-image-tiny",
+        # the per-stream MLPs and modulations of diffusers' names (also kohya-flattened)
+        lora_signature=(r"transformer_blocks[._]\d+[._](img_mlp|txt_mlp|img_mod|txt_mod)",),
     )
 )

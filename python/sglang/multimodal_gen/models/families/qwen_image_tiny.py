@@ -3,7 +3,7 @@
 Built with the reference libraries' classes (diffusers' ``QwenImageTransformer2DModel``,
 ``AutoencoderKLQwenImage``, ``FlowMatchEulerDiscreteScheduler`` with Qwen-Image's exponential
 dynamic shift; transformers' ``Qwen2_5_VLForConditionalGeneration`` with a tiny vision tower and
-the offline byte-level ``Qwen2Tokenizer`` of the Z-Image builder) and saved with
+the offline byte-level ``Qwen2Tokenizer`` of ``models/families/tiny_common.py``) and saved with
 ``QwenImagePipeline.save_pretrained``. Random weights: images are noise by construction.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.models.families.zimage_tiny import (
-    _redraw_constant_params,
-    build_tokenizer,
+from sglang.multimodal_gen.models.families.tiny_common import (
+    build_byte_level_chat_tokenizer,
+    redraw_constant_params,
 )
 
 TINY_VERSION = "1"
@@ -50,7 +50,7 @@ def build_qwen_image_components(seed: int = DEFAULT_SEED) -> dict[str, Any]:
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    tok = build_tokenizer()
+    tok = build_byte_level_chat_tokenizer()
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     te_cfg = Qwen2_5_VLConfig(
@@ -76,7 +76,7 @@ def build_qwen_image_components(seed: int = DEFAULT_SEED) -> dict[str, Any]:
         latents_mean=[0.05 * i for i in range(z)], latents_std=[1.0 + 0.1 * i for i in range(z)],
     ).eval()  # fmt: skip
     for m in (te, dit, vae):
-        _redraw_constant_params(m, gen, 0.1)
+        redraw_constant_params(m, gen, 0.1)
     sched = FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER)
     return dict(transformer=dit, text_encoder=te, tokenizer=tok, vae=vae, scheduler=sched)
 

@@ -74,5 +74,8 @@ WAN = register_family(
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.wan_tiny:build_wan_dir",
         default_model_name="sglang-default-wan-tiny",
+        # the original / ComfyUI names of the blocks' modules (also musubi/kohya-flattened)
+        lora_signature=(r"(^|[._])blocks[._]\d+[._](self_attn|cross_attn|ffn)",),
+        lora_architecture="Wan",
     )
 )

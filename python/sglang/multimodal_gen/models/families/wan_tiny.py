@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.models.families.flux_tiny import build_tokenizers
-from sglang.multimodal_gen.models.families.zimage_tiny import _redraw_constant_params
+from sglang.multimodal_gen.models.families.tiny_common import (
+    build_clip_t5_tokenizers,
+    redraw_constant_params,
+)
 
 TINY_VERSION = "1"
 DEFAULT_SEED = 1234
@@ -74,7 +76,7 @@ def build_wan_components(layout: str = "a14b", seed: int = DEFAULT_SEED) -> dict
 
     if layout not in ("a14b", "ti2v"):
         raise ValueError(f"layout must be 'a14b' or 'ti2v', got {layout!r}")
-    _, tok = build_tokenizers()
+    _, tok = build_clip_t5_tokenizers()
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     te = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), **TINY_UMT5)).eval()
@@ -88,7 +90,7 @@ def build_wan_components(layout: str = "a14b", seed: int = DEFAULT_SEED) -> dict
         torch.manual_seed(seed + 1 + i)
         experts[name] = WanTransformer3DModel(**t_cfg).eval()
     for m in (te, vae, *experts.values()):
-        _redraw_constant_params(m, gen, 0.1)
+        redraw_constant_params(m, gen, 0.1)
     sched = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
         num_train_timesteps=1000,

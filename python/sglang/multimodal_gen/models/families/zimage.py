@@ -61,7 +61,12 @@ ZIMAGE = register_family(
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.zimage_tiny:build_zimage_dir",
         embedded_model=f"{_PKG}.models:demo/zimage-shapes",  # scripts/train_demo_model.py
+        embedded_lora=f"{_PKG}.models:demo/lora-swap-colors",  # "swap colours", same script
         default_model_name="sglang-default-zimage-tiny",
+        # the main and refiner blocks' attention and feed-forward (diffusers and kohya names)
+        lora_signature=(
+            r"(layers|noise_refiner|context_refiner)[._]\d+[._](attention|feed_forward)",
+        ),
     )
 )
 

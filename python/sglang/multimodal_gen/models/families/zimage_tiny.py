@@ -21,16 +21,14 @@ from typing import Any
 
 import torch
 
+from sglang.multimodal_gen.models.families.tiny_common import (
+    build_byte_level_chat_tokenizer,
+    redraw_constant_params,
+)
+
 # Bump when the recipe below changes, so old caches are not reused.
 TINY_VERSION = "1"
 DEFAULT_SEED = 1234
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 # Shapes of the embedded default model (TP 1, 2, 3 and 6 all divide its heads and FFN).
 DEFAULT_TRANSFORMER: dict[str, Any] = dict(
@@ -79,35 +77,6 @@ DEFAULT_SCHEDULER: dict[str, Any] = dict(
 )
 
 
-def build_tokenizer():
-    """A byte-level BPE ``Qwen2Tokenizer`` with no merges (every UTF-8 byte is a token).
-
-    Vocabulary: the 256 byte symbols of GPT-2's byte-to-unicode map (ids 0..255), then
-    ``<|endoftext|>`` (pad/eos, id 256), ``<|im_start|>`` (257), ``<|im_end|>`` (258). Chat template:
-    ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message plus the assistant header when
-    ``add_generation_prompt``. Deterministic, built without any download.
-    """
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import Qwen2Tokenizer
-
-    vocab = {sym: i for i, sym in enumerate(sorted(ByteLevel.alphabet()))}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[])
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHAT_TEMPLATE
-    tok.padding_side = "right"
-    return tok
-
-
-def _redraw_constant_params(module: torch.nn.Module, gen: torch.Generator, std: float) -> None:
-    """Add seeded noise to every parameter whose entries are all equal (zeros/ones init: pad
-    tokens, norm weights, biases) so every parameter influences the output."""
-    with torch.no_grad():
-        for p in module.parameters():
-            flat = p.detach().reshape(-1)
-            if flat.numel() and bool((flat == flat[0]).all()):
-                p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * std)
-
-
 def build_zimage_components(
     transformer: dict | None = None,
     text_encoder: dict | None = None,
@@ -138,7 +107,7 @@ def build_zimage_components(
     vae_cfg = dict(copy.deepcopy(vae or DEFAULT_VAE))
     sch_cfg = dict(copy.deepcopy(scheduler or DEFAULT_SCHEDULER))
 
-    tok = build_tokenizer()
+    tok = build_byte_level_chat_tokenizer()
     te_cfg.setdefault("vocab_size", len(tok))
     te_cfg.setdefault("tie_word_embeddings", False)
     te_cfg.setdefault("pad_token_id", tok.pad_token_id)
@@ -148,16 +117,16 @@ def build_zimage_components(
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     te = Qwen3Model(Qwen3Config(**te_cfg)).eval()
-    _redraw_constant_params(te, gen, redraw_std)
+    redraw_constant_params(te, gen, redraw_std)
     torch.manual_seed(seed + 1)
     dit = ZImageTransformer2DModel(**t_cfg).eval()
-    _redraw_constant_params(dit, gen, redraw_std)
+    redraw_constant_params(dit, gen, redraw_std)
     with torch.no_grad():  # learned pad tokens: give them the scale of real embeddings
         dit.x_pad_token.normal_(0.0, 1.0, generator=gen)
         dit.cap_pad_token.normal_(0.0, 1.0, generator=gen)
     torch.manual_seed(seed + 2)
     ae = AutoencoderKL(**vae_cfg).eval()
-    _redraw_constant_params(ae, gen, redraw_std)
+    redraw_constant_params(ae, gen, redraw_std)
     sch = FlowMatchEulerDiscreteScheduler(**sch_cfg)
     return dict(transformer=dit, text_encoder=te, tokenizer=tok, vae=ae, scheduler=sch)
 
