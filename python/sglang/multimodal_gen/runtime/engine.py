@@ -34,6 +34,7 @@ from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.layers.attention import check_attention_backend
 from sglang.multimodal_gen.lora.requests import normalize_set_lora
 from sglang.multimodal_gen.runtime.compute_thread import ComputeThread
+from sglang.multimodal_gen.runtime.error_transport import unpack_error
 from sglang.multimodal_gen.runtime.model_source import (
     check_device,
     job_kwargs,
@@ -47,7 +48,6 @@ from sglang.multimodal_gen.runtime.nodes import (
     wait_message,
 )
 from sglang.multimodal_gen.runtime.runner import ModelRunner
-from sglang.multimodal_gen.runtime.worker import unpack_error
 
 logger = logging.getLogger(__name__)
 
