@@ -134,6 +134,16 @@ def test_the_allow_list_holds_only_the_lora_packages():
         assert all(m.startswith(ALLOWED_PACKAGES) for m in cycle), cycle
 
 
+def test_the_hub_lookup_is_below_its_users():
+    """The LoRA loader finds Hub ids through ``hub`` (not the server's arguments), and ``hub``
+    imports nothing of the package."""
+    graph = import_graph()
+    for module, targets in graph.items():
+        if module == f"{PACKAGE}.lora" or module.startswith(f"{PACKAGE}.lora."):
+            assert f"{PACKAGE}.configs.server_args" not in targets, module
+    assert not {t for t in graph[f"{PACKAGE}.hub"] if t.startswith(PACKAGE)}
+
+
 def test_a_cycle_is_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert import_cycles(graph) == [{"a", "b", "c"}]

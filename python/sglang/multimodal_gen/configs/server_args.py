@@ -27,6 +27,7 @@ from sglang.multimodal_gen.configs.parallel import (
     layout_from_args,
     resolve_layout,
 )
+from sglang.multimodal_gen.hub import cached_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +41,6 @@ DEFAULT_MAX_IMAGE_SIZE = 2048
 DEFAULT_MAX_PIXEL_STEPS = 1024 * 1024 * 256
 
 
-def hf_hub_cache_dir() -> str:
-    """The Hugging Face Hub cache folder, read from the environment at call time.
-
-    ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub`` (default
-    ``~/.cache/huggingface/hub``), as ``huggingface_hub`` resolves it.
-    """
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
-    )
-    return os.path.join(home, "hub")
-
-
 def _find_model_index(model_path: str) -> str | None:
     """Return the path of ``model_index.json`` for a local directory or a cached Hub repo id.
 
@@ -64,15 +51,10 @@ def _find_model_index(model_path: str) -> str | None:
         return candidate if os.path.isfile(candidate) else None
     if model_path.count("/") == 1 and not model_path.startswith((".", "/")):
         try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(
-                model_path, "model_index.json", cache_dir=hf_hub_cache_dir()
-            )
-        except Exception:  # invalid repo id spelling, broken cache: treat as not found
+            candidate = os.path.join(cached_snapshot(model_path), "model_index.json")
+        except FileNotFoundError:  # not cached (or not a valid repo id)
             return None
-        if isinstance(cached, str) and os.path.isfile(cached):
-            return cached
+        return candidate if os.path.isfile(candidate) else None
     return None
 
 
