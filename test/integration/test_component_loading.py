@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from fixtures.tiny_models import psnr, reference_image, reference_pipeline
-from sglang.multimodal_gen.models.components import read_model_index
+from sglang.multimodal_gen.models.model_dir import read_model_index
 from sglang.multimodal_gen.models.registry import family_for_model
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
 

@@ -76,7 +76,7 @@ def test_tp2_interrupted_call_does_not_hand_its_answer_to_the_next(tiny_zimage_d
     returned the interrupted generation's image)."""
     with DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu") as engine:
         expected = np.asarray(engine.generate(_req("a red square"))[0])
-        wait = engine._wait_result
+        wait = engine._executor._wait_result
         calls = [0]
 
         def interrupted_once(*a, **k):
@@ -85,7 +85,7 @@ def test_tp2_interrupted_call_does_not_hand_its_answer_to_the_next(tiny_zimage_d
                 raise KeyboardInterrupt  # as a Ctrl-C while waiting for the workers
             return wait(*a, **k)
 
-        engine._wait_result = interrupted_once
+        engine._executor._wait_result = interrupted_once
         with pytest.raises(KeyboardInterrupt):
             engine.generate(_req("a red square"))
         assert isinstance(engine.list_loras(), dict)
@@ -98,7 +98,7 @@ LAUNCHER = textwrap.dedent(
     from sglang.multimodal_gen.runtime import DiffusionEngine
 
     engine = DiffusionEngine({model!r}, tp_size=2, device="cpu")
-    print("PIDS", *[p.pid for p in engine._workers.procs], flush=True)
+    print("PIDS", *[p.pid for p in engine._executor.workers.procs], flush=True)
     time.sleep(600)
     """
 )

@@ -177,7 +177,7 @@ def test_offload_keeps_only_the_active_expert_on_the_gpu(tiny_wan_a14b_dir, lora
     for offload in (False, True):
         with DiffusionEngine(tiny_wan_a14b_dir, device="cuda", dtype="float32",
                              dit_cpu_offload=offload) as engine:  # fmt: skip
-            runner = engine._runner
+            runner = engine._executor.runner
             seen = []
             if offload:
                 activate = runner._activate_expert

@@ -53,16 +53,16 @@ def test_dead_tp_worker_makes_engine_dead(tiny_zimage_dir):
     engine = DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu")
     try:
         assert engine.is_alive()
-        os.kill(engine._procs[1].pid, signal.SIGKILL)
+        os.kill(engine._executor.workers.procs[1].pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while engine._procs[1].is_alive() and time.monotonic() < deadline:
+        while engine._executor.workers.procs[1].is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not engine.is_alive()
         with pytest.raises(EngineDeadError):
             engine.generate(prompt="x", height=16, width=16, seed=1)
     finally:
         engine.shutdown()
-    assert all(not p.is_alive() for p in engine._procs)
+    assert all(not p.is_alive() for p in engine._executor.workers.procs)
 
 
 def test_bad_model_path_and_tp_errors(tiny_zimage_dir, tmp_path):
@@ -92,7 +92,7 @@ def test_in_process_engine_loads_and_runs_on_one_thread(tiny_zimage_dir):
     finally:
         ModelRunner.__init__ = init
     with engine:
-        pipe = engine._compute.call(lambda: engine._runner.pipeline)
+        pipe = engine._executor.compute.call(lambda: engine._executor.runner.pipeline)
         ran_on: list[int] = []
         forward = pipe.transformer.forward
 
@@ -116,8 +116,8 @@ def test_a_dropped_engine_frees_its_model_and_thread(tiny_zimage_dir):
     import weakref
 
     engine = DiffusionEngine(tiny_zimage_dir, device="cpu")
-    runner = weakref.ref(engine._runner)
-    thread = engine._compute._thread
+    runner = weakref.ref(engine._executor.runner)
+    thread = engine._executor.compute._thread
     del engine
     gc.collect()
     thread.join(timeout=30)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from sglang.multimodal_gen.models.components import read_model_index
 from sglang.multimodal_gen.models.families.zimage import load_zimage_transformer
 from sglang.multimodal_gen.models.loader import ModelLoadError
+from sglang.multimodal_gen.models.model_dir import read_model_index
 from sglang.multimodal_gen.models.registry import UnknownModelError, family_for_model
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
 

@@ -53,7 +53,7 @@ def test_failed_request_restore_turns_the_server_503(
             assert "sglang_engine_alive 0.0" in httpx.get(f"{url}/metrics", timeout=30).text
         assert not engine.is_alive()
         # every layer was reset to its base weight (a known state): none merged or overlaid
-        for layer in engine._runner.lora_manager.layers("transformer").values():
+        for layer in engine._executor.runner.lora_manager.layers("transformer").values():
             assert not layer.merged and not layer.active and layer.overlay is None
 
 

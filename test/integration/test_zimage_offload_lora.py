@@ -29,7 +29,7 @@ def test_offloaded_dit_merges_with_host_snapshots(tiny_zimage_dir, tiny_zimage_l
     with DiffusionEngine(tiny_zimage_dir, device="cuda", dit_cpu_offload=True) as engine:
         base = np.asarray(engine.generate(req)[0])
         engine.set_lora("a", tiny_zimage_loras[0], strength=0.8, merge_mode="merge")
-        manager = engine._runner.lora_manager
+        manager = engine._executor.runner.lora_manager
         merged = [layer for layer in manager.layers("transformer").values() if layer.merged]
         assert merged and all(layer._snapshot.device.type == "cpu" for layer in merged)
         assert manager.cache.device == torch.device("cpu")

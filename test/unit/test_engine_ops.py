@@ -1,5 +1,6 @@
 """The engine op table is the one vocabulary: auth, scheduler, routes, engine and runner agree with
-it, and under ``--dit-cpu-offload`` only commands that need the weights move them (counted)."""
+it (the routes are registered at its paths, the metrics label requests by the app's routes), and
+under ``--dit-cpu-offload`` only commands that need the weights move them (counted)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from sglang.multimodal_gen.engine_ops import (
     ADMIN_PATHS,
     LORA_CHANGE_OPS,
     OPS,
+    ROUTED_CALLS,
     SCHEDULER_CALLS,
     get_op,
 )
 from sglang.multimodal_gen.entrypoints import auth
-from sglang.multimodal_gen.entrypoints.http_server import _check_op_routes
+from sglang.multimodal_gen.entrypoints.images import add_image_routes
+from sglang.multimodal_gen.entrypoints.lora_admin import add_lora_routes
+from sglang.multimodal_gen.entrypoints.routing import endpoint_label
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
 from sglang.multimodal_gen.runtime.engine import DiffusionEngine
 from sglang.multimodal_gen.runtime.runner import ModelRunner
@@ -38,16 +42,36 @@ def test_every_reader_uses_the_table():
         get_op("nope")
 
 
-def test_a_missing_route_is_caught_when_the_app_is_built():
+def _routes_app() -> FastAPI:
+    """An app with the route groups that serve the op table (handlers are never called)."""
     app = FastAPI()
+    add_image_routes(app, None, None, None)
+    add_lora_routes(app, None, ("all",))
+    return app
 
-    @app.post("/v1/set_lora")
-    def _set():  # pragma: no cover - never called
-        return None
 
-    with pytest.raises(RuntimeError, match="engine ops without their HTTP route") as e:
-        _check_op_routes(app)
-    assert "unset_lora" in str(e.value) and "'set_lora'" not in str(e.value)
+def test_every_routed_op_is_served_at_the_table_path():
+    served = {(m, r.path): r.name for r in _routes_app().routes for m in r.methods or ()}
+    routed = [op for op in OPS.values() if op.path]
+    assert {op.name for op in routed} == {"generate", *(op.name for op in ROUTED_CALLS)}
+    for op in routed:
+        assert (op.method, op.path) in served, op.name
+    for op in ROUTED_CALLS:
+        assert served[(op.method, op.path)] == op.name
+
+
+@pytest.mark.parametrize(
+    "method,path,label",
+    [
+        ("POST", "/v1/set_lora", "/v1/set_lora"),
+        ("GET", "/v1/set_lora", "/v1/set_lora"),  # 405: still the route's label
+        ("GET", "/v1/images/files/abc.png", "/v1/images/files/{name}"),
+        ("GET", "/nowhere", "other"),
+    ],
+)
+def test_metrics_label_requests_by_the_route_they_are_for(method, path, label):
+    scope = {"type": "http", "method": method, "path": path, "root_path": ""}
+    assert endpoint_label(_routes_app().routes, scope) == label
 
 
 class _CountingOffloader:

@@ -28,7 +28,7 @@ from sglang.multimodal_gen.configs.parallel import (
     add_parallel_args,
     layout_from_args,
 )
-from sglang.multimodal_gen.configs.server_flags import add_multinode_args
+from sglang.multimodal_gen.configs.server_args import add_multinode_args
 from sglang.multimodal_gen.lora.requests import MERGE_MODES
 
 

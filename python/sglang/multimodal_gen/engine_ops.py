@@ -5,7 +5,9 @@ the scheduler's call, the runner's ``cmd_<name>``), its HTTP route, whether it t
 whether it needs the DiT weights on the accelerator (``--dit-cpu-offload`` moves them in only for
 those), and whether it changes the LoRA state (all-or-nothing across TP ranks, written back to the
 host copy under offload). The HTTP routes and auth (:mod:`~sglang.multimodal_gen.entrypoints.auth`),
-the scheduler, the engine and the runner read this table; nothing here imports torch.
+the scheduler, the engine and the runner read this table; the routes are registered at the paths
+and methods written here (``generate`` by ``entrypoints.images``, the admin calls by
+``entrypoints.lora_admin``), so no other module spells them. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ __all__ = [
     "ADMIN_PATHS",
     "LORA_CHANGE_OPS",
     "OPS",
+    "ROUTED_CALLS",
     "SCHEDULER_CALLS",
     "EngineOp",
     "get_op",
@@ -70,6 +73,8 @@ ADMIN_PATHS = frozenset(op.path for op in OPS.values() if op.admin and op.path)
 LORA_CHANGE_OPS = tuple(op.name for op in OPS.values() if op.changes_lora)
 #: Engine methods the scheduler queues as admin calls.
 SCHEDULER_CALLS = tuple(op.name for op in OPS.values() if op.scheduled)
+#: The admin calls with an HTTP route (``entrypoints.lora_admin`` registers each at its path).
+ROUTED_CALLS = tuple(op for op in OPS.values() if op.scheduled and op.path)
 
 
 def get_op(name: str) -> EngineOp:

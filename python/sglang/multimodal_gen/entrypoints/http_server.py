@@ -38,7 +38,6 @@ from sglang.multimodal_gen.configs.server_args import (
     DEFAULT_MAX_PIXEL_STEPS,
     ServerArgs,
 )
-from sglang.multimodal_gen.engine_ops import OPS
 from sglang.multimodal_gen.entrypoints.auth import ApiKeyAuth
 from sglang.multimodal_gen.entrypoints.images import ImageStore, add_image_routes
 from sglang.multimodal_gen.entrypoints.lora_admin import add_lora_routes
@@ -144,7 +143,7 @@ def create_app(
     app.state.spec = spec
 
     # ------------------------------------------------------------------ middleware / handlers
-    app.add_middleware(AuthAndCount, auth=auth, metrics=metrics)
+    app.add_middleware(AuthAndCount, auth=auth, metrics=metrics, router=app.router)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -229,16 +228,7 @@ def create_app(
         metrics.set_queue_depth(scheduler.queue_depth)
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    _check_op_routes(app)
     return app
-
-
-def _check_op_routes(app: FastAPI) -> None:
-    """Every route of the engine op table is served, with its method (a missing one is a bug)."""
-    served = {(m, r.path) for r in app.routes for m in getattr(r, "methods", ()) or ()}
-    missing = [op.name for op in OPS.values() if op.path and (op.method, op.path) not in served]
-    if missing:
-        raise RuntimeError(f"engine ops without their HTTP route: {missing}")
 
 
 def resolve_max_image_size(requested: int | None, defaults: dict) -> int:

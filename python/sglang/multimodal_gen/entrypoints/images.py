@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from sglang.multimodal_gen.engine_ops import OPS
 from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.protocol import (
@@ -77,7 +78,6 @@ def add_image_routes(
     """Register the image routes on ``app``: generations go through ``ctx.scheduler``; their
     images are encoded off the event loop and returned inline or kept in ``images``."""
 
-    @app.post("/v1/images/generations")
     async def images_generations(request: Request):
         t0 = time.perf_counter()
         req = parse_json_body(await ctx.read_body(request), ImageGenerationRequest)
@@ -115,6 +115,9 @@ def add_image_routes(
         metrics.images.inc(len(data))
         metrics.e2e.observe(time.perf_counter() - t0)
         return JSONResponse(body)
+
+    generate = OPS["generate"]  # the op table owns the path
+    app.add_api_route(generate.path, images_generations, methods=[generate.method])
 
     @app.get("/v1/images/files/{name}")
     async def image_file(name: str):

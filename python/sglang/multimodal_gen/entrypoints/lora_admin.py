@@ -3,7 +3,9 @@
 ``/v1/merge_lora_weights``, ``/v1/unmerge_lora_weights`` and ``GET /v1/list_loras``.
 
 Each runs on the engine through the scheduler, in arrival order with the generations; the admin
-key (``--admin-api-key``) is checked by the app's middleware (:mod:`.auth`). See ``docs/lora.md``.
+key (``--admin-api-key``) is checked by the app's middleware (:mod:`.auth`). Their paths and methods
+are the op table's (:mod:`~sglang.multimodal_gen.engine_ops`); this module gives each its handler.
+See ``docs/lora.md``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from sglang.multimodal_gen.engine_ops import ROUTED_CALLS
 from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
 from sglang.multimodal_gen.entrypoints.protocol import (
     SetLoRARequest,
@@ -38,10 +41,11 @@ def _status(message: str, detail: Any = None) -> dict:
 
 
 def add_lora_routes(app: FastAPI, ctx: RouteContext, targets: tuple[str, ...]) -> None:
-    """Register the LoRA admin routes on ``app``; ``targets`` are the model's LoRA targets
-    (``engine.lora_targets``), against which every ``target`` field is checked."""
+    """Register the LoRA admin routes on ``app``: one per scheduled command of the op table
+    (:data:`~sglang.multimodal_gen.engine_ops.ROUTED_CALLS`), at the op's path and method, named
+    after the op. ``targets`` are the model's LoRA targets (``engine.lora_targets``), against
+    which every ``target`` field is checked."""
 
-    @app.post("/v1/set_lora")
     async def set_lora(request: Request):
         req = parse_json_body(await ctx.read_body(request), SetLoRARequest)
         kwargs = validate_set_lora(req, targets)
@@ -49,7 +53,6 @@ def add_lora_routes(app: FastAPI, ctx: RouteContext, targets: tuple[str, ...]) -
         names = req.lora_nickname if isinstance(req.lora_nickname, list) else [req.lora_nickname]
         return _status(f"active on target {req.target!r}: {', '.join(names)}", result)
 
-    @app.post("/v1/unload_lora")
     async def unload_lora(request: Request):
         req = parse_json_body(await ctx.read_body(request), UnloadLoRARequest)
         result = await ctx.wait_for(ctx.scheduler.submit_call("unload_lora", req.lora_nickname))
@@ -66,9 +69,14 @@ def add_lora_routes(app: FastAPI, ctx: RouteContext, targets: tuple[str, ...]) -
 
         return handler
 
-    for op, done in _TARGET_OPS.items():
-        app.add_api_route(f"/v1/{op}", target_route(op, done), methods=["POST"], name=op)
-
-    @app.get("/v1/list_loras")
     async def list_loras():
         return JSONResponse(await ctx.wait_for(ctx.scheduler.submit_call("list_loras")))
+
+    handlers = {
+        "set_lora": set_lora,
+        "unload_lora": unload_lora,
+        "list_loras": list_loras,
+        **{op: target_route(op, done) for op, done in _TARGET_OPS.items()},
+    }
+    for op in ROUTED_CALLS:
+        app.add_api_route(op.path, handlers[op.name], methods=[op.method], name=op.name)

@@ -293,9 +293,14 @@ def parse_size(size: str, spec: RequestSpec) -> tuple[int, int]:
 
 
 def _size_error(size: str, width: int, height: int, spec: RequestSpec) -> InvalidRequestError:
-    """A ``height``/``width`` refusal of ``check_size``, worded for the HTTP ``size`` field."""
+    """A ``height``/``width`` refusal of ``check_size``, worded for the HTTP ``size`` field: the
+    server's bound when ``check_size`` with it alone (a factor of 1) refuses a side, else the
+    model's factor."""
     top = spec.limits.max_image_size
-    if top is not None and max(width, height) > top:
+    try:
+        for name, value in (("height", height), ("width", width)):
+            check_size(value, name, 1, top)
+    except InvalidRequestError:
         reason = f"larger than the server's maximum {top} per side (--max-image-size)"
     else:
         reason = f"width and height must be multiples of {spec.spatial_factor} for this model"

@@ -10,8 +10,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match, Router
 
 from sglang.multimodal_gen.configs.sampling_params import RequestSpec
-from sglang.multimodal_gen.engine_ops import OPS
-from sglang.multimodal_gen.entrypoints.auth import ADMIN_PATHS, ApiKeyAuth, cross_origin_reason
+from sglang.multimodal_gen.entrypoints.auth import ApiKeyAuth, cross_origin_reason
 from sglang.multimodal_gen.entrypoints.http_body import MAX_BODY_BYTES, ClientGoneError, read_body
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception, error_body
@@ -67,44 +68,43 @@ class EnvelopeRoute(APIRoute):
         return guarded
 
 
-_KNOWN_ENDPOINTS = frozenset(
-    {
-        "/v1/images/generations",
-        "/v1/models",
-        "/v1/list_loras",
-        "/health",
-        "/ready",
-        "/metrics",
-    }
-    | ADMIN_PATHS
-    | {op.path for op in OPS.values() if op.path}
-)
+_CONVERTER = re.compile(r"\{(\w+):\w+\}")
 
 
-def _endpoint_label(path: str) -> str:
-    if path in _KNOWN_ENDPOINTS:
-        return path
-    if path.startswith("/v1/images/files/"):
-        return "/v1/images/files/{name}"
-    if path.startswith("/v1/models/"):
-        return "/v1/models/{model}"
-    if path == "/v1/videos" or path.startswith("/v1/videos/"):
-        return "/v1/videos" if path == "/v1/videos" else "/v1/videos/{id}"
-    return "other"
+def endpoint_label(routes: Sequence[BaseRoute], scope: dict) -> str:
+    """The metrics label of a request: the path template of the app's route it matches
+    (``/v1/images/files/{name}``; a converter is left out: ``/v1/models/{model}``), the route
+    whose path matches when only the method does not (a 405), else ``"other"``."""
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return _CONVERTER.sub(r"{\1}", route.path)
+        if match is Match.PARTIAL and partial is None:
+            partial = route
+    return "other" if partial is None else _CONVERTER.sub(r"{\1}", partial.path)
 
 
 class AuthAndCount:
     """ASGI middleware: API-key check before anything else, then the cross-origin check
-    (:func:`~.auth.cross_origin_reason`, 403), then count the request by status.
+    (:func:`~.auth.cross_origin_reason`, 403), then count the request by status and by the
+    app's route it is for (:func:`endpoint_label`).
 
     A plain ASGI class rather than ``@app.middleware("http")``, so the handlers receive the
     server's own ``receive`` and can notice a client disconnecting (``request.is_disconnected``).
+
+    Args:
+        app: the next ASGI app.
+        auth: the API keys.
+        metrics: where requests are counted.
+        router: the app's router, whose routes name the endpoints.
     """
 
-    def __init__(self, app: Any, auth: ApiKeyAuth, metrics: ServerMetrics):
+    def __init__(self, app: Any, auth: ApiKeyAuth, metrics: ServerMetrics, router: Router):
         self.app = app
         self.auth = auth
         self.metrics = metrics
+        self.router = router
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -138,7 +138,7 @@ class AuthAndCount:
 
             await self.app(scope, receive, send_and_note)
         finally:
-            self.metrics.observe_request(_endpoint_label(path), status)
+            self.metrics.observe_request(endpoint_label(self.router.routes, scope), status)
 
 
 @dataclass(frozen=True)

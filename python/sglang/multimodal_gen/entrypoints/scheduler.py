@@ -22,7 +22,9 @@ fails with ``EngineDeadError`` (HTTP 503) and new ones are refused at once, so n
 An engine that is alive but stuck (a call that never returns) is noticed too: with
 ``stall_timeout_s``, :meth:`Scheduler.healthy` is false while work is pending and no task has
 started or finished, and no denoising step ended (``engine.steps_done()``), for that long
-(``/health`` turns 503; it recovers when the engine moves again).
+(``/health`` turns 503; it recovers when the engine moves again). The scheduler's
+:class:`~.scheduler_health.HealthMonitor` (``scheduler.health``) keeps that account: the scheduler
+tells it what happens, ``/health`` asks it.
 
 Batching (``max_batch_size > 1``): when a generation reaches the head of the queue, the waiting
 generations with the same sampling settings (every field of the request but the per-row ones:
@@ -46,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.multimodal_gen.engine_ops import OPS, SCHEDULER_CALLS
-from sglang.multimodal_gen.entrypoints.scheduler_health import SchedulerHealth
+from sglang.multimodal_gen.entrypoints.scheduler_health import HealthMonitor
 from sglang.multimodal_gen.errors import EngineDeadError, QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -63,9 +65,6 @@ class _Task:
     kwargs: dict
     future: Future
     enqueued_at: float = field(default_factory=time.perf_counter)
-    # set when a generation starts: engine.steps_done() then, and how many share its loop
-    steps_at_start: int | None = None
-    batch_rows: int = 1
 
 
 class SchedulerMetrics:
@@ -97,7 +96,7 @@ def _batch_key(task: _Task) -> tuple:
     return (type(params), fixed, params.negative_prompt is None)
 
 
-class Scheduler(SchedulerHealth):
+class Scheduler:
     """Runs engine calls on one worker thread, first come first served.
 
     Args:
@@ -107,7 +106,7 @@ class Scheduler(SchedulerHealth):
         metrics: a :class:`SchedulerMetrics` (queue depth, latencies, LoRA admin times).
         idle_check_s: how often the idle worker polls ``engine.is_alive()``.
         stall_timeout_s: :meth:`healthy` is false while work is pending and nothing started,
-            finished or stepped for this long (``None``: never).
+            finished or stepped for this long (``None``: never; see :attr:`health`).
         max_batch_size: generations run together at most (1: one at a time).
         batch_wait_s: how long a batch that is not full waits for more requests (seconds).
     """
@@ -135,10 +134,8 @@ class Scheduler(SchedulerHealth):
         self.max_queue_size = max_queue_size
         self.metrics = metrics or SchedulerMetrics()
         self._idle_check_s = idle_check_s
-        self.stall_timeout_s = stall_timeout_s
-        self._progress_at = time.monotonic()  # last task start/end, or work arriving when idle
-        self._steps_seen: int | None = None  # engine.steps_done() when last looked at
-        self._running_gens: dict[int, _Task] = {}  # id(future) -> the generations running now
+        #: dead, stalled, step progress: told what happens here, asked by ``/health``
+        self.health = HealthMonitor(stall_timeout_s, steps=getattr(engine, "steps_done", None))
         self._queue: deque[_Task] = deque()
         self._cond = threading.Condition()
         self._waiting_generations = 0
@@ -146,8 +143,6 @@ class Scheduler(SchedulerHealth):
         self._accepting = True
         self._shutdown_deadline: float | None = None  # set by begin_shutdown
         self._stop = False
-        self._dead_reason: str | None = None
-        self._avg_generation_s: float | None = None
         self._started = False
         self._thread = threading.Thread(target=self._loop, name="sglang-scheduler", daemon=True)
 
@@ -165,6 +160,7 @@ class Scheduler(SchedulerHealth):
         ``--timeout-graceful-shutdown``). Idempotent: the first deadline stays."""
         with self._cond:
             self._accepting = False
+            self.health.shutdown_began()
             if timeout is not None and self._shutdown_deadline is None:
                 self._shutdown_deadline = time.monotonic() + timeout
 
@@ -186,6 +182,7 @@ class Scheduler(SchedulerHealth):
         """
         with self._cond:
             self._accepting = False
+            self.health.shutdown_began()
             deadline = None if timeout is None else time.monotonic() + timeout
             if self._shutdown_deadline is not None:
                 deadline = min(deadline or math.inf, self._shutdown_deadline)
@@ -213,10 +210,61 @@ class Scheduler(SchedulerHealth):
         """True while a task runs."""
         return self._running is not None
 
+    # ------------------------------------------------------------------ health
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is considered dead, or ``None``."""
+        return self.health.dead_reason
+
+    def engine_alive(self) -> bool:
+        """True while the worker thread runs and ``engine.is_alive()`` says so.
+
+        ``engine.is_alive()`` must be cheap and safe to call from any thread (it checks worker
+        processes; it does not touch the model). A dead engine is remembered: everything queued
+        fails with ``EngineDeadError``.
+        """
+        if self.health.dead_reason is not None:
+            return False
+        if self._started and not self._thread.is_alive():
+            if self._stop:
+                return True  # stopped on purpose; the engine itself may be fine
+            self._mark_dead("the scheduler thread is not running")
+            return False
+        try:
+            alive = bool(self.engine.is_alive())
+        except Exception as e:  # an engine that cannot answer is not alive
+            logger.warning("engine.is_alive() raised %r", e)
+            alive = False
+        if not alive:
+            self._mark_dead("the engine reported that it is not alive")
+        return alive
+
+    def healthy(self) -> bool:
+        """True when the server accepts new work and the engine is alive and makes progress
+        (``/health``)."""
+        return not self.shutting_down and self.engine_alive() and self.health.healthy()
+
+    def unhealthy_reason(self) -> str | None:
+        """Why :meth:`healthy` is false (``None`` when it is not)."""
+        return self.health.unhealthy_reason()
+
+    def stalled_s(self) -> float:
+        """Seconds without progress while work is pending (0 when nothing is)."""
+        return self.health.stalled_s()
+
+    def retry_after_s(self) -> int:
+        """A guess of when a slot frees up, in seconds (``Retry-After`` of a full queue)."""
+        return self.health.retry_after_s()
+
+    def steps_done_for(self, future: Future) -> float | None:
+        """Denoising steps the running generation of ``future`` has finished (``None``: not
+        running, or the engine does not count steps)."""
+        return self.health.steps_done_for(future)
+
     # ------------------------------------------------------------------ submission
     def _check_open(self) -> None:
-        if self._dead_reason is not None:
-            raise EngineDeadError(f"the engine is not available: {self._dead_reason}")
+        if self.health.dead_reason is not None:
+            raise EngineDeadError(f"the engine is not available: {self.health.dead_reason}")
         if not self._accepting or self._stop:
             raise ServerShuttingDownError("the server is shutting down and accepts no new work")
 
@@ -236,10 +284,9 @@ class Scheduler(SchedulerHealth):
                     retry_after_s=self.retry_after_s(),
                 )
             task = _Task("generate", (params,), {}, Future())
-            self._note_arrival_locked()
             self._queue.append(task)
             self._waiting_generations += 1
-            self.metrics.set_queue_depth(self._waiting_generations)
+            self._queue_changed_locked()
             self._cond.notify_all()
         task.future.add_done_callback(lambda fut: self._forget_if_cancelled(task))
         return task.future
@@ -254,7 +301,7 @@ class Scheduler(SchedulerHealth):
             except ValueError:
                 return  # already taken by the worker (which skips it) or failed
             self._waiting_generations -= 1
-            self.metrics.set_queue_depth(self._waiting_generations)
+            self._queue_changed_locked()
 
     def submit_call(self, method: str, *args: Any, **kwargs: Any) -> Future:
         """Queue ``engine.<method>(*args, **kwargs)`` (an admin call) behind the work before it.
@@ -268,20 +315,20 @@ class Scheduler(SchedulerHealth):
         with self._cond:
             self._check_open()
             task = _Task(method, args, kwargs, Future())
-            self._note_arrival_locked()
             self._queue.append(task)
+            self._queue_changed_locked()
             self._cond.notify_all()
         return task.future
 
-    def _note_arrival_locked(self) -> None:
-        if self._running is None and not self._queue:
-            self._progress_at = time.monotonic()  # idle until now: the stall clock starts here
+    def _queue_changed_locked(self) -> None:
+        """Tell the metrics and the health monitor what the queue holds now."""
+        self.metrics.set_queue_depth(self._waiting_generations)
+        self.health.queue_changed(len(self._queue), self._waiting_generations)
 
     # ------------------------------------------------------------------ worker
     def _mark_dead(self, reason: str) -> None:
         with self._cond:
-            if self._dead_reason is None:
-                self._dead_reason = reason
+            if self.health.engine_died(reason):
                 logger.error("engine marked dead: %s", reason)
                 self.metrics.set_engine_alive(False)
             self._fail_all_locked(EngineDeadError(f"the engine is not available: {reason}"))
@@ -294,7 +341,7 @@ class Scheduler(SchedulerHealth):
                 self._waiting_generations -= 1
             if task.future.set_running_or_notify_cancel():
                 task.future.set_exception(exc)
-        self.metrics.set_queue_depth(self._waiting_generations)
+        self._queue_changed_locked()
 
     def _next_task(self) -> list[_Task] | None:
         with self._cond:
@@ -308,9 +355,8 @@ class Scheduler(SchedulerHealth):
             if task.kind == "generate" and self.max_batch_size > 1:
                 self._take_batch_locked(batch)
             self._waiting_generations -= sum(t.kind == "generate" for t in batch)
-            self.metrics.set_queue_depth(self._waiting_generations)
             self._running = task
-            self._progress_at = time.monotonic()
+            self._queue_changed_locked()
             return batch
 
     def _take_batch_locked(self, batch: list[_Task]) -> None:
@@ -349,18 +395,18 @@ class Scheduler(SchedulerHealth):
             try:
                 # skip the tasks whose client went away
                 live = [t for t in batch if t.future.set_running_or_notify_cancel()]
-                self._note_started(live)
+                gens = [t.future for t in live if t.kind == "generate"]
+                self.health.task_started(batch[0].kind, gens)
                 if len(live) > 1:
                     self._run_batch(live)
                 elif live:
                     self._run(live[0])
             finally:
                 with self._cond:
-                    self._running_gens = {}
                     self._running = None
-                    self._progress_at = time.monotonic()
+                    self.health.task_finished()
                     self._cond.notify_all()
-            if self._dead_reason is not None:
+            if self.health.dead_reason is not None:
                 break
 
     def _run_batch(self, tasks: list[_Task]) -> None:
@@ -384,9 +430,7 @@ class Scheduler(SchedulerHealth):
                 self._mark_dead(getattr(e, "message", None) or type(e).__name__)
             return
         run_s = time.perf_counter() - start
-        self._avg_generation_s = (
-            run_s if self._avg_generation_s is None else 0.8 * self._avg_generation_s + 0.2 * run_s
-        )
+        self.health.generation_finished(run_s)
         for t, req, res in zip(tasks, requests, results):
             self.metrics.observe_generation(
                 start - t.enqueued_at, run_s, getattr(req, "num_inference_steps", None)
@@ -421,11 +465,7 @@ class Scheduler(SchedulerHealth):
         end = time.perf_counter()
         if task.kind == "generate":
             run_s = end - start
-            self._avg_generation_s = (
-                run_s
-                if self._avg_generation_s is None
-                else 0.8 * self._avg_generation_s + 0.2 * run_s
-            )
+            self.health.generation_finished(run_s)
             self.metrics.observe_generation(start - task.enqueued_at, run_s, steps)
         elif OPS[task.kind].changes_lora:
             self.metrics.observe_admin(task.kind, end - start)

@@ -1,14 +1,18 @@
-"""The scheduler's view of the engine's health: dead, stalled, progressing (``/health``).
+"""The engine's health as the scheduler sees it: dead, stalled, progressing (``/health``).
 
-A mixin of :class:`~sglang.multimodal_gen.entrypoints.scheduler.Scheduler`, which owns the state
-it reads: ``engine``, ``metrics``, ``stall_timeout_s``, the worker ``_thread`` and its
-``_started``/``_stop`` flags, ``_dead_reason``, ``_running``/``_queue``, ``_accepting``,
-``_progress_at`` (last task start/end), ``_steps_seen`` (the engine's step count when last looked
-at), ``_running_gens`` (the generations running now), ``_avg_generation_s`` and
-``_waiting_generations``; and the ``_mark_dead`` and ``_cond`` it calls.
+:class:`HealthMonitor` is owned by the :class:`~sglang.multimodal_gen.entrypoints.scheduler.
+Scheduler`, which tells it what happens: the queue changed (work arrived, left or was taken), a
+task started or finished, a generation took so long, the engine died, shutdown began. It reads
+the engine's denoising-step count itself, through the function it was given (``engine.
+steps_done``), and answers whether the engine is healthy, why not, when to retry, and how far a
+running generation got.
 
-Progress is a task starting or ending, or a denoising step ending (``engine.steps_done()``, when
-the engine counts them), so a long generation is not taken for a hung call.
+Progress is a task starting or ending, or a denoising step ending (when the engine counts them),
+so a long generation is not taken for a hung call; work arriving while nothing was pending starts
+the stall clock afresh.
+
+Each field is written by one event at a time (the scheduler calls the events from its thread, or
+under its lock) and read from any thread (the HTTP handlers); every update is one assignment.
 """
 
 from __future__ import annotations
@@ -16,112 +20,157 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
 
-__all__ = ["SchedulerHealth"]
+__all__ = ["HealthMonitor"]
 
-logger = logging.getLogger("sglang.multimodal_gen.entrypoints.scheduler")
+logger = logging.getLogger(__name__)
 
 
-class SchedulerHealth:
-    """Liveness, stall detection and per-generation step progress (see the module docstring)."""
+class HealthMonitor:
+    """Stall detection, the dead reason and per-generation step progress of one engine.
 
-    @property
-    def dead_reason(self) -> str | None:
-        """Why the engine is considered dead, or ``None``."""
-        return self._dead_reason
+    Args:
+        stall_timeout_s: unhealthy while work is pending and nothing started, finished or
+            stepped for this long, in seconds (``None``: never).
+        steps: the engine's count of finished denoising steps (``engine.steps_done``; ``None``
+            or a function that raises or returns ``None``: the engine does not count, and only
+            task starts and ends are progress).
+        clock: monotonic seconds (``time.monotonic``; tests pass a fake one).
+    """
 
-    def engine_alive(self) -> bool:
-        """True while the worker thread runs and ``engine.is_alive()`` says so.
+    def __init__(
+        self,
+        stall_timeout_s: float | None = None,
+        *,
+        steps: Callable[[], int | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.stall_timeout_s = stall_timeout_s
+        self._steps = steps
+        self._clock = clock
+        self._progress_at = clock()  # last progress, or work arriving while nothing was pending
+        self._steps_seen: int | None = None  # the step count when last looked at
+        self._queued = 0  # tasks waiting (generations and admin calls)
+        self._waiting_generations = 0
+        self._running: str | None = None  # the kind of the task running now
+        # id(future) -> (step count at its start, rows sharing its loop), generations running now
+        self._running_gens: dict[int, tuple[int | None, int]] = {}
+        self._avg_generation_s: float | None = None
+        self._dead_reason: str | None = None
+        self._shutting_down = False
 
-        ``engine.is_alive()`` must be cheap and safe to call from any thread (it checks worker
-        processes; it does not touch the model). A dead engine is remembered: everything queued
-        fails with ``EngineDeadError``.
-        """
+    # ------------------------------------------------------------------ events
+    def queue_changed(self, queued: int, waiting_generations: int) -> None:
+        """The queue now holds ``queued`` tasks, ``waiting_generations`` of them generations.
+        Work arriving while nothing was pending starts the stall clock."""
+        if queued and not self._queued and self._running is None:
+            self._progress_at = self._clock()
+        self._queued, self._waiting_generations = queued, waiting_generations
+
+    def task_started(self, kind: str, generations: Sequence[Future] = ()) -> None:
+        """A task of ``kind`` (``"generate"`` or an engine method) started; ``generations`` are
+        the futures of the generations it runs (a batch shares one denoising loop)."""
+        steps = self._engine_steps()
+        self._running_gens = {id(f): (steps, len(generations)) for f in generations}
+        self._running = kind
+        self._progress_at = self._clock()
+
+    def task_finished(self) -> None:
+        """The running task finished (with a result or an error)."""
+        self._running_gens = {}
+        self._running = None
+        self._progress_at = self._clock()
+
+    def generation_finished(self, run_s: float) -> None:
+        """A generation (or a batch of them) took ``run_s`` seconds of engine time."""
+        avg = self._avg_generation_s
+        self._avg_generation_s = run_s if avg is None else 0.8 * avg + 0.2 * run_s
+
+    def engine_died(self, reason: str) -> bool:
+        """The engine cannot serve any more. Returns whether this is the first such news (the
+        first reason is kept)."""
         if self._dead_reason is not None:
             return False
-        if self._started and not self._thread.is_alive():
-            if self._stop:
-                return True  # stopped on purpose; the engine itself may be fine
-            self._mark_dead("the scheduler thread is not running")
-            return False
-        try:
-            alive = bool(self.engine.is_alive())
-        except Exception as e:  # an engine that cannot answer is not alive
-            logger.warning("engine.is_alive() raised %r", e)
-            alive = False
-        if not alive:
-            self._mark_dead("the engine reported that it is not alive")
-        return alive
+        self._dead_reason = reason
+        return True
+
+    def shutdown_began(self) -> None:
+        """The server accepts no new work from now on."""
+        self._shutting_down = True
+
+    # ------------------------------------------------------------------ answers
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is dead, or ``None``."""
+        return self._dead_reason
+
+    @property
+    def pending(self) -> bool:
+        """Whether a task runs or waits."""
+        return self._running is not None or self._queued > 0
 
     def stalled_s(self) -> float:
-        """Seconds without progress (no task started or finished, and no denoising step, when
-        the engine counts them: ``engine.steps_done()``) while work is pending; 0 when nothing
-        is pending."""
-        if self._running is None and not self._queue:
+        """Seconds without progress while work is pending; 0 when nothing is pending. A step
+        the engine finished since the last look counts as progress now."""
+        if not self.pending:
             return 0.0
         self._note_engine_steps()
-        return max(0.0, time.monotonic() - self._progress_at)
+        return max(0.0, self._clock() - self._progress_at)
 
-    def _engine_steps(self) -> int | None:
-        read = getattr(self.engine, "steps_done", None)
-        try:
-            return None if read is None else int(read())
-        except Exception:  # an engine that cannot say
-            return None
-
-    def _note_started(self, tasks: list[Any]) -> None:
-        steps = self._engine_steps()
-        gens = [t for t in tasks if t.kind == "generate"]
-        for t in gens:
-            t.steps_at_start, t.batch_rows = steps, len(gens)
-        with self._cond:
-            self._running_gens = {id(t.future): t for t in gens}
-
-    def steps_done_for(self, future: Future) -> float | None:
-        """Denoising steps a running generation has finished (``None``: not running, or the
-        engine does not count steps). The requests of a batch step together, so each gets its
-        share of the engine's count (a video job's ``progress``)."""
-        task = self._running_gens.get(id(future))
-        if task is None or task.steps_at_start is None:
-            return None
-        now = self._engine_steps()
-        return None if now is None else max(0, now - task.steps_at_start) / task.batch_rows
-
-    def _note_engine_steps(self) -> None:
-        """A step since the last look counts as progress now (looked at when health is asked:
-        a long generation that keeps stepping is not stalled)."""
-        steps = self._engine_steps()
-        if steps is None:  # an engine that cannot say: starts and ends only
-            return
-        if self._steps_seen is not None and steps != self._steps_seen:
-            self._progress_at = time.monotonic()
-        self._steps_seen = steps
-
-    def _stalled(self) -> bool:
+    def stalled(self) -> bool:
+        """Whether :meth:`stalled_s` is past the stall timeout."""
         return self.stall_timeout_s is not None and self.stalled_s() > self.stall_timeout_s
 
     def healthy(self) -> bool:
-        """True when the engine is alive, makes progress, and the server accepts new work
-        (``/health``)."""
-        return self._accepting and not self._stop and self.engine_alive() and not self._stalled()
+        """Not dead, not shutting down, not stalled (the engine's own liveness is asked by the
+        scheduler, which reports a death through :meth:`engine_died`)."""
+        return self._dead_reason is None and not self._shutting_down and not self.stalled()
 
     def unhealthy_reason(self) -> str | None:
         """Why :meth:`healthy` is false (``None`` when it is not)."""
         if self._dead_reason is not None:
             return self._dead_reason
-        if not self._accepting or self._stop:
+        if self._shutting_down:
             return "the server is shutting down"
-        if self._stalled():
-            running = self._running.kind if self._running is not None else "nothing"
+        if self.stalled():
             return (
                 f"the engine has made no progress for {self.stalled_s():.0f} s while work is "
-                f"pending (running: {running}; {len(self._queue)} waiting)"
+                f"pending (running: {self._running or 'nothing'}; {self._queued} waiting)"
             )
         return None
 
     def retry_after_s(self) -> int:
-        """A guess of when a slot frees up: the mean generation time x waiting requests, 1..60 s."""
+        """A guess of when a slot frees up: the mean generation time x waiting generations,
+        clamped to 1..60 s."""
         avg = self._avg_generation_s or 1.0
         return int(min(60, max(1, math.ceil(avg * max(1, self._waiting_generations)))))
+
+    def steps_done_for(self, future: Future) -> float | None:
+        """Denoising steps a running generation has finished (``None``: not running, or the
+        engine does not count steps). The rows of a batch step together, so each gets its
+        share of the engine's count (a video job's ``progress``)."""
+        start, rows = self._running_gens.get(id(future), (None, 1))
+        if start is None:
+            return None
+        now = self._engine_steps()
+        return None if now is None else max(0, now - start) / rows
+
+    # ------------------------------------------------------------------ internals
+    def _engine_steps(self) -> int | None:
+        if self._steps is None:
+            return None
+        try:
+            steps = self._steps()
+            return None if steps is None else int(steps)
+        except Exception:  # an engine that cannot say
+            return None
+
+    def _note_engine_steps(self) -> None:
+        steps = self._engine_steps()
+        if steps is None:  # an engine that cannot say: starts and ends only
+            return
+        if self._steps_seen is not None and steps != self._steps_seen:
+            self._progress_at = self._clock()
+        self._steps_seen = steps

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.configs.server_args import hf_hub_cache_dir
 from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError, SGLangError
+from sglang.multimodal_gen.hub import cached_snapshot, hf_hub_cache_dir
 from sglang.multimodal_gen.lora import safetensors_io
 from sglang.multimodal_gen.lora.peft_config import check_config_depth
 from sglang.multimodal_gen.lora.safetensors_io import json_kind, read_config
@@ -133,12 +133,10 @@ def resolve_lora_path(path: str | os.PathLike, allowed_roots: Iterable[str] | No
 
 def _snapshot_from_cache(repo_id: str, local: str = "not a local path") -> str:
     """The cached snapshot folder of ``repo_id``; ``local`` says why no local path matched."""
-    from huggingface_hub import snapshot_download
-
     cache = hf_hub_cache_dir()
     try:
-        return snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
-    except Exception:  # LocalEntryNotFoundError and friends: all mean "not in the cache"
+        return cached_snapshot(repo_id)
+    except FileNotFoundError:
         raise InvalidRequestError(
             f"LoRA {repo_id!r} could not be found locally ({local}; not in the Hugging "
             f"Face cache at {cache}); downloading is not possible here. Download it beforehand "

@@ -13,71 +13,19 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.models.loader import ModelLoadError, find_weight_files, read_json
+from sglang.multimodal_gen.models.model_dir import (
+    MODEL_INDEX,
+    ModelLoadError,
+    find_weight_files,
+)
 
 logger = logging.getLogger(__name__)
 
-MODEL_INDEX = "model_index.json"
-
-__all__ = ["MODEL_INDEX", "ModelIndex", "load_component", "read_model_index", "resolve_class"]
-
-
-@dataclass
-class ModelIndex:
-    """Parsed ``model_index.json``.
-
-    Attributes:
-        path: the file's path (for messages).
-        pipeline_class: its ``_class_name``.
-        components: ``{name: (library, class_name)}`` of every present component (entries of
-            ``[null, null]``, i.e. optional components left out, are dropped).
-        config: the pipeline's own config values (e.g. Wan's ``boundary_ratio``,
-            ``expand_timesteps``): every entry that is not a component or ``_`` metadata.
-    """
-
-    path: str
-    pipeline_class: str
-    components: dict[str, tuple[str, str]]
-    config: dict = field(default_factory=dict)
-
-
-def read_model_index(model_path: str) -> ModelIndex:
-    """Read ``<model_path>/model_index.json``.
-
-    Raises:
-        FileNotFoundError: the directory or the file is missing.
-        ModelLoadError: invalid JSON, no ``_class_name``, or a component entry that is not
-            ``[library, class]`` (named with the file).
-    """
-    if not os.path.isdir(model_path):
-        raise FileNotFoundError(f"model path is not a directory: {model_path}")
-    path = os.path.join(model_path, MODEL_INDEX)
-    data = read_json(path)
-    cls = data.get("_class_name")
-    if not isinstance(cls, str) or not cls:
-        raise ModelLoadError(f"{path}: no pipeline _class_name")
-    comps: dict[str, tuple[str, str]] = {}
-    config: dict = {}
-    for name, entry in data.items():
-        if name.startswith("_"):
-            continue
-        if not isinstance(entry, list):
-            config[name] = entry  # a pipeline config value (e.g. ``boundary_ratio``)
-            continue
-        if len(entry) != 2:
-            raise ModelLoadError(f"{path}: component {name!r} is not [library, class]: {entry}")
-        lib, ecls = entry
-        if lib is None and ecls is None:
-            continue
-        if not (isinstance(lib, str) and isinstance(ecls, str)):
-            raise ModelLoadError(f"{path}: component {name!r} is not [library, class]: {entry}")
-        comps[name] = (lib, ecls)
-    return ModelIndex(path, cls, comps, config)
+__all__ = ["load_component", "resolve_class"]
 
 
 def resolve_class(model_path: str, name: str, library: str, class_name: str) -> type:

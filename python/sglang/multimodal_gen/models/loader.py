@@ -1,14 +1,7 @@
 """Loading our DiTs (the denoisers) from a diffusers-format model directory.
 
-Layout (what ``DiffusionPipeline.save_pretrained`` writes, e.g. ``Tongyi-MAI/Z-Image-Turbo``)::
-
-    model_index.json                      {"_class_name": "ZImagePipeline", "<component>": [lib, cls]}
-    transformer/config.json               {"_class_name": "ZImageTransformer2DModel", ...}
-    transformer/diffusion_pytorch_model.safetensors            (one file), or
-    transformer/diffusion_pytorch_model.safetensors.index.json + the shards it names
-    text_encoder/  tokenizer/  vae/  scheduler/                 (their libraries' own formats)
-
-The denoiser is built from OUR layers (the family's ``DenoiserSpec``) and filled through each
+The directory's files are found and read by :mod:`~sglang.multimodal_gen.models.model_dir`. The
+denoiser is built from OUR layers (the family's ``DenoiserSpec``) and filled through each
 parameter's ``weight_loader``. Checkpoint names go through the family's name map (shared with LoRA
 loading), so e.g. ``attention.to_q`` lands in shard ``"q"`` of ``attention.to_qkv``. Tensors are
 opened lazily (``safetensors.safe_open(...).get_slice``): a TP rank reads only the rows/columns
@@ -21,7 +14,6 @@ them (``models.components``). Errors name the file and the tensor
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import defaultdict
@@ -31,71 +23,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from sglang.multimodal_gen.models.model_dir import ModelLoadError, find_weight_files, read_json
 from sglang.multimodal_gen.models.name_map import NameMap
 from sglang.multimodal_gen.models.registry import DenoiserSpec, resolve_object
 
 logger = logging.getLogger(__name__)
-
-_WEIGHT_BASENAMES = ("diffusion_pytorch_model", "model")
-
-
-class ModelLoadError(ValueError):
-    """A model directory cannot be loaded as given (the message names the file / tensor)."""
-
-
-def read_json(path: str) -> dict:
-    """Read a JSON object file; errors name the file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"missing file: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return data
-
-
-def find_weight_files(component_dir: str) -> tuple[list[str], dict[str, str] | None]:
-    """Locate a component's safetensors weights.
-
-    Returns:
-        ``(files, weight_map)``: the ``.safetensors`` files to read and, for a sharded checkpoint,
-        ``{tensor_name: file}`` from its ``*.safetensors.index.json`` (else ``None``).
-
-    Raises:
-        FileNotFoundError: no safetensors weights, or a shard named by the index is missing.
-        ModelLoadError: only pickle (``.bin``) weights (refused), or a malformed index.
-    """
-    if not os.path.isdir(component_dir):
-        raise FileNotFoundError(f"missing component directory: {component_dir}")
-    for base in _WEIGHT_BASENAMES:
-        index = os.path.join(component_dir, f"{base}.safetensors.index.json")
-        if os.path.isfile(index):
-            data = read_json(index)
-            wmap = data.get("weight_map")
-            if not isinstance(wmap, dict) or not wmap:
-                raise ModelLoadError(f"{index}: no 'weight_map'")
-            files = sorted(set(wmap.values()))
-            for f in files:
-                if not os.path.isfile(os.path.join(component_dir, f)):
-                    raise FileNotFoundError(
-                        f"{index} names shard {f!r}, which is missing from {component_dir}"
-                    )
-            return [os.path.join(component_dir, f) for f in files], {
-                k: os.path.join(component_dir, v) for k, v in wmap.items()
-            }
-        single = os.path.join(component_dir, f"{base}.safetensors")
-        if os.path.isfile(single):
-            return [single], None
-    names = os.listdir(component_dir)
-    if any(n.endswith((".bin", ".pt", ".pth", ".ckpt")) for n in names):
-        raise ModelLoadError(
-            f"{component_dir}: only pickle weights found; safetensors are required "
-            "(pickle files can run code when loaded)"
-        )
-    raise FileNotFoundError(f"{component_dir}: no safetensors weights found")
 
 
 def _default_param_loader(param: nn.Parameter, loaded: Any) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sglang.multimodal_gen.configs.sampling_params import RequestLimits, SamplingParams
+from sglang.multimodal_gen.models.model_dir import read_model_index
 
 __all__ = [
     "DenoiserSpec",
@@ -313,8 +314,6 @@ def family_for_model(model_path: str) -> ModelFamily:
         FileNotFoundError: no directory or no ``model_index.json``.
         UnknownModelError: a ``_class_name`` no family serves (lists the families and classes).
     """
-    from sglang.multimodal_gen.models.components import read_model_index
-
     index = read_model_index(model_path)
     for fam in list_families():
         if index.pipeline_class in fam.pipeline_classes:

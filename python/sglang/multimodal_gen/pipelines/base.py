@@ -37,8 +37,9 @@ from tqdm.auto import tqdm
 
 from sglang.multimodal_gen.configs.sampling_params import RequestSpec, SamplingParams
 from sglang.multimodal_gen.distributed import broadcast_tensors_cpu
-from sglang.multimodal_gen.models.components import load_component, read_model_index
-from sglang.multimodal_gen.models.loader import load_denoiser, read_json
+from sglang.multimodal_gen.models.components import load_component
+from sglang.multimodal_gen.models.loader import load_denoiser
+from sglang.multimodal_gen.models.model_dir import ModelLoadError, read_json, read_model_index
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
 from sglang.multimodal_gen.outputs import Video
 from sglang.multimodal_gen.pipelines.batching import StepBatcher
@@ -185,7 +186,6 @@ class StagedPipeline:
         Raises:
             FileNotFoundError / ValueError (``ModelLoadError``): messages name file and tensor.
         """
-        from sglang.multimodal_gen.models.loader import ModelLoadError
         from sglang.multimodal_gen.models.registry import get_family
 
         family = family or get_family(cls.family_name)

@@ -1,53 +1,43 @@
-"""``DiffusionEngine``: the blocking generation API over one model, at any TP size.
+"""``DiffusionEngine``: the blocking generation API over one model, at any parallel size.
 
-TP 1 runs the :class:`~sglang.multimodal_gen.runtime.runner.ModelRunner` in the calling process.
-TP N spawns N worker processes that form one TP group (gloo on CPU, NCCL on CUDA; each rank uses
-the CUDA device of its local rank); with ``nnodes > 1`` (or under ``torchrun``) only this node's
-ranks, the others being started by :func:`~.nodes.run_follower` on their nodes. Every call becomes a command ``(op, kwargs)`` put on rank 0's queue; rank 0
-reads the LoRA files a ``set_lora`` names (a read error is answered at once, no other rank is
-involved), broadcasts the command with the files' contents (``broadcast_object``), and all ranks
-execute it in the same order, then gather their outcomes so a failure on any rank is reported;
-rank 0 sends the result back. A LoRA change is all-or-nothing across ranks: when it fails on any
-rank, the ranks where it succeeded roll it back (:meth:`ModelRunner.execute` with ``agree``); if a
-rollback itself fails, the workers stop (the engine is dead) rather than serve from diverged
-weights. While idle, rank 0 broadcasts a no-op every ``heartbeat_s`` so the other ranks'
-collectives never time out.
+The engine resolves the model, the device and the parallel layout, checks the settings, and
+chooses its executor once (:mod:`~sglang.multimodal_gen.runtime.executors`): in this process
+for one rank (:class:`~.executors.UniProcExecutor`), else worker processes for this node's ranks
+(:class:`~.executors.MultiprocExecutor`). Every public method becomes one command of the op table
+(:mod:`~sglang.multimodal_gen.engine_ops`) run by the executor, one caller at a time.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from sglang.multimodal_gen import errors as errors_mod
-from sglang.multimodal_gen.configs.launch_plan import DEFAULT_DIST_TIMEOUT_S, LaunchPlan
+from sglang.multimodal_gen.configs.launch_plan import DEFAULT_DIST_TIMEOUT_S
 from sglang.multimodal_gen.configs.parallel import check_float32_matmul_precision
 from sglang.multimodal_gen.configs.sampling_params import RequestSpec, SamplingParams
 from sglang.multimodal_gen.engine_ops import get_op
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.layers.attention import check_attention_backend
 from sglang.multimodal_gen.lora.requests import normalize_set_lora
-from sglang.multimodal_gen.runtime.compute_thread import ComputeThread
+from sglang.multimodal_gen.runtime.error_transport import unpack_error
+from sglang.multimodal_gen.runtime.executors import (
+    Executor,
+    MultiprocExecutor,
+    UniProcExecutor,
+)
 from sglang.multimodal_gen.runtime.model_source import (
     check_device,
     job_kwargs,
     layout_for_model,
     resolve_model_path,
 )
-from sglang.multimodal_gen.runtime.nodes import (
-    launch_plan,
-    multinode_kwargs,
-    spawn_workers,
-    wait_message,
-)
+from sglang.multimodal_gen.runtime.nodes import launch_plan, multinode_kwargs
 from sglang.multimodal_gen.runtime.runner import ModelRunner
-from sglang.multimodal_gen.runtime.worker import unpack_error
 
 logger = logging.getLogger(__name__)
 
@@ -147,14 +137,11 @@ class DiffusionEngine:
         self.device = device
         if dit_cpu_offload and torch.device(device).type != "cuda":
             logger.info("dit_cpu_offload has no effect without a GPU; ignored")
-        self._lock = threading.Lock()
-        self._dead = False
+        self._lock = threading.Lock()  # one call at a time
         self._closed = False
-        self._runner: ModelRunner | None = None
-        self._stale_results = 0  # TP: results still to come for interrupted calls
-        self._procs: list = []
         runner_kwargs = dict(
             model_path=model_path,
+            device=device,
             dtype=dtype,
             lora_dirs=None if lora_dirs is None else tuple(lora_dirs),
             generator_device=generator_device,
@@ -165,24 +152,18 @@ class DiffusionEngine:
             lora_merge_cache_gb=lora_merge_cache_gb,
             max_loaded_lora_gb=max_loaded_lora_gb,
         )
-        if plan is None:  # in process: loading and every command on one thread (compute_thread)
-            self._compute = ComputeThread()
-            # an engine dropped without shutdown() still stops its thread (and frees the model)
-            weakref.finalize(self, self._compute.stop)
-            try:
-                self._runner = self._compute.call(ModelRunner, device=device, **runner_kwargs)
-                self._info = self._compute.call(self._runner.info)
-            except BaseException:
-                self._compute.stop()
-                raise
+        self._executor: Executor
+        if plan is None:
+            self._executor = UniProcExecutor(runner_kwargs)
         else:
-            self._start_workers(
+            self._executor = MultiprocExecutor(
                 plan,
-                dict(runner_kwargs, device=device, layout=self.layout),
+                dict(runner_kwargs, layout=self.layout),
                 startup_timeout_s,
                 heartbeat_s,
                 _worker_setup,
             )
+        self._info = self._executor.info
 
     @classmethod
     def from_args(cls, server_args) -> DiffusionEngine:
@@ -199,76 +180,14 @@ class DiffusionEngine:
             **multinode_kwargs(server_args),
         )
 
-    # ------------------------------------------------------------------ workers
-    def _start_workers(
-        self,
-        plan: LaunchPlan,
-        runner_kwargs: dict,
-        timeout_s: float,
-        heartbeat_s: float,
-        worker_setup: Callable | None = None,
-    ) -> None:
-        self._workers = spawn_workers(plan, runner_kwargs, heartbeat_s, worker_setup)
-        self._cmd_q, self._res_q = self._workers.cmd_q, self._workers.res_q
-        self._procs = self._workers.procs
-        try:
-            kind, ok, payload = self._wait_result(timeout_s)
-        except BaseException:
-            self._kill_workers()
-            raise
-        if not ok:
-            self._kill_workers()
-            rank, err = payload
-            raise unpack_error(err, rank)
-        self._info = payload
-
-    def _wait_result(self, timeout_s: float | None = None):
-        try:
-            return wait_message(self._workers, timeout_s)
-        except EngineDeadError:
-            self._dead = True
-            raise
-
-    def _kill_workers(self) -> None:
-        self._workers.kill()
-
     def _call(self, op: str, **kwargs) -> Any:
         get_op(op)  # the op table is the vocabulary (ValueError otherwise)
         with self._lock:
             if self._closed:
                 raise EngineDeadError("the engine has been shut down")
-            if self._dead or not self.is_alive():
+            if not self._executor.is_alive():
                 raise EngineDeadError("the engine's worker processes are not running")
-            runner = self._runner  # shutdown() may clear it meanwhile
-            if runner is None and not self._procs:
-                raise EngineDeadError("the engine has been shut down")
-            if runner is not None:
-                try:
-                    return self._compute.call(runner.execute, op, kwargs)
-                except EngineDeadError:  # e.g. a LoRA restore failed: stop serving mixed weights
-                    self._dead = True
-                    raise
-                except (KeyboardInterrupt, SystemExit) as e:  # the call may have failed so too
-                    if isinstance(e.__cause__, EngineDeadError):
-                        self._dead = True
-                    raise
-            self._cmd_q.put((op, kwargs))
-            try:
-                _, ok, payload = self._wait_result()
-                while self._stale_results:  # answers of calls whose callers were interrupted
-                    self._stale_results -= 1
-                    _, ok, payload = self._wait_result()
-            except (KeyboardInterrupt, SystemExit):
-                # the workers still finish this command: its answer is not the next call's
-                self._stale_results += 1
-                raise
-            if ok:
-                return payload
-            rank, err = payload
-            exc = unpack_error(err, rank)
-            if isinstance(exc, EngineDeadError):  # the workers stopped (LoRA state lost)
-                self._dead = True
-            raise exc
+            return self._executor.execute(op, kwargs)
 
     # ------------------------------------------------------------------ API
     @property
@@ -422,38 +341,19 @@ class DiffusionEngine:
     def steps_done(self) -> int:
         """Denoising steps finished so far, all requests together (grows while a generation
         runs; the server's ``--health-stall-timeout`` watches it). 0 before the first."""
-        if self._runner is not None:
-            return int(self._runner.steps.value)
-        workers = getattr(self, "_workers", None)
-        return int(workers.steps.value) if workers is not None and workers.steps is not None else 0
+        return self._executor.steps_done()
 
     def is_alive(self) -> bool:
-        if self._closed or self._dead:
-            return False
-        if self._runner is not None:
-            return True
-        return all(p.is_alive() for p in self._procs)
+        """Whether the engine can serve: not shut down, its executor alive (cheap, safe from any
+        thread: it checks worker processes, it does not touch the model)."""
+        return not self._closed and self._executor.is_alive()
 
     def shutdown(self) -> None:
-        """Stop the workers (idempotent)."""
+        """Stop the executor: its thread or its worker processes (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        if self._procs:
-            try:
-                self._cmd_q.put(("shutdown", {}))
-            except Exception:
-                pass
-            # one deadline for all ranks (not 10 s each); workers still inside a call (a
-            # shutdown past the server's graceful timeout) would not read the command: 1 s
-            busy = self._lock.locked()
-            deadline = time.monotonic() + (1.0 if busy else 10.0)
-            for p in self._procs:
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
-            self._kill_workers()
-        if self._runner is not None:
-            self._compute.stop()
-        self._runner = None
+        self._executor.shutdown()
 
     def __enter__(self) -> DiffusionEngine:
         return self

@@ -10,6 +10,7 @@ import os
 import torch
 
 from sglang.multimodal_gen import errors as errors_mod
+from sglang.multimodal_gen.hub import cached_snapshot
 
 
 def job_kwargs(server_args) -> dict:
@@ -97,7 +98,12 @@ def check_device(device: str | None) -> str:
 
 def resolve_model_path(model_path: str | None) -> tuple[str, str]:
     """``(directory, served name)``: the embedded default model (built once) for ``None``, a
-    directory as given, else a Hub id from the local cache (``FileNotFoundError`` if absent)."""
+    directory as given, else a Hub id from the local cache (:func:`~sglang.multimodal_gen.hub.
+    cached_snapshot`).
+
+    Raises:
+        FileNotFoundError: not a directory and not in the local Hugging Face cache.
+    """
     if model_path is None:
         from sglang.multimodal_gen.models.default_model import (
             default_model_name,
@@ -106,22 +112,11 @@ def resolve_model_path(model_path: str | None) -> tuple[str, str]:
 
         return default_model_path(), default_model_name()
     if not os.path.isdir(model_path):
-        model_path = _resolve_hub_cache(model_path)
+        try:
+            model_path = cached_snapshot(model_path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"model path {model_path!r} is not a directory and is not in the local Hugging "
+                "Face cache (nothing is downloaded)"
+            ) from e
     return model_path, os.path.basename(os.path.normpath(model_path))
-
-
-def _resolve_hub_cache(model_id: str) -> str:
-    """Resolve ``owner/name`` from the local Hugging Face cache only (no download).
-
-    Raises:
-        FileNotFoundError: not a directory and not in the local cache.
-    """
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model_id, local_files_only=True)
-    except Exception as e:
-        raise FileNotFoundError(
-            f"model path {model_id!r} is not a directory and is not in the local Hugging Face "
-            "cache (nothing is downloaded)"
-        ) from e

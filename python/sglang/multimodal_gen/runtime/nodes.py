@@ -28,7 +28,8 @@ from sglang.multimodal_gen.configs.launch_plan import (
     running_under_torchrun,
 )
 from sglang.multimodal_gen.errors import EngineDeadError
-from sglang.multimodal_gen.runtime.worker import tp_worker_main, unpack_error
+from sglang.multimodal_gen.runtime.error_transport import unpack_error
+from sglang.multimodal_gen.runtime.worker import tp_worker_main
 
 logger = logging.getLogger(__name__)
 

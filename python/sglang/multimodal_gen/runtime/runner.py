@@ -33,6 +33,7 @@ from sglang.multimodal_gen.layers.attention import set_attention_backend
 from sglang.multimodal_gen.lora.staging import UNCHANGED
 from sglang.multimodal_gen.lora.transactions import LoRAStateError
 from sglang.multimodal_gen.models.registry import family_for_model
+from sglang.multimodal_gen.runtime.error_transport import pack_error
 from sglang.multimodal_gen.runtime.placement import (
     DiTOffloader,
     compile_blocks,
@@ -355,7 +356,6 @@ class ModelRunner:
         request's failure does not fail the others.
         """
         from sglang.multimodal_gen.pipelines.batching import StepBatcher
-        from sglang.multimodal_gen.runtime.worker import pack_error
 
         out: list = [None] * len(reqs)
         selections: list = [None] * len(reqs)

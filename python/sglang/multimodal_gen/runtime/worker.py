@@ -4,69 +4,24 @@ Each of the N workers builds its :class:`~sglang.multimodal_gen.runtime.runner.M
 then loops: rank 0 takes the next command from the engine's queue (or a no-op heartbeat while
 idle), reads the LoRA files it names, broadcasts it on the CPU control group, every rank executes
 it, and the outcomes are gathered so that an error on any rank reaches the caller with its type.
-Errors cross the process boundary as plain dicts (:func:`pack_error` / :func:`unpack_error`).
+Errors cross the process boundary as plain dicts (:mod:`.error_transport`).
 """
 
 from __future__ import annotations
 
 import queue as queue_mod
-import traceback
 
 import torch
 
-from sglang.multimodal_gen import errors as errors_mod
-from sglang.multimodal_gen.errors import EngineDeadError, SGLangError
+from sglang.multimodal_gen.errors import EngineDeadError
+from sglang.multimodal_gen.runtime.error_transport import first_error, pack_error
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
 __all__ = [
     "exit_with_parent",
-    "pack_error",
     "quiet_library_progress_bars",
     "tp_worker_main",
-    "unpack_error",
 ]
-
-
-# ---------------------------------------------------------------------- error transport
-def pack_error(e: BaseException) -> dict:
-    return {
-        "type": type(e).__name__,
-        "sglang": isinstance(e, SGLangError),
-        "message": getattr(e, "message", None) or str(e),
-        "param": getattr(e, "param", None),
-        "code": getattr(e, "code", None),
-        "value_error": isinstance(e, ValueError),
-        "lookup_error": isinstance(e, LookupError),
-        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
-    }
-
-
-def unpack_error(d: dict, rank: int | None = None) -> BaseException:
-    cls = getattr(errors_mod, d["type"], None) if d["sglang"] else None
-    if cls is not None and issubclass(cls, SGLangError):
-        try:
-            return cls(d["message"], param=d["param"], code=d["code"])
-        except TypeError:
-            return cls(d["message"])
-    msg = d["message"] if rank is None else f"rank {rank}: {d['message']}"
-    if d["type"] == "FileNotFoundError":
-        return FileNotFoundError(msg)
-    if d["type"] == "RendezvousTimeoutError":  # a node missing at start-up: its own line suffices
-        from sglang.multimodal_gen.distributed.multinode import RendezvousTimeoutError
-
-        return RendezvousTimeoutError(d["message"])
-    if d["value_error"]:
-        return ValueError(msg)
-    if d["lookup_error"]:
-        return LookupError(msg)
-    return RuntimeError(f"{d['type']}: {msg}\n{d['traceback']}")
-
-
-def first_error(errs: list) -> tuple[int, dict] | None:
-    for r, e in enumerate(errs):
-        if e is not None:
-            return r, e
-    return None
 
 
 # ---------------------------------------------------------------------- TP worker process

@@ -54,6 +54,7 @@ from sglang.multimodal_gen.layers.norm import (
 )
 from sglang.multimodal_gen.layers.rotary import MultiAxisRopeReal, apply_rope_real
 from sglang.multimodal_gen.models.dits.common import tp_kwargs
+from sglang.multimodal_gen.models.registry import get_family
 
 __all__ = ["FluxTimeTextEmbed", "FluxTransformer", "flux_from_diffusers_module"]
 
@@ -307,7 +308,8 @@ class FluxTransformer(nn.Module):
         device: where to allocate parameters.
 
     Raises:
-        ValueError: ``num_attention_heads`` is not divisible by the TP size (both numbers named).
+        ValueError: the TP size does not divide a number of the family's ``tp_divisors``
+            (``ModelFamily.check_tp_size``: the number, the TP size and the valid sizes named).
 
     The linear layers' parameters are allocated uninitialised (the q/k RMSNorm weights start at
     1); load them with ``models.loader.load_tensors_into(..., FLUX_NAME_MAP)`` or
@@ -324,11 +326,7 @@ class FluxTransformer(nn.Module):
     ):
         super().__init__()
         tp = get_tp_world_size() if tp_size is None else tp_size
-        if cfg.num_attention_heads % tp:
-            raise ValueError(
-                f"Flux: num_attention_heads={cfg.num_attention_heads} is not divisible by "
-                f"tp_size={tp}; use a TP size that divides {cfg.num_attention_heads}"
-            )
+        get_family("flux").check_tp_size(cfg, tp)  # the family's rule, as at load time
         self.cfg = cfg
         self.tp_size = tp
         dtype = dtype or torch.get_default_dtype()
@@ -457,7 +455,6 @@ def flux_from_diffusers_module(
     and tests; the same name map and weight loaders as file loading, strict: every tensor of the
     reference is used and every parameter of ours is filled)."""
     from sglang.multimodal_gen.models.loader import denoiser_from_module
-    from sglang.multimodal_gen.models.registry import get_family
 
     spec = get_family("flux").denoiser()
     return denoiser_from_module(reference, spec, dtype, device, tp_rank, tp_size)

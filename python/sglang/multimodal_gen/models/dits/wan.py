@@ -67,6 +67,7 @@ from sglang.multimodal_gen.models.dits.wan_layers import (
     WanRotaryEmbed,
     rms_norm_qk,
 )
+from sglang.multimodal_gen.models.registry import get_family
 
 __all__ = [
     "WanRMSNormAcrossHeads",
@@ -229,8 +230,8 @@ class WanTransformer(nn.Module):
         device: where to allocate parameters.
 
     Raises:
-        ValueError: ``num_attention_heads`` or ``ffn_dim`` not divisible by the TP size (the
-            number and the size named).
+        ValueError: the TP size does not divide a number of the family's ``tp_divisors``
+            (``ModelFamily.check_tp_size``: the number, the TP size and the valid sizes named).
 
     Parameters are allocated uninitialised (norm weights start at 1, ``scale_shift_table``s at
     0); load them with ``models.loader.load_tensors_into(..., WAN_NAME_MAP)`` or
@@ -247,16 +248,7 @@ class WanTransformer(nn.Module):
     ):
         super().__init__()
         tp = get_tp_world_size() if tp_size is None else tp_size
-        for what, n in (
-            ("num_attention_heads", cfg.num_attention_heads),
-            ("ffn_dim", cfg.ffn_dim),
-        ):
-            if n % tp:
-                raise ValueError(
-                    f"Wan: {what}={n} is not divisible by tp_size={tp}; use a TP size that "
-                    f"divides both num_attention_heads={cfg.num_attention_heads} and "
-                    f"ffn_dim={cfg.ffn_dim}"
-                )
+        get_family("wan").check_tp_size(cfg, tp)  # the family's rule, as at load time
         self.cfg = cfg
         self.tp_size = tp
         dtype = dtype or torch.get_default_dtype()
@@ -418,7 +410,6 @@ def wan_from_diffusers_module(
     the fp32-kept modules stay fp32 either way.
     """
     from sglang.multimodal_gen.models.loader import denoiser_from_module
-    from sglang.multimodal_gen.models.registry import get_family
 
     spec = get_family("wan").denoiser()
     return denoiser_from_module(reference, spec, dtype, device, tp_rank, tp_size)

@@ -46,6 +46,7 @@ from sglang.multimodal_gen.models.dits.zimage_layers import (
     ZImageFinalLayer,
     ZImageTimestepEmbedder,
 )
+from sglang.multimodal_gen.models.registry import get_family
 
 
 @dataclass
@@ -120,8 +121,8 @@ class ZImageTransformer(nn.Module):
         device: where to allocate parameters.
 
     Raises:
-        ValueError: ``n_heads`` (or the FFN hidden size) is not divisible by the TP size, named
-            with both numbers.
+        ValueError: the TP size does not divide a number of the family's ``tp_divisors``
+            (``ModelFamily.check_tp_size``: the number, the TP size and the valid sizes named).
 
     Parameters are allocated uninitialised; load them with ``models.loader``.
     """
@@ -136,15 +137,7 @@ class ZImageTransformer(nn.Module):
     ):
         super().__init__()
         tp = get_tp_world_size() if tp_size is None else tp_size
-        if cfg.n_heads % tp:
-            raise ValueError(
-                f"Z-Image: n_heads={cfg.n_heads} is not divisible by tp_size={tp}; "
-                f"use a TP size that divides {cfg.n_heads}"
-            )
-        if cfg.ffn_hidden % tp:
-            raise ValueError(
-                f"Z-Image: FFN hidden size {cfg.ffn_hidden} is not divisible by tp_size={tp}"
-            )
+        get_family("zimage").check_tp_size(cfg, tp)  # the family's rule, as at load time
         self.cfg = cfg
         self.tp_size = tp
         dtype = dtype or torch.get_default_dtype()

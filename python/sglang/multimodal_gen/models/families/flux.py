@@ -36,7 +36,7 @@ def _defaults(cfg) -> SamplingDefaults:
 
 
 def _tp_divisors(cfg) -> dict[str, int]:
-    return {"num_attention_heads": cfg.num_attention_heads, "MLP hidden size": cfg.mlp_hidden}
+    return {"num_attention_heads": cfg.num_attention_heads, "mlp_hidden": cfg.mlp_hidden}
 
 
 FLUX = register_family(

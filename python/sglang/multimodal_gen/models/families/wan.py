@@ -47,7 +47,7 @@ def _defaults(cfg) -> SamplingDefaults:
 
 
 def _tp_divisors(cfg) -> dict[str, int]:
-    return {"num_attention_heads": cfg.num_attention_heads, "FFN hidden size": cfg.ffn_dim}
+    return {"num_attention_heads": cfg.num_attention_heads, "ffn_dim": cfg.ffn_dim}
 
 
 def _expert(component: str) -> DenoiserSpec:

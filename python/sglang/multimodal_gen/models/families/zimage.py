@@ -38,7 +38,7 @@ def _defaults(cfg) -> SamplingDefaults:
 
 
 def _tp_divisors(cfg) -> dict[str, int]:
-    return {"n_heads": cfg.n_heads, "FFN hidden size": cfg.ffn_hidden}
+    return {"n_heads": cfg.n_heads, "ffn_hidden": cfg.ffn_hidden}
 
 
 ZIMAGE = register_family(
