@@ -572,8 +572,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "lora-rows-first-row-for-all",
         "layers/lora/layer.py",
-        "local = self.local_composition(group.composition)",
-        "local = self.local_composition(mapping.groups[0].composition)",
+        "locals_ = [self.local_composition(g.composition) for g in groups]",
+        "locals_ = [self.local_composition(groups[0].composition) for g in groups]",
         ("test/unit/test_lora_rows.py",),
         ("-k", "not gloo"),
         why="every row of a mixed batch gets the first row's adapters",

@@ -140,13 +140,18 @@ class RowGroup:
     Attributes:
         composition: their :class:`Composition`.
         rows: their row indices (ascending), or ``None`` when the group is every row.
+        span: ``(lo, hi)`` when the rows are consecutive, else ``None``.
     """
 
-    __slots__ = ("composition", "rows", "_index")
+    __slots__ = ("composition", "rows", "span", "_index")
 
     def __init__(self, composition: Composition, rows: tuple[int, ...] | None):
         self.composition = composition
         self.rows = rows
+        #: ``(lo, hi)`` when the rows are ``lo, lo + 1, ..., hi - 1`` (a slice serves them)
+        self.span = None
+        if rows and rows == tuple(range(rows[0], rows[0] + len(rows))):
+            self.span = (rows[0], rows[0] + len(rows))
         self._index: dict[torch.device, torch.Tensor] = {}
 
     def index(self, device: torch.device | str | None = None) -> torch.Tensor:

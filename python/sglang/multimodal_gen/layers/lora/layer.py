@@ -644,8 +644,14 @@ class BaseLayerWithLoRA(nn.Module):
     def _forward_groups(
         self, x: torch.Tensor, mapping: RowMapping
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each group of rows computed on its own (``index_select``), written back
-        (``index_copy_``), one collective for all."""
+        """The rows of several compositions, one collective for all.
+
+        When every row needs the same weight (the exact base weight; or the merged one, its
+        composition being every group's part here) the base GEMM runs once over the batch and
+        each group's delta is added on its rows; otherwise each group runs its own GEMM. A
+        group's rows are a slice when consecutive, else ``index_select``-ed and written back
+        with ``index_copy_``. The GEMMs are row-invariant, so a row's output is the row's output
+        alone either way."""
         if x.dim() < 2 or x.shape[0] != mapping.rows:
             lead = x.shape[0] if x.dim() else 0
             raise ValueError(
@@ -656,19 +662,44 @@ class BaseLayerWithLoRA(nn.Module):
         base = self.base_layer
         x_local = base.parallel_input(x)
         bias = base.gemm_bias()
-        exact = None
+        merged = self._merged_local
+        groups = mapping.groups
+        locals_ = [self.local_composition(g.composition) for g in groups]
+        on_merged = [merged is not None and local == merged for local in locals_]
+        if all(on_merged) or not any(on_merged):
+            y = base.apply_gemm(x_local, bias, None if all(on_merged) else self._exact_weight())
+            for group, local, m in zip(groups, locals_, on_merged):
+                if local and (not m or self._merged_offsets):
+                    self._delta_on_rows(None if m else x_local, y, group, local)
+            return base.package_output(base.reduce_output(y))
+        exact = self._exact_weight()
         y = None
-        for group in mapping.groups:
-            idx = group.index(x_local.device)
-            xg = x_local.index_select(0, idx)
-            local = self.local_composition(group.composition)
-            if exact is None and (self._merged_local is None or local != self._merged_local):
-                exact = self._exact_weight()
+        for group, local in zip(groups, locals_):
+            if group.span is not None:
+                xg = x_local[group.span[0] : group.span[1]]
+            else:
+                xg = x_local.index_select(0, group.index(x_local.device))
             yg = self._rows_out(xg, local, bias, exact)
             if y is None:
                 y = yg.new_empty((x_local.shape[0], *yg.shape[1:]))
-            y.index_copy_(0, idx, yg)
+            if group.span is not None:
+                y[group.span[0] : group.span[1]].copy_(yg)
+            else:
+                y.index_copy_(0, group.index(y.device), yg)
         return base.package_output(base.reduce_output(y))
+
+    def _delta_on_rows(
+        self, x_local: torch.Tensor | None, y: torch.Tensor, group, local: Composition
+    ) -> None:
+        """``y[group's rows] += delta(local)`` (``x_local=None``: offsets alone)."""
+        if group.span is not None:
+            lo, hi = group.span
+            self._add_delta(None if x_local is None else x_local[lo:hi], y[lo:hi], local)
+            return
+        idx = group.index(y.device)
+        yg = y.index_select(0, idx)
+        self._add_delta(None if x_local is None else x_local.index_select(0, idx), yg, local)
+        y.index_copy_(0, idx, yg)
 
     def extra_repr(self) -> str:
         return (
