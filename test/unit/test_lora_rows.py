@@ -338,6 +338,9 @@ def test_slots_grow_replace_and_free():
     assert not layer.merged and not layer.active
     assert torch.equal(layer(x)[0], layer.base_layer(x)[0])
     assert layer.add_adapter("again", small) == 0  # the lowest free slot
+    assert layer.add_adapter("again", new, slot=5) == 5  # moved: slot 0 is emptied
+    assert layer.occupied_slots == {3, 5} and layer.slot_of("again") == 5
+    assert torch.count_nonzero(layer.lora_a[0]) == 0
     layer.remove_adapter("again")
     layer.remove_adapter("wide")
     assert layer.lora_a is None and layer.slot_nbytes() == 0  # nothing left: freed

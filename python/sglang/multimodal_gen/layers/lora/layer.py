@@ -356,9 +356,9 @@ class BaseLayerWithLoRA(nn.Module):
                         shard_id, a, b, float(w.scale), off, w.effective_offset_scale, start, rows
                     )
                 )
-        if current is not None and current != slot:
-            self.slots.clear(current)
         self.slots.put(name, slot, pieces, dtype, device)
+        if current is not None and current != slot:
+            self.slots.clear(current)  # moved: the old slot is emptied once the new one is written
         self._slots_changed({slot} | ({current} if current is not None else set()))
         return slot
 

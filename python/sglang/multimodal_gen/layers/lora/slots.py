@@ -259,7 +259,8 @@ class LoRASlots:
         entry = self._entries.pop(slot, None)
         if entry is None:
             return None
-        del self._names[entry.name]
+        if self._names.get(entry.name) == slot:  # not when the name moved to another slot
+            del self._names[entry.name]
         if not self._entries:
             self.lora_a = self.lora_b = self.col_scale = None
             self.lora_offset = self.offset_scale = None
