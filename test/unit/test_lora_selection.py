@@ -163,3 +163,15 @@ def test_overflowing_file_is_refused_naming_the_tensor(tmp_path):
     assert mgr.loaded_nicknames == [] and mgr.store.slot_table("transformer") == {}
     assert all(not layer.adapter_names for layer in mgr.layers("transformer").values())
     assert_params_equal(model, before)
+
+
+def test_composition_entries_take_scale_or_strength():
+    from sglang.multimodal_gen.lora.requests import validate_composition
+
+    assert validate_composition([{"name": "a", "strength": 0.5}, {"name": "b"}]) == [
+        ("a", 0.5),
+        ("b", 1.0),
+    ]
+    with pytest.raises(InvalidRequestError, match="both scale and strength") as e:
+        validate_composition([{"name": "a", "scale": 1.0, "strength": 2.0}])
+    assert e.value.param == "lora"
