@@ -18,8 +18,8 @@ load only              ``load_adapter("b", path)``                     ``load_lo
 warm switch            ``set_lora("b")``, merge cache cleared           ``unfuse_lora`` +
                                                                        ``set_adapters`` + ``fuse_lora``
 cache hit              ``set_lora("a")`` after it was merged once       (same as warm switch)
-per-request switch     ``use_composition([b])`` entered and left on     switch to b and back
-                       the merged target (overlay: nothing merged)      (two warm switches)
+per-request selection  ``selection([b])`` on the merged target (the    switch to b and back
+                       rows then run b in the forward: nothing merged)  (two warm switches)
 set, unchanged file    ``set_lora("a", path)`` again (stat, no read)    ``load_lora_weights`` +
                                                                        ``fuse_lora`` again
 unset                  ``unset_lora()`` (snapshot swapped back)         ``unfuse_lora`` +
@@ -117,11 +117,9 @@ def run_ours(ours, paths, tmp, args, device):
         lambda: mgr.set_lora("a"), device, args.repeats, before=lambda: mgr.set_lora("b")
     )
 
-    def per_request():
-        with mgr.use_composition([("b", 1.0)]):
-            pass
-
-    rows["per-request switch"] = median_of(per_request, device, args.repeats)
+    rows["per-request selection"] = median_of(
+        lambda: mgr.selection([("b", 1.0)]), device, args.repeats
+    )
     rows["set, unchanged file"] = median_of(
         lambda: mgr.set_lora("a", paths["a"]), device, args.repeats
     )
@@ -170,7 +168,7 @@ def run_diffusers(ref, paths, args, device, rows):
     rows["cache hit (switch back)"].append(
         median_of(lambda: d_switch("a"), device, args.repeats, before=lambda: d_switch("b"))
     )
-    rows["per-request switch"].append(
+    rows["per-request selection"].append(
         median_of(lambda: (d_switch("b"), d_switch("a")), device, args.repeats)
     )
 

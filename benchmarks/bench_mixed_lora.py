@@ -1,14 +1,17 @@
 """Cost of mixed LoRA compositions in one batch: a DiT step over B rows, with no LoRA, one shared
-composition, and rows with different compositions (``layers.lora.rows``).
+composition, and rows with different compositions (a ``RowMapping`` in the target's
+``LoRAContext``).
 
 The Z-Image DiT (diffusers' ``ZImageTransformer2DModel`` with random weights, loaded into ours)
 gets random rank-``--rank`` adapters on every LoRA-able linear layer. Cases, each one DiT forward
 over ``--batch`` rows (one denoising step of ``--batch`` requests without CFG):
 
 * ``none``: adapters loaded, none active (the base GEMMs only);
-* ``shared``: every row uses adapter ``a0`` (the fused path of a single composition);
+* ``shared``: every row uses adapter ``a0``, the layers' global composition (unmerged: one
+  delta over the whole batch);
 * ``mixed``: rows cycle through ``--compositions`` different compositions (``a0``; ``a1``;
-  ``a2``; ``a0 + a1``; ...; 0 means "no LoRA" for one of them), all in the same forward.
+  ``a2``; ``a0 + a1``; ...; the fifth is "no LoRA"), all in the same forward: each layer computes
+  each group of rows on its own (base GEMM plus that group's delta).
 
 Reported: the median over ``--repeats`` interleaved runs of each case and the ratios against
 ``none`` (the goal for 4 compositions is <= 1.15x).
@@ -43,15 +46,16 @@ def build(args, device, dtype):
         axes_lens=[1024, 512, 512],
     )  # fmt: skip
     model = denoiser_from_module(ref, get_family("zimage").denoiser(), dtype, device)
-    layers = wrap_layers("transformer", model)
+    layers, ctx = wrap_layers("transformer", model)
     g = torch.Generator().manual_seed(1)
     for layer in layers.values():
         out_f, in_f = layer.base_layer.weight.shape
         for i in range(3):
             a = torch.randn(args.rank, in_f, generator=g) / in_f**0.5
             b = torch.randn(out_f, args.rank, generator=g) * 0.01
-            layer.add_adapter(f"a{i}", {None: LoRAWeights(a.to(dtype), b.to(dtype), 1.0)})
-    return model, layers
+            w = LoRAWeights(a.to(dtype), b.to(dtype), 1.0)
+            layer.add_adapter(f"a{i}", {None: w}, slot=i)  # slot i on every layer
+    return model, layers, ctx
 
 
 COMPOSITIONS = [
@@ -67,8 +71,7 @@ COMPOSITIONS = [
 
 
 def main(argv=None) -> int:
-    from sglang.multimodal_gen.layers.lora.rows import RowPlan, lora_rows
-    from sglang.multimodal_gen.pipelines.base import StagedPipeline
+    from sglang.multimodal_gen.layers.lora import Composition, RowMapping
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -86,28 +89,31 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    model, layers = build(args, device, dtype)
+    model, layers, lora_ctx = build(args, device, dtype)
     g = torch.Generator().manual_seed(2)
     lat = args.size // 8
     x = torch.randn(args.batch, 16, 1, lat, lat, generator=g).to(device, dtype)
     t = torch.full((args.batch,), 0.6, device=device)
     caps = [torch.randn(32, 256, generator=g).to(device, dtype) for _ in range(args.batch)]
-    pipe = object.__new__(StagedPipeline)
-    mixed = RowPlan.of([COMPOSITIONS[i % args.compositions] for i in range(args.batch)])
+
+    def slots(comp):  # adapter "a<i>" is in slot i on every layer
+        return Composition((int(n[1:]), s) for n, s in comp)
+
+    mixed = RowMapping.of([slots(COMPOSITIONS[i % args.compositions]) for i in range(args.batch)])
 
     def step(case):
         for layer in layers.values():
-            layer.set_active([("a0", 1.0)] if case == "shared" else [])
-        with torch.no_grad(), lora_rows(mixed if case == "mixed" else None):
+            layer.set_active(slots([("a0", 1.0)]) if case == "shared" else Composition.EMPTY)
+        with torch.no_grad(), lora_ctx.rows(mixed if case == "mixed" else None):
             ctx = model.encode_captions(caps)
-            pipe.run_branches(model, 1, dict(x=x, t=t, cap=ctx), ("x", "t", "cap"))
+            model(x=x, t=t, cap=ctx)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     cases = ("none", "shared", "mixed")
     times: dict[str, list[float]] = {c: [] for c in cases}
     for c in cases:
-        step(c)  # warm-up (and the union form of the mixed plan, compiled once per batch)
+        step(c)  # warm-up
     for r in range(args.repeats):
         for c in cases if r % 2 == 0 else reversed(cases):
             t0 = time.perf_counter()

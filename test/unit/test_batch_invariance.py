@@ -42,8 +42,7 @@ def test_lora_terms_of_short_inputs_equal_the_rows_of_a_tall_batch():
     target the adaLN ``norm1.linear``) gives each image the same bits alone and in a batch,
     with one composition for all rows and with a different composition per row."""
     from lora_helpers import IN, build_layer, full_weights, load, random_adapter
-    from sglang.multimodal_gen.layers.lora import wrap_with_lora
-    from sglang.multimodal_gen.layers.lora.rows import RowPlan, lora_rows
+    from sglang.multimodal_gen.layers.lora import RowMapping, wrap_with_lora
 
     w, b = full_weights("replicated", 3)
     layer = wrap_with_lora(load(build_layer("replicated"), w, b))
@@ -58,12 +57,12 @@ def test_lora_terms_of_short_inputs_equal_the_rows_of_a_tall_batch():
             out, _ = layer(x[:rows])
             assert torch.equal(out, tall[:rows]), rows
         layer.set_active([])
-        plan = [comps[i % len(comps)] for i in range(MIN_CPU_GEMM_ROWS)]
-        with lora_rows(RowPlan.of(plan)):
+        plan = [layer.composition(comps[i % len(comps)]) for i in range(MIN_CPU_GEMM_ROWS)]
+        with layer.lora_context.rows(RowMapping.of(plan)):
             tall_rows, _ = layer(x)
         assert not torch.equal(tall_rows, tall)  # the per-row compositions matter
         for rows in (1, 2, 3, 7):
-            with lora_rows(RowPlan.of(plan[:rows])):
+            with layer.lora_context.rows(RowMapping.of(plan[:rows])):
                 out, _ = layer(x[:rows])
             assert torch.equal(out, tall_rows[:rows]), rows
 

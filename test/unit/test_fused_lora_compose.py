@@ -1,7 +1,9 @@
-"""Fused compose: N adapters of different ranks run as ONE pair of GEMMs and equal the sum of the
-per-adapter references (dense ``F.linear`` and peft's LoRA ``Linear`` with several active adapters).
+"""Fused compose: N adapters of different ranks, each in its slot, run as ONE pair of GEMMs over
+the gathered slots and equal the sum of the per-adapter references (dense ``F.linear`` and peft's
+LoRA ``Linear`` with several active adapters).
 
-q/k/v sections with GQA sizes (q 32 rows, k/v 8 rows) and unequal ranks compose block-diagonally.
+q/k/v sections with GQA sizes (q 32 rows, k/v 8 rows) and unequal ranks compose block-diagonally:
+an adapter's columns hold each shard's ``B`` at that shard's rows, zeros elsewhere.
 Merged equals unmerged. Tolerances: fp32 atol 2e-4 / rtol 1e-4 vs an fp64 reference; bf16 atol 5e-2.
 """
 
@@ -48,10 +50,16 @@ def test_n_adapters_equal_sum_of_references(kind, n):
     base = dense_reference(kind, w, b, x, [])
     want = base + sum(dense_reference(kind, w, b, x, [a]) - base for a in adapters)
     torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=RTOL)
-    # one pair of GEMMs of rank sum(r_i) over every shard of every adapter
-    total_r = sum(w.rank for weights, _ in adapters for w in weights.values())
-    assert layer.compiled_lora()[0].shape == (total_r, IN)
-    assert layer.compiled_lora()[1].shape == (layer.base_layer.output_size_per_partition, total_r)
+    # one slot per adapter, R columns each: the widest adapter's rank summed over its shards
+    widths = [sum(w.rank for w in weights.values()) for weights, _ in adapters]
+    out_local = layer.base_layer.output_size_per_partition
+    assert layer.lora_a.shape[0] >= n and layer.lora_a.shape[1:] == (max(widths), IN)
+    assert layer.lora_b.shape[1:] == (max(widths), out_local)
+    for i, width in enumerate(widths):  # padding columns: zero A rows, B columns and scales
+        slot = layer.slot_of(f"ad{i}")
+        assert torch.count_nonzero(layer.lora_a[slot, width:]) == 0
+        assert torch.count_nonzero(layer.lora_b[slot, width:]) == 0
+        assert torch.count_nonzero(layer.col_scale[slot, width:]) == 0
 
 
 def test_qkv_block_diagonal_with_gqa_and_fused_key():
@@ -62,13 +70,12 @@ def test_qkv_block_diagonal_with_gqa_and_fused_key():
     layer.add_adapter("fused", fused)
     layer.set_active([("ad0", 1.0), ("ad1", 0.6), ("fused", 1.5)])
     adapters.append((fused, 1.5))
-    # block structure: adapter ad1's k block only touches k rows (32..40)
-    b_cat = layer.compiled_lora()[1]
-    ad0_cols = 3 * RANKS[0][0]  # ad0 has rank 4 on each of q, k, v
-    k_cols = slice(ad0_cols + RANKS[1][0], ad0_cols + RANKS[1][0] + RANKS[1][1])
-    assert torch.count_nonzero(b_cat[:32, k_cols]) == 0
-    assert torch.count_nonzero(b_cat[40:, k_cols]) == 0
-    assert torch.count_nonzero(b_cat[32:40, k_cols]) > 0
+    # block structure: adapter ad1's k columns (after its q columns) only touch k rows (32..40)
+    b_t = layer.lora_b[layer.slot_of("ad1")]  # [R, out]: B transposed
+    k_cols = slice(RANKS[1][0], RANKS[1][0] + RANKS[1][1])
+    assert torch.count_nonzero(b_t[k_cols, :32]) == 0
+    assert torch.count_nonzero(b_t[k_cols, 40:]) == 0
+    assert torch.count_nonzero(b_t[k_cols, 32:40]) > 0
     x = torch.randn(9, IN, generator=torch.Generator().manual_seed(seed))
     torch.testing.assert_close(
         layer(x)[0].double(), dense_reference("qkv", w, b, x, adapters), atol=ATOL, rtol=RTOL
@@ -120,7 +127,11 @@ def test_matches_peft_with_several_active_adapters():
     with torch.no_grad():
         want = ref(x)
     torch.testing.assert_close(layer(x)[0], want, atol=2e-5, rtol=1e-5)
-    assert layer.compiled_lora()[0].shape[0] == sum(ranks)
+    assert layer.lora_a.shape[1] == max(ranks)
+    for i, (r, alpha) in enumerate(zip(ranks, alphas)):  # each column's alpha / r
+        want_scale = torch.zeros(max(ranks))
+        want_scale[:r] = alpha / r
+        assert torch.equal(layer.col_scale[layer.slot_of(f"p{i}")], want_scale)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

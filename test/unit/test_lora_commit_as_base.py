@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from lora_helpers import IN, build_layer, dense_reference, full_weights, load, random_adapter
-from sglang.multimodal_gen.layers.lora import wrap_with_lora
+from sglang.multimodal_gen.layers.lora import Composition, wrap_with_lora
 
 ATOL, RTOL = 2e-4, 1e-4
 
@@ -31,7 +31,7 @@ def test_commit_then_stack_and_unmerge_restores_committed():
     layer.set_active([("a1", 0.7)])
     layer.merge()
     layer.commit_as_base()
-    assert not layer.merged and layer.active_composition == []
+    assert not layer.merged and layer.active_composition == Composition.EMPTY
     committed = layer.base_layer.weight.detach().clone()
     torch.testing.assert_close(
         layer(x)[0].double(), dense_reference("qkv", w, b, x, [(a1, 0.7)]), atol=ATOL, rtol=RTOL

@@ -1,4 +1,4 @@
-"""LoRA layers and ``torch.inference_mode``; the per-call runtime scale.
+"""LoRA layers and ``torch.inference_mode``; per-row strengths in one forward.
 
 Weights created under ``inference_mode`` are inference tensors: an in-place update outside the
 mode raises "Inplace update to inference tensor outside InferenceMode". Merge/unmerge/commit must
@@ -13,11 +13,7 @@ import contextlib
 import pytest
 import torch
 from lora_helpers import IN, build_layer, dense_reference, full_weights, load, random_adapter
-from sglang.multimodal_gen.layers.lora import (
-    get_runtime_lora_scale,
-    runtime_lora_scale,
-    wrap_with_lora,
-)
+from sglang.multimodal_gen.layers.lora import RowMapping, wrap_with_lora
 
 ATOL, RTOL = 2e-4, 1e-4
 
@@ -63,7 +59,10 @@ def test_merge_unmerge_any_mode(kind, build_in_inference, run_in_inference):
 
 
 @pytest.mark.parametrize("merged", [False, True])
-def test_runtime_scale_scales_delta_and_leaves_state(merged):
+def test_row_strengths_scale_the_delta_and_leave_state(merged):
+    """Rows asking for the active adapter at ``s`` times its strength (a row mapping under
+    ``inference_mode``) get ``base + s * delta``; the weight, the slot tensors and the merge
+    state are untouched."""
     layer, w, b, adapters = _build("merged", 21, build_in_inference=True)
     x = torch.randn(5, IN, generator=torch.Generator().manual_seed(22))
     base = dense_reference("merged", w, b, x, [])
@@ -71,24 +70,13 @@ def test_runtime_scale_scales_delta_and_leaves_state(merged):
     if merged:
         layer.merge()
     weight_before = layer.base_layer.weight.detach().clone()
-    a_before, b_before = layer.compiled_lora()[0].clone(), layer.compiled_lora()[1].clone()
-    with torch.inference_mode():
-        for s in (0.0, 0.5, 1.0, 2.0):
-            with runtime_lora_scale(s):
-                assert get_runtime_lora_scale() == s
-                got = layer(x)[0].double()
-            torch.testing.assert_close(got, base + s * delta, atol=ATOL, rtol=RTOL)
-            if s == 0.0 and not merged:
-                # scale 0 is exactly the base layer
-                assert torch.equal(got.float(), layer.base_layer(x)[0])
-    assert get_runtime_lora_scale() == 1.0
+    a_before, b_before = layer.lora_a.clone(), layer.lora_b.clone()
+    scales = (0.0, 0.5, 1.0, 2.0, 0.0)
+    mapping = RowMapping.of([layer.composition([("a", 0.8 * s)]) for s in scales])
+    with torch.inference_mode(), layer.lora_context.rows(mapping):
+        got = layer(x)[0].double()
+    want = base + torch.tensor(scales, dtype=torch.float64)[:, None] * delta
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     assert torch.equal(layer.base_layer.weight, weight_before)
-    assert torch.equal(layer.compiled_lora()[0], a_before) and torch.equal(
-        layer.compiled_lora()[1], b_before
-    )
-    assert layer.merged == merged
-    with runtime_lora_scale(2.0), runtime_lora_scale(0.25):  # nested blocks multiply
-        torch.testing.assert_close(layer(x)[0].double(), base + 0.5 * delta, atol=ATOL, rtol=RTOL)
-    with pytest.raises(ValueError, match="finite"):
-        with runtime_lora_scale(float("nan")):
-            pass
+    assert torch.equal(layer.lora_a, a_before) and torch.equal(layer.lora_b, b_before)
+    assert layer.merged == merged and layer.lora_context.mapping is None

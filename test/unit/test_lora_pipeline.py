@@ -24,6 +24,7 @@ from sglang.multimodal_gen.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from sglang.multimodal_gen.layers.lora import RowMapping, lora_context_of
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.models.dits.zimage_names import ZIMAGE_NAME_MAP
 from torch import nn
@@ -406,37 +407,58 @@ def test_request_validation_names_the_field(files):
     )
 
 
-def test_use_composition_per_request(files):
+def _run(mgr, model, x, selections):
+    """``model(x)`` with row ``i`` of ``x`` under ``selections[i]`` (one selection: every row)."""
+    comps = [sel.for_target("transformer") for sel in selections]
+    with mgr.context("transformer").rows(RowMapping.of(comps)):
+        return _out(model, x)
+
+
+def test_selection_per_request(files):
+    """A request's own composition runs in the forward (per row); nothing changes on the layers:
+    no merge, no unmerge, no weight written, before or after."""
     model = build_model()
     mgr = _manager(model, files)
+    assert lora_context_of(model) is mgr.context("transformer")
     mgr.load_adapter("b", files["b"][0])
-    mgr.set_lora("a", files["a"][0], strengths=1.0, merge_mode="merge")
-    before = params(model)
-    x = _x(4)
-    with mgr.use_composition([("b", 0.5), ("a", -1.0)]):
-        want = reference_output(x, [(files["b"][1], 0.5), (files["a"][1], -1.0)])
-        torch.testing.assert_close(_out(model, x), want, atol=ATOL, rtol=RTOL)
-    assert_params_equal(model, before)
-    assert mgr.list_loras()["active"]["transformer"]["merged_layers"] == 8
-    # an extra adapter on one layer: that layer alone runs the difference as an overlay, on top
-    # of its merged weight (nothing is unmerged)
     mgr.load_adapter("attn", files["attn"][0])
-    with mgr.use_composition([("a", 1.0), ("attn", 2.0)]):
-        active = mgr.list_loras()["active"]["transformer"]
-        assert (active["merged_layers"], active["overlay_layers"]) == (8, 1)
-        want = reference_output(x, [(files["a"][1], 1.0), (files["attn"][1], 2.0)])
-        torch.testing.assert_close(_out(model, x), want, atol=ATOL, rtol=RTOL)
-    assert_params_equal(model, before)
-    with mgr.use_composition([{"name": "a", "scale": 1.0}]):  # same as active: no change
-        assert_params_equal(model, before)
-    with mgr.use_composition([]):  # LoRA off for this request
-        torch.testing.assert_close(_out(model, x), reference_output(x, []), atol=ATOL, rtol=RTOL)
-    assert_params_equal(model, before)
+    mgr.set_lora("a", files["a"][0], strengths=1.0, merge_mode="merge")
+    layers = list(mgr.layers("transformer").values())
+    before, ptrs = params(model), [la.base_layer.weight.data_ptr() for la in layers]
+    merges, state = sum(la.merges for la in layers), mgr.list_loras()["active"]
+    x = _x(4)
+    da, db, dattn = files["a"][1], files["b"][1], files["attn"][1]
+    cases = [
+        ([("b", 0.5), ("a", -1.0)], [(db, 0.5), (da, -1.0)]),
+        ([("a", 1.0), ("attn", 2.0)], [(da, 1.0), (dattn, 2.0)]),
+        ([{"name": "b", "strength": 0.25}], [(db, 0.25)]),
+        ([], []),
+    ]
+    for comp, adapters in cases:
+        sel = mgr.selection(comp)
+        got = _run(mgr, model, x, [sel])
+        torch.testing.assert_close(got, reference_output(x, adapters), atol=ATOL, rtol=RTOL)
+    # the global composition: the same values the layers hold, served by the merged weights
+    glob = mgr.selection(None)
+    assert glob == mgr.selection([{"name": "a", "scale": 1.0}])
+    assert glob.for_target("transformer") == layers[0].active_composition
+    assert torch.equal(_run(mgr, model, x, [glob]), _out(model, x))
+    # two requests in one batch: each row its own composition
+    sels = [mgr.selection([("b", 0.5)]), mgr.selection(None)]
+    got = _run(mgr, model, x, sels)
+    torch.testing.assert_close(
+        got[0], reference_output(x[:1], [(db, 0.5)])[0], atol=ATOL, rtol=RTOL
+    )
+    torch.testing.assert_close(
+        got[1], reference_output(x[1:], [(da, 1.0)])[0], atol=ATOL, rtol=RTOL
+    )
     with pytest.raises(NotFoundError) as e:
-        with mgr.use_composition([("zzz", 1.0)]):
-            pass
+        mgr.selection([("zzz", 1.0)])
     assert e.value.param == "lora"
     assert_params_equal(model, before)
+    assert [la.base_layer.weight.data_ptr() for la in layers] == ptrs
+    assert sum(la.merges for la in layers) == merges
+    assert mgr.list_loras()["active"] == state
 
 
 def test_lru_memory_bound_and_pinning(files):

@@ -3,9 +3,9 @@
 - the fp32 merge workspace is bounded by its chunk size and freed after every manager operation;
 - a ``set_lora`` of an unchanged file reads nothing, a new or rewritten one is read exactly once,
   and the one-pass content digest equals the digest of the file's bytes;
-- a per-request composition on a merged target merges nothing, before or after, and leaves the
-  weight tensors themselves in place (no copy);
-- a failed per-request restore resets every layer to its base weights and refuses later calls;
+- a per-request composition (a selection run as the rows' composition) on a merged target merges
+  nothing, before or after, and leaves the weight tensors themselves in place (no copy);
+- a failed restore resets every layer to its base weights and refuses later calls;
 - the adapter memory bound evicts least recently used adapters and refuses one adapter larger
   than the bound with a 4xx naming ``lora_path``; the merge cache stays within its bound;
 - one ``set_lora`` call or one request's composition names at most ``MAX_ADAPTERS_PER_CALL``
@@ -25,8 +25,12 @@ import os
 import pytest
 import test_lora_pipeline  # noqa: I001
 import torch
-from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError
-from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA, compute, workspace_stats
+from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError, NotFoundError
+from sglang.multimodal_gen.layers.lora import (
+    RowMapping,
+    compute,
+    workspace_stats,
+)
 from sglang.multimodal_gen.lora import safetensors_io
 from sglang.multimodal_gen.lora.transactions import LoRAStateError
 from test_lora_pipeline import (  # noqa: I001  (sibling test module)
@@ -76,8 +80,10 @@ def test_merge_workspace_bounded_and_freed_after_every_op(files, monkeypatch):
         op()
         assert workspace_stats()["live"] == 0
         assert mgr.memory_report()["workspace_bytes"] == 0
-    with mgr.use_composition([("a", 0.3)]):
-        assert workspace_stats()["live"] == 0
+    sel = mgr.selection([("a", 0.3)])
+    with mgr.context("transformer").rows(RowMapping.whole(sel.for_target("transformer"))):
+        _out(model, x)
+    assert workspace_stats()["live"] == 0
     stats = workspace_stats()
     assert stats["allocations"] > before  # the merges did use (and free) workspaces
     assert 0 < stats["peak"] <= chunk
@@ -89,34 +95,32 @@ def test_merge_workspace_bounded_and_freed_after_every_op(files, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_merge_frees_cuda_memory():
-    from sglang.multimodal_gen.layers.lora.compute import LocalLoRA, merged_weight
+    from sglang.multimodal_gen.layers.lora.compute import merged_weight
 
     dev = torch.device("cuda")
     base = torch.randn(4096, 1024, device=dev, dtype=torch.bfloat16)
-    w = LocalLoRA(
-        torch.randn(8, 1024, device=dev), torch.randn(4096, 8, device=dev), 0.5, None, 0, 4096
-    )
+    term = (0.5, torch.randn(8, 1024, device=dev), torch.randn(4096, 8, device=dev), 0)
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated(dev)
-    out = merged_weight(base, [(1.0, 1.0, w)], chunk_bytes=1 << 20)
+    out = merged_weight(base, [term], chunk_bytes=1 << 20)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated(dev) - start == out.numel() * out.element_size()
 
 
 def test_chunked_merge_equals_whole_merge_in_fp32():
     g = torch.Generator().manual_seed(7)
-    from sglang.multimodal_gen.layers.lora.compute import LocalLoRA, merged_weight
+    from sglang.multimodal_gen.layers.lora.compute import merged_weight
 
     base = torch.randn(37, 16, generator=g).to(torch.bfloat16)
-    entries = [
-        (0.7, 0.7, LocalLoRA(torch.randn(3, 16, generator=g), torch.randn(20, 3, generator=g), 1.0, None, 5, 20)),
-        (-1.5, -1.5, LocalLoRA(torch.randn(2, 16, generator=g), torch.randn(37, 2, generator=g), 1.0, None, 0, 37)),
-    ]  # fmt: skip
+    terms = [  # (strength x scale, A [r, in], B [rows, r], first row)
+        (0.7, torch.randn(3, 16, generator=g), torch.randn(20, 3, generator=g), 5),
+        (-1.5, torch.randn(2, 16, generator=g), torch.randn(37, 2, generator=g), 0),
+    ]
     want = base.double().clone()
-    for eff, _, w in entries:
-        want[w.row_start : w.row_start + w.rows] += eff * (w.lora_B.double() @ w.lora_A.double())
+    for eff, a, b, start in terms:
+        want[start : start + b.shape[0]] += eff * (b.double() @ a.double())
     for chunk in (4 * 16 * 1, 4 * 16 * 6, 1 << 20):
-        got = merged_weight(base, entries, chunk_bytes=chunk)
+        got = merged_weight(base, terms, chunk_bytes=chunk)
         assert got.dtype == torch.bfloat16
         # rounded once from fp32: within one bf16 ulp of the fp64 sum
         torch.testing.assert_close(got.double(), want, atol=0, rtol=2**-7)
@@ -131,7 +135,7 @@ def test_unchanged_file_is_not_read_again(files, tmp_path):
     reads = safetensors_io.READ_STATS["files"]
     mgr.set_lora("x", path, merge_mode="merge")
     assert safetensors_io.READ_STATS["files"] == reads + 1
-    uid = mgr._registry["x"].uid
+    uid = mgr.adapter("x").uid
     for _ in range(3):
         mgr.set_lora("x", path, strengths=0.5, merge_mode="merge")
     assert safetensors_io.READ_STATS["files"] == reads + 1  # stat only
@@ -140,14 +144,14 @@ def test_unchanged_file_is_not_read_again(files, tmp_path):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     mgr.set_lora("x", path)
     assert safetensors_io.READ_STATS["files"] == reads + 2
-    assert mgr._registry["x"].uid == uid
+    assert mgr.adapter("x").uid == uid
     mgr.set_lora("x", path)
     assert safetensors_io.READ_STATS["files"] == reads + 2
     # rewritten: read and reloaded
     new = write_lora(path, 32)
     mgr.set_lora("x", path, merge_mode="merge")
     assert safetensors_io.READ_STATS["files"] == reads + 3
-    assert mgr._registry["x"].uid != uid
+    assert mgr.adapter("x").uid != uid
     x = _x(3)
     torch.testing.assert_close(
         _out(model, x), reference_output(x, [(new, 1.0)]), atol=ATOL, rtol=RTOL
@@ -162,10 +166,14 @@ def test_one_pass_digest_is_the_file_digest(files):
 
 
 # ------------------------------------------------------------------------------ per request
-@pytest.mark.parametrize("runtime_scale", [1.0, 0.5])
-def test_request_on_merged_target_merges_nothing(files, runtime_scale):
-    from sglang.multimodal_gen.layers.lora import runtime_lora_scale
+def _rows(mgr, model, x, comps):
+    """``model(x)`` with row ``i`` under the selection of ``comps[i]`` (``None``: global)."""
+    sels = [mgr.selection(c).for_target("transformer") for c in comps]
+    with mgr.context("transformer").rows(RowMapping.of(sels)):
+        return _out(model, x)
 
+
+def test_request_on_merged_target_merges_nothing(files):
     model = build_model()
     mgr = _manager(model, files)
     mgr.load_adapter("b", files["b"][0])
@@ -177,71 +185,86 @@ def test_request_on_merged_target_merges_nothing(files, runtime_scale):
     merges = _merges(mgr)
     x = _x(4)
     a, b = files["a"][1], files["b"][1]
-    for comp in ([("b", 0.5)], [("a", 0.3), ("b", -1.0)], [], [("a", 0.8)]):
-        with mgr.use_composition(comp), runtime_lora_scale(runtime_scale):
-            want = reference_output(x, [({"a": a, "b": b}[n], s * runtime_scale) for n, s in comp])
-            torch.testing.assert_close(_out(model, x), want, atol=ATOL, rtol=RTOL)
-            assert [layer.merged for layer in _layers(mgr)] == merged
+    comps = ([("b", 0.5)], [("a", 0.3), ("b", -1.0)], [], [("a", 0.8)], None)
+    for comp in comps:
+        got = _rows(mgr, model, x, [comp, comp])
+        named = [("a", 0.8)] if comp is None else comp
+        want = reference_output(x, [({"a": a, "b": b}[n], s) for n, s in named])
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+        assert [layer.merged for layer in _layers(mgr)] == merged
         assert _merges(mgr) == merges  # nothing merged for the request, nor after it
         assert [layer.base_layer.weight.data_ptr() for layer in _layers(mgr)] == ptrs
-        assert all(layer.overlay is None for layer in _layers(mgr))
+    # every pair of them in one batch: each row as alone
+    for c0 in comps:
+        for c1 in comps:
+            got = _rows(mgr, model, x, [c0, c1])
+            assert torch.equal(got[0], _rows(mgr, model, x[:1], [c0])[0])
+            assert torch.equal(got[1], _rows(mgr, model, x[1:], [c1])[0])
+    assert _merges(mgr) == merges
     assert_params_equal(model, before)
     torch.testing.assert_close(
         _out(model, x), reference_output(x, [(a, 0.8)]), atol=ATOL, rtol=RTOL
     )
 
 
-def test_failed_request_restore_resets_to_base_and_refuses_later_calls(files, monkeypatch):
+def test_failed_restore_resets_to_base_and_refuses_later_calls(files, monkeypatch):
+    """A TP change rolled back (another rank failed) whose restore fails on a layer: every layer
+    is reset to its base weight, the manager refuses later calls (503)."""
     model = build_model()
     base = params(model)
     mgr = _manager(model, files)
     mgr.load_adapter("b", files["b"][0])
     mgr.set_lora("a", files["a"][0], merge_mode="merge")
     victim = next(iter(_layers(mgr)))
-    real = type(victim).clear_overlay
+    real = type(victim).merge
+    failed = []
 
-    def failing_clear(self):
-        if self is victim and self.overlay is not None:
+    def failing_merge(self, *args, **kwargs):
+        if self is victim and not failed:
+            failed.append(1)
             raise torch.cuda.OutOfMemoryError("simulated: out of memory while restoring")
-        real(self)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(victim), "clear_overlay", failing_clear)
-    with pytest.raises(LoRAStateError) as e, mgr.use_composition([("b", 1.0)]):
-        pass
-    assert isinstance(e.value, EngineDeadError) and e.value.status_code == 503
+    mgr.begin_change()
+    mgr.set_lora("b", None, merge_mode="dynamic")
+    monkeypatch.setattr(type(victim), "merge", failing_merge)
+    with pytest.raises(LoRAStateError) as e:
+        mgr.rollback_change()
+    assert failed and isinstance(e.value, EngineDeadError) and e.value.status_code == 503
     # every layer is at a known state: its base weight, nothing active, not merged
     for layer in _layers(mgr):
-        assert not layer.merged and not layer.active and layer.overlay is None
+        assert not layer.merged and not layer.active
     assert_params_equal(model, base)
     x = _x(5)
     torch.testing.assert_close(_out(model, x), reference_output(x, []), atol=ATOL, rtol=RTOL)
-    for call in (lambda: mgr.set_lora("a"), mgr.list_loras, lambda: mgr.unset_lora()):
+    for call in (
+        lambda: mgr.set_lora("a"),
+        mgr.list_loras,
+        lambda: mgr.unset_lora(),
+        lambda: mgr.selection(None),
+    ):
         with pytest.raises(LoRAStateError):
             call()
 
 
-def test_failed_apply_of_a_request_changes_nothing(files, monkeypatch):
+def test_refused_selection_changes_nothing(files):
+    """A request's composition that overflows where it is used, or names an unknown adapter, is
+    refused naming ``lora``; a valid one only touches its adapters in the LRU."""
     model = build_model()
     mgr = _manager(model, files)
     mgr.load_adapter("b", files["b"][0])
+    mgr.load_adapter("c", files["c"][0])
     mgr.set_lora("a", files["a"][0], merge_mode="auto")
-    before, state = params(model), mgr.list_loras()["active"]
-    layers = list(_layers(mgr))
-    real = BaseLayerWithLoRA.set_overlay
-    calls = []
-
-    def failing_overlay(self, comp):
-        calls.append(self)
-        if len(calls) == 3:  # some layers already switched
-            raise MemoryError("simulated")
-        real(self, comp)
-
-    monkeypatch.setattr(BaseLayerWithLoRA, "set_overlay", failing_overlay)
-    with pytest.raises(MemoryError), mgr.use_composition([("b", 1.0)]):
-        pytest.fail("the block must not run")
+    before, state = params(model), mgr.list_loras()
+    for comp in ([("b", 3e38)], [("b", 1.0), ("zzz", 1.0)], [("b", float("nan"))]):
+        with pytest.raises((InvalidRequestError, NotFoundError)) as e:
+            mgr.selection(comp)
+        assert e.value.param == "lora"
     assert_params_equal(model, before)
-    assert mgr.list_loras()["active"] == state
-    assert len(calls) == 3 and all(layer.overlay is None for layer in layers)
+    assert mgr.list_loras() == state
+    assert mgr.loaded_nicknames == ["b", "c", "a"]
+    mgr.selection([("b", 1.0)])
+    assert mgr.loaded_nicknames == ["c", "a", "b"]  # touched: the LRU one is now c
 
 
 # ------------------------------------------------------------------------------ budgets
@@ -339,7 +362,11 @@ def test_adapters_per_call_are_bounded(files):
         assert (status, body["error"]["param"]) == (400, param)
         assert f"names {n} adapters" in e.value.message and f"at most {N}" in e.value.message
 
-    # the Python API: the manager refuses the same, before reading anything
+
+def test_adapters_per_call_are_bounded_in_the_manager(files):
+    """The Python API refuses what the HTTP routes refuse, before reading anything."""
+    from sglang.multimodal_gen.lora.requests import MAX_ADAPTERS_PER_CALL as N
+
     model = build_model()
     mgr = _manager(model, files)
     before, reads = params(model), safetensors_io.READ_STATS["files"]
@@ -350,12 +377,8 @@ def test_adapters_per_call_are_bounded(files):
     mgr.set_lora("a", files["a"][0])
     many = [("a", 1.0)] + [(f"x{i}", 1.0) for i in range(N)]
     with pytest.raises(InvalidRequestError) as e:
-        with mgr.use_composition(many):
-            pass
+        mgr.selection(many)
     assert e.value.param == "lora" and f"names {N + 1} adapters" in e.value.message
-    with pytest.raises(InvalidRequestError) as e:
-        mgr.row_composition(many)
-    assert e.value.param == "lora"
     mgr.unset_lora()
     assert_params_equal(model, before)
 
@@ -378,7 +401,7 @@ def test_one_file_for_many_nicknames_is_read_and_converted_once(files, monkeypat
     mgr.set_lora(names, files["a"][0], strengths=0.2, merge_mode="dynamic")
     assert safetensors_io.READ_STATS["files"] == reads + 1 and len(converted) == 1
     assert sorted(mgr.loaded_nicknames) == names
-    assert len({mgr._registry[n].uid for n in names}) == 5  # each its own adapter
+    assert len({mgr.adapter(n).uid for n in names}) == 5  # each its own adapter
     x = _x(4)
     torch.testing.assert_close(
         _out(model, x), reference_output(x, [(files["a"][1], 1.0)]), atol=ATOL, rtol=RTOL

@@ -363,15 +363,20 @@ class ParallelLinear(nn.Module):
             return None
         return self.bias
 
-    def apply_gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply_gemm(
+        self, x: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x W_local^T + bias``: ``[..., in_local]`` -> ``[..., out_local]``.
 
-        The one place a quantized layer would replace the matmul. On the CPU it is
+        ``weight``: the ``[out_local, in_local]`` weight to use instead of ``self.weight`` (a
+        LoRA layer passes its pre-merge weight for rows that do not use the merged composition).
+        The one place a quantized layer would replace the matmul (it then decides what a
+        ``weight`` argument means for its storage). On the CPU it is
         :func:`linear_rows_invariant`: the BLAS rounds a row differently depending on how many
         rows share the GEMM, and conditioning vectors (one row per image: timestep embedding,
         adaLN modulation) would then differ between a request alone and in a batch.
         """
-        return linear_rows_invariant(x, self.weight, bias)
+        return linear_rows_invariant(x, self.weight if weight is None else weight, bias)
 
     def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
         """Combine the ranks' partial outputs. Default: nothing to combine."""

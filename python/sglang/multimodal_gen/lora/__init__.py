@@ -27,6 +27,7 @@ _EXPORTS = {
     # adapter manager and merge cache
     "AdapterKey": "merge_cache",
     "LoRAManager": "manager",
+    "LoRASelection": "per_request",
     "LoRAStateError": "transactions",
     "MergeCache": "merge_cache",
     "MergeKey": "merge_cache",
@@ -39,6 +40,7 @@ __all__ = [
     "CanonicalLoRA",
     "LoRAManager",
     "LoRAModelSpec",
+    "LoRASelection",
     "LoRAStateError",
     "MergeCache",
     "MergeKey",
@@ -65,6 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
         config_from_sources,
         get_pattern_key,
     )
+    from sglang.multimodal_gen.lora.per_request import LoRASelection
     from sglang.multimodal_gen.lora.requests import (
         MERGE_MODES,
         normalize_set_lora,

@@ -1,9 +1,12 @@
-"""Loaded adapters: what one adapter is once converted, and the byte-bounded LRU that holds them.
+"""Loaded adapters: what one adapter is once converted, and the store that holds them.
 
 An :class:`Adapter` is built from a file converted for every target it matches
-(:func:`stage_adapter`); nothing is put on a layer here. The :class:`AdapterRegistry` keeps them
-by nickname in least-recently-used order and decides which ones to unload so the loaded bytes fit
-``max_bytes`` (adapters of an active composition are pinned).
+(:func:`stage_adapter`); nothing is put on a layer here. The :class:`AdapterStore` keeps them by
+nickname in least-recently-used order, decides which ones to unload so the loaded bytes fit
+``max_bytes`` (the caller names the pinned ones: adapters of an active composition), and owns the
+slot table: for each target, the slot index every layer of that target uses for an installed
+adapter (by uid). A slot is taken when the adapter is installed on the layers and freed when it
+is uninstalled.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError, N
 from sglang.multimodal_gen.lora.formats import CanonicalLoRA
 from sglang.multimodal_gen.lora.peft_config import FP32_MAX
 
-__all__ = ["Adapter", "AdapterRegistry", "stage_adapter"]
+__all__ = ["Adapter", "AdapterStore", "StoreState", "stage_adapter"]
 
 
 @dataclass
@@ -89,8 +92,17 @@ def stage_adapter(
     )
 
 
-class AdapterRegistry:
-    """Adapters by nickname, least recently used first, bounded by their bytes on this rank.
+@dataclass(frozen=True)
+class StoreState:
+    """What a savepoint keeps of the store: adapters in LRU order and the slot table."""
+
+    adapters: tuple[tuple[str, Adapter, int], ...]  # (nickname, adapter, last_used)
+    slots: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]  # target -> ((uid, slot), ...)
+
+
+class AdapterStore:
+    """Adapters by nickname, least recently used first, bounded by their bytes on this rank; and
+    the slot of each installed adapter (by uid) in each target.
 
     Args:
         max_bytes: bound of :meth:`loaded_bytes` (``--max-loaded-lora-gb``).
@@ -101,8 +113,10 @@ class AdapterRegistry:
             raise ValueError(f"max_loaded_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = int(max_bytes)
         self._items: OrderedDict[str, Adapter] = OrderedDict()
+        self._slots: dict[str, dict[str, int]] = {}  # target -> uid -> slot
         self._clock = 0
         self.evictions = 0
+        self.slot_epoch = 0  # bumped whenever a slot is freed (a selection may be stale)
 
     # mapping-like access ----------------------------------------------------------------
     def __contains__(self, nickname: object) -> bool:
@@ -160,16 +174,52 @@ class AdapterRegistry:
         adapter.last_used = self._clock
         self._items.move_to_end(nickname)
 
-    def state(self) -> list[tuple[str, Adapter, int]]:
-        """``[(nickname, adapter, last_used)]`` in LRU order, for a savepoint."""
-        return [(n, a, a.last_used) for n, a in self._items.items()]
+    def state(self) -> StoreState:
+        """The adapters in LRU order and the slot table, for a savepoint."""
+        return StoreState(
+            tuple((n, a, a.last_used) for n, a in self._items.items()),
+            tuple((t, tuple(table.items())) for t, table in self._slots.items()),
+        )
 
-    def restore(self, state: Iterable[tuple[str, Adapter, int]]) -> None:
-        """Put back the contents and LRU order recorded by :meth:`state`."""
+    def restore(self, state: StoreState) -> None:
+        """Put back the contents, LRU order and slot table recorded by :meth:`state`."""
         self._items = OrderedDict()
-        for n, a, last_used in state:
+        for n, a, last_used in state.adapters:
             a.last_used = last_used
             self._items[n] = a
+        before = {(t, u, s) for t, table in self._slots.items() for u, s in table.items()}
+        self._slots = {t: dict(table) for t, table in state.slots}
+        after = {(t, u, s) for t, table in self._slots.items() for u, s in table.items()}
+        if before - after:
+            self.slot_epoch += 1
+
+    # slots -----------------------------------------------------------------------------------
+    def slot_of(self, target: str, uid: str) -> int | None:
+        """The slot of installed adapter ``uid`` on the layers of ``target``, or ``None``."""
+        return self._slots.get(target, {}).get(uid)
+
+    def assign_slot(self, target: str, uid: str, taken: Iterable[int] = ()) -> int:
+        """The slot of ``uid`` in ``target``: its current one, else the lowest slot neither in
+        the table nor in ``taken`` (slots the target's layers hold for someone else)."""
+        table = self._slots.setdefault(target, {})
+        if uid in table:
+            return table[uid]
+        used = set(table.values()) | set(taken)
+        slot = 0
+        while slot in used:
+            slot += 1
+        table[uid] = slot
+        return slot
+
+    def free_slots(self, uid: str) -> None:
+        """Forget the slots of ``uid`` in every target (it was uninstalled)."""
+        for table in self._slots.values():
+            if table.pop(uid, None) is not None:
+                self.slot_epoch += 1
+
+    def slot_table(self, target: str) -> dict[str, int]:
+        """``{uid: slot}`` of ``target`` (a copy)."""
+        return dict(self._slots.get(target, {}))
 
     # memory --------------------------------------------------------------------------------
     def loaded_bytes(self) -> int:

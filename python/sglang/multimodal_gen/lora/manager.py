@@ -1,20 +1,21 @@
 """The LoRA manager: the one object the pipeline and the server talk to about adapters.
 
-It owns, for one rank:
+A facade over objects that own their state, for one rank:
 
-* the LoRA-able layers of each *target* (``"transformer"``, ``"transformer_2"`` for two-expert
-  models): every :class:`~sglang.multimodal_gen.layers.linear.ParallelLinear` in the target module
-  is wrapped with :func:`~sglang.multimodal_gen.layers.lora.wrap_with_lora` at construction;
-* the loaded adapters (:class:`~sglang.multimodal_gen.lora.adapters.AdapterRegistry`: an LRU
-  bounded by bytes; adapters of an active composition are pinned);
-* the active composition ``[(nickname, strength), ...]`` and merge mode of each target;
-* the merge cache (:class:`~sglang.multimodal_gen.lora.merge_cache.MergeCache`).
-
-The work is split by responsibility: reading files and the path policy in
-:mod:`~sglang.multimodal_gen.lora.loading`, the registry in :mod:`~sglang.multimodal_gen.lora.adapters`,
-applying compositions to layers in :mod:`~sglang.multimodal_gen.lora.compose`, savepoints in
-:mod:`~sglang.multimodal_gen.lora.transactions`, reports in :mod:`~sglang.multimodal_gen.lora.report`.
-This module holds the public operations.
+* :class:`~sglang.multimodal_gen.lora.adapters.AdapterStore`: the loaded adapters (an LRU bounded
+  by bytes; adapters of an active composition are pinned) and the slot table (the slot index
+  every layer of a target uses for an adapter);
+* :class:`~sglang.multimodal_gen.lora.staging.Stager`: reading and converting files under the
+  path policy;
+* :class:`~sglang.multimodal_gen.lora.compose.Composer`: the LoRA-able layers of each *target*
+  (``"transformer"``, ``"transformer_2"`` for two-expert models; every
+  :class:`~sglang.multimodal_gen.layers.linear.ParallelLinear` in the target module is wrapped
+  with :func:`~sglang.multimodal_gen.layers.lora.wrap_with_lora` at construction), their shared
+  :class:`~sglang.multimodal_gen.layers.lora.LoRAContext`, the global composition and merge mode
+  of each target, the merge cache;
+* :class:`~sglang.multimodal_gen.lora.transactions.Savepoints`: savepoints and the TP protocol;
+* :mod:`~sglang.multimodal_gen.lora.report` and :mod:`~sglang.multimodal_gen.lora.per_request`:
+  functions over those (``list_loras``, a request's :class:`LoRASelection`).
 
 Every public operation is atomic: it validates and stages everything it can before touching a
 layer, then changes the state under a savepoint that a failure rolls back (weights bit-identical).
@@ -25,49 +26,39 @@ Errors are :mod:`sglang.multimodal_gen.errors` types naming the request field (`
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from sglang.multimodal_gen.errors import InvalidRequestError
-from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA
-from sglang.multimodal_gen.lora.adapters import Adapter, AdapterRegistry
-from sglang.multimodal_gen.lora.compose import CompositionMixin, wrap_layers
+from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA, LoRAContext
+from sglang.multimodal_gen.lora import report
+from sglang.multimodal_gen.lora.adapters import Adapter, AdapterStore
+from sglang.multimodal_gen.lora.compose import Composer
 from sglang.multimodal_gen.lora.merge_cache import MergeCache
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
-from sglang.multimodal_gen.lora.per_request import PerRequestMixin
-from sglang.multimodal_gen.lora.report import ReportMixin
+from sglang.multimodal_gen.lora.per_request import LoRASelection, select
 from sglang.multimodal_gen.lora.requests import (
     ALL_TARGETS,
     MERGE_MODES,
     check_target,
     normalize_set_lora,
 )
-from sglang.multimodal_gen.lora.staging import StagingMixin
-from sglang.multimodal_gen.lora.transactions import LoRAStateError, TransactionMixin
+from sglang.multimodal_gen.lora.staging import Stager
+from sglang.multimodal_gen.lora.transactions import LoRAStateError, Savepoints
 from sglang.multimodal_gen.models.name_map import NameMap
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MERGE_MODES", "LoRAManager", "LoRAStateError"]
+__all__ = ["MERGE_MODES", "LoRAManager", "LoRASelection", "LoRAStateError"]
 
 ALL = ALL_TARGETS
 
 
-@dataclass
-class _TargetState:
-    composition: list[tuple[str, float]] = field(default_factory=list)  # (nickname, strength)
-    mode: str = "auto"
-    base_version: int = 0
-    committed: list[dict[str, Any]] = field(default_factory=list)
-
-
-class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMixin, ReportMixin):
+class LoRAManager:
     """Loads, activates, merges and switches LoRA adapters on one rank's model.
 
     Args:
@@ -88,7 +79,11 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
         snapshot_device: where merged layers keep their pre-merge weights (default: the weights'
             device, where the snapshot is the base weight's own storage, no copy; ``"cpu"`` keeps
             accelerator memory at one model copy at the price of a host-to-device copy per
-            unmerge).
+            unmerge, and per forward of rows that do not use the merged composition).
+
+    Attributes:
+        store, stager, composer, savepoints: the objects above.
+        cache: the merge cache (``composer.cache``).
 
     Raises:
         ValueError: no targets, a target named ``"all"``, a bad merge mode, a negative bound, or
@@ -114,69 +109,118 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
         if default_merge_mode not in MERGE_MODES:
             raise ValueError(f"default_merge_mode must be one of {MERGE_MODES}")
         self.name_map = name_map
-        self.allowed_roots = None if allowed_roots is None else list(allowed_roots)
         self.default_merge_mode = default_merge_mode
-        self.cache = MergeCache(merge_cache_bytes, merge_cache_device)
-        self._registry = AdapterRegistry(max_loaded_bytes)
-        self._targets: dict[str, nn.Module] = dict(targets)
-        self._layers: dict[str, dict[str, BaseLayerWithLoRA]] = {}
-        self._specs: dict[str, LoRAModelSpec] = {}
-        self._state: dict[str, _TargetState] = {}
-        for tname, module in self._targets.items():
-            self._layers[tname] = wrap_layers(tname, module)
-            for layer in self._layers[tname].values():
-                if snapshot_device is not None:
-                    layer.snapshot_device = torch.device(snapshot_device)
-            shapes = {
-                name: {
-                    s.shard_id: (s.full_size, layer.base_layer.input_size)
-                    for s in layer.base_layer.shard_map
-                }
-                for name, layer in self._layers[tname].items()
-            }
-            self._specs[tname] = LoRAModelSpec.from_shapes(
-                shapes, name_map, model_name or type(module).__name__
+        self.store = AdapterStore(max_loaded_bytes)
+        self.composer = Composer(
+            targets,
+            self.store,
+            MergeCache(merge_cache_bytes, merge_cache_device),
+            default_merge_mode,
+            snapshot_device,
+        )
+        specs = {
+            t: LoRAModelSpec.from_shapes(
+                self.composer.shapes(t), name_map, model_name or type(module).__name__
             )
-            self._state[tname] = _TargetState(mode=default_merge_mode)
-        self._uids = itertools.count()
-        self._request_composition: list[tuple[str, float]] | None = None
-        self._savepoints = []
-        self.broken: str | None = None
+            for t, module in targets.items()
+        }
+        self.stager = Stager(allowed_roots, specs)
+        self.savepoints = Savepoints(self.store, self.composer)
 
     # ------------------------------------------------------------------ properties
     @property
+    def cache(self) -> MergeCache:
+        return self.composer.cache
+
+    @property
+    def allowed_roots(self) -> list[str] | None:
+        return self.stager.allowed_roots
+
+    @property
+    def broken(self) -> str | None:
+        """Why the LoRA state was lost (every later call raises :class:`LoRAStateError`)."""
+        return self.savepoints.broken
+
+    @property
     def target_names(self) -> tuple[str, ...]:
         """Valid ``target`` values: ``"all"`` and every target of this model."""
-        return (ALL, *self._targets)
+        return (ALL, *self.composer.target_names)
 
     def layers(self, target: str) -> dict[str, BaseLayerWithLoRA]:
         """``{module_name: LoRA layer}`` of one target (not ``"all"``)."""
-        return dict(self._layers[target])
+        return self.composer.layers(target)
+
+    def context(self, target: str) -> LoRAContext:
+        """The :class:`LoRAContext` every LoRA layer of ``target`` reads its row mapping from
+        (also ``lora_context_of(module)``)."""
+        return self.composer.context(target)
 
     @property
     def loaded_nicknames(self) -> list[str]:
-        return list(self._registry)
+        return list(self.store)
 
     @property
     def max_loaded_bytes(self) -> int:
-        return self._registry.max_bytes
+        return self.store.max_bytes
 
     def loaded_bytes(self) -> int:
-        return self._registry.loaded_bytes()
+        return self.store.loaded_bytes()
+
+    def adapter(self, nickname: str) -> Adapter:
+        """The loaded adapter ``nickname``.
+
+        Raises:
+            NotFoundError: not loaded (``param="lora_nickname"``).
+        """
+        return self.store.require(nickname)
 
     def _resolve_targets(self, target: Any) -> list[str]:
         check_target(target, self.target_names)
-        return list(self._targets) if target == ALL else [target]
-
-    def _pinned(self, compositions: Mapping[str, list[tuple[str, float]]]) -> set[str]:
-        pinned = {n for comp in compositions.values() for n, _ in comp}
-        if self._request_composition:
-            pinned |= {n for n, _ in self._request_composition}
-        return pinned
+        return self.composer.target_names if target == ALL else [target]
 
     def _touch(self, names) -> None:
         for name in names:
-            self._registry.touch(name)
+            self.store.touch(name)
+
+    # ------------------------------------------------------------------ reading files
+    def read_source(self, path: str, trusted: bool = False):
+        """Read one adapter as this manager's roots allow; see :meth:`Stager.read_source`."""
+        return self.stager.read_source(path, trusted)
+
+    def unchanged(self, nickname: str, path: str, trusted: bool = False) -> bool:
+        """Whether ``nickname`` is loaded from ``path`` and its files were not rewritten since
+        (a ``set_lora`` then reads nothing); see :meth:`Stager.unchanged`."""
+        return self.stager.unchanged(self.store.get(nickname), path, trusted)
+
+    # ------------------------------------------------------------------ per request
+    def selection(
+        self, composition: Sequence[tuple[str, float]] | Sequence[Mapping[str, Any]] | None
+    ) -> LoRASelection:
+        """A request's adapters as one :class:`~sglang.multimodal_gen.layers.lora.Composition`
+        per target; nothing changes on any layer.
+
+        Args:
+            composition: ``None``: the targets' current global compositions (exactly the values
+                the layers hold, so merged layers serve it from their merged weights);
+                otherwise ``[(nickname, strength), ...]`` or ``{"name", "scale"}`` /
+                ``{"name", "strength"}`` mappings (:func:`~sglang.multimodal_gen.lora.requests.validate_composition`);
+                ``[]`` is no LoRA. A target's composition lists only the adapters that have
+                modules in it. The named adapters are touched in the LRU.
+
+        Raises:
+            NotFoundError: an unknown nickname (``param="lora"``).
+            InvalidRequestError: a bad entry, a duplicate, more than
+                :data:`~sglang.multimodal_gen.lora.requests.MAX_ADAPTERS_PER_CALL` entries, a
+                strength that overflows where it is used (``param="lora"``).
+            LoRAStateError: the LoRA state was lost earlier.
+        """
+        self.savepoints.check_usable()
+        return select(self.store, self.composer, composition)
+
+    def selection_is_current(self, selection: LoRASelection) -> bool:
+        """Whether every slot ``selection`` names still holds the adapter it named (no adapter
+        was unloaded, evicted or replaced since it was made)."""
+        return selection.slot_epoch == self.store.slot_epoch
 
     # ------------------------------------------------------------------ public API
     def load_adapter(self, nickname: str, path: str) -> dict[str, Any]:
@@ -190,7 +234,7 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
             NotFoundError: not found locally nor in the Hub cache (from the loader).
         """
         self.set_lora([nickname], [path], [ALL], [1.0], _activate=False)
-        return self._adapter_info(self._registry[nickname])
+        return report.adapter_info(self.composer, self.store[nickname])
 
     def unload_adapter(self, nickname: str) -> dict[str, Any]:
         """Free adapter ``nickname``; if it is active anywhere it is deactivated there first.
@@ -202,15 +246,15 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
             raise InvalidRequestError(
                 f"lora_nickname must be a non-empty string, got {nickname!r}", "lora_nickname"
             )
-        adapter = self._registry.require(nickname)
-        with self._txn():
-            for st_name, st in self._state.items():
-                if any(n == nickname for n, _ in st.composition):
-                    new = [(n, s) for n, s in st.composition if n != nickname]
-                    self._apply(st_name, new, st.mode)
-                    st.composition = new
-            self._registry.pop(nickname)
-            self._drop(adapter)
+        adapter = self.store.require(nickname)
+        with self.savepoints.txn():
+            for t in self.composer.target_names:
+                comp = self.composer.composition(t)
+                if any(n == nickname for n, _ in comp):
+                    new = [(n, s) for n, s in comp if n != nickname]
+                    self.composer.apply(t, new, self.composer.mode(t))
+            self.store.pop(nickname)
+            self.savepoints.drop(adapter)
         return {"status": "ok", "message": f"unloaded LoRA {nickname!r}"}
 
     def set_lora(
@@ -252,7 +296,7 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
                 memory bound. NotFoundError: a nickname without path that is not loaded.
             On any error nothing changes (weights bit-identical, same adapters loaded).
         """
-        self._check_usable()
+        self.savepoints.check_usable()
         args = normalize_set_lora(
             nicknames, paths, targets, strengths, merge_mode, valid_targets=self.target_names
         )
@@ -269,15 +313,17 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
         given = {name: path for name, path in zip(names, args.paths) if path is not None}
         done: dict[str, tuple[dict, dict]] = {}  # a path named for several nicknames: read once
         for name, path in given.items():
-            item = self._stage(name, path, sources, done)
+            item = self.stager.stage(name, path, self.store.get(name), sources, done)
             if item is not None:
+                adapter, converted = item
+                adapter.nbytes = self.composer.install_bytes(converted)
                 staged[name] = item
         for name in names:
             if name not in given:
-                self._registry.require(name)  # null path: must be loaded already
+                self.store.require(name)  # null path: must be loaded already
 
         def adapter_for(name: str) -> Adapter:
-            return staged[name][0] if name in staged else self._registry[name]
+            return staged[name][0] if name in staged else self.store[name]
 
         for t, comp in new_comp.items():
             for name, _ in comp:
@@ -285,61 +331,53 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
                     raise InvalidRequestError(
                         f"adapter {name!r} matches no module of target {t!r}", param="target"
                     )
-        self._check_strengths(new_comp, adapter_for, "strength")
+        self.composer.check_strengths(new_comp, adapter_for, "strength")
         if mode == "merge":
             for t, comp in new_comp.items():
-                self._check_mergeable_staged(t, comp, adapter_for)
-        final = {t: list(s.composition) for t, s in self._state.items()} | new_comp
-        evict = self._registry.plan_room(
-            [a for a, _ in staged.values()], set(staged), self._pinned(final) | set(staged)
-        )
+                self.composer.check_mergeable(t, comp, adapter_for)
+        current = {t: self.composer.composition(t) for t in self.composer.target_names}
+        final = current | new_comp
+        pins = {n for comp in final.values() for n, _ in comp} | set(staged)
+        evict = self.store.plan_room([a for a, _ in staged.values()], set(staged), pins)
         # a reloaded adapter active elsewhere gets its new weights there too
         reloaded = [
             t
-            for t, s in self._state.items()
-            if t not in new_comp and any(n in staged for n, _ in s.composition)
+            for t, comp in current.items()
+            if t not in new_comp and any(n in staged for n, _ in comp)
         ]
-        with self._txn():
+        with self.savepoints.txn():
             for adapter, converted in staged.values():
-                self._install(adapter, converted)
-                old = self._registry.put(adapter)
+                self.composer.install(adapter, converted)
+                self.savepoints.note_installed(adapter)
+                old = self.store.put(adapter)
                 if old is not None:
-                    self._drop(old)
+                    self.savepoints.drop(old)
             for t, comp in new_comp.items():
-                self._apply(t, comp, mode)
-                self._state[t].composition, self._state[t].mode = comp, mode
+                self.composer.apply(t, comp, mode)
             for t in reloaded:
-                st = self._state[t]
-                self._apply(t, st.composition, st.mode, param="lora_path")
+                comp = self.composer.composition(t)
+                self.composer.apply(t, comp, self.composer.mode(t), param="lora_path")
             for name in evict:
                 logger.info("LoRA %r unloaded (LRU, memory bound)", name)
-                self._drop(self._registry.pop(name))
-                self._registry.evictions += 1
+                self.savepoints.drop(self.store.pop(name))
+                self.store.evictions += 1
         self._touch([n for comp in new_comp.values() for n, _ in comp])
         self._touch(staged)
         what = ", ".join(f"{n}@{s:g}" for n, s in zip(names, strength_list))
         return {
             "status": "ok",
             "message": f"LoRA set: {what} (merge_mode={mode})",
-            "active": {t: self._composition_json(t) for t in self._state},
+            "active": {
+                t: report.composition_json(self.composer, t) for t in self.composer.target_names
+            },
             "memory": self.memory_report(),
         }
 
-    def _check_mergeable_staged(self, t: str, comp, adapter_for: Callable[[str], Adapter]) -> None:
-        for name, _ in comp:
-            for module in adapter_for(name).modules.get(t, ()):
-                if not self._layers[t][module].can_merge:
-                    raise InvalidRequestError(
-                        f"merge_mode 'merge': module {module!r} of {t!r} cannot merge LoRA "
-                        "weights; use 'auto' or 'dynamic'",
-                        param="merge_mode",
-                    )
-
     def _change(self, target: str, what: str, step: Callable[[str], None]) -> dict[str, Any]:
         """Run ``step(t)`` for every target named by ``target`` under one savepoint."""
-        self._check_usable()
+        self.savepoints.check_usable()
         tnames = self._resolve_targets(target)
-        with self._txn():
+        with self.savepoints.txn():
             for t in tnames:
                 step(t)
         return {
@@ -356,8 +394,7 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
         """
 
         def step(t):
-            self._apply(t, [], self._state[t].mode)
-            self._state[t].composition = []
+            self.composer.apply(t, [], self.composer.mode(t))
 
         return self._change(target, "unset", step)
 
@@ -368,11 +405,10 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
             InvalidRequestError: unknown target; a layer with an active adapter cannot merge.
         """
         for t in self._resolve_targets(target):
-            self._check_mergeable(t, self._state[t].composition, "merge")
+            self.composer.check_mergeable(t, self.composer.composition(t))
 
         def step(t):
-            self._apply(t, self._state[t].composition, "merge")
-            self._state[t].mode = "merge"
+            self.composer.apply(t, self.composer.composition(t), "merge")
 
         return self._change(target, "merged", step)
 
@@ -384,8 +420,7 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
         """
 
         def step(t):
-            self._apply(t, self._state[t].composition, "dynamic")
-            self._state[t].mode = "dynamic"
+            self.composer.apply(t, self.composer.composition(t), "dynamic")
 
         return self._change(target, "unmerged", step)
 
@@ -400,31 +435,57 @@ class LoRAManager(StagingMixin, CompositionMixin, PerRequestMixin, TransactionMi
                 active adapter carries an output offset for a layer without a bias to fold it
                 into. All checks run before any weight changes, so a refusal changes nothing.
         """
-        self._check_usable()
+        self.savepoints.check_usable()
         tnames = self._resolve_targets(target)
         for t in tnames:
-            comp = self._state[t].composition
-            self._check_mergeable(t, comp, "merge")
-            for module, layer in self._layers[t].items():
-                by_uid, _ = self._layer_comp(t, module, comp)
-                if layer.base_layer.bias is None and layer.has_offsets([u for u, _ in by_uid]):
-                    raise InvalidRequestError(
-                        f"commit_as_base: an active adapter has an output offset (LoRA bias) on "
-                        f"module {module!r} of {t!r}, which has no bias to fold it into; keep it "
-                        "merged or dynamic instead",
-                        param="target",
-                    )
+            self.composer.check_commit(t)
         for t in tnames:
-            st = self._state[t]
-            if not st.composition:
+            comp, mode = self.composer.composition(t), self.composer.mode(t)
+            if not comp:
                 continue
-            with self._txn():
-                self._apply(t, st.composition, "merge")
+            with self.savepoints.txn():
+                self.composer.apply(t, comp, "merge")
             # past this point the layers are merged; committing only drops snapshots
-            for layer in self._layers[t].values():
-                layer.commit_as_base()
-            st.committed.extend({"nickname": n, "strength": s} for n, s in st.composition)
-            st.composition = []
-            st.base_version += 1
-            self.cache.invalidate(lambda k, p=f"{t}:": k.module.startswith(p))
+            self.composer.commit(t, mode)
         return {"status": "ok", "message": f"LoRA committed as base on {target!r}"}
+
+    # ------------------------------------------------------------------ reports
+    def list_loras(self) -> dict[str, Any]:
+        """Plain-JSON state: loaded adapters (LRU order, oldest first), the active composition,
+        mode and merged/dynamic layer counts per target, memory and merge-cache counters."""
+        self.savepoints.check_usable()
+        return report.list_loras(
+            self.store, self.composer, self.target_names, self.default_merge_mode
+        )
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes held by the LoRA runtime on this rank (:func:`report.memory_report`)."""
+        return report.memory_report(self.store, self.composer)
+
+    # ------------------------------------------------------------------ TP protocol
+    def begin_change(self) -> None:
+        """Open a savepoint before a change that must be all-or-nothing across TP ranks.
+
+        Raises:
+            RuntimeError: a savepoint is already open.
+            LoRAStateError: the state was lost earlier.
+        """
+        self.savepoints.begin_change()
+
+    def commit_change(self) -> None:
+        """Keep the changes made since :meth:`begin_change`; free the adapters they dropped."""
+        self.savepoints.commit_change()
+
+    def rollback_change(self) -> None:
+        """Undo every change made since :meth:`begin_change` (another rank failed): adapters
+        (and their LRU order), slots, compositions, merge modes and layer states are those of
+        the savepoint again, merged weights bit-identical.
+
+        Raises:
+            LoRAStateError: the restore failed (every layer reset to its base weights).
+        """
+        self.savepoints.rollback_change()
+
+    def transaction_info(self) -> dict[str, Any]:
+        """``{"open_savepoints": n, "broken": reason or None}`` (JSON-able)."""
+        return self.savepoints.info()

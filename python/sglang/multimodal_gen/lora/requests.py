@@ -21,8 +21,8 @@ Rules of ``set_lora`` (:func:`normalize_set_lora`):
   can be set on ``transformer`` and ``transformer_2`` of a two-expert model in one call.
 
 Rules of a per-request composition (:func:`validate_composition`): a list of ``{name, scale}``
-entries (mappings, objects with ``name``/``scale`` attributes, or ``(name, scale)`` pairs), or one
-such entry, at most :data:`MAX_ADAPTERS_PER_CALL` of them; names are non-empty and distinct,
+entries (mappings, where ``strength`` may stand for ``scale``; objects with ``name``/``scale``
+attributes; or ``(name, scale)`` pairs), or one such entry, at most :data:`MAX_ADAPTERS_PER_CALL` of them; names are non-empty and distinct,
 scales finite numbers (default 1.0).
 
 Every refusal is an :class:`~sglang.multimodal_gen.errors.InvalidRequestError` whose ``param``
@@ -224,7 +224,11 @@ def normalize_set_lora(
 
 def _entry(item: Any, i: int, param: str) -> tuple[Any, Any]:
     if isinstance(item, Mapping):
-        return item.get("name"), item.get("scale", 1.0)
+        if "scale" in item and "strength" in item:
+            raise InvalidRequestError(
+                f"{param}[{i}] gives both scale and strength; give one of them", param=param
+            )
+        return item.get("name"), item.get("scale", item.get("strength", 1.0))
     if hasattr(item, "name") and hasattr(item, "scale"):
         return item.name, item.scale
     if isinstance(item, (list, tuple)) and len(item) == 2:

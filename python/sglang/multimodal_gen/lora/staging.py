@@ -10,7 +10,8 @@ still gets its own copy on the layers).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,17 +20,28 @@ from sglang.multimodal_gen.errors import InvalidRequestError, LoRAPatternTooExpe
 from sglang.multimodal_gen.lora.adapters import Adapter, stage_adapter
 from sglang.multimodal_gen.lora.formats import CanonicalLoRA, convert_to_canonical
 from sglang.multimodal_gen.lora.loading import file_key, locate_source, read_source
+from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
 from sglang.multimodal_gen.lora.peft_config import PatternBudget
 
-__all__ = ["UNCHANGED", "StagingMixin"]
+__all__ = ["UNCHANGED", "Stager"]
 
 #: ``sources[path]`` value meaning "rank 0 checked: the file of the loaded adapter is unchanged".
 UNCHANGED = "unchanged"
 
 
-class StagingMixin:
-    """Reading and converting adapter files for the LoRA manager (uses ``allowed_roots``,
-    ``_registry``, ``_specs``, ``_uids``)."""
+class Stager:
+    """Reads and converts adapter files for the LoRA manager.
+
+    Args:
+        allowed_roots: directories local paths must resolve into (``None``: any; empty: none;
+            see :class:`~sglang.multimodal_gen.lora.manager.LoRAManager`).
+        specs: ``{target: LoRAModelSpec}``: what each target's layers accept.
+    """
+
+    def __init__(self, allowed_roots: Sequence[str] | None, specs: Mapping[str, LoRAModelSpec]):
+        self.allowed_roots = None if allowed_roots is None else list(allowed_roots)
+        self.specs = dict(specs)
+        self._uids = itertools.count()
 
     def read_source(
         self, path: str, trusted: bool = False
@@ -45,11 +57,10 @@ class StagingMixin:
         metadata["file_key"] = key
         return sd, metadata
 
-    def unchanged(self, nickname: str, path: str, trusted: bool = False) -> bool:
-        """Whether ``nickname`` is loaded from ``path`` and its files were not rewritten since
-        (same :func:`~sglang.multimodal_gen.lora.loading.file_key`): a ``set_lora`` then reuses
-        it without reading anything. Errors count as "changed" (the read reports them)."""
-        adapter = self._registry.get(nickname)
+    def unchanged(self, adapter: Adapter | None, path: str, trusted: bool = False) -> bool:
+        """Whether the loaded ``adapter`` was read from ``path`` and its files were not rewritten
+        since (same :func:`~sglang.multimodal_gen.lora.loading.file_key`): a ``set_lora`` then
+        reuses it without reading anything. Errors count as "changed" (the read reports them)."""
         if adapter is None or adapter.source != path or adapter.file_key is None:
             return False
         try:
@@ -57,39 +68,40 @@ class StagingMixin:
         except Exception:
             return False
 
-    def _stage(
+    def stage(
         self,
         nickname: str,
         path: str,
+        loaded: Adapter | None,
         sources: Mapping[str, Any] | None,
         done: dict[str, tuple[dict, dict]] | None = None,
     ) -> tuple[Adapter, dict] | None:
-        """Read (or take from ``sources``) and convert one file; ``None`` when the loaded
-        adapter ``nickname`` is the same file, unchanged. No layer is touched.
+        """Read (or take from ``sources``) and convert one file; ``None`` when ``loaded`` (the
+        adapter loaded as ``nickname``, if any) is the same file, unchanged or with the same
+        content. No layer is touched.
 
         ``done`` (``{path: (converted, metadata)}``, filled here) shares the read and the
         conversion between the nicknames of one call that name the same path."""
         given = None if sources is None else sources.get(path)
-        if given == UNCHANGED or (given is None and self.unchanged(nickname, path)):
+        if given == UNCHANGED or (given is None and self.unchanged(loaded, path)):
             return None
         if done is not None and path in done:
             converted, metadata = done[path]
         else:
             state_dict, metadata = given if given is not None else self.read_source(path)
-            converted = self._convert(state_dict, metadata)
+            converted = self.convert(state_dict, metadata)
             if done is not None:
                 done[path] = (converted, metadata)
         adapter = stage_adapter(
             nickname, f"{nickname}#{next(self._uids)}", path, converted, metadata
         )
-        old = self._registry.get(nickname)
-        if old is not None and old.identity == adapter.identity:
-            old.file_key = adapter.file_key  # same content (e.g. touched): keep the loaded one
+        if loaded is not None and loaded.identity == adapter.identity:
+            loaded.file_key = adapter.file_key  # same content (e.g. touched): keep the loaded one
             return None
         return adapter, converted
 
     # ------------------------------------------------------------------ conversion
-    def _convert(
+    def convert(
         self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]
     ) -> dict[str, CanonicalLoRA]:
         """The file converted for every target it matches (keys carry the component prefix,
@@ -106,7 +118,7 @@ class StagingMixin:
         converted: dict[str, CanonicalLoRA] = {}
         errors = []
         budget = PatternBudget()
-        for tname, spec in self._specs.items():
+        for tname, spec in self.specs.items():
             for component in dict.fromkeys((tname, "transformer")):
                 try:
                     converted[tname] = convert_to_canonical(

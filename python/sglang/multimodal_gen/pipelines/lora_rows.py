@@ -4,8 +4,8 @@ row mapping of the module's LoRA layers.
 A module call of the pipeline (a DiT step, a caption refiner) stacks rows of one or several
 requests along dim 0. Each request carries its adapters as a selection (the LoRA manager's
 ``LoRASelection``: one composition per LoRA target). Right before the call, the module's LoRA
-context (:func:`~sglang.multimodal_gen.layers.lora.context.lora_context_of`, one per target) gets
-the :class:`~sglang.multimodal_gen.layers.lora.context.RowMapping` of the call's rows, and every
+context (:func:`~sglang.multimodal_gen.layers.lora.composition.lora_context_of`, one per target) gets
+the :class:`~sglang.multimodal_gen.layers.lora.composition.RowMapping` of the call's rows, and every
 LoRA layer of the module computes each row with that row's composition only. Nothing is kept
 after the call.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sglang.multimodal_gen.layers.lora.context import RowMapping, lora_context_of
+from sglang.multimodal_gen.layers.lora.composition import RowMapping, lora_context_of
 
 __all__ = ["with_row_adapters"]
 

@@ -1,10 +1,19 @@
-"""LoRA layers: one generic forward around the ParallelLinear family (ARCHITECTURE.md section 3)."""
+"""LoRA layers: adapters in slot tensors, one forward around the ParallelLinear family.
 
-from sglang.multimodal_gen.layers.lora.compute import (
-    get_runtime_lora_scale,
-    runtime_lora_scale,
-    workspace_stats,
+* :class:`BaseLayerWithLoRA` and its wrappers (``wrap_with_lora``): adapters stored per slot,
+  merge / unmerge, and the one forward that gives each row of a batch its own composition;
+* :class:`Composition` (``((slot, strength), ...)``), :class:`RowMapping` (a composition per row)
+  and :class:`LoRAContext` (one per model target: the mapping of the forwards running now).
+"""
+
+from sglang.multimodal_gen.layers.lora.composition import (
+    Composition,
+    LoRAContext,
+    RowGroup,
+    RowMapping,
+    lora_context_of,
 )
+from sglang.multimodal_gen.layers.lora.compute import workspace_stats
 from sglang.multimodal_gen.layers.lora.layer import BaseLayerWithLoRA
 from sglang.multimodal_gen.layers.lora.weights import LoRAWeights
 from sglang.multimodal_gen.layers.lora.wrappers import (
@@ -20,14 +29,17 @@ from sglang.multimodal_gen.layers.lora.wrappers import (
 __all__ = [
     "BaseLayerWithLoRA",
     "ColumnParallelLinearWithLoRA",
+    "Composition",
+    "LoRAContext",
     "LoRAWeights",
     "MergedColumnParallelLinearWithLoRA",
     "QKVParallelLinearWithLoRA",
     "ReplicatedLinearWithLoRA",
+    "RowGroup",
+    "RowMapping",
     "RowParallelLinearWithLoRA",
-    "get_runtime_lora_scale",
+    "lora_context_of",
     "replace_submodule",
-    "runtime_lora_scale",
     "workspace_stats",
     "wrap_with_lora",
 ]

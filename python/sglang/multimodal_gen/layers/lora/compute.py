@@ -1,13 +1,21 @@
-"""The arithmetic of LoRA layers: the fused compose, the chunked merge and its workspace.
+"""The arithmetic of LoRA layers: the delta of a composition, the chunked merge, its workspace.
 
-Kept apart from the layer classes (``layer.py``), which decide *when* to compose or merge; this
-module only says *how*.
+Kept apart from the layer classes (``layer.py``), which decide *when* to add a delta or merge;
+this module only says *how*.
 
-Fused compose: the active adapters ``i`` (strength ``s_i``, scale ``c_i``) on shards ``k`` become
-``A_cat = [A_1k; A_2k; ...]`` ``[R, in_local]`` (R = sum of ranks) and a block matrix ``B_cat``
-``[out_local, R]`` whose block for (adapter i, shard k) holds ``s_i c_i B_ik`` at the shard's
-local rows and zeros elsewhere (q/k/v or gate/up sections of unequal height compose
-block-diagonally). N adapters cost one pair of GEMMs of rank ``R``.
+Delta (:func:`add_lora_delta`): the adapters of a composition are gathered from the layer's slot
+tensors (``slots.py``) by their slot indices, ``K`` adapters of column width ``R`` each::
+
+    A    = lora_a[slots].reshape(K*R, in_local)
+    Bt   = lora_b[slots].reshape(K*R, out_local)
+    coef = (strengths[:, None] * col_scale[slots]).reshape(K*R)
+    y   += ((x @ A^T) * coef) @ Bt
+
+pure tensor ops: which adapters and which strengths are tensor values (a ``torch.compile`` of the
+caller sees no Python constant for them); only ``K`` and ``R`` are shapes. An adapter's columns
+on a fused q/k/v or gate/up layer hold each shard's ``B`` at that shard's rows and zeros
+elsewhere, so sections of unequal height compose block-diagonally (Punica / S-LoRA's gathered
+form, one pair of GEMMs for ``K`` adapters).
 
 Merge: ``W' = W + sum_i s_i c_i B_i A_i`` accumulated in fp32 and rounded once to the weight dtype,
 computed ``chunk_rows`` output rows at a time so the fp32 workspace is bounded
@@ -17,19 +25,21 @@ computed ``chunk_rows`` output rows at a time so the fp32 workspace is bounded
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from sglang.multimodal_gen.layers.batch_invariant import (
+    addmm_rows_invariant_,
+    linear_rows_invariant,
+)
+
 __all__ = [
     "MERGE_CHUNK_BYTES",
-    "LocalLoRA",
-    "compile_entries",
-    "get_runtime_lora_scale",
+    "MergeTerm",
+    "add_lora_delta",
+    "add_offset_delta",
     "merged_weight",
-    "runtime_lora_scale",
     "workspace_stats",
 ]
 
@@ -65,126 +75,91 @@ def _workspace(rows: int, cols: int, device: torch.device) -> Iterator[torch.Ten
         del buf
 
 
-# ---------------------------------------------------------------------------- runtime scale
-_RUNTIME_SCALE: float = 1.0
+# ---------------------------------------------------------------------------- delta
+def add_lora_delta(
+    y: torch.Tensor,
+    x_local: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    col_scale: torch.Tensor,
+    slots: torch.Tensor,
+    strengths: torch.Tensor,
+) -> torch.Tensor:
+    """``y += ((x_local @ A^T) * coef) @ Bt`` for the adapters in ``slots`` (see the module
+    docstring); returns ``y``.
 
+    Args:
+        y: ``[..., out_local]`` contiguous, the base GEMM's output (written in place).
+        x_local: ``[..., in_local]`` the input the base GEMM saw.
+        lora_a: ``[S, R, in_local]``; lora_b: ``[S, R, out_local]`` (B transposed per slot);
+            col_scale: ``[S, R]`` (each column's ``alpha / r``, 0 in padding columns).
+        slots: int64 ``[K]``; strengths: ``[K]`` in ``col_scale``'s dtype.
 
-def get_runtime_lora_scale() -> float:
-    """The multiplier currently applied to every active adapter's scale in forwards (default 1)."""
-    return _RUNTIME_SCALE
-
-
-@contextlib.contextmanager
-def runtime_lora_scale(scale: float) -> Iterator[None]:
-    """Multiply every active adapter's scale by ``scale`` for the forwards inside the block.
-
-    Stored state (weights, composition, merged weights) is not touched. Nested blocks multiply.
-    On a merged layer the forward adds ``(scale - 1) * delta`` on top of the merged weight, so the
-    result is the same as in unmerged mode.
-
-    Raises:
-        ValueError: ``scale`` is not finite.
+    The product ``h * coef`` is computed in ``col_scale``'s dtype (float32, or float64 for a
+    float64 layer) and rounded once to the compute dtype. The GEMMs are row-invariant on the CPU
+    (:mod:`~sglang.multimodal_gen.layers.batch_invariant`): a row's delta does not depend on the
+    other rows of the call.
     """
-    global _RUNTIME_SCALE
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"runtime_lora_scale: scale must be finite, got {scale}")
-    previous = _RUNTIME_SCALE
-    _RUNTIME_SCALE = previous * scale
-    try:
-        yield
-    finally:
-        _RUNTIME_SCALE = previous
+    k = slots.shape[0]
+    r = lora_a.shape[1]
+    a = lora_a.index_select(0, slots).reshape(k * r, lora_a.shape[2])
+    bt = lora_b.index_select(0, slots).reshape(k * r, lora_b.shape[2])
+    coef = (strengths[:, None] * col_scale.index_select(0, slots)).reshape(k * r)
+    h = linear_rows_invariant(x_local, a)  # [..., K*R]
+    h = (h.to(coef.dtype) * coef).to(y.dtype)
+    addmm_rows_invariant_(y.view(-1, y.shape[-1]), h.reshape(-1, k * r), bt)
+    return y
 
 
-# ---------------------------------------------------------------------------- adapters
-@dataclass
-class LocalLoRA:
-    """This rank's slices of one shard of one adapter (dtype as given, device of the weight)."""
-
-    lora_A: torch.Tensor  # [r, in_local]
-    lora_B: torch.Tensor  # [rows_local, r]
-    scale: float
-    offset: torch.Tensor | None  # [rows_local]
-    row_start: int  # first local row of the base weight this shard covers
-    rows: int  # number of local rows
-    offset_scale: float = 1.0  # the offset's multiplier besides the strength
-
-    @property
-    def rank(self) -> int:
-        return int(self.lora_A.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        n = self.lora_A.numel() * self.lora_A.element_size()
-        n += self.lora_B.numel() * self.lora_B.element_size()
-        if self.offset is not None:
-            n += self.offset.numel() * self.offset.element_size()
-        return n
+def add_offset_delta(
+    y: torch.Tensor,
+    lora_offset: torch.Tensor,
+    offset_scale: torch.Tensor,
+    slots: torch.Tensor,
+    strengths: torch.Tensor,
+) -> torch.Tensor:
+    """``y += (strengths * offset_scale[slots]) @ lora_offset[slots]`` (bias deltas, computed in
+    ``lora_offset``'s dtype and rounded once); returns ``y``. Only the rank that adds the bias
+    calls it."""
+    coef = strengths * offset_scale.index_select(0, slots)  # [K]
+    off = coef[None, :] @ lora_offset.index_select(0, slots)  # [1, out_local]
+    y.add_(off[0].to(y.dtype))
+    return y
 
 
-#: ``(strength x scale, strength x offset_scale, weights)`` of one active shard.
-Entry = tuple[float, float, LocalLoRA]
-
-
-def compile_entries(
-    entries: Sequence[Entry], weight: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The fused form ``(A_cat [R, in_local], B_cat [out_local, R], offset [out_local])`` of
-    ``entries`` in ``weight``'s dtype and device, strengths and scales folded into ``B_cat`` and
-    the offset; ``None`` parts when there is no rank / no offset."""
-    if not entries:
-        return None, None, None
-    dtype, device = weight.dtype, weight.device
-    out_local, in_local = weight.shape
-    with torch.inference_mode(False), torch.no_grad():
-        total_r = sum(w.rank for _, _, w in entries)
-        a_cat = torch.empty(total_r, in_local, dtype=dtype, device=device)
-        b_cat = torch.zeros(out_local, total_r, dtype=dtype, device=device)
-        offset = None
-        col = 0
-        for eff, eff_offset, w in entries:
-            a_cat[col : col + w.rank].copy_(w.lora_A)
-            b_cat[w.row_start : w.row_start + w.rows, col : col + w.rank].copy_(
-                w.lora_B.float() * eff
-            )
-            col += w.rank
-            if w.offset is not None:
-                if offset is None:
-                    offset = torch.zeros(out_local, dtype=torch.float32, device=device)
-                offset[w.row_start : w.row_start + w.rows] += w.offset.float() * eff_offset
-    if not total_r:  # bias deltas alone (rank 0) leave no GEMM to run
-        a_cat = b_cat = None
-    return a_cat, b_cat, None if offset is None else offset.to(dtype)
+# ---------------------------------------------------------------------------- merge
+#: ``(strength x scale, A [r, in_local], B [rows, r], first local row)`` of one shard of one
+#: adapter (``B`` may be a view of the slot tensors).
+MergeTerm = tuple[float, torch.Tensor, torch.Tensor, int]
 
 
 def merged_weight(
-    base: torch.Tensor, entries: Sequence[Entry], chunk_bytes: int = MERGE_CHUNK_BYTES
+    base: torch.Tensor, terms: Sequence[MergeTerm], chunk_bytes: int = MERGE_CHUNK_BYTES
 ) -> torch.Tensor:
-    """``base + sum_i s_i c_i B_i A_i`` ``[out_local, in_local]`` in ``base``'s dtype, a new tensor.
+    """``base + sum_i eff_i B_i A_i`` ``[out_local, in_local]`` in ``base``'s dtype, a new tensor.
 
     Accumulated in fp32 ``chunk`` output rows at a time (``chunk x in_local x 4 <= chunk_bytes``,
     at least one row), each chunk rounded once to the weight dtype, so the result equals the
-    unchunked fp32 sum rounded once. The fp32 workspace is freed before returning.
+    unchunked fp32 sum rounded once. Each term touches only its shard's rows. The fp32 workspace
+    is freed before returning.
     """
     out_rows, in_cols = base.shape
     chunk = max(1, min(out_rows, chunk_bytes // max(1, 4 * in_cols)))
-    live = [(eff, w) for eff, _, w in entries if w.rank]
+    live = [t for t in terms if t[1].shape[0]]
     with torch.inference_mode(base.is_inference()):  # like the weight: swappable into it
         out = torch.empty_like(base, memory_format=torch.contiguous_format)
     with torch.inference_mode(False), torch.no_grad():
-        a32 = {id(w): w.lora_A.float() for _, w in live}
+        a32 = [a.float() for _, a, _, _ in live]
         with _workspace(chunk, in_cols, base.device) as ws:
             for r0 in range(0, out_rows, chunk):
                 r1 = min(out_rows, r0 + chunk)
                 acc = ws[: r1 - r0]
                 acc.copy_(base[r0:r1])
-                for eff, w in live:
-                    lo, hi = max(r0, w.row_start), min(r1, w.row_start + w.rows)
+                for (eff, _, b, start), a in zip(live, a32):
+                    lo, hi = max(r0, start), min(r1, start + b.shape[0])
                     if lo >= hi:
                         continue
-                    b = w.lora_B[lo - w.row_start : hi - w.row_start].float()
-                    acc[lo - r0 : hi - r0].addmm_(b, a32[id(w)], alpha=eff)
+                    acc[lo - r0 : hi - r0].addmm_(b[lo - start : hi - start].float(), a, alpha=eff)
                 with torch.inference_mode(out.is_inference()):
                     out[r0:r1].copy_(acc)
         del a32

@@ -1,70 +1,92 @@
-"""LoRA wrappers around the :mod:`~sglang.multimodal_gen.layers.linear` family.
+"""LoRA wrappers around the :mod:`~sglang.multimodal_gen.layers.linear` family: one forward.
 
-One generic forward for every parallel layer (ARCHITECTURE.md section 3). The wrapper reuses the
-base layer's forward hooks instead of re-implementing them, so the LoRA path sees exactly the input
-the base GEMM sees, the delta is added before the base layer's collective, and the bias policy and
-``(output, output_bias)`` packaging are the base layer's::
+The wrapper reuses the base layer's forward hooks instead of re-implementing them, so the LoRA
+path sees exactly the input the base GEMM sees, the delta is added before the base layer's
+collective, and the bias policy and ``(output, output_bias)`` packaging are the base layer's::
 
-    x_local = base.parallel_input(x)                       # Row(input_is_parallel=False): slice
-    y_local = base.apply_gemm(x_local, base.gemm_bias())   # bias added once (Row: on rank 0)
-    y_local += (x_local @ A_cat^T) @ B_cat^T              # fused compose of every active adapter
-    y_local += offset   (on the rank that adds the bias)   # optional per-adapter constant term
-    return base.package_output(base.reduce_output(y_local))
+    x_local = base.parallel_input(x)                         # Row(input_is_parallel=False): slice
+    for each group of rows with one composition:
+        y[rows] = base.apply_gemm(x_local[rows], base.gemm_bias(), W)
+        y[rows] += delta(composition)                        # compute.add_lora_delta
+    return base.package_output(base.reduce_output(y))        # ONE collective for every group
 
-Subclasses (``wrappers.py``) only say how a full ``A`` and ``B`` are cut to this rank; the
-arithmetic (fused compose, chunked fp32 merge) is in ``compute.py``. Merge keeps the pre-merge
-weight as a snapshot that unmerge puts back (never subtracts: bit-exact); the parameter is
-re-pointed rather than written (``swap_storage``). A request overlay runs another composition on a
-merged layer as ``merged + (request - merged)``. Rows of one batch with different compositions
-run through the same forward with per-row coefficients (``rows.py``). LoRA: Hu et al. 2021, eq. 3.
+``W`` is the merged weight for the rows whose composition is the merged one (no LoRA term), and
+the exact base weight (the pre-merge snapshot when merged: a merged delta is never subtracted
+back) for every other row. Which composition each row uses comes from the target's
+:class:`~sglang.multimodal_gen.layers.lora.composition.LoRAContext` (``layer.lora_context``):
+``None`` means every row uses the layer's active (global) composition. A row never computes with
+another row's adapters.
+
+Adapters are stored in slot tensors (``slots.py``); subclasses (``wrappers.py``) only say how a
+full ``A`` and ``B`` are cut to this rank. Merge keeps the pre-merge weight as a snapshot that
+unmerge puts back (never subtracts: bit-exact); the parameter is re-pointed rather than written
+(``swap_storage``). LoRA: Hu et al. 2021, eq. 3.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from sglang.multimodal_gen.layers.batch_invariant import (
-    addmm_rows_invariant_,
-    linear_rows_invariant,
-)
 from sglang.multimodal_gen.layers.linear import ParallelLinear, ShardId
 from sglang.multimodal_gen.layers.lora import compute as _compute
+from sglang.multimodal_gen.layers.lora.composition import Composition, LoRAContext, RowMapping
 from sglang.multimodal_gen.layers.lora.compute import (
-    Entry,
-    LocalLoRA,
-    compile_entries,
-    get_runtime_lora_scale,
+    MergeTerm,
+    add_lora_delta,
+    add_offset_delta,
     merged_weight,
 )
-from sglang.multimodal_gen.layers.lora.rows import RowPlan, current_row_plan, row_delta
-from sglang.multimodal_gen.layers.lora.weights import LoRAWeights, all_finite, check_weights, own
+from sglang.multimodal_gen.layers.lora.slots import (
+    LoRASlots,
+    ShardPiece,
+    entry_nbytes,
+    scale_dtype,
+)
+from sglang.multimodal_gen.layers.lora.weights import (
+    LoRAWeights,
+    all_finite,
+    check_range,
+    check_weights,
+)
 
 __all__ = ["BaseLayerWithLoRA"]
 
+#: Local views (:meth:`BaseLayerWithLoRA.local_composition`) a layer keeps.
+_LOCAL_CACHE = 64
+
+CompositionLike = Composition | Iterable[tuple[str | int, float]]
+
 
 class BaseLayerWithLoRA(nn.Module):
-    """A :class:`ParallelLinear` plus any number of LoRA adapters, merged or not.
+    """A :class:`ParallelLinear` plus any number of LoRA adapters in slots, merged or not.
 
     Args:
         base_layer: the layer to wrap; :meth:`merge` changes its ``weight``.
         snapshot_device: where :meth:`merge` keeps the pre-merge weight (default: the weight's
-            device; ``"cpu"`` trades unmerge speed for accelerator memory).
+            device; ``"cpu"`` trades unmerge speed, and the speed of rows that do not use the
+            merged composition, for accelerator memory).
+        lora_context: the target's shared :class:`LoRAContext` (default: one of its own).
 
     Attributes:
         base_layer: the wrapped layer.
         prefix: the module's dotted name (from the base layer), used in error messages.
+        lora_context: the :class:`LoRAContext` whose row mapping the forward reads.
+        slots: the :class:`~sglang.multimodal_gen.layers.lora.slots.LoRASlots` (``lora_a``,
+            ``lora_b``, ``col_scale``, ``lora_offset``, ``offset_scale`` read through).
 
-    Forward: ``x`` ``[..., in]`` (``[..., in_local]`` row-parallel with ``input_is_parallel``) ->
-    ``(output, output_bias)`` like the base layer; ``base_layer(x)`` itself (bit-identical) with
-    nothing active, or everything merged without offsets at runtime scale 1.
+    Forward: ``x`` ``[rows, ..., in]`` (``[..., in_local]`` row-parallel with
+    ``input_is_parallel``) -> ``(output, output_bias)`` like the base layer; ``base_layer(x)``
+    itself (bit-identical) when the only composition is merged, or nothing is active.
     """
 
     def __init__(
-        self, base_layer: ParallelLinear, snapshot_device: torch.device | str | None = None
+        self,
+        base_layer: ParallelLinear,
+        snapshot_device: torch.device | str | None = None,
+        lora_context: LoRAContext | None = None,
     ):
         super().__init__()
         if not isinstance(base_layer, ParallelLinear):
@@ -74,22 +96,16 @@ class BaseLayerWithLoRA(nn.Module):
         self.base_layer = base_layer
         self.prefix = base_layer.prefix
         self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
-        self._adapters: dict[str, dict[ShardId, LocalLoRA]] = {}
-        self._composition: list[tuple[str, float]] = []
-        # compiled active composition: built by the first unmerged forward (_ensure_compiled)
-        self._any_active = False  # some active adapter has a non-zero strength here
-        self._any_offset = False  # ... and one of them carries an output offset
-        self._dirty = False
-        self._a_cat: torch.Tensor | None = None  # [R, in_local], weight dtype
-        self._b_cat: torch.Tensor | None = None  # [out_local, R], weight dtype, scales folded in
-        self._offset: torch.Tensor | None = None  # [out_local], weight dtype, scales folded in
+        self.lora_context = lora_context or LoRAContext(self.prefix or type(base_layer).__name__)
+        self.slots = LoRASlots(
+            base_layer.input_size_per_partition, base_layer.output_size_per_partition
+        )
+        self._active = Composition.EMPTY  # as given (target-wide slots)
+        self._active_local = Composition.EMPTY  # the part this layer computes
+        self._merged_local: Composition | None = None  # what the weight holds while merged
+        self._merged_offsets = False  # ... and whether its adapters add offsets in the forward
+        self._local: dict[Composition, Composition] = {}
         self._snapshot: torch.Tensor | None = None  # pre-merge weight while merged
-        self._merged = False
-        self._overlay: list[tuple[str, float]] | None = None  # request composition (merged only)
-        self._ov: tuple | None = (None, None, None)  # its compiled difference to the active one
-        self._ov_entries: list = []  # that difference, compiled on first use (weights' device)
-        # the union form of the last row plan (rows.py); dropped when the stored adapters change
-        self._rows_cache = None  # rows._Union of the last mixed batch
         self.merges = 0  # merges done (computed or from a cached tensor); tests and stats
         # False: merge/unmerge copy into the parameter's storage instead of re-pointing it, for
         # owners that keep a reference to that storage (DiTOffloader)
@@ -125,25 +141,69 @@ class BaseLayerWithLoRA(nn.Module):
         return self.base_layer.bias
 
     @property
-    def adapter_names(self) -> list[str]:
-        """Names of the adapters stored on this layer (active or not)."""
-        return list(self._adapters)
+    def lora_a(self) -> torch.Tensor | None:
+        """``[S, R, in_local]`` (``None`` while no adapter is stored)."""
+        return self.slots.lora_a
 
     @property
-    def active_composition(self) -> list[tuple[str, float]]:
-        """``[(name, strength), ...]`` as last given to :meth:`set_active` (present names only)."""
-        return list(self._composition)
+    def lora_b(self) -> torch.Tensor | None:
+        """``[S, R, out_local]``, ``B`` transposed per slot."""
+        return self.slots.lora_b
+
+    @property
+    def col_scale(self) -> torch.Tensor | None:
+        """``[S, R]``: each column's ``alpha / r`` (0 in padding columns)."""
+        return self.slots.col_scale
+
+    @property
+    def lora_offset(self) -> torch.Tensor | None:
+        """``[S, out_local]`` bias deltas (``None`` until an adapter has one)."""
+        return self.slots.lora_offset
+
+    @property
+    def offset_scale(self) -> torch.Tensor | None:
+        """``[S]``: 1 for a slot with a bias delta here, else 0."""
+        return self.slots.offset_scale
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """Names of the adapters stored on this layer (active or not)."""
+        return self.slots.names
+
+    def slot_of(self, name: str) -> int | None:
+        """The slot adapter ``name`` is stored in, or ``None``."""
+        return self.slots.slot_of(name)
+
+    @property
+    def occupied_slots(self) -> frozenset[int]:
+        """Slots that hold an adapter on this layer."""
+        return self.slots.occupied
+
+    @property
+    def active_composition(self) -> Composition:
+        """The active composition as last given to :meth:`set_active` (target-wide slots)."""
+        return self._active
+
+    @property
+    def merged_composition(self) -> Composition | None:
+        """The part of the active composition merged into the weight, or ``None``."""
+        return self._merged_local
+
+    @property
+    def snapshot(self) -> torch.Tensor | None:
+        """The pre-merge weight while merged (the base weight's own storage, or a copy on
+        ``snapshot_device``), else ``None``."""
+        return self._snapshot
 
     @property
     def active(self) -> bool:
-        """Whether an adapter of the active composition contributes to the output (merged or
-        not; a request overlay is not counted)."""
-        return self._any_active
+        """Whether an adapter of the active composition contributes here (merged or not)."""
+        return bool(self._active_local)
 
     @property
     def merged(self) -> bool:
         """Whether the active composition is merged into ``base_layer.weight``."""
-        return self._merged
+        return self._merged_local is not None
 
     @property
     def can_merge(self) -> bool:
@@ -155,13 +215,56 @@ class BaseLayerWithLoRA(nn.Module):
             and not getattr(self.base_layer, "lora_merge_unsupported", False)
         )
 
-    def has_offsets(self, names: Sequence[str]) -> bool:
+    def has_offsets(self, names: Iterable[str]) -> bool:
         """Whether any of the stored adapters ``names`` carries an output offset on this layer."""
-        return any(w.offset is not None for n in names for w in self._adapters.get(n, {}).values())
+        for n in names:
+            entry = self.slots.entry_of(n)
+            if entry is not None and entry.has_offset:
+                return True
+        return False
 
     def adapter_nbytes(self, name: str) -> int:
-        """Bytes this rank stores for adapter ``name`` (0 if absent)."""
-        return sum(w.nbytes for w in self._adapters.get(name, {}).values())
+        """Bytes this rank stores for adapter ``name``: its used columns (0 if absent)."""
+        entry = self.slots.entry_of(name)
+        return 0 if entry is None else entry.nbytes
+
+    def slot_nbytes(self) -> int:
+        """Bytes of the slot tensors, padding and free slots included."""
+        return self.slots.allocated_bytes()
+
+    # ------------------------------------------------------------------ compositions
+    def composition(self, pairs: CompositionLike) -> Composition:
+        """``pairs`` ``[(name or slot, strength), ...]`` as a :class:`Composition`: a name is
+        replaced by its slot here (names not stored here are left out); a composition is
+        returned as is.
+
+        Raises:
+            ValueError: a strength that is not finite, a slot given twice.
+        """
+        if isinstance(pairs, Composition):
+            return pairs
+        out = []
+        for key, strength in pairs:
+            if isinstance(key, str):
+                slot = self.slots.slot_of(key)
+                if slot is None:
+                    continue
+                key = slot
+            out.append((key, strength))
+        return Composition(out)
+
+    def local_composition(self, composition: CompositionLike) -> Composition:
+        """The part of ``composition`` this layer computes: its entries whose slot holds an
+        adapter here, strength 0 left out (``composition`` itself when that is all of it)."""
+        comp = self.composition(composition)
+        hit = self._local.get(comp)
+        if hit is None:
+            entries = tuple((s, v) for s, v in comp if v != 0.0 and self.slots.entry(s) is not None)
+            hit = comp if entries == comp.entries else Composition(entries)
+            if len(self._local) >= _LOCAL_CACHE:
+                self._local.clear()
+            self._local[comp] = hit
+        return hit
 
     # ------------------------------------------------------------------ adapters
     def _rows_of(self, shard_id: ShardId) -> tuple[int, int, int]:
@@ -172,19 +275,32 @@ class BaseLayerWithLoRA(nn.Module):
         spec = base.shard_spec(shard_id)
         return spec.full_size, spec.local_offset, spec.local_size
 
+    def _module(self) -> str:
+        return self.prefix or type(self.base_layer).__name__
+
     def _validate(self, name: str, shard_id: ShardId, w: LoRAWeights) -> None:
-        module = self.prefix or type(self.base_layer).__name__
+        module = self._module()
         where = f"adapter {name!r}, module {module!r}, shard {shard_id!r}"
         try:
             full_rows, _, _ = self._rows_of(shard_id)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-        check_weights(
-            w, full_rows, self.base_layer.input_size, where, f"{module}[{shard_id!r}] of {name!r}"
-        )
+        described = f"{module}[{shard_id!r}] of {name!r}"
+        check_weights(w, full_rows, self.base_layer.input_size, where, described)
+        dtype = self.base_layer.weight.dtype
+        check_range(w, dtype, self.base_layer.input_size, where, described)
 
-    def add_adapter(self, name: str, weights: Mapping[ShardId, LoRAWeights]) -> None:
-        """Store this rank's slices of adapter ``name`` (replacing one of the same name).
+    def nbytes_for(self, weights: Mapping[ShardId, LoRAWeights]) -> int:
+        """Bytes :meth:`add_adapter` would store for ``weights`` on this rank (unchecked)."""
+        rank = sum(int(w.lora_A.shape[0]) for w in weights.values())
+        has_offset = any(w.offset is not None for w in weights.values())
+        s = self.slots
+        return entry_nbytes(rank, has_offset, s.in_local, s.out_local, self.weight.dtype)
+
+    def add_adapter(
+        self, name: str, weights: Mapping[ShardId, LoRAWeights], slot: int | None = None
+    ) -> int:
+        """Store this rank's slices of adapter ``name`` in a slot (replacing one of that name).
 
         Args:
             name: adapter name.
@@ -192,54 +308,92 @@ class BaseLayerWithLoRA(nn.Module):
                 ``None`` for the whole layer (for a fused layer: ``B`` covers the fused output,
                 ``[q|k|v]`` or ``[gate|up]``), ``"q"|"k"|"v"`` for QKV, or ``0, 1, ...`` for merged
                 columns. ``lora_A`` ``[r, in]``, ``lora_B`` ``[rows, r]``, ``offset`` ``[rows]``;
-                any float dtype (kept as given; compute uses the weight's dtype).
+                any float dtype (stored in the weight's dtype).
+            slot: the slot to use (the manager passes its target-wide slot, so every layer of a
+                target uses one index per adapter); ``None``: the slot ``name`` has, else the
+                lowest free slot.
+
+        Returns:
+            The slot.
 
         Raises:
             ValueError: empty ``weights``, unknown shard id, rank 0, shapes that do not fit (the
-                message names the module and both shapes), NaN/Inf in ``A``, ``B`` or ``offset``.
-                Nothing is stored on error.
+                message names the module and both shapes), NaN/Inf in ``A``, ``B`` or ``offset``,
+                values that overflow the compute dtype (``weights.check_range``: names the
+                module, the shard and ``lora_A``/``lora_B``/``alpha``/``offset``), a slot that
+                holds another adapter. Nothing is stored on error.
         """
         if not weights:
             raise ValueError(f"adapter {name!r} has no weights for module {self.prefix!r}")
         for shard_id, w in weights.items():
             self._validate(name, shard_id, w)
-        device = self.base_layer.weight.device
-        local: dict[ShardId, LocalLoRA] = {}
-        for shard_id, w in weights.items():
-            _, start, rows = self._rows_of(shard_id)
-            a = own(self.slice_lora_a_weights(w.lora_A, shard_id), device)
-            b = own(self.slice_lora_b_weights(w.lora_B, shard_id), device)
-            off = None
-            if w.offset is not None:
-                off = own(self.slice_lora_b_weights(w.offset, shard_id), device)
-            local[shard_id] = LocalLoRA(
-                a, b, float(w.scale), off, start, rows, w.effective_offset_scale
+        current = self.slots.slot_of(name)
+        if slot is None:
+            slot = current if current is not None else self.slots.free_slot()
+        elif isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+            raise ValueError(f"module {self._module()!r}: slot must be an int >= 0, got {slot!r}")
+        other = self.slots.entry(slot)
+        if other is not None and other.name != name:
+            raise ValueError(
+                f"module {self._module()!r}: slot {slot} holds adapter {other.name!r}; "
+                f"cannot store {name!r} there"
             )
-        self._adapters[name] = local
-        self._rows_cache = None
-        if any(n == name for n, _ in self._composition):
-            self._refresh()
+        weight = self.base_layer.weight
+        dtype, device = weight.dtype, weight.device
+        pieces = []
+        with torch.inference_mode(False), torch.no_grad():
+            for shard_id, w in weights.items():
+                _, start, rows = self._rows_of(shard_id)
+                a = self.slice_lora_a_weights(w.lora_A, shard_id).to(device=device, dtype=dtype)
+                b = self.slice_lora_b_weights(w.lora_B, shard_id).to(device=device, dtype=dtype)
+                off = None
+                if w.offset is not None:
+                    off = self.slice_lora_b_weights(w.offset, shard_id).to(
+                        device=device, dtype=scale_dtype(dtype)
+                    )
+                pieces.append(
+                    ShardPiece(
+                        shard_id, a, b, float(w.scale), off, w.effective_offset_scale, start, rows
+                    )
+                )
+        self.slots.put(name, slot, pieces, dtype, device)
+        if current is not None and current != slot:
+            self.slots.clear(current)  # moved: the old slot is emptied once the new one is written
+        self._slots_changed({slot} | ({current} if current is not None else set()))
+        return slot
 
     def remove_adapter(self, name: str) -> None:
-        """Forget adapter ``name`` (a no-op if absent); if it was active, it is deactivated."""
-        if self._adapters.pop(name, None) is None:
+        """Forget adapter ``name`` (a no-op if absent); if it was active, it leaves the active
+        composition (re-merged without it when merged)."""
+        slot = self.slots.slot_of(name)
+        if slot is None:
             return
-        self._rows_cache = None  # it holds a copy of the adapter's weights
-        if self._overlay is not None and any(n == name for n, _ in self._overlay):
-            self._drop_overlay()
-        if any(n == name for n, _ in self._composition):
-            self._composition = [(n, s) for n, s in self._composition if n != name]
+        self.slots.clear(slot)
+        if slot in self._active.slots:
+            self._active = Composition((s, v) for s, v in self._active if s != slot)
+        self._slots_changed({slot})
+
+    def _slots_changed(self, slots: set[int]) -> None:
+        """Slots ``slots`` were written or cleared: forget local views; bring the active
+        composition (and a merged weight) up to date when it uses one of them."""
+        self._local.clear()
+        touched = slots & set(self._active.slots)
+        if self._merged_local is not None:
+            touched |= slots & set(self._merged_local.slots)
+        self._active_local = self.local_composition(self._active)
+        if touched:
             self._refresh()
 
     def set_active(
-        self, composition: Sequence[tuple[str, float]], cached: torch.Tensor | None = None
+        self, composition: CompositionLike, cached: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Make ``composition`` ``[(name, strength), ...]`` the active adapters (effective scale
-        ``strength * LoRAWeights.scale``; names not stored here are ignored; empty: LoRA off).
+        """Make ``composition`` the active (global) composition: a :class:`Composition`, or
+        ``[(name or slot, strength), ...]`` (names not stored here are left out; empty: LoRA
+        off). Slots that hold nothing here compute nothing.
 
         An unmerged layer stays unmerged; a merged one is re-merged from its snapshot (``cached``
-        as for :meth:`merge`), or unmerged when the composition is empty. A request overlay is
-        cleared.
+        as for :meth:`merge`) unless its part of the composition is the merged one already, or
+        unmerged when nothing of the composition is stored here.
 
         Returns:
             The new merged local weight when the layer was re-merged, else None.
@@ -247,101 +401,57 @@ class BaseLayerWithLoRA(nn.Module):
         Raises:
             ValueError: a strength that is not finite (nothing changes); errors of :meth:`merge`.
         """
-        comp = self._present(composition)
-        self._drop_overlay()
-        self._composition = comp
+        comp = self.composition(composition)
+        self._active = comp
+        self._active_local = self.local_composition(comp)
+        if self._merged_local is not None and self._active_local == self._merged_local:
+            return None  # the weight holds this layer's part already
         return self._refresh(cached)
 
-    def _present(self, composition: Sequence[tuple[str, float]]) -> list[tuple[str, float]]:
-        comp = []
-        for name, strength in composition:
-            strength = float(strength)
-            if not math.isfinite(strength):
-                raise ValueError(f"strength {strength} for adapter {name!r} is not finite")
-            if name in self._adapters:
-                comp.append((name, strength))
-        return comp
-
     def _refresh(self, cached: torch.Tensor | None = None) -> torch.Tensor | None:
-        self._rebuild()
-        if self._merged:
-            if not self._any_active:
+        if self.merged:
+            if not self._active_local:
                 self.unmerge()
             else:
                 return self.merge(cached=cached)
         return None
 
-    def _entries(self, composition: Sequence[tuple[str, float]] | None = None) -> list[Entry]:
-        """``(strength * scale, strength * offset_scale, local weights)`` of every shard of
-        ``composition`` (default: the active one), strength 0 skipped."""
-        out = []
-        for name, strength in self._composition if composition is None else composition:
-            if strength == 0.0:
-                continue
-            for w in self._adapters[name].values():
-                out.append((strength * w.scale, strength * w.offset_scale, w))
+    def _merge_terms(self, local: Composition) -> list[MergeTerm]:
+        """``(strength x scale, A, B, first row)`` of every shard of ``local``."""
+        s = self.slots
+        terms = []
+        for slot, strength in local:
+            for c in s.entry(slot).shards:
+                if not c.rank:
+                    continue
+                cols = slice(c.col, c.col + c.rank)
+                a = s.lora_a[slot, cols]
+                b = s.lora_b[slot, cols, c.row_start : c.row_start + c.rows].t()
+                terms.append((strength * c.scale, a, b, c.row_start))
+        return terms
+
+    def offset_sum(self, composition: CompositionLike | None = None) -> torch.Tensor | None:
+        """``sum strength x offset`` ``[out_local]`` (float32) of ``composition`` (default: the
+        active one) on this layer, or ``None`` when none of its adapters has an offset here."""
+        local = self._active_local if composition is None else self.local_composition(composition)
+        s = self.slots
+        if not self._has_offset(local):
+            return None
+        s.follow(self.base_layer.weight)
+        dev = s.lora_offset.device
+        out = torch.zeros(s.out_local, dtype=s.lora_offset.dtype, device=dev)
+        add_offset_delta(
+            out,
+            s.lora_offset,
+            s.offset_scale,
+            local.slot_tensor(dev),
+            local.strength_tensor(dev, s.lora_offset.dtype),
+        )
         return out
 
-    def _rebuild(self) -> None:
-        """Note that the active composition changed; the compiled form is rebuilt when needed."""
-        entries = self._entries()
-        self._any_active = bool(entries)
-        self._any_offset = any(w.offset is not None for _, _, w in entries)
-        self._a_cat = self._b_cat = self._offset = None
-        self._dirty = self._any_active
-
-    def compiled_lora(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """The fused form of the active composition: ``(A_cat [R, in_local], B_cat [out_local, R]
-        with strength * scale folded in, offset sum [out_local])``, weight dtype; ``None`` parts
-        when nothing is active / no offsets. Built on first use after a change."""
-        self._ensure_compiled()
-        return self._a_cat, self._b_cat, self._offset
-
-    def _ensure_compiled(self) -> None:
-        """Compile the active composition into ``A_cat``, block ``B_cat`` and the offset sum."""
-        if not self._dirty:
-            return
-        self._dirty = False
-        self._a_cat, self._b_cat, self._offset = compile_entries(
-            self._entries(), self.base_layer.weight
-        )
-
-    # ------------------------------------------------------------------ request overlay
-    @property
-    def overlay(self) -> list[tuple[str, float]] | None:
-        """The request composition run on top of a merged layer (:meth:`set_overlay`), or None."""
-        return None if self._overlay is None else list(self._overlay)
-
-    def set_overlay(self, composition: Sequence[tuple[str, float]]) -> None:
-        """Run ``composition`` for the next forwards without touching the (merged) weight.
-
-        The forward adds the difference ``delta(composition) - delta(active)`` as one fused
-        low-rank term (the active composition's adapters with negated strengths), so a
-        per-request composition on a merged layer costs no merge and no weight copy;
-        :meth:`clear_overlay` ends it. On an unmerged layer use :meth:`set_active` instead.
-
-        Raises:
-            ValueError: the layer is not merged, or a strength is not finite.
-        """
-        if not self._merged:
-            raise ValueError(f"module {self.prefix!r}: an overlay needs a merged layer")
-        comp = self._present(composition)
-        diff: dict[str, float] = dict(comp)
-        for name, strength in self._composition:
-            diff[name] = diff.get(name, 0.0) - strength
-        self._overlay = comp
-        # compiled in the forward, where the weights are on the execution device (with DiT
-        # offload the overlay is set while they are parked in host memory)
-        self._ov_entries = self._entries([(n, s) for n, s in diff.items() if s != 0.0])
-        self._ov = None
-
-    def clear_overlay(self) -> None:
-        """End the overlay of :meth:`set_overlay` (a no-op without one)."""
-        self._drop_overlay()
-
-    def _drop_overlay(self) -> None:
-        self._overlay = None
-        self._ov, self._ov_entries = (None, None, None), []
+    def _has_offset(self, local: Composition) -> bool:
+        s = self.slots
+        return s.lora_offset is not None and any(s.entry(k).has_offset for k in local.slots)
 
     # ------------------------------------------------------------------ merge
     def _can_swap(self, value: torch.Tensor) -> bool:
@@ -364,12 +474,13 @@ class BaseLayerWithLoRA(nn.Module):
     def merge(self, cached: torch.Tensor | None = None, safe: bool = False) -> torch.Tensor:
         """Merge the active composition: ``W' = W + sum_i strength_i * scale_i * B_i @ A_i``.
 
-        Computed in fp32 from the stored A/B, rounded once (:func:`compute.merged_weight`, chunked),
-        or ``cached`` (a tensor this method returned for the same composition) is used as is. The
-        parameter is pointed at the result (copied in instead when :meth:`_can_swap` says no); the
-        pre-merge weight stays as the snapshot :meth:`unmerge` restores bit-exactly (the base's own
-        storage on the weight's device, else a copy on ``snapshot_device``). Offsets are not
-        merged; a request overlay is cleared. ``safe``: refuse a non-finite result.
+        Computed in fp32 from the used columns of the composition's slots, rounded once
+        (:func:`compute.merged_weight`, chunked), or ``cached`` (a tensor this method returned
+        for the same composition) is used as is. The parameter is pointed at the result (copied
+        in instead when :meth:`_can_swap` says no); the pre-merge weight stays as the snapshot
+        :meth:`unmerge` restores bit-exactly (the base's own storage on the weight's device, else
+        a copy on ``snapshot_device``). Offsets are not merged. ``safe``: refuse a non-finite
+        result.
 
         Returns:
             The merged local weight ``[out_local, in_local]`` (safe to cache, never to write into).
@@ -378,7 +489,7 @@ class BaseLayerWithLoRA(nn.Module):
             ValueError: the layer cannot merge, ``cached`` does not match the weight, or ``safe``
                 and the result is not finite (the weight is left unchanged).
         """
-        module = self.prefix or type(self.base_layer).__name__
+        module = self._module()
         if not self.can_merge:
             raise ValueError(
                 f"module {module!r} cannot merge LoRA weights "
@@ -390,17 +501,18 @@ class BaseLayerWithLoRA(nn.Module):
                 f"module {module!r}: cached merged weight {list(cached.shape)} {cached.dtype} does "
                 f"not match the weight {list(weight.shape)} {weight.dtype}"
             )
-        self._drop_overlay()
-        if cached is None and not self._any_active:
-            if self._merged:
+        local = self._active_local
+        if cached is None and not local:
+            if self.merged:
                 self.unmerge()
             with torch.inference_mode(False), torch.no_grad():
                 return weight.detach().clone()
         with torch.inference_mode(False), torch.no_grad():
             if cached is None:
+                self.slots.follow(weight)
                 # already merged: the snapshot is the base (no unmerge copy needed)
-                base = self._snapshot.to(weight.device) if self._merged else weight.detach()
-                merged = merged_weight(base, self._entries(), _compute.MERGE_CHUNK_BYTES)
+                base = self._snapshot.to(weight.device) if self.merged else weight.detach()
+                merged = merged_weight(base, self._merge_terms(local), _compute.MERGE_CHUNK_BYTES)
                 del base
             else:
                 merged = cached.to(weight.device)
@@ -408,21 +520,21 @@ class BaseLayerWithLoRA(nn.Module):
                 raise ValueError(
                     f"module {module!r}: merged weight contains NaN or Inf; not merged"
                 )
-            if not self._merged:
+            if not self.merged:
                 device = self.snapshot_device or weight.device
                 old = weight.detach()
                 keep = old.device == device and self._can_swap(merged)
                 self._snapshot = old if keep else old.to(device, copy=True)
         self._set_weight(merged)
-        self._merged = True
+        self._merged_local = local
+        self._merged_offsets = self._has_offset(local)
         self.merges += 1
         return merged
 
     def unmerge(self) -> None:
         """Restore the pre-merge weight bit-exactly (its storage, or a copy from the snapshot
-        device). No-op if not merged. A request overlay is cleared."""
-        self._drop_overlay()
-        if not self._merged:
+        device). No-op if not merged."""
+        if not self.merged:
             return
         weight = self.base_layer.weight
         snap = self._snapshot
@@ -431,7 +543,7 @@ class BaseLayerWithLoRA(nn.Module):
                 snap = snap.to(weight.device)
         self._set_weight(snap)
         self._snapshot = None
-        self._merged = False
+        self._merged_local = None
 
     def commit_as_base(self) -> None:
         """Make the current composition part of the base weight: merge it if needed, drop the
@@ -444,89 +556,153 @@ class BaseLayerWithLoRA(nn.Module):
         """
         if not self.active:
             return
-        self._ensure_compiled()
-        if self._offset is not None and self.base_layer.bias is None:
+        offset = self.offset_sum()
+        if offset is not None and self.base_layer.bias is None:
             raise ValueError(
                 f"module {self.prefix!r}: cannot commit LoRA output offsets to a layer without bias"
             )
-        if not self._merged:
+        if not self.merged:
             self.merge()
-        if self._offset is not None:
+        if offset is not None:
             bias = self.base_layer.bias
             with torch.inference_mode():
                 # every rank keeps its rows; Row layers add the bias once, like the offset
-                bias.copy_((bias.float() + self._offset.float()).to(bias.dtype))
+                bias.copy_((bias.to(offset.dtype) + offset.to(bias.device)).to(bias.dtype))
         weight = self.base_layer.weight
         if self._can_swap(weight):
             with torch.inference_mode(weight.is_inference()), torch.no_grad():
                 # the merged tensor may be shared with the merge cache: the base owns a copy
                 self._set_weight(weight.detach().clone())
         self._snapshot = None
-        self._merged = False
-        self._composition = []
-        self._rebuild()
+        self._merged_local = None
+        self._active = self._active_local = Composition.EMPTY
 
     # ------------------------------------------------------------------ forward
-    def _adds_offset_here(self) -> bool:
+    def _exact_weight(self) -> torch.Tensor:
+        """The base weight without any merged delta: the snapshot while merged."""
+        if not self.merged:
+            return self.base_layer.weight
+        weight = self.base_layer.weight
+        snap = self._snapshot
+        return snap if snap.device == weight.device else snap.to(weight.device)
+
+    def _add_delta(self, x_local: torch.Tensor | None, y: torch.Tensor, local: Composition) -> None:
+        """``y += delta(local)`` (``x_local=None``: its offsets alone), offsets on the rank that
+        adds the bias."""
+        s = self.slots
+        s.follow(self.base_layer.weight)
+        dev = y.device
+        slots = local.slot_tensor(dev)
+        strengths = local.strength_tensor(dev, s.col_scale.dtype)
+        if x_local is not None and s.width:
+            add_lora_delta(y, x_local, s.lora_a, s.lora_b, s.col_scale, slots, strengths)
+        if s.lora_offset is not None and self.base_layer._bias_on_this_rank():
+            add_offset_delta(y, s.lora_offset, s.offset_scale, slots, strengths)
+
+    def _rows_out(
+        self, x_local: torch.Tensor, local: Composition, bias, weight: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The local output of rows whose composition's part here is ``local``: the merged
+        weight alone when ``local`` is what is merged, else the exact base weight plus its
+        delta."""
         base = self.base_layer
-        return base._bias_on_this_rank()  # Row: only the rank that adds the bias
+        if self._merged_local is not None and local == self._merged_local:
+            y = base.apply_gemm(x_local, bias)
+            if self._merged_offsets:  # offsets are never merged into the weight
+                self._add_delta(None, y, local)
+            return y
+        y = base.apply_gemm(x_local, bias, self._exact_weight() if weight is None else weight)
+        if local:
+            self._add_delta(x_local, y, local)
+        return y
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Same contract as ``base_layer.forward``: ``x`` -> ``(output, output_bias)``.
 
-        Terms added to the base GEMM, with ``s`` the runtime scale: unmerged,
-        ``s * delta(active)``; merged, ``(s - 1) * delta(active)``; with a request overlay also
-        ``s * (delta(request) - delta(active))``; offsets at ``s`` (never merged).
+        Rows use the compositions of ``lora_context.mapping`` (``None``: the active one).
+
+        Raises:
+            ValueError: the mapping has several compositions and the input's leading dimension
+                is not its row count (the message names the module).
         """
-        plan = current_row_plan()
-        if plan is not None and self._adapters and any(r is not None for r in plan.rows):
-            return self._forward_rows(x, plan)
-        overlay = self._overlay is not None
-        if not self._any_active and not overlay:
-            return self.base_layer(x)
-        s = get_runtime_lora_scale()
-        coef = s - 1.0 if self._merged else s
-        if self._merged and coef == 0.0 and not self._any_offset and not overlay:
-            return self.base_layer(x)
-        self._ensure_compiled()
-        base = self.base_layer
-        x_local = base.parallel_input(x)
-        y = base.apply_gemm(x_local, base.gemm_bias())
-        y2 = y.view(-1, y.shape[-1])
-        terms = [(self._a_cat, self._b_cat, coef)]
-        if self._ov is None:
-            self._ov = compile_entries(self._ov_entries, self.base_layer.weight)
-        ov_a, ov_b, ov_offset = self._ov
-        if overlay:
-            terms.append((ov_a, ov_b, s))
-        for a_cat, b_cat, c in terms:
-            if a_cat is not None and c != 0.0:
-                h = linear_rows_invariant(x_local, a_cat)  # [..., R]
-                addmm_rows_invariant_(y2, h.view(-1, h.shape[-1]), b_cat.t(), alpha=c)
-        if s != 0.0 and self._adds_offset_here():
-            for off in (self._offset, ov_offset if overlay else None):
-                if off is not None:
-                    y.add_(off, alpha=s)
-        return base.package_output(base.reduce_output(y))
+        mapping: RowMapping | None = self.lora_context.mapping
+        if mapping is None or mapping.uniform:
+            comp = self._active if mapping is None else mapping.groups[0].composition
+            local = self._active_local if mapping is None else self.local_composition(comp)
+            if (not local and not self.merged) or (
+                self._merged_local is not None
+                and local == self._merged_local
+                and not self._merged_offsets
+            ):
+                return self.base_layer(x)
+            base = self.base_layer
+            x_local = base.parallel_input(x)
+            y = self._rows_out(x_local, local, base.gemm_bias(), None)
+            return base.package_output(base.reduce_output(y))
+        return self._forward_groups(x, mapping)
 
-    def _forward_rows(
-        self, x: torch.Tensor, plan: RowPlan
+    def _forward_groups(
+        self, x: torch.Tensor, mapping: RowMapping
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward with per-row compositions (:mod:`.rows`): one base GEMM, one LoRA GEMM
-        pair over the union of the rows' adapters with per-row coefficients."""
+        """The rows of several compositions, one collective for all.
+
+        When every row needs the same weight (the exact base weight; or the merged one, its
+        composition being every group's part here) the base GEMM runs once over the batch and
+        each group's delta is added on its rows; otherwise each group runs its own GEMM. A
+        group's rows are a slice when consecutive, else ``index_select``-ed and written back
+        with ``index_copy_``. The GEMMs are row-invariant, so a row's output is the row's output
+        alone either way."""
+        if x.dim() < 2 or x.shape[0] != mapping.rows:
+            lead = x.shape[0] if x.dim() else 0
+            raise ValueError(
+                f"module {self._module()!r}: input with leading dimension {lead} does not match "
+                f"the LoRA row mapping of {mapping.rows} rows (the leading dimension must be the "
+                "row index)"
+            )
         base = self.base_layer
         x_local = base.parallel_input(x)
-        y = base.apply_gemm(x_local, base.gemm_bias())
-        row_delta(self, plan, x_local, y, get_runtime_lora_scale())
+        bias = base.gemm_bias()
+        merged = self._merged_local
+        groups = mapping.groups
+        locals_ = [self.local_composition(g.composition) for g in groups]
+        on_merged = [merged is not None and local == merged for local in locals_]
+        if all(on_merged) or not any(on_merged):
+            y = base.apply_gemm(x_local, bias, None if all(on_merged) else self._exact_weight())
+            for group, local, m in zip(groups, locals_, on_merged):
+                if local and (not m or self._merged_offsets):
+                    self._delta_on_rows(None if m else x_local, y, group, local)
+            return base.package_output(base.reduce_output(y))
+        exact = self._exact_weight()
+        y = None
+        for group, local in zip(groups, locals_):
+            if group.span is not None:
+                xg = x_local[group.span[0] : group.span[1]]
+            else:
+                xg = x_local.index_select(0, group.index(x_local.device))
+            yg = self._rows_out(xg, local, bias, exact)
+            if y is None:
+                y = yg.new_empty((x_local.shape[0], *yg.shape[1:]))
+            if group.span is not None:
+                y[group.span[0] : group.span[1]].copy_(yg)
+            else:
+                y.index_copy_(0, group.index(y.device), yg)
         return base.package_output(base.reduce_output(y))
 
-    def drop_row_cache(self) -> None:
-        """Free the union form compiled for the last mixed-composition batch (``rows.py``); the
-        next one compiles it again."""
-        self._rows_cache = None
+    def _delta_on_rows(
+        self, x_local: torch.Tensor | None, y: torch.Tensor, group, local: Composition
+    ) -> None:
+        """``y[group's rows] += delta(local)`` (``x_local=None``: offsets alone)."""
+        if group.span is not None:
+            lo, hi = group.span
+            self._add_delta(None if x_local is None else x_local[lo:hi], y[lo:hi], local)
+            return
+        idx = group.index(y.device)
+        yg = y.index_select(0, idx)
+        self._add_delta(None if x_local is None else x_local.index_select(0, idx), yg, local)
+        y.index_copy_(0, idx, yg)
 
     def extra_repr(self) -> str:
         return (
-            f"adapters={self.adapter_names}, active={self._composition}, merged={self._merged}, "
-            f"overlay={self._overlay}"
+            f"adapters={self.adapter_names}, active={self._active}, merged={self.merged}, "
+            f"slots={self.slots.capacity}x{self.slots.width}"
         )

@@ -1,4 +1,5 @@
-"""The unit the LoRA runtime hands to a LoRA layer: one (A, B) pair for one shard of one module."""
+"""The unit the LoRA runtime hands to a LoRA layer: one (A, B) pair for one shard of one module,
+and the checks a layer runs before storing one."""
 
 from __future__ import annotations
 
@@ -65,18 +66,71 @@ class LoRAWeights:
         return self.scale * (self.lora_B.float() @ self.lora_A.float())
 
 
-def own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A contiguous normal (non-inference) tensor on ``device`` that owns its storage."""
-    with torch.inference_mode(False), torch.no_grad():
-        out = t.detach().to(device=device)
-        if out.data_ptr() == t.data_ptr() or not out.is_contiguous() or out.is_inference():
-            out = out.clone(memory_format=torch.contiguous_format)
-        return out
-
-
 def _check_finite(t: torch.Tensor, what: str, module: str) -> None:
     if not all_finite(t):
         raise ValueError(f"LoRA {what} for module {module!r} contains NaN or Inf")
+
+
+def _amax(t: torch.Tensor) -> float:
+    """``max |t|`` as a Python float (0 for an empty tensor); NaN/Inf propagate."""
+    if not t.numel():
+        return 0.0
+    lo, hi = torch.aminmax(t.detach())
+    return max(abs(float(lo)), abs(float(hi)))
+
+
+def check_range(
+    w: LoRAWeights, dtype: torch.dtype, in_features: int, where: str, module: str
+) -> None:
+    """Refuse a pair whose numbers overflow where the layer uses them, in compute dtype ``dtype``.
+
+    * every value of ``A``, ``B`` and the offset must be finite once cast to ``dtype``;
+    * the scale ``alpha / r`` (and the offset's multiplier) must be finite in float32 (the
+      per-column scales are float32);
+    * ``max|A| x in_features`` (the most ``x A^T`` can grow per unit of input) and
+      ``max|scale x B| x r`` (the most the up projection can grow per unit of ``h``) must not
+      exceed ``dtype``'s largest finite value.
+
+    So an adapter with ``A ~ 1e37`` over 64 inputs is refused in float32 (``6.4e38 > 3.4e38``),
+    while ``A ~ 1e30``, ``B ~ 1e-30`` is accepted.
+
+    Raises:
+        ValueError: prefixed with ``where`` (adapter, module, shard), naming the tensor
+            (``lora_A``, ``lora_B``, ``alpha``, ``offset``).
+    """
+    top = torch.finfo(dtype).max if dtype.is_floating_point else torch.finfo(torch.float32).max
+    f32 = torch.finfo(torch.float32).max
+    kind = str(dtype).removeprefix("torch.")
+    scale = float(w.scale)
+    if not abs(scale) <= f32:
+        raise ValueError(
+            f"{where}: alpha: the scale alpha / r = {scale:g} of module {module!r} is not finite "
+            "in float32"
+        )
+    for what, t in (("lora_A", w.lora_A), ("lora_B", w.lora_B), ("offset", w.offset)):
+        if t is not None and t.is_floating_point() and not all_finite(t.to(dtype)):
+            raise ValueError(
+                f"{where}: {what} of module {module!r} overflows {kind} (largest |value| "
+                f"{_amax(t):g})"
+            )
+    a_peak = _amax(w.lora_A) * in_features
+    if not a_peak <= top:
+        raise ValueError(
+            f"{where}: lora_A of module {module!r} is too large for {kind}: max|A| = "
+            f"{_amax(w.lora_A):g} times {in_features} inputs is {a_peak:g}, over {top:g}"
+        )
+    b_peak = abs(scale) * _amax(w.lora_B) * max(1, w.rank)
+    if not b_peak <= top:
+        raise ValueError(
+            f"{where}: lora_B of module {module!r} is too large for {kind}: max|scale x B| x rank "
+            f"= {b_peak:g}, over {top:g}"
+        )
+    if w.offset is not None:
+        oscale = w.effective_offset_scale
+        if not abs(oscale) <= f32 or not abs(oscale) * _amax(w.offset) <= top:
+            raise ValueError(
+                f"{where}: offset of module {module!r} times its scale {oscale:g} overflows {kind}"
+            )
 
 
 def check_weights(w: LoRAWeights, full_rows: int, in_size: int, where: str, module: str) -> None:

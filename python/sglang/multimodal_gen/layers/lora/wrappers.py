@@ -73,7 +73,7 @@ def wrap_with_lora(layer: nn.Module, **kwargs) -> BaseLayerWithLoRA:
 
     Args:
         layer: a :class:`ParallelLinear` subclass instance.
-        kwargs: passed to the wrapper (``snapshot_device``).
+        kwargs: passed to the wrapper (``snapshot_device``, ``lora_context``).
 
     Raises:
         TypeError: ``layer`` is not a known :class:`ParallelLinear` type.

@@ -38,7 +38,6 @@ from sglang.multimodal_gen.configs.zimage import ZImageArchConfig
 from sglang.multimodal_gen.distributed import get_sp_world_size, get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
-from sglang.multimodal_gen.layers.lora.rows import lora_row_tokens
 from sglang.multimodal_gen.layers.norm import RMSNorm
 from sglang.multimodal_gen.layers.rotary import MultiAxisRope
 from sglang.multimodal_gen.models.dits.zimage_layers import (
@@ -105,6 +104,17 @@ def _pad_batch(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | N
         out[i, : s.shape[0]] = s
         mask[i, : s.shape[0]] = True
     return out, mask
+
+
+def _per_item(layer: nn.Module, items: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``layer`` (a linear layer) on each item's ``[L_i, in]`` tokens, run as ONE ``[B, Lmax, in]``
+    input (the items stacked, zero-padded to the longest, the padding cut off again), so the
+    input's leading dimension is the item: a per-row LoRA composition of the batch applies to
+    each item's own tokens. Each output row is the row computed on its own (row-invariant GEMMs),
+    so the numbers equal those of the items concatenated."""
+    stacked, _ = _pad_batch(items)
+    out = layer(stacked)[0]
+    return [out[i, : t.shape[0]] for i, t in enumerate(items)]
 
 
 def _round_up(n: int, m: int) -> int:
@@ -205,10 +215,9 @@ class ZImageTransformer(nn.Module):
         if min(lens) == 0:
             raise ValueError("a caption has zero tokens")
         norm, lin = self.cap_embedder
-        with lora_row_tokens(lens):  # items concatenated: tell per-row LoRA which rows are whose
-            emb = lin(norm(torch.cat(cap_feats, 0)))[0]
+        emb = _per_item(lin, list(norm(torch.cat(cap_feats, 0)).split(lens, 0)))
         seqs, cis_l, plens = [], [], []
-        for e, n in zip(emb.split(lens, 0), lens):
+        for e, n in zip(emb, lens):
             c = _round_up(n, self.cfg.SEQ_MULTI_OF)
             if c > n:
                 e = torch.cat([e, self.cap_pad_token.expand(c - n, -1)], 0)
@@ -290,10 +299,9 @@ class ZImageTransformer(nn.Module):
             patches.append(tok)
             grids.append(grid)
             nlens.append(tok.shape[0])
-        with lora_row_tokens(nlens):
-            emb = self.all_x_embedder[key](torch.cat(patches, 0))[0]
+        emb = _per_item(self.all_x_embedder[key], patches)
         seqs, cis_l, xlens = [], [], []
-        for i, (e, n, grid) in enumerate(zip(emb.split(nlens, 0), nlens, grids)):
+        for i, (e, n, grid) in enumerate(zip(emb, nlens, grids)):
             xl = _round_up(n, self.cfg.SEQ_MULTI_OF)
             if xl > n:
                 e = torch.cat([e, self.x_pad_token.expand(xl - n, -1)], 0)
