@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
+import sglang.multimodal_gen.lora.safetensors_io as safetensors_io
 from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError, SGLangError
 from sglang.multimodal_gen.hub import cached_snapshot, hf_hub_cache_dir
-from sglang.multimodal_gen.lora import safetensors_io
 from sglang.multimodal_gen.lora.peft_config import check_config_depth
 from sglang.multimodal_gen.lora.safetensors_io import json_kind, read_config
 

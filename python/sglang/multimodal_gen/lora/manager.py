@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+import sglang.multimodal_gen.lora.report as report
 from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.layers.lora import BaseLayerWithLoRA, LoRAContext
-from sglang.multimodal_gen.lora import report
 from sglang.multimodal_gen.lora.adapters import Adapter, AdapterStore
 from sglang.multimodal_gen.lora.compose import Composer
 from sglang.multimodal_gen.lora.merge_cache import MergeCache

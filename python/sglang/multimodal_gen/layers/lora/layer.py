@@ -30,8 +30,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+import sglang.multimodal_gen.layers.lora.compute as _compute
 from sglang.multimodal_gen.layers.linear import ParallelLinear, ShardId
-from sglang.multimodal_gen.layers.lora import compute as _compute
 from sglang.multimodal_gen.layers.lora.composition import Composition, LoRAContext, RowMapping
 from sglang.multimodal_gen.layers.lora.compute import (
     MergeTerm,
