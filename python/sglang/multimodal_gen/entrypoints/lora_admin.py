@@ -48,8 +48,8 @@ def add_lora_routes(app: FastAPI, ctx: RouteContext, targets: tuple[str, ...]) -
 
     async def set_lora(request: Request):
         req = parse_json_body(await ctx.read_body(request), SetLoRARequest)
-        kwargs = validate_set_lora(req, targets)
-        result = await ctx.wait_for(ctx.scheduler.submit_call("set_lora", **kwargs))
+        args = validate_set_lora(req, targets)
+        result = await ctx.wait_for(ctx.scheduler.submit_call("set_lora", args))
         names = req.lora_nickname if isinstance(req.lora_nickname, list) else [req.lora_nickname]
         return _status(f"active on target {req.target!r}: {', '.join(names)}", result)
 

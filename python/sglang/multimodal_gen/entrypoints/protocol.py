@@ -417,16 +417,15 @@ def validate_target(target: str, valid_targets: tuple[str, ...] | list[str]) -> 
     return check_target(target, valid_targets)
 
 
-def validate_set_lora(req: SetLoRARequest, valid_targets: tuple[str, ...] | list[str]) -> dict:
-    """Check a ``set_lora`` body; return the keyword arguments for ``engine.set_lora``.
+def validate_set_lora(req: SetLoRARequest, valid_targets: tuple[str, ...] | list[str]):
+    """Check a ``set_lora`` body and normalise it, once, for ``engine.set_lora``.
 
     The rules are :func:`~sglang.multimodal_gen.lora.requests.normalize_set_lora`'s: a scalar or a
     one-element list applies to every nickname, other lists need one entry per nickname, and a
     nickname may appear once per target.
 
     Returns:
-        ``lora_nickname``, ``lora_path``, ``target``, ``strength`` as lists with one entry per
-        nickname, and ``merge_mode``.
+        ``SetLoRAArgs``: one entry per nickname in every list.
 
     Raises:
         InvalidRequestError: naming the field and the mismatch (``param`` is the field).
@@ -438,4 +437,4 @@ def validate_set_lora(req: SetLoRARequest, valid_targets: tuple[str, ...] | list
         req.strength,
         req.merge_mode,
         valid_targets=valid_targets,
-    ).engine_kwargs()
+    )

@@ -44,6 +44,7 @@ from sglang.multimodal_gen.lora.per_request import LoRASelection, select
 from sglang.multimodal_gen.lora.requests import (
     ALL_TARGETS,
     MERGE_MODES,
+    SetLoRAArgs,
     check_target,
     normalize_set_lora,
 )
@@ -296,10 +297,27 @@ class LoRAManager:
                 memory bound. NotFoundError: a nickname without path that is not loaded.
             On any error nothing changes (weights bit-identical, same adapters loaded).
         """
-        self.savepoints.check_usable()
         args = normalize_set_lora(
             nicknames, paths, targets, strengths, merge_mode, valid_targets=self.target_names
         )
+        return self.apply_set_lora(args, sources=sources, _activate=_activate)
+
+    def apply_set_lora(
+        self,
+        args: SetLoRAArgs,
+        *,
+        sources: Mapping[str, Any] | None = None,
+        _activate: bool = True,
+    ) -> dict[str, Any]:
+        """:meth:`set_lora` with arguments normalised once, where they entered (the engine or
+        the HTTP layer: :func:`~sglang.multimodal_gen.lora.requests.normalize_set_lora`).
+
+        Raises:
+            As :meth:`set_lora`; a target that is not one of this model's (``param="target"``).
+        """
+        self.savepoints.check_usable()
+        for target in args.targets:
+            check_target(target, self.target_names)
         names, strength_list = args.nicknames, args.strengths
         mode = args.merge_mode or self.default_merge_mode
         new_comp: dict[str, list[tuple[str, float]]] = {}

@@ -112,16 +112,6 @@ class SetLoRAArgs:
     strengths: list[float]
     merge_mode: str | None
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``DiffusionEngine.set_lora``."""
-        return {
-            "lora_nickname": list(self.nicknames),
-            "lora_path": list(self.paths),
-            "target": list(self.targets),
-            "strength": list(self.strengths),
-            "merge_mode": self.merge_mode,
-        }
-
 
 def _spread(value: Any, param: str, n: int) -> list:
     if isinstance(value, (list, tuple)):

@@ -23,7 +23,7 @@ from sglang.multimodal_gen.configs.sampling_params import RequestSpec, SamplingP
 from sglang.multimodal_gen.engine_ops import get_op
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.layers.attention import check_attention_backend
-from sglang.multimodal_gen.lora.requests import normalize_set_lora
+from sglang.multimodal_gen.lora.requests import SetLoRAArgs, normalize_set_lora
 from sglang.multimodal_gen.runtime.error_transport import unpack_error
 from sglang.multimodal_gen.runtime.executors import (
     Executor,
@@ -289,7 +289,7 @@ class DiffusionEngine:
 
     def set_lora(
         self,
-        lora_nickname: str | Sequence[str],
+        lora_nickname: str | Sequence[str] | SetLoRAArgs,
         lora_path: str | Sequence[str | None] | None = None,
         target: str | Sequence[str] = "all",
         strength: float | Sequence[float] = 1.0,
@@ -301,25 +301,21 @@ class DiffusionEngine:
 
         Arguments follow :func:`~sglang.multimodal_gen.lora.requests.normalize_set_lora`: a
         scalar or one-element list applies to every nickname, other lists need one entry per
-        nickname, a nickname appears once per target. ``trusted=True`` (the operator's own
-        startup ``--lora-path``) reads local paths outside ``lora_dirs`` too. At TP > 1 rank 0
-        reads the files and sends their contents to every rank; the change applies on every rank
-        or on none. Returns the manager's JSON-able summary. Raises
-        ``InvalidRequestError``/``NotFoundError``/``LoRAFormatError``.
+        nickname, a nickname appears once per target; they are normalised here, once (a
+        ``SetLoRAArgs`` already normalised, as the HTTP layer sends it, is taken as is).
+        ``trusted=True`` (the operator's own startup ``--lora-path``) reads local paths outside
+        ``lora_dirs`` too. At TP > 1 rank 0 reads the files and sends their contents to every
+        rank; the change applies on every rank or on none. Returns the manager's JSON-able
+        summary. Raises ``InvalidRequestError``/``NotFoundError``/``LoRAFormatError``.
         """
-        args = normalize_set_lora(
-            lora_nickname, lora_path, target, strength, merge_mode,
-            valid_targets=self.lora_targets,
-        )  # fmt: skip
-        return self._call(
-            "set_lora",
-            nicknames=args.nicknames,
-            paths=args.paths,
-            targets=args.targets,
-            strengths=args.strengths,
-            merge_mode=args.merge_mode,
-            trusted=bool(trusted),
-        )
+        if isinstance(lora_nickname, SetLoRAArgs):
+            args = lora_nickname
+        else:
+            args = normalize_set_lora(
+                lora_nickname, lora_path, target, strength, merge_mode,
+                valid_targets=self.lora_targets,
+            )  # fmt: skip
+        return self._call("set_lora", args=args, trusted=bool(trusted))
 
     def unset_lora(self, target: str = "all") -> Any:
         """Deactivate the adapters of ``target`` (they stay loaded)."""

@@ -236,7 +236,7 @@ class ModelRunner:
         kwargs = dict(kwargs)
         trusted = bool(kwargs.pop("trusted", False))
         kwargs["sources"] = self._read_sources(
-            kwargs.get("nicknames") or (), kwargs.get("paths") or (), trusted
+            kwargs["args"].nicknames, kwargs["args"].paths, trusted
         )
         return kwargs
 
@@ -393,21 +393,12 @@ class ModelRunner:
     def _count_step(self, step_index: int, seconds: float) -> None:
         self.steps.value += 1  # unlocked: one writer process; a lost count in a batch is harmless
 
-    def cmd_set_lora(
-        self,
-        nicknames,
-        paths,
-        targets,
-        strengths,
-        merge_mode=None,
-        sources=None,
-        trusted=False,
-    ):
+    def cmd_set_lora(self, args, sources=None, trusted=False):
+        """``set_lora`` with normalised arguments (``SetLoRAArgs``); ``sources``: the files'
+        contents read by rank 0 (:meth:`prepare`), else they are read here."""
         if sources is None:
-            sources = self._read_sources(nicknames, paths, trusted)
-        return self.lora_manager.set_lora(
-            nicknames, paths, targets, strengths, merge_mode, sources=sources
-        )
+            sources = self._read_sources(args.nicknames, args.paths, trusted)
+        return self.lora_manager.apply_set_lora(args, sources=sources)
 
     def cmd_unset_lora(self, target="all"):
         return self.lora_manager.unset_lora(target)
