@@ -82,12 +82,12 @@ def test_float32_matmul_precision_values_checked(tiny_zimage_dir, monkeypatch):
     with pytest.raises(ValueError, match="float32_matmul_precision"):
         ModelRunner(tiny_zimage_dir, float32_matmul_precision="low")
     # a multi-process engine refuses bad kernel settings before it starts any worker
-    import sglang.multimodal_gen.runtime.engine as engine_mod
+    import sglang.multimodal_gen.runtime.executors as executors_mod
 
     def no_spawn(*a, **k):
         raise AssertionError("workers were started for a refused setting")
 
-    monkeypatch.setattr(engine_mod, "spawn_workers", no_spawn)
+    monkeypatch.setattr(executors_mod, "spawn_workers", no_spawn)  # the engine's executors
     with pytest.raises(ValueError, match="float32_matmul_precision"):
         DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu", float32_matmul_precision="low")
     with pytest.raises(ValueError, match="--attention-backend"):
