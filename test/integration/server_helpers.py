@@ -194,13 +194,16 @@ class FakeEngine:
         trusted=False,
     ):
         from sglang.multimodal_gen.lora.loading import load_lora_state_dict
-        from sglang.multimodal_gen.lora.requests import normalize_set_lora
+        from sglang.multimodal_gen.lora.requests import SetLoRAArgs, normalize_set_lora
 
         with self._exclusive("set_lora"):
-            args = normalize_set_lora(
-                lora_nickname, lora_path, target, strength, merge_mode,
-                valid_targets=self.lora_targets,
-            )  # fmt: skip
+            if isinstance(lora_nickname, SetLoRAArgs):  # normalised by the HTTP layer
+                args = lora_nickname
+            else:
+                args = normalize_set_lora(
+                    lora_nickname, lora_path, target, strength, merge_mode,
+                    valid_targets=self.lora_targets,
+                )  # fmt: skip
             names, paths, strengths = args.nicknames, args.paths, args.strengths
             new_loaded = dict(self.loaded)
             for name, path in zip(names, paths):

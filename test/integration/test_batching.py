@@ -131,7 +131,7 @@ def test_unknown_adapter_fails_its_requests_alone(tiny_zimage_dir):
     """An adapter that is not loaded fails the requests that name it, each with its
     ``NotFoundError``; the batch's other requests get their images (``cmd_generate_batch``: a
     request whose adapters are invalid fails alone)."""
-    from sglang.multimodal_gen.runtime.worker import unpack_error
+    from sglang.multimodal_gen.runtime.error_transport import unpack_error
 
     runner = ModelRunner(tiny_zimage_dir)
     reqs = [runner.spec.resolve(r) for r in _zimage_requests()[:2]]

@@ -3,9 +3,9 @@
 Two random adapters (peft-style keys on every linear layer of the diffusers transformer, embedders
 and final layers included, non-zero ``lora_A``/``lora_B``) are loaded; a batch mixes rows with the
 global composition, no LoRA, ``a`` alone, ``b`` alone and ``a + b`` at other strengths. Reference:
-the same runner generating each request alone (``cmd_generate``, which applies the request's
-composition to the layers). Measured (fp32, torch 2.13 CPU): every row >= 83 dB against its
-single run (most bit-equal), for all four families, unmerged and merged; bar 45 dB. The same
+the same runner generating each request alone (``cmd_generate``: the request's adapters selected
+for its rows, nothing applied to the layers). Measured (fp32, torch 2.13 CPU): every row >= 83 dB
+against its single run (most bit-equal), for all four families, unmerged and merged; bar 45 dB. The same
 request under two compositions is 12.5-28 dB apart, so a row that saw another row's adapters
 fails.
 """
@@ -20,6 +20,8 @@ import torch
 from fixtures.tiny_models import count_dit_calls, output_pixels, psnr
 from safetensors.torch import save_file
 from sglang.multimodal_gen.errors import NotFoundError
+from sglang.multimodal_gen.layers.lora.composition import lora_context_of
+from sglang.multimodal_gen.lora.requests import normalize_set_lora
 from sglang.multimodal_gen.runtime import SamplingParams
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
@@ -54,7 +56,7 @@ def _runner(model_dir, tmp_path, merged: bool) -> ModelRunner:
     a = _random_lora(model_dir, str(tmp_path / "a"), seed=1)
     b = _random_lora(model_dir, str(tmp_path / "b"), seed=2)
     runner.cmd_set_lora(
-        ["a", "b"], [a, b], "all", [0.5, 0.7], merge_mode="merge" if merged else None
+        normalize_set_lora(["a", "b"], [a, b], "all", [0.5, 0.7], "merge" if merged else None)
     )
     return runner
 
@@ -96,12 +98,16 @@ def test_zimage_mixed_compositions(tiny_zimage_dir, tmp_path, merged):
     assert out[0][0] and out[2][0]
     assert not out[1][0] and out[1][1]["type"] == NotFoundError.__name__, out[1][1]
     assert psnr(output_pixels(out[0][1]), output_pixels(runner.cmd_generate(reqs[0]))) >= MIN_PSNR
-    # the union forms are per batch: none is left on the layers afterwards
-    layers = [m for m in runner.pipeline.transformer.modules() if hasattr(m, "drop_row_cache")]
-    assert layers and all(m._rows_cache is None for m in layers)
+    # the row mappings are per batch: none is left on the layers afterwards, and a request of
+    # the global composition is served as before the batch
+    layers = [m for m in runner.pipeline.transformer.modules() if lora_context_of(m) is not None]
+    assert layers and all(lora_context_of(m).mapping is None for m in layers)
+    global_row = output_pixels(runner.cmd_generate(reqs[2]))
+    assert psnr(output_pixels(out[2][1]), global_row) >= MIN_PSNR
     if merged:
         return
-    # with per-expert offload an unknown adapter still fails its own request only (the expert switch is a no-op on this one-expert CPU model)
+    # with per-expert offload an unknown adapter still fails its own request only (the expert
+    # switch is a no-op on this one-expert CPU model)
     runner.per_expert_offload = True
     runner._activate_expert = lambda module: None
     out = runner.cmd_generate_batch(reqs)

@@ -348,7 +348,7 @@ def test_adapters_per_call_are_bounded(files):
         return parse_json_body(json.dumps(body).encode(), ImageGenerationRequest)
 
     # the HTTP routes' validation
-    assert len(validate_set_lora(set_lora_body(N), targets)["lora_nickname"]) == N
+    assert len(validate_set_lora(set_lora_body(N), targets).nicknames) == N
     assert len(image_job(generation_body(N), spec).params.lora) == N
     for call, param, n in (
         (lambda n: validate_set_lora(set_lora_body(n), targets), "lora_nickname", 10_000),

@@ -268,25 +268,27 @@ def test_server_spec_tightens_with_the_servers_bounds():
 
 def test_validate_set_lora():
     targets = ("all", "transformer")
-    kw = validate_set_lora(SetLoRARequest(lora_nickname="a", lora_path="/x.safetensors"), targets)
-    assert kw == {
-        "lora_nickname": ["a"],
-        "lora_path": ["/x.safetensors"],
-        "target": ["all"],
-        "strength": [1.0],
-        "merge_mode": None,
-    }
-    kw = validate_set_lora(
+    from sglang.multimodal_gen.lora.requests import SetLoRAArgs
+
+    args = validate_set_lora(SetLoRARequest(lora_nickname="a", lora_path="/x.safetensors"), targets)
+    assert args == SetLoRAArgs(
+        nicknames=["a"],
+        paths=["/x.safetensors"],
+        targets=["all"],
+        strengths=[1.0],
+        merge_mode=None,
+    )
+    args = validate_set_lora(
         SetLoRARequest(lora_nickname=["a", "b"], lora_path=[None, "b"], strength=[1, 0.5]), targets
     )
-    assert kw["strength"] == [1.0, 0.5]
+    assert args.strengths == [1.0, 0.5]
     # a scalar or a one-element list applies to every nickname
-    kw = validate_set_lora(
+    args = validate_set_lora(
         SetLoRARequest(lora_nickname=["a", "b"], lora_path="p", strength=[0.5]), targets
     )
-    assert kw["lora_path"] == ["p", "p"] and kw["strength"] == [0.5, 0.5]
-    kw = validate_set_lora(SetLoRARequest(lora_nickname=["a", "b"], lora_path=["p"]), targets)
-    assert kw["lora_path"] == ["p", "p"]
+    assert args.paths == ["p", "p"] and args.strengths == [0.5, 0.5]
+    args = validate_set_lora(SetLoRARequest(lora_nickname=["a", "b"], lora_path=["p"]), targets)
+    assert args.paths == ["p", "p"]
     validate_set_lora(SetLoRARequest(lora_nickname=["a"], lora_path="a"), targets)
     for bad, param, needle in (
         (dict(lora_nickname=[]), "lora_nickname", "at least one"),
