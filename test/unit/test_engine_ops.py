@@ -19,6 +19,7 @@ from sglang.multimodal_gen.entrypoints.images import add_image_routes
 from sglang.multimodal_gen.entrypoints.lora_admin import add_lora_routes
 from sglang.multimodal_gen.entrypoints.routing import endpoint_label
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
+from sglang.multimodal_gen.lora.requests import SetLoRAArgs
 from sglang.multimodal_gen.runtime.engine import DiffusionEngine
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
@@ -111,7 +112,7 @@ def _runner():
         ("unset_lora", {"target": "all"}, 1, 1),
         ("merge_lora_weights", {"target": "all"}, 1, 1),
         ("unload_lora", {"nickname": "a"}, 1, 1),
-        ("set_lora", {"nicknames": ["a"], "paths": [None], "targets": ["all"], "strengths": [1.0]}, 1, 1),
+        ("set_lora", {"args": SetLoRAArgs(["a"], [None], ["all"], [1.0], None)}, 1, 1),
     ],
 )  # fmt: skip
 def test_read_only_commands_never_move_weights(op, kwargs, moves, dirty):
