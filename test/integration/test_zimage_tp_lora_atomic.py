@@ -25,7 +25,8 @@ def _rank1_fails(runner, rank):
     if rank != 1:
         return
     manager = runner.lora_manager
-    apply = manager._apply
+    composer = manager.composer
+    apply = composer.apply
 
     def failing_apply(tname, comp, mode, *args, **kwargs):
         apply(tname, comp, mode, *args, **kwargs)  # weights really change before the failure
@@ -35,7 +36,7 @@ def _rank1_fails(runner, rank):
     def no_read(path, trusted=False):
         raise AssertionError(f"TP rank 1 read {path!r}; rank 0 should have sent it")
 
-    manager._apply = failing_apply
+    composer.apply = failing_apply
     manager.read_source = no_read
 
 

@@ -479,7 +479,7 @@ class RequestSpec:
         Raises:
             InvalidRequestError: as :meth:`SamplingParams.validate` and :meth:`convert`.
         """
-        if params.__dict__.get("_resolved_for") == self.key:
+        if self.accepts(params):
             return params
         params = self.convert(params)
         fill = {
@@ -487,23 +487,28 @@ class RequestSpec:
             for f in fields(params)
             if getattr(params, f.name) is None and getattr(self.defaults, f.name) is not None
         }
-        params = dataclasses.replace(params, **fill) if fill else params
-        params.validate(self)
-        changes: dict[str, Any] = {}
+        params.replace(**fill).validate(self)  # checked before anything else is drawn
+        changes: dict[str, Any] = dict(fill)
         if params.seed is None:
             changes["seed"] = secrets.randbits(63)
         if params.lora is not None:
             changes["lora"] = tuple(validate_composition(params.lora, "lora"))
-        if changes:
-            params = dataclasses.replace(params, **changes)
-        object.__setattr__(params, "_resolved_for", self.key)
+        params = dataclasses.replace(params, **changes)  # a new object, never the caller's
+        object.__setattr__(params, "_resolved_for", (self.key, self.limits))
         return params
+
+    def accepts(self, params: SamplingParams) -> bool:
+        """Whether ``params`` was resolved for this model under limits at least as tight as
+        this spec's (the server's are): then it is valid here as it is."""
+        mark = params.__dict__.get("_resolved_for")
+        if mark is None or mark[0] != self.key:
+            return False
+        used = mark[1]
+        return used.tightened(self.limits) == used
 
     @property
     def key(self) -> tuple:
-        """The model a resolved request was resolved for (family, parameter class, spatial
-        factor); limits only tighten, so a request resolved under the server's limits is valid
-        for the engine's."""
+        """The model a request is resolved for (family, parameter class, spatial factor)."""
         return (self.family, self.params_class.__qualname__, self.spatial_factor)
 
     # ------------------------------------------------------------------ describing

@@ -95,31 +95,30 @@ _KIND_TYPES = {
 _HTTP_SPELLED = ("prompt", "num_outputs_per_prompt", "height", "width")
 
 
-def declared_fields(modality: str) -> dict[str, dataclasses.Field]:
-    """Every generation field a request may carry on a route of ``modality``: the fields every
-    model takes (``SamplingParams``, or ``VideoSamplingParams`` for ``"video"``) and the ones
-    each registered family of that modality adds, by name (first declaration wins)."""
+def declared_fields() -> dict[str, dataclasses.Field]:
+    """Every generation field a request body may carry: the fields every model takes and the
+    ones each registered family adds, by name (first declaration wins). A field the served model
+    does not declare passes the schema and is refused by the value check naming it (400); a
+    field no model declares is a schema error (422)."""
     out: dict[str, dataclasses.Field] = {}
     for fam in list_families():
-        cls = fam.params_class()
-        if ("num_frames" in cls.field_names()) != (modality == "video"):
-            continue
-        for f in dataclasses.fields(cls):
+        for f in dataclasses.fields(fam.params_class()):
             out.setdefault(f.name, f)
     for f in dataclasses.fields(SamplingParams):
         out.setdefault(f.name, f)
     return {k: v for k, v in out.items() if k not in _HTTP_SPELLED}
 
 
-def with_declared_fields(base: type[BaseModel], modality: str) -> type[BaseModel]:
-    """``base`` plus every declared generation field of ``modality`` (:func:`declared_fields`)
-    as an optional field of its kind's JSON type; the fields ``base`` has keep its types."""
+def with_declared_fields(base: type[BaseModel], name: str) -> type[BaseModel]:
+    """A request model called ``name``: ``base`` plus every declared generation field
+    (:func:`declared_fields`) as an optional field of its kind's JSON type; the fields ``base``
+    has keep its types."""
     extra = {
-        name: (_KIND_TYPES[f.metadata["kind"]] | None, None)
-        for name, f in declared_fields(modality).items()
-        if name not in base.model_fields
+        field_name: (_KIND_TYPES[f.metadata["kind"]] | None, None)
+        for field_name, f in declared_fields().items()
+        if field_name not in base.model_fields
     }
-    return create_model(base.__name__, __base__=base, __doc__=base.__doc__, **extra)
+    return create_model(name, __base__=base, __doc__=base.__doc__, **extra)
 
 
 class _ImageGenerationBody(_Strict):
@@ -143,7 +142,7 @@ class _ImageGenerationBody(_Strict):
     stream: bool | None = None
 
 
-ImageGenerationRequest = with_declared_fields(_ImageGenerationBody, "image")
+ImageGenerationRequest = with_declared_fields(_ImageGenerationBody, "ImageGenerationRequest")
 
 
 class SetLoRARequest(_Strict):
@@ -354,7 +353,7 @@ def sampling_params(
 
 
 #: Every generation field any registered family declares (HTTP spelling aside).
-_GENERATION_FIELDS = {**declared_fields("image"), **declared_fields("video")}
+_GENERATION_FIELDS = declared_fields()
 
 
 def _is_scale(name: str) -> bool:

@@ -53,7 +53,7 @@ class _VideoGenerationBody(_Strict):
     seconds: str | int | float | None = None
 
 
-VideoGenerationRequest = with_declared_fields(_VideoGenerationBody, "video")
+VideoGenerationRequest = with_declared_fields(_VideoGenerationBody, "VideoGenerationRequest")
 
 
 class VideoJobError(SGLangError):

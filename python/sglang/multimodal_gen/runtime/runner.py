@@ -226,11 +226,19 @@ class ModelRunner:
         ``set_lora``: every path is read here (:meth:`LoRAManager.read_source`) and the command
         carries the contents (``sources``) instead of the ``trusted`` flag, so every rank converts
         and applies the same tensors; a path whose loaded adapter's files are unchanged is not
-        read (it is sent as ``"unchanged"``). Other commands are returned unchanged.
+        read (it is sent as ``"unchanged"``). ``generate`` / ``generate_batch``: the requests'
+        adapters are selected here (``selection`` / ``selections``), so every rank runs the same
+        rows with the same slots and a refused composition is answered before any rank starts.
+        Other commands are returned unchanged.
 
         Raises:
             InvalidRequestError / LoRAFormatError: a path that cannot be read (``lora_path``).
+            NotFoundError / InvalidRequestError: a request's adapters (``lora``).
         """
+        if op == "generate" and "selection" not in kwargs:
+            return dict(kwargs, selection=self.lora_manager.selection(kwargs["params"].lora))
+        if op == "generate_batch" and "selections" not in kwargs:
+            return dict(kwargs, selections=self._selections(kwargs["reqs"]))
         if op != "set_lora" or "sources" in kwargs:
             return kwargs
         kwargs = dict(kwargs)
@@ -333,37 +341,54 @@ class ModelRunner:
             )
         return out
 
-    def cmd_generate(self, params: SamplingParams, progress: bool | None = None):
+    def cmd_generate(
+        self, params: SamplingParams, progress: bool | None = None, selection: Any = None
+    ):
         """One request: its outputs (PIL images or ``Video`` objects) on the rank that decodes,
         ``None`` on the others. The request's adapters (``params.lora``; ``None``: the active
-        ones) are resolved by the LoRA manager and applied per row in the forward; no weight
+        ones) are applied per row in the forward through the LoRA manager's selection; no weight
         changes.
+
+        Args:
+            selection: the selection rank 0 made (:meth:`prepare`); ``None``: made here.
 
         Raises:
             InvalidRequestError / NotFoundError: a bad field or an adapter that is not loaded.
         """
-        lora = self.lora_manager.selection(params.lora)
+        lora = selection if selection is not None else self.lora_manager.selection(params.lora)
         with blame_lora(params.lora):
             return self.pipeline(params, lora=lora, **self._call_kwargs(progress))
 
-    def cmd_generate_batch(self, reqs: list[SamplingParams], progress: bool | None = None):
+    def _selections(self, reqs: list[SamplingParams]) -> list:
+        """Each request's selection, or ``(False, packed error)`` for one that is refused."""
+
+        out: list = []
+        for params in reqs:
+            try:
+                out.append(self.lora_manager.selection(params.lora))
+            except Exception as e:
+                out.append((False, pack_error(e)))
+        return out
+
+    def cmd_generate_batch(
+        self, reqs: list[SamplingParams], progress: bool | None = None, selections=None
+    ):
         """Several requests in one denoising loop (``pipelines.batching``): each keeps its own
         seed, prompts, guidance and adapters; their module calls are batched step by step, every
         row computed with its own request's adapters (nothing is applied to the layers, so no
-        row sees another's adapters). A request whose adapters are invalid fails alone.
+        row sees another's adapters). A request whose adapters are refused fails alone.
+
+        Args:
+            selections: what rank 0 selected (:meth:`prepare`); ``None``: selected here.
 
         Returns one ``(True, outputs)`` or ``(False, packed error)`` per request, in order: one
         request's failure does not fail the others.
         """
         from sglang.multimodal_gen.pipelines.batching import StepBatcher
 
-        out: list = [None] * len(reqs)
-        selections: list = [None] * len(reqs)
-        for i, params in enumerate(reqs):
-            try:  # the same outcome on every rank: same adapters loaded
-                selections[i] = self.lora_manager.selection(params.lora)
-            except Exception as e:
-                out[i] = (False, pack_error(e))
+        if selections is None:
+            selections = self._selections(reqs)
+        out: list = [s if isinstance(s, tuple) else None for s in selections]
         live = [i for i in range(len(reqs)) if out[i] is None]
         batcher = StepBatcher(len(live))
 
