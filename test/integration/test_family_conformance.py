@@ -1,0 +1,237 @@
+"""What every model family must do, present and future: a family runs this suite by declaring
+itself (``models/families/<name>.py`` with a ``build_tiny`` builder); nothing here names one.
+
+For each registered family, on its tiny random-weight model (built by its own ``build_tiny``,
+saved by diffusers):
+
+- a request with classifier-free guidance on and two outputs equals diffusers' own pipeline of the
+  model directory (``DiffusionPipeline.from_pretrained``), called with the same fields (each
+  request field is passed under its own name when the reference pipeline takes it);
+- LoRA: set (merged) changes the output, unset restores it bit-exactly, dynamic (unmerged) equals
+  merged, a request's own composition equals the same composition set globally;
+- a batch mixing a request with its own adapters, one with none and one with the global ones,
+  in every order, under a global composition merged and unmerged at a large strength: each row
+  equals the request run alone;
+- a batch with an extreme (accepted) adapter in one row leaves the other rows equal to
+  themselves alone;
+- tensor parallelism 2 equals one process.
+
+The random adapters cover every ``nn.Linear`` of the diffusers transformer (peft keys), with
+non-zero ``lora_A`` and ``lora_B``. Thresholds: ``MIN_PSNR`` against diffusers (the family parity
+tests measure 70 dB and more on these models) and ``ROW_PSNR`` for a row against itself alone
+(bit-equal on the CPU, where the GEMMs are row-invariant); a wrong case (the output of another
+composition) is asserted far below them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from fixtures.tiny_models import output_pixels, psnr
+from safetensors.torch import save_file
+from sglang.multimodal_gen.configs.sampling_params import SamplingParams
+from sglang.multimodal_gen.errors import SGLangError
+from sglang.multimodal_gen.models.registry import list_families, resolve_object
+from sglang.multimodal_gen.runtime import DiffusionEngine
+
+MIN_PSNR = 45.0  # against diffusers
+ROW_PSNR = 60.0  # a batch row against the request alone (measured: bit-equal on the CPU)
+FAMILIES = [f for f in list_families() if f.build_tiny]
+STEPS = 2
+
+
+def _ids(fam) -> str:
+    return fam.name
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=_ids)
+def family_model(request, tmp_path_factory):
+    """``(family, model_dir, (lora_a, lora_b, lora_extreme))`` built once per family."""
+    fam = request.param
+    root = tmp_path_factory.mktemp(f"conformance_{fam.name}")
+    model_dir = resolve_object(fam.build_tiny)(str(root / "model"))
+    loras = tuple(
+        _random_lora(model_dir, str(root / name), seed=seed, extreme=extreme)
+        for name, seed, extreme in (("a", 1, False), ("b", 2, False), ("x", 3, True))
+    )
+    return fam, model_dir, loras
+
+
+@pytest.fixture(scope="module")
+def engine(family_model):
+    _, model_dir, _ = family_model
+    with DiffusionEngine(model_dir, device="cpu") as eng:
+        yield eng
+
+
+def _random_lora(model_dir: str, out: str, seed: int, extreme: bool = False, rank: int = 2):
+    """A peft-format LoRA file for every ``nn.Linear`` of the diffusers transformer. ``extreme``:
+    ``lora_A`` scaled by 1e30 and ``lora_B`` by 1e-30 (the same delta; accepted at load, as
+    ``max|A| x in`` stays within float32)."""
+    import diffusers
+
+    with open(os.path.join(model_dir, "transformer", "config.json")) as f:
+        cls = getattr(diffusers, json.load(f)["_class_name"])
+    model = cls.from_pretrained(os.path.join(model_dir, "transformer"))
+    gen = torch.Generator().manual_seed(seed)
+    big = 1e30 if extreme else 1.0
+    sd = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            a = torch.randn(rank, mod.in_features, generator=gen) / mod.in_features**0.5
+            b = torch.randn(mod.out_features, rank, generator=gen)
+            sd[f"transformer.{name}.lora_A.weight"] = a * big
+            sd[f"transformer.{name}.lora_B.weight"] = b / big
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "adapter.safetensors")
+    save_file(sd, path)
+    return path
+
+
+def _request(engine, **fields) -> SamplingParams:
+    """A small request of the served model: every guidance weight at 4 and a negative prompt, so
+    that classifier-free guidance runs whatever the family calls it (a video model: 5 frames)."""
+    spec = engine.spec
+    values = dict(prompt="a lighthouse at dusk", height=32, width=32, seed=7)
+    values.update(num_inference_steps=STEPS, negative_prompt="blurry")
+    for name in spec.params_class.field_names():
+        f = spec.params_class.declared(name)
+        if f.metadata.get("kind") == "scale":
+            values[name] = 4.0
+    if "num_frames" in spec.params_class.field_names():
+        values["num_frames"] = 5
+    values.update(fields)
+    return spec.params(**values)
+
+
+def _pixels(engine, params) -> np.ndarray:
+    return output_pixels(engine.generate(params))
+
+
+def _reference(model_dir: str, params: SamplingParams) -> np.ndarray:
+    """diffusers' pipeline of ``model_dir`` with the request's fields under their own names."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model_dir, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    takes = set(inspect.signature(pipe.__call__).parameters)
+    kw = {k: v for k, v in params.set_fields().items() if k in takes and k != "seed"}
+    n = params.num_outputs_per_prompt
+    for name in ("num_images_per_prompt", "num_videos_per_prompt"):
+        if name in takes:
+            kw[name] = n
+    gen = torch.Generator().manual_seed(params.seed)
+    out = pipe(generator=gen, output_type="np", **kw)
+    frames = out.frames if hasattr(out, "frames") else out.images
+    return (np.asarray(frames) * 255).round().astype("uint8")
+
+
+def test_cfg_and_two_outputs_equal_diffusers(family_model, engine):
+    _, model_dir, _ = family_model
+    engine.unset_lora()
+    params = _request(engine, num_outputs_per_prompt=2)
+    got = _pixels(engine, params)
+    assert got.shape[0] == 2 and not np.array_equal(got[0], got[1])
+    expected = _reference(model_dir, params)
+    assert psnr(got, expected) >= MIN_PSNR, psnr(got, expected)
+    # nearby wrong cases fall outside the threshold: the outputs swapped, another seed
+    assert psnr(got[::-1].copy(), expected) < MIN_PSNR
+    assert psnr(_pixels(engine, params.replace(seed=8)), expected) < MIN_PSNR
+
+
+def test_lora_set_unset_merge_and_per_request(family_model, engine):
+    _, _, (a, b, _x) = family_model
+    engine.unset_lora()
+    params = _request(engine)
+    base = _pixels(engine, params)
+    engine.set_lora(["a", "b"], [a, b], strength=[0.8, 0.0], merge_mode="merge")
+    merged = _pixels(engine, params)
+    assert psnr(merged, base) < MIN_PSNR
+    engine.unmerge_lora_weights()
+    dynamic = _pixels(engine, params)
+    assert psnr(dynamic, merged) >= MIN_PSNR
+    engine.unset_lora()
+    assert np.array_equal(_pixels(engine, params), base)  # restored bit-exactly
+    own = _pixels(engine, params.replace(lora=[("a", 0.8)]))
+    assert psnr(own, merged) >= MIN_PSNR
+    assert psnr(_pixels(engine, params.replace(lora=[("b", 0.8)])), own) < MIN_PSNR
+
+
+def _outcome(result):
+    """A request's outcome: its pixels, or its error's type and param."""
+    if isinstance(result, BaseException):
+        return (type(result).__name__, getattr(result, "param", None))
+    return output_pixels(result)
+
+
+def _alone(engine, params):
+    try:
+        return _outcome(engine.generate(params))
+    except SGLangError as e:
+        return _outcome(e)
+
+
+def _same(got, want, what: str) -> None:
+    if isinstance(want, tuple) or isinstance(got, tuple):
+        assert got == want, f"{what}: {got} vs {want}"
+    else:
+        assert psnr(got, want) >= ROW_PSNR, f"{what}: {psnr(got, want):.1f} dB"
+
+
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_mixed_batch_rows_equal_each_request_alone_in_every_order(family_model, engine, mode):
+    _, _, (a, b, _x) = family_model
+    engine.unset_lora()
+    # a global composition at a large strength: rows that do not use it must not depend on it
+    engine.set_lora(["a", "b"], [a, b], strength=[1e3, 0.0], merge_mode=mode)
+    rows = {
+        "own": _request(engine, prompt="a red fox", seed=11, lora=[("b", 0.9), ("a", -0.4)]),
+        "none": _request(engine, prompt="a blue boat", seed=12, lora=[]),
+        "global": _request(engine, prompt="a green tree", seed=13),
+        "other": _request(engine, prompt="a white cat", seed=14, lora=[("b", 1.3)]),
+    }
+    alone = {k: _alone(engine, p) for k, p in rows.items()}
+    # the wrong case: another composition of the same request is far away
+    assert psnr(alone["own"], _outcome(engine.generate(rows["own"].replace(lora=[])))) < MIN_PSNR
+    for order in itertools.permutations(rows):
+        out = engine.generate_batch([rows[k] for k in order])
+        for k, res in zip(order, out):
+            _same(_outcome(res), alone[k], f"{mode}, order {order}, row {k}")
+    engine.unset_lora()
+
+
+def test_an_extreme_adapter_in_one_row_leaves_the_others_alone(family_model, engine):
+    _, _, (a, _b, x) = family_model
+    engine.unset_lora()
+    engine.set_lora(["a", "x"], [a, x], strength=[0.5, 0.0])
+    rows = [
+        _request(engine, prompt="a red fox", seed=21, lora=[("x", 1.0)]),
+        _request(engine, prompt="a blue boat", seed=22),
+        _request(engine, prompt="a white cat", seed=23, lora=[("a", 1.0)]),
+    ]
+    alone = [_alone(engine, p) for p in rows]
+    for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
+        out = engine.generate_batch([rows[i] for i in order])
+        for i, res in zip(order, out):
+            _same(_outcome(res), alone[i], f"order {order}, row {i}")
+    engine.unset_lora()
+
+
+@pytest.mark.slow
+def test_tp2_equals_one_process(family_model, engine):
+    fam, model_dir, (a, _b, _x) = family_model
+    engine.unset_lora()
+    params = engine.spec.resolve(_request(engine, lora=[("a", 0.7)]))
+    engine.set_lora("a", a, strength=0.0)  # loaded, not active
+    one = _pixels(engine, params)
+    engine.unset_lora()
+    with DiffusionEngine(model_dir, tp_size=2, device="cpu") as tp:
+        tp.set_lora("a", a, strength=0.0)
+        two = output_pixels(tp.generate(params))
+    assert psnr(two, one) >= MIN_PSNR, f"{fam.name}: {psnr(two, one):.1f} dB"
