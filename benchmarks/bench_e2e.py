@@ -135,7 +135,7 @@ def build_flux(cfg):
         FluxPipeline,
         FluxTransformer2DModel,
     )
-    from sglang.multimodal_gen.models.families.tiny_common import build_clip_t5_tokenizers
+    from sglang.multimodal_gen.models.families.tiny.common import build_clip_t5_tokenizers
     from sglang.multimodal_gen.models.loader import denoiser_from_module
     from sglang.multimodal_gen.models.registry import get_family
     from sglang.multimodal_gen.pipelines.flux import FluxPipeline as OurPipeline
@@ -198,7 +198,7 @@ def build_wan(cfg):
         WanPipeline,
         WanTransformer3DModel,
     )
-    from sglang.multimodal_gen.models.families.tiny_common import build_clip_t5_tokenizers
+    from sglang.multimodal_gen.models.families.tiny.common import build_clip_t5_tokenizers
     from sglang.multimodal_gen.models.loader import denoiser_from_module
     from sglang.multimodal_gen.models.registry import get_family
     from sglang.multimodal_gen.pipelines.wan import WanPipeline as OurPipeline
@@ -259,8 +259,8 @@ def build_qwen(cfg):
         QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
-    from sglang.multimodal_gen.models.families.qwen_image_tiny import QWEN_SCHEDULER
-    from sglang.multimodal_gen.models.families.tiny_common import build_byte_level_chat_tokenizer
+    from sglang.multimodal_gen.models.families.tiny.common import build_byte_level_chat_tokenizer
+    from sglang.multimodal_gen.models.families.tiny.qwen_image import QWEN_SCHEDULER
     from sglang.multimodal_gen.models.loader import denoiser_from_module
     from sglang.multimodal_gen.models.registry import get_family
     from sglang.multimodal_gen.pipelines.qwen_image import QwenImagePipeline as OurPipeline
@@ -304,9 +304,9 @@ def build(cfg):
         ZImagePipeline,
         ZImageTransformer2DModel,
     )
-    from sglang.multimodal_gen.models.families.tiny_common import build_byte_level_chat_tokenizer
+    from sglang.multimodal_gen.models.families.tiny.common import build_byte_level_chat_tokenizer
+    from sglang.multimodal_gen.models.families.tiny.zimage import DEFAULT_SCHEDULER
     from sglang.multimodal_gen.models.families.zimage import zimage_from_diffusers_module
-    from sglang.multimodal_gen.models.families.zimage_tiny import DEFAULT_SCHEDULER
     from sglang.multimodal_gen.models.registry import get_family
     from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline as OurPipeline
     from transformers import Qwen3Config, Qwen3Model

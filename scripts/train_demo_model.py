@@ -8,7 +8,7 @@ Stages, all seeded, all on the CPU:
    over a designed latent space (:func:`pooled_latent`: the picture pooled by ``down / 2``,
    space-to-depth by 2, plus 4 zero channels): the decoder learns to invert it, the encoder to
    produce it; the latents' mean and std become its ``shift_factor`` / ``scaling_factor``.
-2. **Text encoder**: the tiny random Qwen3 of ``models.families.zimage_tiny`` with the byte-level
+2. **Text encoder**: the tiny random Qwen3 of ``models.families.tiny.zimage`` with the byte-level
    tokenizer, kept frozen; caption features are computed once with diffusers'
    ``ZImagePipeline._encode_prompt`` (the exact path inference takes), plus the empty caption's.
 3. **DiT**: a diffusers ``ZImageTransformer2DModel`` (patch 2: a 64x64 picture is 8x8 tokens with

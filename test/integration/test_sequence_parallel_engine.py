@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fixtures.tiny_models import TINY_TEXT_ENCODER, TINY_TRANSFORMER, make_lora, psnr
-from sglang.multimodal_gen.models.families.zimage_tiny import build_zimage_dir
+from sglang.multimodal_gen.models.families.tiny.zimage import build_zimage_dir
 from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 MIN_PSNR = 45.0

@@ -29,7 +29,7 @@ from sglang.multimodal_gen.errors import LoRAFormatError
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.models.dits.flux import FluxTransformer
 from sglang.multimodal_gen.models.dits.flux_names import FLUX_NAME_MAP
-from sglang.multimodal_gen.models.families.flux_tiny import TINY_TRANSFORMER
+from sglang.multimodal_gen.models.families.tiny.flux import TINY_TRANSFORMER
 
 CFG = FluxArchConfig.from_dict(dict(TINY_TRANSFORMER, guidance_embeds=True))
 D, MLP = 64, 256  # inner dim (4 heads x 16) and single-block MLP width of the tiny model

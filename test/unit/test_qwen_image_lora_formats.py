@@ -15,7 +15,7 @@ from sglang.multimodal_gen.errors import LoRAFormatError
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.models.dits.qwen_image import QwenImageTransformer
 from sglang.multimodal_gen.models.dits.qwen_image_names import QWEN_IMAGE_NAME_MAP
-from sglang.multimodal_gen.models.families.qwen_image_tiny import TINY_TRANSFORMER
+from sglang.multimodal_gen.models.families.tiny.qwen_image import TINY_TRANSFORMER
 
 D, R = 64, 4
 

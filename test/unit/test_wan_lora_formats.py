@@ -17,7 +17,7 @@ from sglang.multimodal_gen.errors import LoRAFormatError
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.models.dits.wan import WanTransformer
 from sglang.multimodal_gen.models.dits.wan_names import WAN_NAME_MAP
-from sglang.multimodal_gen.models.families.wan_tiny import TINY_TRANSFORMER
+from sglang.multimodal_gen.models.families.tiny.wan import TINY_TRANSFORMER
 
 CFG = WanArchConfig.from_dict(dict(TINY_TRANSFORMER, in_channels=16, out_channels=16))
 D, FFN, R = 32, 64, 4

@@ -9,7 +9,7 @@ functions of this module; family modules are imported lazily, by their dotted pa
 of that family is loaded.
 
 Adding a family: write its files (config, DiT, name map, pipeline stages, a declaration module
-under ``models/families/``) and add one import line to ``models/families/__init__.py``.
+under ``models/families/``); the registry finds the declaration, so no shared file changes.
 """
 
 from __future__ import annotations
@@ -285,8 +285,9 @@ def register_family(family: ModelFamily) -> ModelFamily:
 
 
 def _ensure_loaded() -> None:
-    # the declarations are small modules; importing them registers every family
-    importlib.import_module("sglang.multimodal_gen.models.families")
+    # the declarations are small modules found in their package (a plugin discovery: the
+    # registry names no family); importing them registers every family
+    importlib.import_module("sglang.multimodal_gen.models.families").import_declarations()
 
 
 def list_families() -> list[ModelFamily]:

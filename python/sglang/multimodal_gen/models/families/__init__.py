@@ -1,10 +1,23 @@
-"""Model-family declarations. Importing this package registers every family.
+"""Model-family declarations: one module per family (``<family>.py``), each calling
+``register_family`` once, and ``tiny/`` with the families' tiny-model builders.
 
-One line per family; a new family adds its declaration module here and touches nothing else
-outside its own files.
+The registry imports every module of this package (:func:`import_declarations`): a new family
+adds its own declaration module here and edits no shared file, not even this one.
 """
 
-import sglang.multimodal_gen.models.families.flux  # noqa: F401
-import sglang.multimodal_gen.models.families.qwen_image  # noqa: F401
-import sglang.multimodal_gen.models.families.wan  # noqa: F401
-import sglang.multimodal_gen.models.families.zimage  # noqa: F401
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+__all__ = ["import_declarations"]
+
+
+def import_declarations() -> list[str]:
+    """Import every declaration module of this package (sorted by name, so families register in
+    the same order everywhere); returns their names. Subpackages (``tiny``) are not
+    declarations and are not imported."""
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.ispkg)
+    for name in names:
+        importlib.import_module(f"{__name__}.{name}")
+    return names

@@ -1,7 +1,7 @@
 """Flux.1 (Black Forest Labs): ``FluxPipeline`` directories, [dev] and [schnell].
 
 Files of the family: ``configs/flux.py``, ``models/dits/flux.py``, ``models/dits/flux_names.py``,
-``pipelines/flux.py``, ``models/families/flux_tiny.py`` and this declaration. The variant is read
+``pipelines/flux.py``, ``models/families/tiny/flux.py`` and this declaration. The variant is read
 from the transformer config: [dev] has ``guidance_embeds`` (distilled guidance, 28 steps,
 guidance 3.5, 512 T5 tokens), [schnell] has not (4 steps, 256 T5 tokens).
 """
@@ -57,7 +57,7 @@ FLUX = register_family(
         defaults=_defaults,
         sampling_params=f"{_PKG}.configs.flux:FluxSamplingParams",
         tp_divisors=_tp_divisors,
-        build_tiny=f"{_PKG}.models.families.flux_tiny:build_flux_dir",
+        build_tiny=f"{_PKG}.models.families.tiny.flux:build_flux_dir",
         default_model_name="sglang-default-flux-tiny",
         # BFL names (kohya, ComfyUI, XLabs: double_blocks, single_blocks), diffusers' single blocks
         lora_signature=(r"(double_blocks|single_blocks|single_transformer_blocks)[._]\d+",),

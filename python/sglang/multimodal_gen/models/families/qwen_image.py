@@ -2,7 +2,7 @@
 
 Files of the family: ``configs/qwen_image.py``, ``models/dits/qwen_image.py`` (+
 ``qwen_image_layers.py``), ``models/dits/qwen_image_names.py``, ``pipelines/qwen_image.py``,
-``models/families/qwen_image_tiny.py`` and this declaration. Qwen-Image-2512 directories differ
+``models/families/tiny/qwen_image.py`` and this declaration. Qwen-Image-2512 directories differ
 only in weights and config values and load through the same family.
 """
 
@@ -56,7 +56,7 @@ QWEN_IMAGE = register_family(
         defaults=_DEFAULTS,
         sampling_params=f"{_PKG}.configs.qwen_image:QwenImageSamplingParams",
         tp_divisors=_tp_divisors,
-        build_tiny=f"{_PKG}.models.families.qwen_image_tiny:build_qwen_image_dir",
+        build_tiny=f"{_PKG}.models.families.tiny.qwen_image:build_qwen_image_dir",
         default_model_name="sglang-default-qwen-image-tiny",
         # the per-stream MLPs and modulations of diffusers' names (also kohya-flattened)
         lora_signature=(r"transformer_blocks[._]\d+[._](img_mlp|txt_mlp|img_mod|txt_mod)",),

@@ -4,7 +4,7 @@ Layouts: Wan2.2 T2V-A14B (two experts: ``transformer`` for high noise, ``transfo
 noise, switched at ``boundary_ratio`` from ``model_index.json``), Wan2.2 TI2V-5B (one expert,
 48 latent channels, the Wan2.2 VAE, per-token timesteps via ``expand_timesteps``) and Wan2.1
 (one expert). Files of the family: ``configs/wan.py``, ``models/dits/wan.py`` (+
-``wan_layers.py``), ``models/dits/wan_names.py``, ``pipelines/wan.py``, ``models/families/wan_tiny.py`` and this
+``wan_layers.py``), ``models/dits/wan_names.py``, ``pipelines/wan.py``, ``models/families/tiny/wan.py`` and this
 declaration.
 """
 
@@ -72,7 +72,7 @@ WAN = register_family(
         defaults=_defaults,
         sampling_params=f"{_PKG}.configs.wan:WanSamplingParams",
         tp_divisors=_tp_divisors,
-        build_tiny=f"{_PKG}.models.families.wan_tiny:build_wan_dir",
+        build_tiny=f"{_PKG}.models.families.tiny.wan:build_wan_dir",
         default_model_name="sglang-default-wan-tiny",
         # the original / ComfyUI names of the blocks' modules (also musubi/kohya-flattened)
         lora_signature=(r"(^|[._])blocks[._]\d+[._](self_attn|cross_attn|ffn)",),

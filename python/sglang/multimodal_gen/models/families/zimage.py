@@ -1,7 +1,7 @@
 """Z-Image (Tongyi-MAI): ``ZImagePipeline`` directories, e.g. Z-Image-Turbo.
 
 Files of the family: ``configs/zimage.py``, ``models/dits/zimage.py`` (+ ``zimage_layers.py``),
-``models/dits/zimage_names.py``, ``pipelines/zimage.py``, ``models/families/zimage_tiny.py``
+``models/dits/zimage_names.py``, ``pipelines/zimage.py``, ``models/families/tiny/zimage.py``
 and this declaration.
 """
 
@@ -59,7 +59,7 @@ ZIMAGE = register_family(
         defaults=_defaults,
         sampling_params=f"{_PKG}.configs.zimage:ZImageSamplingParams",
         tp_divisors=_tp_divisors,
-        build_tiny=f"{_PKG}.models.families.zimage_tiny:build_zimage_dir",
+        build_tiny=f"{_PKG}.models.families.tiny.zimage:build_zimage_dir",
         embedded_model=f"{_PKG}.models:demo/zimage-shapes",  # scripts/train_demo_model.py
         embedded_lora=f"{_PKG}.models:demo/lora-swap-colors",  # "swap colours", same script
         default_model_name="sglang-default-zimage-tiny",

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.models.families.tiny_common import (
+from sglang.multimodal_gen.models.families.tiny.common import (
     build_clip_t5_tokenizers,
     redraw_constant_params,
 )

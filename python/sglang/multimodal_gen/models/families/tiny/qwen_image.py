@@ -3,7 +3,7 @@
 Built with the reference libraries' classes (diffusers' ``QwenImageTransformer2DModel``,
 ``AutoencoderKLQwenImage``, ``FlowMatchEulerDiscreteScheduler`` with Qwen-Image's exponential
 dynamic shift; transformers' ``Qwen2_5_VLForConditionalGeneration`` with a tiny vision tower and
-the offline byte-level ``Qwen2Tokenizer`` of ``models/families/tiny_common.py``) and saved with
+the offline byte-level ``Qwen2Tokenizer`` of ``models/families/tiny/common.py``) and saved with
 ``QwenImagePipeline.save_pretrained``. Random weights: images are noise by construction.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.models.families.tiny_common import (
+from sglang.multimodal_gen.models.families.tiny.common import (
     build_byte_level_chat_tokenizer,
     redraw_constant_params,
 )

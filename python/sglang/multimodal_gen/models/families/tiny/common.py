@@ -1,5 +1,5 @@
 """Pieces shared by the families' tiny random-weight model builders
-(``models/families/<name>_tiny.py``): offline tokenizers built from byte or character
+(``models/families/tiny/<family>.py``): offline tokenizers built from byte or character
 vocabularies (no download) and the re-draw of constant-initialised parameters. Each builder
 keeps its own shapes and components; what several families' builders use lives here.
 """

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sglang.multimodal_gen.models.families.tiny_common import (
+from sglang.multimodal_gen.models.families.tiny.common import (
     build_byte_level_chat_tokenizer,
     redraw_constant_params,
 )
