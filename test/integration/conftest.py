@@ -3,19 +3,11 @@ session with the reference libraries; see ``test/fixtures/tiny_models.py``)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-_TEST_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _TEST_ROOT not in sys.path:
-    sys.path.insert(0, _TEST_ROOT)
-
-from fixtures.tiny_flux import build_tiny_flux  # noqa: E402
-from fixtures.tiny_models import build_tiny_zimage, make_lora  # noqa: E402
-from fixtures.tiny_qwen_image import build_tiny_qwen_image  # noqa: E402
-from fixtures.tiny_wan import build_tiny_wan  # noqa: E402
+from fixtures.tiny_flux import build_tiny_flux
+from fixtures.tiny_models import build_tiny_zimage, make_lora
+from fixtures.tiny_qwen_image import build_tiny_qwen_image
+from fixtures.tiny_wan import build_tiny_wan
 
 
 @pytest.fixture(scope="session")

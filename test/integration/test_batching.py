@@ -21,9 +21,9 @@ import time
 import httpx
 import numpy as np
 import pytest
+from fixtures.server import running_server
 from fixtures.tiny_models import count_dit_calls, output_pixels, psnr
 from PIL import Image
-from server_helpers import running_server
 from sglang.multimodal_gen.configs.flux import FluxSamplingParams
 from sglang.multimodal_gen.configs.qwen_image import QwenImageSamplingParams
 from sglang.multimodal_gen.configs.server_args import ServerArgs

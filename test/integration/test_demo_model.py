@@ -13,41 +13,17 @@ import os
 
 import numpy as np
 import pytest
+from fixtures.demo_model import MIN, MIN_LORA, MIN_SHAPE, assert_accuracy, generate, swapped
 from fixtures.tiny_models import psnr, reference_image, reference_pipeline
 from PIL import Image
 from sglang.cli.main import main as sglang_main
 from sglang.multimodal_gen.models import demo_scenes as ds
 from sglang.multimodal_gen.models.default_model import default_model_path, demo_lora_path
 from sglang.multimodal_gen.models.registry import get_family
-from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
+from sglang.multimodal_gen.runtime import DiffusionEngine
 
 N_PROMPTS = 40
 GUIDANCE = 3.0  # the demo model's own default (its transformer config's _sglang_defaults)
-MIN = dict(color=0.9, background=0.9, position=0.9)
-# Shape: the goal, 75 %; the committed weights measure 92.5 % on these prompts (82.5-87.5 % on
-# other 40-prompt sets; chance 25 %); colour, background and position 100 %.
-MIN_SHAPE = 0.75
-# with the LoRA: the object's and background's colours exchanged; the committed LoRA measures
-# 100 % for colour, background and position on these prompts and on two other sets
-MIN_LORA = dict(color=0.9, background=0.9, position=0.9)
-
-
-def swapped(scene: ds.Scene) -> ds.Scene:
-    return ds.Scene(scene.background, scene.shape, scene.color, scene.position)
-
-
-def assert_accuracy(images, scenes, minimum) -> dict[str, float]:
-    acc = ds.accuracy(images, scenes)
-    assert all(acc[k] >= v for k, v in minimum.items()), acc
-    return acc
-
-
-def generate(engine, scenes, **fields) -> list[Image.Image]:
-    """One picture per scene (seed = its index), all in one batch."""
-    reqs = [SamplingParams(prompt=s.caption, seed=i, **fields) for i, s in enumerate(scenes)]
-    out = engine.generate_batch(reqs, progress=False)
-    assert not [r for r in out if isinstance(r, Exception)], out
-    return [r[0] for r in out]
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from fixtures.demo_model import MIN, MIN_LORA, MIN_SHAPE, assert_accuracy, generate, swapped
+from fixtures.server import running_server
 from PIL import Image
-from server_helpers import running_server
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.models import demo_scenes as ds
 from sglang.multimodal_gen.models.default_model import demo_lora_path
 from sglang.multimodal_gen.runtime import DiffusionEngine
-from test_demo_model import MIN, MIN_LORA, MIN_SHAPE, assert_accuracy, generate, swapped
 
 pytestmark = pytest.mark.slow
 

@@ -27,14 +27,11 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import json
-import os
 
 import numpy as np
 import pytest
 import torch
-from fixtures.tiny_models import output_pixels, psnr
-from safetensors.torch import save_file
+from fixtures.tiny_models import output_pixels, psnr, random_peft_lora
 from sglang.multimodal_gen.configs.sampling_params import SamplingParams
 from sglang.multimodal_gen.errors import SGLangError
 from sglang.multimodal_gen.models.registry import list_families, resolve_object
@@ -57,7 +54,7 @@ def family_model(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"conformance_{fam.name}")
     model_dir = resolve_object(fam.build_tiny)(str(root / "model"))
     loras = tuple(
-        _random_lora(model_dir, str(root / name), seed=seed, extreme=extreme)
+        random_peft_lora(model_dir, str(root / name), seed=seed, extreme=extreme)
         for name, seed, extreme in (("a", 1, False), ("b", 2, False), ("x", 3, True))
     )
     return fam, model_dir, loras
@@ -68,30 +65,6 @@ def engine(family_model):
     _, model_dir, _ = family_model
     with DiffusionEngine(model_dir, device="cpu") as eng:
         yield eng
-
-
-def _random_lora(model_dir: str, out: str, seed: int, extreme: bool = False, rank: int = 2):
-    """A peft-format LoRA file for every ``nn.Linear`` of the diffusers transformer. ``extreme``:
-    ``lora_A`` scaled by 1e30 and ``lora_B`` by 1e-30 (the same delta; accepted at load, as
-    ``max|A| x in`` stays within float32)."""
-    import diffusers
-
-    with open(os.path.join(model_dir, "transformer", "config.json")) as f:
-        cls = getattr(diffusers, json.load(f)["_class_name"])
-    model = cls.from_pretrained(os.path.join(model_dir, "transformer"))
-    gen = torch.Generator().manual_seed(seed)
-    big = 1e30 if extreme else 1.0
-    sd = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            a = torch.randn(rank, mod.in_features, generator=gen) / mod.in_features**0.5
-            b = torch.randn(mod.out_features, rank, generator=gen)
-            sd[f"transformer.{name}.lora_A.weight"] = a * big
-            sd[f"transformer.{name}.lora_B.weight"] = b / big
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "adapter.safetensors")
-    save_file(sd, path)
-    return path
 
 
 def _request(engine, **fields) -> SamplingParams:

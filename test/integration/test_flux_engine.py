@@ -16,11 +16,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from fixtures.server import running_server
 from fixtures.tiny_flux import reference_flux, reference_flux_images
 from fixtures.tiny_models import psnr
 from PIL import Image
 from safetensors.torch import save_file
-from server_helpers import running_server
 from sglang.cli.main import main as sglang_main
 from sglang.multimodal_gen.configs.flux import FluxSamplingParams
 from sglang.multimodal_gen.configs.server_args import ServerArgs

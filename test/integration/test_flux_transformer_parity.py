@@ -19,6 +19,8 @@ import json
 
 import pytest
 import torch
+from fixtures.tiny_flux import TINY_DIT, dit_inputs, reference_dit, with_guidance
+from fixtures.tiny_models import rel_err
 from sglang.multimodal_gen.configs.flux import FLUX_TRANSFORMER_CLASS, FluxArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size, launch_processes
 from sglang.multimodal_gen.models.dits.flux import FluxTransformer, flux_from_diffusers_module
@@ -28,70 +30,17 @@ PARITY_REL_ERR = 1e-6  # measured 0.0 (bitwise equal)
 TP_REL_ERR = 2e-6  # measured 2.4e-7 (TP 2), 2.1e-7 (TP 4)
 BF16_REL_ERR = 2**-8  # measured 0.0; one bf16 ulp of max |ref| as the margin
 
-TINY = dict(
-    patch_size=1,
-    in_channels=16,
-    num_layers=2,
-    num_single_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=4,
-    joint_attention_dim=32,
-    pooled_projection_dim=24,
-    axes_dims_rope=(4, 6, 6),
-)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |ours - ref| / max |ref|."""
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-def _tiny_reference(guidance_embeds: bool, seed: int = 0):
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(seed)
-    ref = FluxTransformer2DModel(**TINY, guidance_embeds=guidance_embeds).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for _, p in ref.named_parameters():
-            # default inits leave ones (RMSNorm weights); perturb everything so that every
-            # parameter, and every mistake in loading it, changes the output
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-            assert p.abs().min() > 0
-    return ref
-
-
-def _inputs(batch: int = 2, grid=(3, 5), n_txt: int = 7, seed: int = 3):
-    """Random packed latents / text features; Flux's ids: image ``(0, row, col)``, text zeros."""
-    g = torch.Generator().manual_seed(seed)
-    h, w = grid
-    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
-    return dict(
-        hidden_states=torch.randn(batch, h * w, TINY["in_channels"], generator=g),
-        encoder_hidden_states=torch.randn(batch, n_txt, TINY["joint_attention_dim"], generator=g),
-        pooled_projections=torch.randn(batch, TINY["pooled_projection_dim"], generator=g),
-        timestep=torch.tensor([0.5, 0.83])[:batch],
-        img_ids=img_ids,
-        txt_ids=torch.zeros(n_txt, 3),
-    )
-
 
 @pytest.fixture(scope="module", params=[False, True], ids=["schnell-like", "guidance"])
 def models(request):
-    ref = _tiny_reference(request.param)
+    ref = reference_dit(request.param)
     ours = flux_from_diffusers_module(ref, tp_rank=0, tp_size=1)
     return ours, ref, request.param
 
 
-def _with_guidance(inputs: dict, guidance_embeds: bool, value: float = 3.5) -> dict:
-    b = inputs["timestep"].shape[0]
-    return dict(inputs, guidance=torch.full((b,), value) if guidance_embeds else None)
-
-
 def test_transformer_matches_diffusers(models):
     ours, ref, ge = models
-    inp = _with_guidance(_inputs(), ge)
+    inp = with_guidance(dit_inputs(), ge)
     with torch.no_grad():
         expected = ref(**inp, return_dict=False)[0]
         got = ours(**inp)
@@ -106,7 +55,7 @@ def test_transformer_matches_diffusers(models):
         t_off = ours(**dict(inp, timestep=inp["timestep"] + torch.tensor([0.01, 0.0])))
         assert rel_err(t_off, expected) > 100 * PARITY_REL_ERR
         if ge:
-            g_off = ours(**_with_guidance(_inputs(), ge, value=3.6))
+            g_off = ours(**with_guidance(dit_inputs(), ge, value=3.6))
             assert rel_err(g_off, expected) > 100 * PARITY_REL_ERR
 
 
@@ -114,10 +63,10 @@ def test_bf16_matches_diffusers(models):
     """Same dtype flow as the reference in bf16 (fp32 RoPE tables, torch RMSNorm, sinusoid cast
     to the pooled dtype)."""
     _, ref, ge = models
-    ref16 = _tiny_reference(ge).to(torch.bfloat16)
+    ref16 = reference_dit(ge).to(torch.bfloat16)
     ours16 = flux_from_diffusers_module(ref16)
     assert ours16.dtype == torch.bfloat16
-    inp = _with_guidance(_inputs(), ge)
+    inp = with_guidance(dit_inputs(), ge)
     inp = {
         k: v.to(torch.bfloat16) if k not in ("img_ids", "txt_ids") and v is not None else v
         for k, v in inp.items()
@@ -133,7 +82,7 @@ def test_batch_one_non_square_and_3d_ids(models):
     """Another shape (1 item, 4x2 grid, 5 text tokens, non-zero text ids); ``[B, S, 3]`` ids are
     accepted like diffusers (first item used)."""
     ours, ref, ge = models
-    inp = _with_guidance(_inputs(batch=1, grid=(4, 2), n_txt=5, seed=8), ge, 2.0)
+    inp = with_guidance(dit_inputs(batch=1, grid=(4, 2), n_txt=5, seed=8), ge, 2.0)
     inp["txt_ids"] = torch.arange(15.0).reshape(5, 3) % 4
     with torch.no_grad():
         expected = ref(**inp, return_dict=False)[0]
@@ -143,7 +92,7 @@ def test_batch_one_non_square_and_3d_ids(models):
 
 def test_guidance_argument_checked(models):
     ours, _, ge = models
-    inp = _with_guidance(_inputs(), not ge)
+    inp = with_guidance(dit_inputs(), not ge)
     with pytest.raises(ValueError, match="guidance"):
         ours(**inp)
 
@@ -167,7 +116,7 @@ def test_single_block_proj_out_holds_attn_and_mlp_columns_of_its_rank(n):
     """Rank r of n holds the columns ``[attn cols of r | mlp cols of r]`` of the full
     ``proj_out`` weight, and rows ``[q_r | k_r | v_r | mlp_r]`` of the fused input projection;
     indices computed here by hand."""
-    cfg = FluxArchConfig(**TINY)
+    cfg = FluxArchConfig(**TINY_DIT)
     d, m = 64, 256
     g = torch.Generator().manual_seed(0)
     w_out = torch.randn(d, d + m, generator=g)
@@ -192,7 +141,7 @@ def test_single_block_proj_out_holds_attn_and_mlp_columns_of_its_rank(n):
 
 def test_tp_size_not_dividing_heads_is_a_clear_error():
     with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by tp_size=3"):
-        FluxTransformer(FluxArchConfig(**TINY), tp_rank=0, tp_size=3)
+        FluxTransformer(FluxArchConfig(**TINY_DIT), tp_rank=0, tp_size=3)
 
 
 # ------------------------------------------------------------------------------ TP (gloo)
@@ -210,10 +159,10 @@ def _rank_fn(rank, config, state_dict, inputs):
 
 @pytest.mark.slow
 def test_tp2_and_tp4_equal_tp1():
-    ref = _tiny_reference(True, seed=5)
+    ref = reference_dit(True, seed=5)
     config = dict(ref.config)
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
-    inp = _with_guidance(_inputs(seed=11), True, 4.0)
+    inp = with_guidance(dit_inputs(seed=11), True, 4.0)
     tp1 = flux_from_diffusers_module(ref, tp_rank=0, tp_size=1)
     with torch.no_grad():
         out1 = tp1(**inp)
@@ -230,7 +179,12 @@ def test_tp2_and_tp4_equal_tp1():
 # ------------------------------------------------------------------------------ config
 def test_config_from_dict_and_json(tmp_path):
     cfg = FluxArchConfig.from_dict(
-        {"_class_name": FLUX_TRANSFORMER_CLASS, "_diffusers_version": "0.42.1", **TINY, "foo": 1}
+        {
+            "_class_name": FLUX_TRANSFORMER_CLASS,
+            "_diffusers_version": "0.42.1",
+            **TINY_DIT,
+            "foo": 1,
+        }
     )
     assert cfg.out_channels == 16 and cfg.inner_dim == 64 and cfg.mlp_hidden == 256
     assert cfg.extra == {"foo": 1}
@@ -238,12 +192,14 @@ def test_config_from_dict_and_json(tmp_path):
     default = FluxArchConfig()
     assert (default.inner_dim, default.mlp_hidden, default.out_channels) == (3072, 12288, 64)
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"_class_name": FLUX_TRANSFORMER_CLASS, **TINY, "out_channels": 8}))
+    path.write_text(
+        json.dumps({"_class_name": FLUX_TRANSFORMER_CLASS, **TINY_DIT, "out_channels": 8})
+    )
     assert FluxArchConfig.from_json_file(path).out_channels == 8
     path.write_text(json.dumps({"_class_name": "ZImageTransformer2DModel"}))
     with pytest.raises(ValueError, match="not supported"):
         FluxArchConfig.from_json_file(path)
     with pytest.raises(ValueError, match=r"sum\(axes_dims_rope\)=18"):
-        FluxArchConfig(**dict(TINY, axes_dims_rope=(6, 6, 6)))
+        FluxArchConfig(**dict(TINY_DIT, axes_dims_rope=(6, 6, 6)))
     with pytest.raises(FileNotFoundError):
         FluxArchConfig.from_json_file(tmp_path / "missing.json")

@@ -14,10 +14,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from fixtures.server import write_zimage_lora
 from fixtures.tiny_models import reference_image, reference_pipeline
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from server_helpers import write_zimage_lora
 from sglang.multimodal_gen.errors import InvalidRequestError, NonFiniteOutputError
 from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 

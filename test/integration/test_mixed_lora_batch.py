@@ -12,13 +12,8 @@ fails.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
-import torch
-from fixtures.tiny_models import count_dit_calls, output_pixels, psnr
-from safetensors.torch import save_file
+from fixtures.tiny_models import count_dit_calls, output_pixels, psnr, random_peft_lora
 from sglang.multimodal_gen.errors import NotFoundError
 from sglang.multimodal_gen.layers.lora.composition import lora_context_of
 from sglang.multimodal_gen.lora.requests import normalize_set_lora
@@ -29,32 +24,10 @@ MIN_PSNR = 45.0
 COMPOSITIONS = [None, [], [("a", 0.8)], [("b", 1.2)], [("a", -0.6), ("b", 0.9)]]
 
 
-def _random_lora(model_dir: str, out: str, seed: int, rank: int = 2) -> str:
-    """A peft-format LoRA file for every ``nn.Linear`` of the diffusers transformer."""
-    import diffusers
-
-    cfg_path = os.path.join(model_dir, "transformer", "config.json")
-    with open(cfg_path) as f:
-        cls = getattr(diffusers, json.load(f)["_class_name"])
-    model = cls.from_pretrained(os.path.join(model_dir, "transformer"))
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            a = torch.randn(rank, mod.in_features, generator=gen) / mod.in_features**0.5
-            b = torch.randn(mod.out_features, rank, generator=gen)
-            sd[f"transformer.{name}.lora_A.weight"] = a
-            sd[f"transformer.{name}.lora_B.weight"] = b
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "lora.safetensors")
-    save_file(sd, path)
-    return path
-
-
 def _runner(model_dir, tmp_path, merged: bool) -> ModelRunner:
     runner = ModelRunner(model_dir)
-    a = _random_lora(model_dir, str(tmp_path / "a"), seed=1)
-    b = _random_lora(model_dir, str(tmp_path / "b"), seed=2)
+    a = random_peft_lora(model_dir, str(tmp_path / "a"), seed=1)
+    b = random_peft_lora(model_dir, str(tmp_path / "b"), seed=2)
     runner.cmd_set_lora(
         normalize_set_lora(["a", "b"], [a, b], "all", [0.5, 0.7], "merge" if merged else None)
     )

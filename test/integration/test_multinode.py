@@ -19,8 +19,9 @@ import time
 import httpx
 import numpy as np
 import pytest
+from fixtures.server import free_port
+from fixtures.tiny_models import psnr
 from PIL import Image
-from server_helpers import free_port
 from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 PROMPT, SEED, STEPS, SIZE = "a red kite over dunes", 5, 2, 32
@@ -60,11 +61,6 @@ def _request(**kw) -> SamplingParams:
     return SamplingParams(
         prompt=PROMPT, seed=SEED, num_inference_steps=STEPS, height=SIZE, width=SIZE, **kw
     )
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 def _run_all(cmds: list[list[str]], timeout: float = 400) -> list[subprocess.CompletedProcess]:

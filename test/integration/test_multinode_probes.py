@@ -7,7 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from server_helpers import FakeEngine, assert_envelope, running_server
+from fixtures.server import FakeEngine, assert_envelope, running_server
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 
 

@@ -12,11 +12,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from fixtures.server import running_server
 from fixtures.tiny_models import psnr
 from fixtures.tiny_qwen_image import reference_qwen_image, reference_qwen_images
 from PIL import Image
 from safetensors.torch import save_file
-from server_helpers import running_server
 from sglang.cli.main import main as sglang_main
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.runtime import DiffusionEngine

@@ -23,6 +23,8 @@ import json
 
 import pytest
 import torch
+from fixtures.tiny_models import rel_err
+from fixtures.tiny_qwen_image import TINY_DIT, dit_inputs, reference_dit
 from sglang.multimodal_gen.configs.qwen_image import (
     QWEN_IMAGE_TRANSFORMER_CLASS,
     QwenImageArchConfig,
@@ -38,58 +40,10 @@ PARITY_REL_ERR = 1e-6  # measured 0.0 (bitwise equal)
 TP_REL_ERR = 2e-6  # measured 1.9e-7 (TP 2), 1.4e-7 (TP 4)
 BF16_REL_ERR = 2**-8  # measured 0.0; one bf16 ulp of max |ref| as the margin
 
-TINY = dict(
-    patch_size=2,
-    in_channels=16,
-    out_channels=4,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=4,
-    joint_attention_dim=32,
-    axes_dims_rope=(4, 6, 6),
-)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |ours - ref| / max |ref|."""
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-def _tiny_reference(seed: int = 0):
-    from diffusers import QwenImageTransformer2DModel
-
-    torch.manual_seed(seed)
-    ref = QwenImageTransformer2DModel(**TINY).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for _, p in ref.named_parameters():
-            # default inits leave ones (RMSNorm weights); perturb everything so that every
-            # parameter, and every mistake in loading it, changes the output
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-            assert p.abs().min() > 0
-    return ref
-
-
-def _inputs(lengths=(7, 4), grid=(3, 5), seed: int = 3, images=None):
-    """Random packed latents and text features for ``len(lengths)`` items; the text is padded
-    to the longest length and the mask marks the real tokens (``None`` if nothing is padded)."""
-    g = torch.Generator().manual_seed(seed)
-    images = images or [(1, *grid)]
-    batch, n_txt = len(lengths), max(lengths)
-    s_img = sum(f * h * w for f, h, w in images)
-    mask = (torch.arange(n_txt)[None, :] < torch.tensor(lengths)[:, None]).long()
-    return dict(
-        hidden_states=torch.randn(batch, s_img, TINY["in_channels"], generator=g),
-        encoder_hidden_states=torch.randn(batch, n_txt, TINY["joint_attention_dim"], generator=g),
-        encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-        timestep=torch.tensor([0.5, 0.83, 0.2])[:batch],
-        img_shapes=[list(images)] * batch,
-    )
-
 
 @pytest.fixture(scope="module")
 def models():
-    ref = _tiny_reference()
+    ref = reference_dit()
     return qwen_image_from_diffusers_module(ref, tp_rank=0, tp_size=1), ref
 
 
@@ -100,7 +54,7 @@ def _both(ours, ref, inp):
 
 def test_padded_batch_with_mask_matches_diffusers(models):
     ours, ref = models
-    inp = _inputs()
+    inp = dit_inputs()
     got, expected = _both(ours, ref, inp)
     assert isinstance(got, torch.Tensor) and got.shape == expected.shape == (2, 15, 16)
     assert expected.abs().max() > 0.5  # a real signal
@@ -120,7 +74,7 @@ def test_padding_is_invisible(models):
     """The short item of the padded batch equals the same item run alone, unpadded (RoPE uses
     the padded length, but text positions do not depend on it)."""
     ours, _ = models
-    inp = _inputs()
+    inp = dit_inputs()
     alone = {
         "hidden_states": inp["hidden_states"][1:],
         "encoder_hidden_states": inp["encoder_hidden_states"][1:, :4],
@@ -144,7 +98,7 @@ def test_padding_is_invisible(models):
 )
 def test_other_shapes_match_diffusers(models, case):
     ours, ref = models
-    inp = _inputs(**case)
+    inp = dit_inputs(**case)
     inp["encoder_hidden_states_mask"] = None
     got, expected = _both(ours, ref, inp)
     err = rel_err(got, expected)
@@ -155,7 +109,7 @@ def test_other_shapes_match_diffusers(models, case):
 def test_mask_of_ones_and_bool_mask(models):
     """A float 1/0 mask and a bool mask are the same; an all-ones mask equals the reference too."""
     ours, ref = models
-    inp = _inputs()
+    inp = dit_inputs()
     bool_inp = dict(inp, encoder_hidden_states_mask=inp["encoder_hidden_states_mask"].bool())
     ones = dict(inp, encoder_hidden_states_mask=torch.ones(2, 7))
     with torch.no_grad():
@@ -165,10 +119,10 @@ def test_mask_of_ones_and_bool_mask(models):
 
 
 def test_bf16_matches_diffusers():
-    ref16 = _tiny_reference().to(torch.bfloat16)
+    ref16 = reference_dit().to(torch.bfloat16)
     ours16 = qwen_image_from_diffusers_module(ref16)
     assert ours16.dtype == torch.bfloat16
-    inp = _inputs()
+    inp = dit_inputs()
     for k in ("hidden_states", "encoder_hidden_states", "timestep"):
         inp[k] = inp[k].to(torch.bfloat16)
     got, expected = _both(ours16, ref16, inp)
@@ -180,7 +134,7 @@ def test_bf16_matches_diffusers():
 
 def test_argument_errors(models):
     ours, _ = models
-    inp = _inputs()
+    inp = dit_inputs()
     with pytest.raises(ValueError, match="encoder_hidden_states_mask shape"):
         ours(**dict(inp, encoder_hidden_states_mask=torch.ones(2, 6)))
     with pytest.raises(ValueError, match="image tokens"):
@@ -215,7 +169,7 @@ def test_fused_module_names_and_shards(models):
 
 def test_tp_size_not_dividing_heads_is_a_clear_error():
     with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by tp_size=3"):
-        QwenImageTransformer(QwenImageArchConfig(**TINY), tp_rank=0, tp_size=3)
+        QwenImageTransformer(QwenImageArchConfig(**TINY_DIT), tp_rank=0, tp_size=3)
 
 
 # ------------------------------------------------------------------------------ TP (gloo)
@@ -233,10 +187,10 @@ def _rank_fn(rank, config, state_dict, inputs):
 
 @pytest.mark.slow
 def test_tp2_and_tp4_equal_tp1():
-    ref = _tiny_reference(seed=5)
+    ref = reference_dit(seed=5)
     config = dict(ref.config)
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
-    inp = _inputs(seed=11)
+    inp = dit_inputs(seed=11)
     tp1 = qwen_image_from_diffusers_module(ref, tp_rank=0, tp_size=1)
     with torch.no_grad():
         out1 = tp1(**inp)
@@ -256,7 +210,7 @@ def test_config_from_dict_and_json(tmp_path):
         {
             "_class_name": QWEN_IMAGE_TRANSFORMER_CLASS,
             "_diffusers_version": "0.42.1",
-            **TINY,
+            **TINY_DIT,
             "foo": 1,
         }
     )
@@ -267,12 +221,12 @@ def test_config_from_dict_and_json(tmp_path):
     assert (default.num_layers, default.joint_attention_dim, default.out_features) == (60, 3584, 64)
     assert QwenImageArchConfig(out_channels=None).out_channels == 64
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"_class_name": QWEN_IMAGE_TRANSFORMER_CLASS, **TINY}))
+    path.write_text(json.dumps({"_class_name": QWEN_IMAGE_TRANSFORMER_CLASS, **TINY_DIT}))
     assert QwenImageArchConfig.from_json_file(path).num_layers == 2
     path.write_text(json.dumps({"_class_name": "FluxTransformer2DModel"}))
     with pytest.raises(ValueError, match="not supported"):
         QwenImageArchConfig.from_json_file(path)
     with pytest.raises(ValueError, match=r"sum\(axes_dims_rope\)=18"):
-        QwenImageArchConfig(**dict(TINY, axes_dims_rope=(6, 6, 6)))
+        QwenImageArchConfig(**dict(TINY_DIT, axes_dims_rope=(6, 6, 6)))
     with pytest.raises(ValueError, match="zero_cond_t"):
-        QwenImageArchConfig(**dict(TINY, zero_cond_t=True))
+        QwenImageArchConfig(**dict(TINY_DIT, zero_cond_t=True))

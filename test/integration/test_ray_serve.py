@@ -26,7 +26,7 @@ ray = pytest.importorskip(
 serve = pytest.importorskip("ray.serve", reason="ray[serve] is an optional extra")
 
 import openai  # noqa: E402
-from server_helpers import free_port  # noqa: E402
+from fixtures.server import free_port  # noqa: E402
 from sglang.multimodal_gen.configs.server_args import ServerArgs  # noqa: E402
 from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams  # noqa: E402
 

@@ -14,10 +14,9 @@ family's output by more than 1e-3 relative, far outside.
 from __future__ import annotations
 
 import pytest
-import test_flux_transformer_parity as flux_t
-import test_qwen_image_transformer_parity as qwen_t
-import test_wan_transformer_parity as wan_t
 import torch
+from fixtures import tiny_flux, tiny_qwen_image, tiny_wan
+from fixtures.tiny_models import rel_err
 from sglang.multimodal_gen.distributed import (
     ParallelLayout,
     get_sp_world_size,
@@ -48,10 +47,6 @@ ZIMAGE_TINY = dict(
 )
 
 
-def rel_err(a, b) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
-
-
 def _perturbed(ref):
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -73,20 +68,24 @@ def _zimage_case():
 
 
 def _flux_case():
-    ref = flux_t._tiny_reference(True, seed=5)
-    return "flux", ref, [flux_t._with_guidance(flux_t._inputs(seed=11), True, 4.0)]
+    ref = tiny_flux.reference_dit(True, seed=5)
+    return "flux", ref, [tiny_flux.with_guidance(tiny_flux.dit_inputs(seed=11), True, 4.0)]
 
 
 def _wan_cases():
     out = []
     for layout in ("a14b", "ti2v"):
-        ref = wan_t._tiny_reference(layout, seed=10)
-        out.append(("wan", ref, [wan_t._inputs(layout, seed=11)]))
+        ref = tiny_wan.reference_dit(layout, seed=10)
+        out.append(("wan", ref, [tiny_wan.dit_inputs(layout, seed=11)]))
     return out
 
 
 def _qwen_case():
-    return "qwen-image", qwen_t._tiny_reference(seed=5), [qwen_t._inputs(seed=11)]
+    return (
+        "qwen-image",
+        tiny_qwen_image.reference_dit(seed=5),
+        [tiny_qwen_image.dit_inputs(seed=11)],
+    )
 
 
 def _cases():

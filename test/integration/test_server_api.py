@@ -1,6 +1,6 @@
 """HTTP API tests on real uvicorn with a fake engine (fast; every row of server_requests.md).
 
-The fake engine (server_helpers.FakeEngine) makes each image a pure function of the request and of
+The fake engine (``fixtures.server.FakeEngine``) makes each image a pure function of the request and of
 the adapter composition it ran with, so a response image tells which composition was used. LoRA
 files go through the project's real loader (path containment, Hub cache lookups).
 """
@@ -21,8 +21,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from PIL import Image
-from server_helpers import (
+from fixtures.server import (
     FAKE_SPEC,
     FakeEngine,
     assert_envelope,
@@ -34,6 +33,7 @@ from server_helpers import (
     wait_until,
     write_lora_file,
 )
+from PIL import Image
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 
 

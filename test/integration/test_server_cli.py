@@ -21,9 +21,9 @@ import time
 import httpx
 import numpy as np
 import openai
+from fixtures.server import free_port, running_server, write_zimage_lora
 from fixtures.tiny_models import psnr
 from PIL import Image
-from server_helpers import free_port, running_server, write_zimage_lora
 from sglang.multimodal_gen import runtime
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 

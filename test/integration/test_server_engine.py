@@ -22,9 +22,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from fixtures.server import assert_envelope, running_server, write_zimage_lora
 from fixtures.tiny_models import psnr, reference_image, reference_pipeline
 from PIL import Image
-from server_helpers import assert_envelope, running_server, write_zimage_lora
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.entrypoints.http_server import load_startup_loras
 from sglang.multimodal_gen.runtime import DiffusionEngine

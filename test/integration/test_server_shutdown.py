@@ -15,17 +15,19 @@ import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import fixtures.server
 import httpx
 import pytest
-from server_helpers import free_port, wait_not_accepting, wait_until
+from fixtures.server import free_port, wait_not_accepting, wait_until
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+#: ``test/``, where the child process finds ``fixtures.server``
+TEST_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(fixtures.server.__file__)))
 
 SCRIPT = textwrap.dedent(
     """
     import os, sys, time
-    sys.path.insert(0, {here!r})
-    from server_helpers import FakeEngine
+    sys.path.insert(0, {test_root!r})
+    from fixtures.server import FakeEngine
     from sglang.multimodal_gen.configs.server_args import ServerArgs
     from sglang.multimodal_gen.entrypoints import http_server
 
@@ -68,7 +70,7 @@ def _gated_server(tmp_path, grace: float):
     port = free_port()
     started, release = tmp_path / "started", tmp_path / "release"
     script = SCRIPT.format(
-        here=HERE, port=port, started=str(started), release=str(release), grace=grace
+        test_root=TEST_ROOT, port=port, started=str(started), release=str(release), grace=grace
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -153,7 +155,7 @@ def test_serve_startup_failure_is_one_clear_line(monkeypatch, capsys, tmp_path):
     """A startup adapter that cannot be loaded stops ``sglang serve`` with exit code 2 (bad input,
     as ``sglang generate`` says for the same path) and the loader's message, not a traceback;
     the engine is shut down."""
-    from server_helpers import FakeEngine
+    from fixtures.server import FakeEngine
     from sglang.cli.main import main
     from sglang.multimodal_gen.entrypoints import http_server
 

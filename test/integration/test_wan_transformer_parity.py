@@ -33,6 +33,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures.tiny_models import rel_err
+from fixtures.tiny_wan import DIT_LAYOUTS, DIT_VIDEO, dit_inputs, reference_dit
 from sglang.multimodal_gen.configs.wan import WAN_TRANSFORMER_CLASS, WanArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size, launch_processes
 from sglang.multimodal_gen.models.dits.wan import (
@@ -46,96 +48,22 @@ PARITY_REL_ERR = 1e-6  # measured 0.0 (bitwise equal), both layouts
 TP_REL_ERR = 2e-6  # measured 1.8e-7 .. 2.7e-7 (TP 2 and TP 4, both layouts)
 BF16_REL_ERR = 2**-8  # measured 0.0; one bf16 ulp of max |ref| as the margin
 
-LAYOUTS = {
-    "a14b": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=16,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=128,
-        num_layers=2,
-        rope_max_seq_len=32,
-    ),
-    "ti2v": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=12,
-        in_channels=12,
-        out_channels=12,
-        text_dim=24,
-        freq_dim=16,
-        ffn_dim=96,
-        num_layers=2,
-        rope_max_seq_len=32,
-    ),
-}
-VIDEO = (3, 4, 6)  # latent (F, H, W): 3 * 2 * 3 = 18 patch tokens
-N_TXT = 7
 
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |ours - ref| / max |ref|."""
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-def _tiny_reference(layout: str, seed: int = 0, **overrides):
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    ref = WanTransformer3DModel(**dict(LAYOUTS[layout], **overrides)).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            # default inits leave constants (norm weights 1, norm biases 0); perturb everything
-            # so that every parameter, and every mistake in loading it, changes the output
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-            assert p.abs().min() > 0 and (p.numel() == 1 or p.std() > 0), name
-    return ref
-
-
-def _per_token_timestep(t: float, batch: int, video=VIDEO) -> torch.Tensor:
-    """What diffusers' WanPipeline (``expand_timesteps=True``, TI2V-5B) passes for image-to-video:
-    ``(mask[0][0][:, ::2, ::2] * t).flatten()`` expanded to ``[B, S]``, the first latent frame's
-    mask 0 (its tokens at timestep 0), the others 1."""
-    f, h, w = video
-    mask = torch.ones(batch, 1, f, h, w)
-    mask[:, :, 0] = 0
-    temp_ts = (mask[0][0][:, ::2, ::2] * t).flatten()
-    return temp_ts.unsqueeze(0).expand(batch, -1)
-
-
-def _inputs(layout: str, batch: int = 2, seed: int = 3, t: float = 500.0) -> dict:
-    cfg = LAYOUTS[layout]
-    g = torch.Generator().manual_seed(seed)
-    if layout == "ti2v":
-        timestep = _per_token_timestep(t, batch)
-    else:
-        timestep = torch.tensor([t, 730.0])[:batch]
-    return dict(
-        hidden_states=torch.randn(batch, cfg["in_channels"], *VIDEO, generator=g),
-        timestep=timestep,
-        encoder_hidden_states=torch.randn(batch, N_TXT, cfg["text_dim"], generator=g),
-    )
-
-
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=list(DIT_LAYOUTS))
 def models(request):
-    ref = _tiny_reference(request.param)
+    ref = reference_dit(request.param)
     ours = wan_from_diffusers_module(ref, tp_rank=0, tp_size=1)
     return ours, ref, request.param
 
 
 def test_transformer_matches_diffusers(models):
     ours, ref, layout = models
-    inp = _inputs(layout)
+    inp = dit_inputs(layout)
     with torch.no_grad():
         expected = ref(**inp, return_dict=False)[0]
         got = ours(**inp)
-    c = LAYOUTS[layout]["out_channels"]
-    assert isinstance(got, torch.Tensor) and got.shape == expected.shape == (2, c, *VIDEO)
+    c = DIT_LAYOUTS[layout]["out_channels"]
+    assert isinstance(got, torch.Tensor) and got.shape == expected.shape == (2, c, *DIT_VIDEO)
     assert expected.abs().max() > 0.5  # a real signal
     err = rel_err(got, expected)
     print(f"wan parity ({layout}): rel err {err:.3g}")
@@ -143,7 +71,7 @@ def test_transformer_matches_diffusers(models):
 
     # the threshold discriminates: timestep 505 instead of 500 is far outside it
     with torch.no_grad():
-        off = ours(**dict(inp, timestep=_inputs(layout, t=505.0)["timestep"]))
+        off = ours(**dict(inp, timestep=dit_inputs(layout, t=505.0)["timestep"]))
     off_err = rel_err(off, expected)
     print(f"wan ({layout}): timestep 505 vs 500 rel err {off_err:.3g}")  # 0.13 / 0.16
     assert off_err > 1e4 * PARITY_REL_ERR
@@ -163,7 +91,7 @@ def test_bf16_matches_diffusers_from_pretrained(models, tmp_path):
     fp32_ref = {n for n, p in ref16.named_parameters() if p.dtype == torch.float32}
     fp32_ours = {n for n, p in ours16.named_parameters() if p.dtype == torch.float32}
     assert fp32_ours == fp32_ref and "blocks.1.norm2.weight" in fp32_ours
-    inp = _inputs(layout)
+    inp = dit_inputs(layout)
     inp = dict(
         inp,
         hidden_states=inp["hidden_states"].bfloat16(),
@@ -182,7 +110,7 @@ def test_other_shapes_and_random_per_token_timesteps(models):
     """Batch 1, another grid (2 x 8 x 4 latents: 16 tokens), 5 text tokens; for both layouts a
     random timestep per token as well as a ``[1]`` timestep broadcast to the batch."""
     ours, ref, layout = models
-    cfg = LAYOUTS[layout]
+    cfg = DIT_LAYOUTS[layout]
     g = torch.Generator().manual_seed(21)
     x = torch.randn(1, cfg["in_channels"], 2, 8, 4, generator=g)
     ctx = torch.randn(1, 5, cfg["text_dim"], generator=g)
@@ -198,9 +126,9 @@ def test_constant_per_token_timestep_equals_one_per_item():
     same model given ``[B]`` computes the same output with one embedding per item instead of
     one per token (measured 2.0e-7: the time-embedding GEMMs run on B*S rows instead of B, which
     the kernel blocks differently; not bitwise)."""
-    ref = _tiny_reference("ti2v")
+    ref = reference_dit("ti2v")
     ours = wan_from_diffusers_module(ref, tp_rank=0, tp_size=1)
-    inp = _inputs("ti2v")
+    inp = dit_inputs("ti2v")
     s = inp["timestep"].shape[1]
     with torch.no_grad():
         per_token = ours(**dict(inp, timestep=torch.full((2, s), 640.0)))
@@ -209,10 +137,10 @@ def test_constant_per_token_timestep_equals_one_per_item():
 
 
 def test_cross_attn_norm_off_matches_diffusers():
-    ref = _tiny_reference("a14b", seed=4, cross_attn_norm=False, num_layers=1)
+    ref = reference_dit("a14b", seed=4, cross_attn_norm=False, num_layers=1)
     ours = wan_from_diffusers_module(ref, tp_rank=0, tp_size=1)
     assert isinstance(ours.blocks[0].norm2, torch.nn.Identity)
-    inp = _inputs("a14b", seed=5)
+    inp = dit_inputs("a14b", seed=5)
     with torch.no_grad():
         assert rel_err(ours(**inp), ref(**inp, return_dict=False)[0]) <= PARITY_REL_ERR
 
@@ -254,7 +182,7 @@ def test_original_checkpoint_names_load_and_match():
     here are checked against diffusers' own converter, which must map them back exactly."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-    ref = _tiny_reference("a14b", seed=6)
+    ref = reference_dit("a14b", seed=6)
     sd = ref.state_dict()
     original = {"model.diffusion_model." + _original_name(k): v for k, v in sd.items()}
     assert "model.diffusion_model.blocks.1.norm3.weight" in original
@@ -266,7 +194,7 @@ def test_original_checkpoint_names_load_and_match():
     ours = WanTransformer(WanArchConfig.from_dict(dict(ref.config)), tp_rank=0, tp_size=1)
     n = load_tensors_into(ours, (("<orig>", k, v) for k, v in original.items()), WAN_NAME_MAP)
     assert n == len(sd)
-    inp = _inputs("a14b", seed=7)
+    inp = dit_inputs("a14b", seed=7)
     with torch.no_grad():
         assert rel_err(ours(**inp), ref(**inp, return_dict=False)[0]) <= PARITY_REL_ERR
 
@@ -300,7 +228,7 @@ def test_rank_holds_its_heads_of_every_split_layer(n):
     """Rank r of n holds heads [r*H/n, (r+1)*H/n) of q, k, v (self and cross), the matching
     columns of the output projections and the matching slice of the q/k norm weights; indices
     written out here."""
-    cfg = WanArchConfig(**LAYOUTS["a14b"])
+    cfg = WanArchConfig(**DIT_LAYOUTS["a14b"])
     d, f = cfg.inner_dim, cfg.ffn_dim
     g = torch.Generator().manual_seed(0)
     w_q, w_k, w_v = (torch.randn(d, d, generator=g) for _ in range(3))
@@ -353,8 +281,8 @@ def test_rms_norm_across_heads_sums_squares_over_ranks(n):
 
 def test_tp_size_not_dividing_heads_or_ffn_is_a_clear_error():
     with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by tp_size=3"):
-        WanTransformer(WanArchConfig(**LAYOUTS["a14b"]), tp_rank=0, tp_size=3)
-    cfg = WanArchConfig(**dict(LAYOUTS["a14b"], ffn_dim=98))
+        WanTransformer(WanArchConfig(**DIT_LAYOUTS["a14b"]), tp_rank=0, tp_size=3)
+    cfg = WanArchConfig(**dict(DIT_LAYOUTS["a14b"], ffn_dim=98))
     with pytest.raises(ValueError, match=r"ffn_dim=98 is not divisible by tp_size=4"):
         WanTransformer(cfg, tp_rank=0, tp_size=4)
 
@@ -379,9 +307,9 @@ def test_tp2_and_tp4_equal_tp1():
     in real gloo process groups: heads, FFN and the q/k RMSNorm's sum of squares split/reduced
     over the ranks."""
     runs, expected = [], []
-    for i, layout in enumerate(LAYOUTS):
-        ref = _tiny_reference(layout, seed=10 + i)
-        inputs = [_inputs(layout, seed=11 + i)]
+    for i, layout in enumerate(DIT_LAYOUTS):
+        ref = reference_dit(layout, seed=10 + i)
+        inputs = [dit_inputs(layout, seed=11 + i)]
         if layout == "ti2v":
             g = torch.Generator().manual_seed(12)
             inputs.append(dict(inputs[0], timestep=torch.rand(2, 18, generator=g) * 1000))
@@ -394,7 +322,7 @@ def test_tp2_and_tp4_equal_tp1():
         results = launch_processes(_rank_fn, n, args=(runs,), backend="gloo")
         for rank, (per_layout, world) in enumerate(results):
             assert world == n
-            for layout, (outs, rows), (outs1, rows1) in zip(LAYOUTS, per_layout, expected):
+            for layout, (outs, rows), (outs1, rows1) in zip(DIT_LAYOUTS, per_layout, expected):
                 assert rows * n == rows1  # heads really are split
                 for j, (out, out1) in enumerate(zip(outs, outs1)):
                     err = rel_err(out, out1)
@@ -408,7 +336,7 @@ def test_config_from_dict_and_json(tmp_path):
         {
             "_class_name": WAN_TRANSFORMER_CLASS,
             "_diffusers_version": "0.42.1",
-            **LAYOUTS["ti2v"],
+            **DIT_LAYOUTS["ti2v"],
             "patch_size": [1, 2, 2],
             "foo": 1,
         }
@@ -425,7 +353,7 @@ def test_config_from_dict_and_json(tmp_path):
     assert WanArchConfig(in_channels=36, out_channels=None).out_channels == 36
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"_class_name": WAN_TRANSFORMER_CLASS, **LAYOUTS["a14b"]}))
+    path.write_text(json.dumps({"_class_name": WAN_TRANSFORMER_CLASS, **DIT_LAYOUTS["a14b"]}))
     assert WanArchConfig.from_json_file(path).inner_dim == 64
     path.write_text(json.dumps({"_class_name": "FluxTransformer2DModel"}))
     with pytest.raises(ValueError, match="not supported"):
@@ -445,7 +373,7 @@ def test_config_from_dict_and_json(tmp_path):
 
 def test_forward_rejects_bad_inputs(models):
     ours, _, layout = models
-    inp = _inputs(layout)
+    inp = dit_inputs(layout)
     x = inp["hidden_states"]
     with pytest.raises(ValueError, match="not divisible by patch_size"):
         ours(**dict(inp, hidden_states=x[..., :5]))

@@ -14,8 +14,8 @@ import time
 import httpx
 import numpy as np
 import pytest
+from fixtures.server import FakeEngine, assert_envelope, running_server
 from fixtures.tiny_models import psnr
-from server_helpers import FakeEngine, assert_envelope, running_server
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.configs.wan import WanSamplingParams
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler

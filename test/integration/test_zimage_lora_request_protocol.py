@@ -20,7 +20,7 @@ import hashlib
 import httpx
 import numpy as np
 import pytest
-from server_helpers import running_server
+from fixtures.server import running_server
 from sglang.multimodal_gen.errors import NotFoundError
 from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 

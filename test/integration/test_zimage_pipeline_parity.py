@@ -12,27 +12,15 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from fixtures.tiny_models import psnr, reference_image, reference_pipeline
+from fixtures.tiny_models import (
+    PARITY_MIN_PSNR,
+    assert_same_image,
+    psnr,
+    reference_image,
+    reference_pipeline,
+)
 from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
-
-# Measured (fp32, CPU, diffusers 0.42.1): identical pixels (inf dB, 0 pixels off) in every case
-# below, the batch and the dynamic-shift cases included. Allowed: >= 70 dB, no value off by more than
-# one level, at most 0.1 % of the values off by one (a GEMM blocking change may flip a value that
-# sits on a rounding boundary). Nearby wrong inputs measured 36.5-52.9 dB (one letter of the
-# prompt), 42.2-52.4 dB (guidance x1.1, or 0 -> 0.1), 24-32 dB (static instead of dynamic shift);
-# decoding that rounds down instead of to nearest measured 51.2 dB.
-MIN_PSNR = 70.0
-MAX_OFF_BY_ONE = 0.001
-
-
-def assert_same_image(got: np.ndarray, expected: np.ndarray) -> None:
-    """The parity bar: PSNR, largest difference, share of values off by one level."""
-    assert got.shape == expected.shape
-    diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
-    assert psnr(got, expected) >= MIN_PSNR, psnr(got, expected)
-    assert diff.max() <= 1, int(diff.max())
-    assert (diff > 0).mean() <= MAX_OFF_BY_ONE, float((diff > 0).mean())
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +66,9 @@ def test_image_matches_diffusers(pipes, kw, wrong_guidance):
     assert expected.std() > 10  # a varied image, not a saturated one
     assert_same_image(got, expected)
     # nearby inputs fail the same bar
-    assert psnr(_ours(ours, NEAR_PROMPT, **kw), expected) < MIN_PSNR
+    assert psnr(_ours(ours, NEAR_PROMPT, **kw), expected) < PARITY_MIN_PSNR
     near_guidance = _ours(ours, PROMPT, **dict(kw, guidance_scale=wrong_guidance))
-    assert psnr(near_guidance, expected) < MIN_PSNR
+    assert psnr(near_guidance, expected) < PARITY_MIN_PSNR
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +96,7 @@ def test_dynamic_shift_matches_diffusers(pipes, dynamic_shift_pipes, kw):
     expected = reference_image(ref, PROMPT, seed=42, **kw)
     assert_same_image(_ours(ours, PROMPT, **kw), expected)
     # the static schedule (shift 3) of the same weights is a nearby wrong case
-    assert psnr(_ours(pipes[0], PROMPT, **kw), expected) < MIN_PSNR
+    assert psnr(_ours(pipes[0], PROMPT, **kw), expected) < PARITY_MIN_PSNR
 
 
 @pytest.mark.parametrize("max_sequence_length", [17, 100])
@@ -201,5 +189,7 @@ def test_cfg_knobs_are_request_fields_matching_diffusers(pipes, knobs):
     params = ours.spec.params(prompt=PROMPT, seed=42, **kw, **knobs)
     got = ours(params, output_type="np")[0]
     assert_same_image(got, expected)
-    assert psnr(_ours(ours, PROMPT, **kw), expected) < MIN_PSNR  # the defaults: another image
+    assert (
+        psnr(_ours(ours, PROMPT, **kw), expected) < PARITY_MIN_PSNR
+    )  # the defaults: another image
     assert (ours.spec.defaults.cfg_normalization, ours.spec.defaults.cfg_truncation) == (0.0, 1.0)

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from fixtures.tiny_models import psnr
+from fixtures.tiny_models import PARITY_MIN_PSNR, assert_same_image, psnr, rel_err
 from sglang.multimodal_gen.distributed import get_tp_world_size, launch_processes
 from sglang.multimodal_gen.errors import NotFoundError
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
@@ -25,21 +25,6 @@ GEN_KW = dict(height=32, width=48, num_inference_steps=2, guidance_scale=2.5, ou
 # most 0.1 % off by one. Nearby wrong cases: timestep + 1e-3 moves the DiT output by >= 7e-2
 # (relative), guidance x1.1 and a LoRA strength 1.4 instead of 1.3 move the image below 70 dB.
 MAX_REL_ERR = 1e-5
-MIN_PSNR = 70.0
-MAX_OFF_BY_ONE = 0.001
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).abs().max() / ref.abs().max())
-
-
-def assert_same_image(got: np.ndarray, expected: np.ndarray, what: str = "") -> None:
-    """The parity bar: PSNR, largest difference, share of values off by one level."""
-    assert got.shape == expected.shape, what
-    diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
-    assert psnr(got, expected) >= MIN_PSNR, (what, psnr(got, expected))
-    assert diff.max() <= 1, (what, int(diff.max()))
-    assert (diff > 0).mean() <= MAX_OFF_BY_ONE, (what, float((diff > 0).mean()))
 
 
 def _inputs():
@@ -93,7 +78,7 @@ def test_tp2_transformer_and_image_equal_tp1(tiny_zimage_dir, tp1, tp1_near):
             assert err <= MAX_REL_ERR, f"rank {rank}: rel err {err}"
             assert rel_err(a, near) > MAX_REL_ERR  # a nearby timestep fails the same bar
         assert_same_image(image2[0], image1[0], f"rank {rank}")
-        assert psnr(image2[0], near_image[0]) < MIN_PSNR
+        assert psnr(image2[0], near_image[0]) < PARITY_MIN_PSNR
 
 
 def _engine_images(engine, loras):
@@ -134,7 +119,7 @@ def test_engine_tp2_equals_tp1_with_and_without_lora(tiny_zimage_dir, tiny_zimag
     assert np.array_equal(ref[4], ref[0])
     for i, (a, b) in enumerate(zip(got, ref)):
         assert_same_image(a, b, f"image {i}")
-    assert psnr(got[1], near_lora) < MIN_PSNR  # b at 1.4 instead of 1.3 fails the same bar
+    assert psnr(got[1], near_lora) < PARITY_MIN_PSNR  # b at 1.4 instead of 1.3 fails the same bar
 
 
 def test_tp_size_not_dividing_heads_is_a_clear_error(tiny_zimage_dir):

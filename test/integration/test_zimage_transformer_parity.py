@@ -6,17 +6,13 @@ import os
 
 import pytest
 import torch
+from fixtures.tiny_models import rel_err
 from sglang.multimodal_gen.models.families.zimage import load_zimage_transformer
 
 # Measured (fp32, CPU): max relative error 2.2e-7 .. 3.6e-7 over the cases below (our fused
 # q/k/v and w1/w3 GEMMs sum in another order). Nearby wrong inputs measured: timestep + 1e-3 ->
 # 7e-2 .. 1e-1, latents x 1.001 -> 4e-4 .. 5.3e-4, caption features + 1e-3 -> 4e-5 .. 8.4e-4.
 MAX_REL_ERR = 1e-5
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |ours - ref| / max |ref|."""
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def test_lora_terms_of_short_inputs_equal_the_rows_of_a_tall_batch():
     """The LoRA GEMMs get the same padding: a layer fed one vector per image (Flux LoRAs often
     target the adaLN ``norm1.linear``) gives each image the same bits alone and in a batch,
     with one composition for all rows and with a different composition per row."""
-    from lora_helpers import IN, build_layer, full_weights, load, random_adapter
+    from fixtures.lora_layers import IN, build_layer, full_weights, load, random_adapter
     from sglang.multimodal_gen.layers.lora import RowMapping, wrap_with_lora
 
     w, b = full_weights("replicated", 3)

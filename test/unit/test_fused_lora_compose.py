@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_helpers import (
+from fixtures.lora_layers import (
     IN,
     build_layer,
     dense_delta,

@@ -9,7 +9,14 @@ Tolerances: fp32 weights atol 1e-5; outputs vs fp64 reference atol 2e-4 / rtol 1
 from __future__ import annotations
 
 import torch
-from lora_helpers import IN, build_layer, dense_reference, full_weights, load, random_adapter
+from fixtures.lora_layers import (
+    IN,
+    build_layer,
+    dense_reference,
+    full_weights,
+    load,
+    random_adapter,
+)
 from sglang.multimodal_gen.layers.lora import Composition, wrap_with_lora
 
 ATOL, RTOL = 2e-4, 1e-4

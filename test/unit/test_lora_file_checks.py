@@ -19,19 +19,13 @@ import threading
 
 import pytest
 import torch
-from lora_format_helpers import SAMPLE, diffusers_sd, random_pairs, zimage_spec
+from fixtures.lora_formats import SAMPLE, diffusers_sd, random_pairs, zimage_spec
+from fixtures.lora_model import assert_params_equal, build_model, make_manager, params, write_lora
 from safetensors.torch import save_file
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception
 from sglang.multimodal_gen.errors import LoRAFormatError, LoRAPatternTooExpensiveError
 from sglang.multimodal_gen.lora import convert_to_canonical, load_lora_state_dict
 from sglang.multimodal_gen.lora.peft_config import MAX_CONFIG_DEPTH, config_from_sources
-from test_lora_pipeline import (  # noqa: I001  (sibling test module)
-    _manager,
-    assert_params_equal,
-    build_model,
-    params,
-    write_lora,
-)
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +276,7 @@ def _refused_by_manager(root, path, nickname="x"):
     """``set_lora`` of ``path`` on a fresh manager: the error, after checking that it is an HTTP
     400 naming ``lora_path`` and that nothing changed (weights, loaded adapters)."""
     model = build_model()
-    mgr = _manager(model, {"root": str(root)})
+    mgr = make_manager(model, {"root": str(root)})
     before = params(model)
     with pytest.raises(LoRAFormatError) as e:
         mgr.set_lora(nickname, str(path))

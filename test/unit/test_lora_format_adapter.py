@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_format_helpers import (
+from fixtures.lora_formats import (
     SAMPLE,
     assert_deltas_equal,
     canonical_deltas,

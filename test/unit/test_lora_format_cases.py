@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from lora_format_helpers import (
+from fixtures.lora_formats import (
     SAMPLE,
     assert_deltas_equal,
     canonical_deltas,

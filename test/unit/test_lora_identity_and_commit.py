@@ -13,21 +13,21 @@ import os
 
 import pytest
 import torch
+from fixtures.lora_model import (
+    assert_params_equal,
+    build_model,
+    make_manager,
+    model_input,
+    params,
+    reference_output,
+    run_model,
+    write_lora,
+)
 from safetensors.torch import save_file
 from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from sglang.multimodal_gen.lora.manager import LoRAManager
 from sglang.multimodal_gen.models.dits.zimage_names import ZIMAGE_NAME_MAP
-from test_lora_pipeline import (  # noqa: I001  (sibling test module)
-    _manager,
-    _out,
-    _x,
-    assert_params_equal,
-    build_model,
-    params,
-    reference_output,
-    write_lora,
-)
 from torch import nn
 
 
@@ -45,20 +45,20 @@ def test_rewritten_file_with_same_size_and_mtime_is_a_new_adapter(tmp_path, mode
     path = tmp_path / "x.safetensors"
     write_lora(path, 11)
     model = build_model()
-    mgr = _manager(model, {"root": str(tmp_path)})
-    x = _x(1)
+    mgr = make_manager(model, {"root": str(tmp_path)})
+    x = model_input(1)
     mgr.set_lora("x", str(path), merge_mode=mode)
     mgr.unset_lora()
     new = _same_stat_rewrite(path, 12)
     # a new nickname on the rewritten file must not reuse the old file's cached merge
     mgr.set_lora("y", str(path), merge_mode=mode)
     torch.testing.assert_close(
-        _out(model, x), reference_output(x, [(new, 1.0)]), atol=1e-3, rtol=1e-3
+        run_model(model, x), reference_output(x, [(new, 1.0)]), atol=1e-3, rtol=1e-3
     )
     # and re-setting the old nickname on the same path reloads it
     mgr.set_lora("x", str(path), merge_mode=mode)
     torch.testing.assert_close(
-        _out(model, x), reference_output(x, [(new, 1.0)]), atol=1e-3, rtol=1e-3
+        run_model(model, x), reference_output(x, [(new, 1.0)]), atol=1e-3, rtol=1e-3
     )
 
 
@@ -74,17 +74,17 @@ def test_changed_adapter_config_is_reloaded(tmp_path):
     }
     (folder / "adapter_config.json").write_text(json.dumps(cfg))
     model = build_model()
-    mgr = _manager(model, {"root": str(tmp_path)})
-    x = _x(2)
+    mgr = make_manager(model, {"root": str(tmp_path)})
+    x = model_input(2)
     mgr.set_lora("p", str(folder), merge_mode="merge")
     torch.testing.assert_close(
-        _out(model, x), reference_output(x, [(deltas, 1.0)]), atol=1e-3, rtol=1e-3
+        run_model(model, x), reference_output(x, [(deltas, 1.0)]), atol=1e-3, rtol=1e-3
     )
     cfg["lora_alpha"] = 16  # scale alpha / r: 1 -> 4
     (folder / "adapter_config.json").write_text(json.dumps(cfg))
     mgr.set_lora("p", str(folder), merge_mode="merge")
     torch.testing.assert_close(
-        _out(model, x), reference_output(x, [(deltas, 4.0)]), atol=1e-3, rtol=1e-3
+        run_model(model, x), reference_output(x, [(deltas, 4.0)]), atol=1e-3, rtol=1e-3
     )
 
 
@@ -135,13 +135,13 @@ def test_commit_as_base_refuses_offsets_without_bias_and_changes_nothing(tmp_pat
     mgr = LoRAManager({"transformer": model}, ZIMAGE_NAME_MAP, allowed_roots=[str(tmp_path)])
     mgr.set_lora("b", str(path), merge_mode="merge")
     x = torch.randn(3, 8)
-    with_lora = _out(model, x)
+    with_lora = run_model(model, x)
     merged = params(model)
     listed = mgr.list_loras()
     with pytest.raises(InvalidRequestError, match="no bias to fold it into"):
         mgr.commit_as_base()
     assert_params_equal(model, merged)
     assert mgr.list_loras() == listed
-    torch.testing.assert_close(_out(model, x), with_lora, atol=0, rtol=0)
+    torch.testing.assert_close(run_model(model, x), with_lora, atol=0, rtol=0)
     mgr.unset_lora()
     assert_params_equal(model, start)

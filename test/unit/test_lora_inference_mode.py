@@ -12,7 +12,14 @@ import contextlib
 
 import pytest
 import torch
-from lora_helpers import IN, build_layer, dense_reference, full_weights, load, random_adapter
+from fixtures.lora_layers import (
+    IN,
+    build_layer,
+    dense_reference,
+    full_weights,
+    load,
+    random_adapter,
+)
 from sglang.multimodal_gen.layers.lora import RowMapping, wrap_with_lora
 
 ATOL, RTOL = 2e-4, 1e-4

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_helpers import IN, build_layer, full_weights, load, random_adapter
+from fixtures.lora_layers import IN, build_layer, full_weights, load, random_adapter
 from sglang.multimodal_gen.layers.lora import LoRAWeights, replace_submodule, wrap_with_lora
 
 

@@ -9,14 +9,14 @@ LoRA ``A`` matmul must see the rank's input slice, not the full input.
 
 Tolerances (fp32 layers vs fp64 reference): atol 2e-5, rtol 1e-5; measured at most 3.4e-6 absolute
 (outputs up to ~10) over every kind, mode and TP size. The references place each rank's rows by a
-hand-written table (``lora_helpers.rank_rows``), not by the layers' shard map.
+hand-written table (``fixtures.lora_layers.rank_rows``), not by the layers' shard map.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from lora_helpers import (
+from fixtures.lora_layers import (
     IN,
     KINDS,
     assemble,

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from lora_format_helpers import SAMPLE, diffusers_sd, random_pairs, zimage_spec
+from fixtures.lora_formats import SAMPLE, diffusers_sd, random_pairs, zimage_spec
 from safetensors.torch import save_file
 from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError
 from sglang.multimodal_gen.lora import convert_to_canonical, load_lora_state_dict

@@ -6,7 +6,7 @@ computed by hand (``W + strength * (alpha / r) * B @ A`` at rows from a hand-wri
 from __future__ import annotations
 
 import torch
-from lora_helpers import build_layer, full_weights, load, random_adapter
+from fixtures.lora_layers import build_layer, full_weights, load, random_adapter
 from safetensors.torch import save_file
 from sglang.multimodal_gen.layers.linear import (
     MergedColumnParallelLinear,

@@ -12,7 +12,15 @@ import copy
 
 import pytest
 import torch
-from lora_helpers import IN, KINDS, build_layer, full_weights, load, random_adapter, rank_input
+from fixtures.lora_layers import (
+    IN,
+    KINDS,
+    build_layer,
+    full_weights,
+    load,
+    random_adapter,
+    rank_input,
+)
 from sglang.multimodal_gen.layers.lora import wrap_with_lora
 
 

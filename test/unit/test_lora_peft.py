@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from lora_format_helpers import diffusers_sd, our_slot, random_pairs, save, zimage_spec
+from fixtures.lora_formats import diffusers_sd, our_slot, random_pairs, save, zimage_spec
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from peft.utils.other import get_pattern_key as peft_get_pattern_key
@@ -41,7 +41,7 @@ def spec():
 
 def _fresh_model():
     from diffusers import ZImageTransformer2DModel
-    from lora_format_helpers import DIM
+    from fixtures.lora_formats import DIM
 
     return ZImageTransformer2DModel(
         in_channels=4,

@@ -25,7 +25,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from lora_helpers import (
+from fixtures.lora_layers import (
     IN,
     KINDS,
     assemble,

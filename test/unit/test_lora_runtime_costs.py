@@ -13,7 +13,7 @@
   several nicknames in one call is read and converted once.
 
 References: fp64 dense forwards of the same adapters (``reference_output``); tolerances as in
-``test_lora_pipeline`` (1e-3: outputs grow to ~1e2 through the residual blocks).
+``fixtures/lora_model.py`` (1e-3: outputs grow to ~1e2 through the residual blocks).
 """
 
 from __future__ import annotations
@@ -23,8 +23,20 @@ import json
 import os
 
 import pytest
-import test_lora_pipeline  # noqa: I001
 import torch
+from fixtures import lora_model
+from fixtures.lora_model import (
+    ATOL,
+    RTOL,
+    assert_params_equal,
+    build_model,
+    make_manager,
+    model_input,
+    params,
+    reference_output,
+    run_model,
+    write_lora,
+)
 from sglang.multimodal_gen.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from sglang.multimodal_gen.layers.lora import (
     RowMapping,
@@ -33,20 +45,8 @@ from sglang.multimodal_gen.layers.lora import (
 )
 from sglang.multimodal_gen.lora import safetensors_io
 from sglang.multimodal_gen.lora.transactions import LoRAStateError
-from test_lora_pipeline import (  # noqa: I001  (sibling test module)
-    ATOL,
-    RTOL,
-    _manager,
-    _out,
-    _x,
-    assert_params_equal,
-    build_model,
-    params,
-    reference_output,
-    write_lora,
-)
 
-files = test_lora_pipeline.files  # the sibling module's adapter-files fixture
+files = lora_model.files  # the adapter files (a module-scoped fixture)
 
 
 def _layers(mgr):
@@ -62,8 +62,8 @@ def test_merge_workspace_bounded_and_freed_after_every_op(files, monkeypatch):
     chunk = 4 * 32 * 5  # five rows of a 32-wide fp32 workspace: every layer needs several chunks
     monkeypatch.setattr(compute, "MERGE_CHUNK_BYTES", chunk)
     model = build_model()
-    mgr = _manager(model, files)
-    x = _x(1)
+    mgr = make_manager(model, files)
+    x = model_input(1)
     workspace_stats(reset_peak=True)
     before = workspace_stats()["allocations"]
     ops = [
@@ -82,14 +82,14 @@ def test_merge_workspace_bounded_and_freed_after_every_op(files, monkeypatch):
         assert mgr.memory_report()["workspace_bytes"] == 0
     sel = mgr.selection([("a", 0.3)])
     with mgr.context("transformer").rows(RowMapping.whole(sel.for_target("transformer"))):
-        _out(model, x)
+        run_model(model, x)
     assert workspace_stats()["live"] == 0
     stats = workspace_stats()
     assert stats["allocations"] > before  # the merges did use (and free) workspaces
     assert 0 < stats["peak"] <= chunk
     # chunked merges are the merges: the committed model computes the adapter at strength 1
     torch.testing.assert_close(
-        _out(model, x), reference_output(x, [(files["a"][1], 1.0)]), atol=ATOL, rtol=RTOL
+        run_model(model, x), reference_output(x, [(files["a"][1], 1.0)]), atol=ATOL, rtol=RTOL
     )
 
 
@@ -131,7 +131,7 @@ def test_unchanged_file_is_not_read_again(files, tmp_path):
     path = str(tmp_path / "x.safetensors")
     write_lora(path, 31)
     model = build_model()
-    mgr = _manager(model, {"root": str(tmp_path)})
+    mgr = make_manager(model, {"root": str(tmp_path)})
     reads = safetensors_io.READ_STATS["files"]
     mgr.set_lora("x", path, merge_mode="merge")
     assert safetensors_io.READ_STATS["files"] == reads + 1
@@ -152,9 +152,9 @@ def test_unchanged_file_is_not_read_again(files, tmp_path):
     mgr.set_lora("x", path, merge_mode="merge")
     assert safetensors_io.READ_STATS["files"] == reads + 3
     assert mgr.adapter("x").uid != uid
-    x = _x(3)
+    x = model_input(3)
     torch.testing.assert_close(
-        _out(model, x), reference_output(x, [(new, 1.0)]), atol=ATOL, rtol=RTOL
+        run_model(model, x), reference_output(x, [(new, 1.0)]), atol=ATOL, rtol=RTOL
     )
 
 
@@ -170,12 +170,12 @@ def _rows(mgr, model, x, comps):
     """``model(x)`` with row ``i`` under the selection of ``comps[i]`` (``None``: global)."""
     sels = [mgr.selection(c).for_target("transformer") for c in comps]
     with mgr.context("transformer").rows(RowMapping.of(sels)):
-        return _out(model, x)
+        return run_model(model, x)
 
 
 def test_request_on_merged_target_merges_nothing(files):
     model = build_model()
-    mgr = _manager(model, files)
+    mgr = make_manager(model, files)
     mgr.load_adapter("b", files["b"][0])
     mgr.set_lora("a", files["a"][0], strengths=0.8, merge_mode="merge")
     before = params(model)
@@ -183,7 +183,7 @@ def test_request_on_merged_target_merges_nothing(files):
     merged = [layer.merged for layer in _layers(mgr)]
     assert any(merged)
     merges = _merges(mgr)
-    x = _x(4)
+    x = model_input(4)
     a, b = files["a"][1], files["b"][1]
     comps = ([("b", 0.5)], [("a", 0.3), ("b", -1.0)], [], [("a", 0.8)], None)
     for comp in comps:
@@ -203,7 +203,7 @@ def test_request_on_merged_target_merges_nothing(files):
     assert _merges(mgr) == merges
     assert_params_equal(model, before)
     torch.testing.assert_close(
-        _out(model, x), reference_output(x, [(a, 0.8)]), atol=ATOL, rtol=RTOL
+        run_model(model, x), reference_output(x, [(a, 0.8)]), atol=ATOL, rtol=RTOL
     )
 
 
@@ -212,7 +212,7 @@ def test_failed_restore_resets_to_base_and_refuses_later_calls(files, monkeypatc
     is reset to its base weight, the manager refuses later calls (503)."""
     model = build_model()
     base = params(model)
-    mgr = _manager(model, files)
+    mgr = make_manager(model, files)
     mgr.load_adapter("b", files["b"][0])
     mgr.set_lora("a", files["a"][0], merge_mode="merge")
     victim = next(iter(_layers(mgr)))
@@ -235,8 +235,8 @@ def test_failed_restore_resets_to_base_and_refuses_later_calls(files, monkeypatc
     for layer in _layers(mgr):
         assert not layer.merged and not layer.active
     assert_params_equal(model, base)
-    x = _x(5)
-    torch.testing.assert_close(_out(model, x), reference_output(x, []), atol=ATOL, rtol=RTOL)
+    x = model_input(5)
+    torch.testing.assert_close(run_model(model, x), reference_output(x, []), atol=ATOL, rtol=RTOL)
     for call in (
         lambda: mgr.set_lora("a"),
         mgr.list_loras,
@@ -251,7 +251,7 @@ def test_refused_selection_changes_nothing(files):
     """A request's composition that overflows where it is used, or names an unknown adapter, is
     refused naming ``lora``; a valid one only touches its adapters in the LRU."""
     model = build_model()
-    mgr = _manager(model, files)
+    mgr = make_manager(model, files)
     mgr.load_adapter("b", files["b"][0])
     mgr.load_adapter("c", files["c"][0])
     mgr.set_lora("a", files["a"][0], merge_mode="auto")
@@ -269,11 +269,11 @@ def test_refused_selection_changes_nothing(files):
 
 # ------------------------------------------------------------------------------ budgets
 def test_adapter_budget_lru_and_one_adapter_too_large(files):
-    probe = _manager(build_model(), files)
+    probe = make_manager(build_model(), files)
     probe.load_adapter("a", files["a"][0])
     size_a = probe.loaded_bytes()
     model = build_model()
-    mgr = _manager(model, files, max_loaded_bytes=int(2.5 * size_a))
+    mgr = make_manager(model, files, max_loaded_bytes=int(2.5 * size_a))
     mgr.load_adapter("a1", files["a"][0])
     mgr.load_adapter("a2", files["a"][0])
     mgr.set_lora("a1")  # a1 used last: a2 is the LRU one
@@ -282,7 +282,7 @@ def test_adapter_budget_lru_and_one_adapter_too_large(files):
     report = mgr.memory_report()
     assert report["loaded_bytes"] <= report["max_loaded_bytes"] and report["adapter_evictions"] == 1
     before, listed = params(model), mgr.list_loras()
-    small = _manager(build_model(), files, max_loaded_bytes=size_a // 2)
+    small = make_manager(build_model(), files, max_loaded_bytes=size_a // 2)
     with pytest.raises(InvalidRequestError, match="more than the whole adapter memory bound") as e:
         small.set_lora("a", files["a"][0])
     assert e.value.param == "lora_path" and e.value.status_code == 400
@@ -296,9 +296,9 @@ def test_adapter_budget_lru_and_one_adapter_too_large(files):
 
 def test_merge_cache_bound_and_snapshot_memory(files):
     model = build_model()
-    probe = _manager(build_model(), files)
+    probe = make_manager(build_model(), files)
     weights = probe.memory_report()["lora_weight_bytes"]
-    mgr = _manager(model, files, merge_cache_bytes=weights // 2)
+    mgr = make_manager(model, files, merge_cache_bytes=weights // 2)
     mgr.load_adapter("b", files["b"][0])
     mgr.load_adapter("a", files["a"][0])
     for name in ("a", "b", "a", "b"):
@@ -368,7 +368,7 @@ def test_adapters_per_call_are_bounded_in_the_manager(files):
     from sglang.multimodal_gen.lora.requests import MAX_ADAPTERS_PER_CALL as N
 
     model = build_model()
-    mgr = _manager(model, files)
+    mgr = make_manager(model, files)
     before, reads = params(model), safetensors_io.READ_STATS["files"]
     with pytest.raises(InvalidRequestError) as e:
         mgr.set_lora([f"x{i}" for i in range(N + 1)], files["a"][0])
@@ -395,14 +395,14 @@ def test_one_file_for_many_nicknames_is_read_and_converted_once(files, monkeypat
 
     monkeypatch.setattr(staging, "convert_to_canonical", counting)
     model = build_model()
-    mgr = _manager(model, files)
+    mgr = make_manager(model, files)
     reads = safetensors_io.READ_STATS["files"]
     names = [f"n{i}" for i in range(5)]
     mgr.set_lora(names, files["a"][0], strengths=0.2, merge_mode="dynamic")
     assert safetensors_io.READ_STATS["files"] == reads + 1 and len(converted) == 1
     assert sorted(mgr.loaded_nicknames) == names
     assert len({mgr.adapter(n).uid for n in names}) == 5  # each its own adapter
-    x = _x(4)
+    x = model_input(4)
     torch.testing.assert_close(
-        _out(model, x), reference_output(x, [(files["a"][1], 1.0)]), atol=ATOL, rtol=RTOL
+        run_model(model, x), reference_output(x, [(files["a"][1], 1.0)]), atol=ATOL, rtol=RTOL
     )

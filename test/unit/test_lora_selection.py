@@ -9,7 +9,7 @@
 * an adapter file whose ``lora_A`` overflows float32 where it is used is refused at load
   (``param="lora_path"``), naming the tensor; nothing is loaded.
 
-References: the fp64 dense forward of ``test_lora_pipeline`` (tolerance 1e-3, outputs ~1e2).
+References: the fp64 dense forward of ``fixtures/lora_model.py`` (tolerance 1e-3, outputs ~1e2).
 """
 
 from __future__ import annotations
@@ -17,27 +17,27 @@ from __future__ import annotations
 import pickle
 
 import pytest
-import test_lora_pipeline
 import torch
+from fixtures import lora_model
+from fixtures.lora_model import (
+    ATOL,
+    DIM,
+    RTOL,
+    assert_params_equal,
+    build_model,
+    make_manager,
+    model_input,
+    params,
+    reference_output,
+    run_model,
+)
 from safetensors.torch import save_file
 from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError
 from sglang.multimodal_gen.layers.lora import Composition, RowMapping
 from sglang.multimodal_gen.lora import LoRAManager, LoRASelection
 from sglang.multimodal_gen.models.dits.zimage_names import ZIMAGE_NAME_MAP
-from test_lora_pipeline import (  # noqa: I001  (sibling test module)
-    ATOL,
-    DIM,
-    RTOL,
-    _manager,
-    _out,
-    _x,
-    assert_params_equal,
-    build_model,
-    params,
-    reference_output,
-)
 
-files = test_lora_pipeline.files  # the sibling module's adapter-files fixture
+files = lora_model.files  # the adapter files (a module-scoped fixture)
 
 
 def _slots_agree(mgr, target="transformer"):
@@ -53,7 +53,7 @@ def _slots_agree(mgr, target="transformer"):
 
 def test_one_slot_per_adapter_across_a_target(files):
     model = build_model()
-    mgr = _manager(model, files)
+    mgr = make_manager(model, files)
     mgr.load_adapter("a", files["a"][0])
     mgr.load_adapter("attn", files["attn"][0])  # one layer only
     mgr.load_adapter("b", files["b"][0])
@@ -114,18 +114,18 @@ def sel_args():
 
 def test_selection_changes_nothing_and_runs_per_row(files):
     model = build_model()
-    mgr = _manager(model, files)
+    mgr = make_manager(model, files)
     mgr.load_adapter("b", files["b"][0])
     mgr.set_lora("a", files["a"][0], strengths=1e3, merge_mode="merge")  # large, accepted
     layers = list(mgr.layers("transformer").values())
     before, state = params(model), mgr.list_loras()
     merged = [layer.merged for layer in layers]
-    x = _x(7)
+    x = model_input(7)
     sels = [mgr.selection([]), mgr.selection(None), mgr.selection([("b", 0.7)])]
     with mgr.context("transformer").rows(
         RowMapping.of([s.for_target("transformer") for s in (sels[0], sels[2])])
     ):
-        got = _out(model, x)
+        got = run_model(model, x)
     # the rows without the merged composition: the exact base weights (nothing subtracted)
     torch.testing.assert_close(got[0], reference_output(x[:1], [])[0], atol=ATOL, rtol=RTOL)
     db = files["b"][1]
@@ -133,7 +133,7 @@ def test_selection_changes_nothing_and_runs_per_row(files):
         got[1], reference_output(x[1:], [(db, 0.7)])[0], atol=ATOL, rtol=RTOL
     )
     plain = build_model()  # no LoRA at all: the same bits for the row without adapters
-    assert torch.equal(got[0], _out(plain, x)[0])
+    assert torch.equal(got[0], run_model(plain, x)[0])
     assert_params_equal(model, before)
     assert [layer.merged for layer in layers] == merged
     after = mgr.list_loras()  # the same, but "b" was touched in the LRU
@@ -155,7 +155,7 @@ def test_overflowing_file_is_refused_naming_the_tensor(tmp_path):
     save_file(sd, str(path))
     model = build_model()
     before = params(model)
-    mgr = _manager(model, {"root": str(tmp_path)})
+    mgr = make_manager(model, {"root": str(tmp_path)})
     with pytest.raises(InvalidRequestError) as e:
         mgr.set_lora("huge", str(path))
     assert e.value.param == "lora_path" and "lora_A" in e.value.message
