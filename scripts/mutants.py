@@ -45,14 +45,14 @@ COPY_ITEMS = ("python", "test", "pyproject.toml")
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".pytest_cache")
 
 # test selections (paths relative to the repository root)
-LINEAR = ("test/unit/test_linear_tp.py",)
-LORA_TP = ("test/unit/test_lora_layers_tp.py",)
+LINEAR = ("test/unit/layers/test_linear.py",)
+LORA_TP = ("test/unit/layers/lora/test_wrappers.py",)
 NOT_GLOO = ("-k", "not gloo")  # the simulated-TP tests cover the same cases in one process
-NAMES = ("test/unit/test_zimage_name_table.py", "test/unit/test_lora_format_cases.py")
-CACHE = ("test/unit/test_lora_merge_cache.py",)
-PEFT = ("test/unit/test_lora_peft.py",)
-REQUEST = ("test/unit/test_request_validation.py",)
-PROTOCOL = ("test/unit/test_protocol.py",)
+NAMES = ("test/unit/models/dits/test_zimage_names.py", "test/unit/lora/formats/test_zimage.py")
+CACHE = ("test/unit/lora/test_merge_cache.py",)
+PEFT = ("test/unit/lora/test_peft_config.py", "test/unit/lora/test_patterns.py")
+REQUEST = ("test/unit/configs/sampling_params/test_validate.py",)
+PROTOCOL = ("test/unit/entrypoints/test_protocol.py",)
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ MUTANTS: list[Mutant] = [
         "layers/lora/layer.py",
         "        self._set_weight(snap)\n        self._snapshot = None\n",
         "        self._snapshot = None\n",
-        CACHE + ("test/unit/test_lora_pipeline.py",),
+        CACHE + ("test/unit/lora/test_manager.py",),
         NOT_GLOO,
         why="unmerge forgets the snapshot without restoring the base weight",
     ),
@@ -220,7 +220,7 @@ MUTANTS: list[Mutant] = [
         "layers/lora/layer.py",
         "                self._add_delta(None, y, local)",
         "                self._add_delta(x_local, y, local)",
-        ("test/unit/test_lora_layers_tp.py",),
+        ("test/unit/layers/lora/test_wrappers.py",),
         NOT_GLOO,
         why="rows of the merged composition add its delta on top of the merged weight",
     ),
@@ -271,7 +271,7 @@ MUTANTS: list[Mutant] = [
         "lora/formats.py",
         "    elif cfg_alpha is not None:\n        alpha = cfg_alpha\n",
         "    elif cfg_alpha is not None:\n        alpha = float(r)\n",
-        ("test/unit/test_zimage_name_table.py",) + PEFT,
+        ("test/unit/lora/formats/test_zimage.py",) + PEFT,
         why="lora_alpha from adapter metadata ignored (scale 1)",
     ),
     _m(
@@ -279,7 +279,7 @@ MUTANTS: list[Mutant] = [
         "lora/formats.py",
         "lora_B=b[row : row + n].contiguous(),",
         "lora_B=b[rows - row - n : rows - row].contiguous(),",
-        ("test/unit/test_lora_format_adapter.py",),
+        ("test/unit/lora/test_formats.py",),
         why="a fused B (qkv / w13 in one file module) split in reverse section order",
     ),
     # ------------------------------------------------------------------ models/dits/zimage_names.py
@@ -308,7 +308,7 @@ MUTANTS: list[Mutant] = [
         "models/dits/zimage_names.py",
         'NameRule("attention.out", "attention.to_out.0"),',
         'NameRule("attention.out", "attention.to_out"),',
-        ("test/unit/test_zimage_name_table.py",),
+        ("test/unit/models/dits/test_zimage_names.py",),
         why="original-layout attention.out mapped to a module that does not exist",
     ),
     _m(
@@ -316,7 +316,7 @@ MUTANTS: list[Mutant] = [
         "models/dits/zimage_names.py",
         'strip_prefixes=("model.diffusion_model.",),',
         "strip_prefixes=(),",
-        ("test/unit/test_zimage_name_table.py",),
+        ("test/unit/models/dits/test_zimage_names.py",),
         why="original checkpoints' model.diffusion_model. prefix kept",
     ),
     # ------------------------------------------------------------------ merge cache
@@ -415,7 +415,7 @@ MUTANTS: list[Mutant] = [
         "configs/sampling_params.py",
         "        changes: dict[str, Any] = dict(fill)",
         "        changes: dict[str, Any] = {}",
-        ("test/unit/test_sampling_params.py",),
+        ("test/unit/configs/test_sampling_params.py",),
         ("-k", "fills_the_models_defaults"),
         why="a request's unset fields never take the model's defaults",
     ),
@@ -462,7 +462,7 @@ MUTANTS: list[Mutant] = [
         ("pipelines/common.py",),
         '(x * 255).round().astype("uint8")',
         '(x * 255).astype("uint8")',
-        ("test/unit/test_decode_rounding.py",),
+        ("test/unit/pipelines/test_common.py",),
         why="pixels rounded down instead of to nearest (51 dB from diffusers)",
     ),
     _m(
@@ -470,7 +470,7 @@ MUTANTS: list[Mutant] = [
         "pipelines/base.py",
         'sc.get("base_shift", 0.5),',
         'sc.get("base_shift", 0.5) + 0.05,',
-        ("test/integration/test_zimage_pipeline_parity.py",),
+        ("test/integration/families/test_zimage_pipeline_parity.py",),
         ("-k", "dynamic"),
         why="dynamic-shift mu off by 0.05 (a wrong intercept of calculate_shift)",
     ),
@@ -479,7 +479,7 @@ MUTANTS: list[Mutant] = [
         "pipelines/zimage.py",
         "pred = pos + w * (pos - neg)",
         "pred = neg + w * (pos - neg)",
-        ("test/integration/test_zimage_pipeline_parity.py",),
+        ("test/integration/families/test_zimage_pipeline_parity.py",),
         ("-k", "cfg"),
         why="CFG written the other common way: neg + g (pos - neg)",
     ),
@@ -489,7 +489,7 @@ MUTANTS: list[Mutant] = [
         "layers/linear.py",
         "parts.append((full_off + src_index * local_size, local_size))",
         "parts.append((src_index * local_size, local_size))",
-        ("test/integration/test_flux_transformer_parity.py",),
+        ("test/integration/families/test_flux_transformer_parity.py",),
         ("-m", "not slow"),
         why="a two-sided input (Flux proj_out [attn | mlp]) read as if its sections were one",
     ),
@@ -498,7 +498,7 @@ MUTANTS: list[Mutant] = [
         "models/dits/flux_names.py",
         '_top("final_layer.adaLN_modulation.1", "norm_out.linear", row_order=(1, 0)),',
         '_top("final_layer.adaLN_modulation.1", "norm_out.linear", row_order=(0, 1)),',
-        ("test/unit/test_flux_lora_formats.py",),
+        ("test/unit/lora/formats/test_flux.py",),
         why="BFL (shift, scale) LoRA rows applied to diffusers' (scale, shift) layout",
     ),
     _m(
@@ -506,7 +506,7 @@ MUTANTS: list[Mutant] = [
         "pipelines/flux.py",
         "[b], g.params.guidance_scale, device=self.device, dtype=torch.float32",
         "[b], 3.5, device=self.device, dtype=torch.float32",
-        ("test/integration/test_flux_pipeline_parity.py",),
+        ("test/integration/families/test_flux_pipeline_parity.py",),
         why="[dev]'s embedded guidance ignoring --guidance-scale",
     ),
     _m(
@@ -514,7 +514,7 @@ MUTANTS: list[Mutant] = [
         "pipelines/wan.py",
         'return self.transformer if self._high_noise(t) else self.denoisers["transformer_2"]',
         'return self.denoisers["transformer_2"] if self._high_noise(t) else self.transformer',
-        ("test/integration/test_wan_pipeline_parity.py",),
+        ("test/integration/families/test_wan_pipeline_parity.py",),
         ("-k", "two_experts"),
         why="the low-noise expert run on high-noise steps and the reverse",
     ),
@@ -523,7 +523,7 @@ MUTANTS: list[Mutant] = [
         "pipelines/wan.py",
         "if not self._high_noise(t) and g.params.guidance_scale_2 is not None:",
         "if False and g.params.guidance_scale_2 is not None:",
-        ("test/integration/test_wan_pipeline_parity.py",),
+        ("test/integration/families/test_wan_pipeline_parity.py",),
         ("-k", "two_experts"),
         why="the high-noise guidance used for both experts",
     ),
@@ -532,7 +532,7 @@ MUTANTS: list[Mutant] = [
         "pipelines/qwen_image.py",
         "return comb * (cond_norm / torch.norm(comb, dim=-1, keepdim=True))",
         "return comb",
-        ("test/integration/test_qwen_image_pipeline_parity.py",),
+        ("test/integration/families/test_qwen_image_pipeline_parity.py",),
         ("-k", "true-cfg"),
         why="true CFG without Qwen-Image's per-token norm rescale",
     ),
@@ -542,7 +542,7 @@ MUTANTS: list[Mutant] = [
         "layers/attention.py",
         "return out * wa + blk_out.float() * wb, new",
         "return out * wb + blk_out.float() * wa, new",
-        ("test/unit/test_sp_attention_gloo.py",),
+        ("test/unit/layers/test_attention.py",),
         ("-k", "ring3"),
         why="ring attention combines two key blocks with each other's softmax weights",
     ),
@@ -551,7 +551,7 @@ MUTANTS: list[Mutant] = [
         "distributed/sequence.py",
         "inp = x.reshape(b, s, u, hh, d).permute(2, 0, 1, 3, 4).reshape(u * b * s, hh, d)",
         "inp = x.reshape(b, s, hh, u, d).permute(3, 0, 1, 2, 4).reshape(u * b * s, hh, d)",
-        ("test/unit/test_sp_attention_gloo.py",),
+        ("test/unit/layers/test_attention.py",),
         ("-k", "ulysses2"),
         why="the Ulysses all-to-all sends each rank every u-th head instead of its block",
     ),
@@ -560,7 +560,7 @@ MUTANTS: list[Mutant] = [
         "distributed/sequence.py",
         "for p, n in zip(parts, self.sizes)], dim)",
         "for p, n in zip(parts[::-1], self.sizes)], dim)",
-        ("test/unit/test_sp_attention_gloo.py",),
+        ("test/unit/layers/test_attention.py",),
         ("-k", "ulysses2"),
         why="the sequence chunks come back in reverse rank order",
     ),
@@ -569,7 +569,7 @@ MUTANTS: list[Mutant] = [
         "pipelines/cfg_parallel.py",
         "r = get_cfg_rank()",
         "r = 0",
-        ("test/integration/test_sequence_parallel_engine.py",),
+        ("test/integration/parallel/test_sequence_parallel_engine.py",),
         ("-k", "cfg2 and not ulysses"),
         why="both halves of the CFG group run the conditional branch",
     ),
@@ -578,7 +578,7 @@ MUTANTS: list[Mutant] = [
         "pipelines/batching.py",
         "args[k] = _concat([p for branch in parts for p in branch])",
         "args[k] = _concat([parts[r][i] for i in range(len(group)) for r in range(rows)])",
-        ("test/integration/test_batching.py",),
+        ("test/integration/batching/test_batching.py",),
         ("-k", "zimage_batch"),
         why="a batched CFG call mixes one request's negative rows into another's positive rows",
     ),
@@ -587,7 +587,7 @@ MUTANTS: list[Mutant] = [
         "layers/lora/layer.py",
         "if self._merged_local is not None and local == self._merged_local:",
         "if self._merged_local is not None:",
-        ("test/unit/test_lora_rows.py",),
+        ("test/unit/layers/lora/test_composition.py",),
         ("-k", "not gloo"),
         why="a merged layer serves every row of a mixed batch from its merged weight",
     ),
@@ -596,7 +596,7 @@ MUTANTS: list[Mutant] = [
         "layers/lora/layer.py",
         "locals_ = [self.local_composition(g.composition) for g in groups]",
         "locals_ = [self.local_composition(groups[0].composition) for g in groups]",
-        ("test/unit/test_lora_rows.py",),
+        ("test/unit/layers/lora/test_composition.py",),
         ("-k", "not gloo"),
         why="every row of a mixed batch gets the first row's adapters",
     ),
@@ -605,7 +605,7 @@ MUTANTS: list[Mutant] = [
         "pipelines/batching.py",
         "    row_lora = [c.lora for _ in range(rows) for c, n in zip(group, sizes) for _ in range(n)]",
         "    row_lora = [group[0].lora for _ in range(rows) for c, n in zip(group, sizes) for _ in range(n)]",
-        ("test/integration/test_family_conformance.py",),
+        ("test/integration/families/test_family_conformance.py",),
         ("-k", "zimage and every_order and dynamic"),
         why="a batched call runs every row under the first request's adapters (a later lora=None "
         "request gets another tenant's adapters)",
@@ -615,7 +615,7 @@ MUTANTS: list[Mutant] = [
         "pipelines/cfg_parallel.py",
         "row_lora = list(row_lora)[r * n // rows : (r + 1) * n // rows]",
         "row_lora = list(row_lora)",
-        ("test/integration/test_mixed_lora_batch.py",),
+        ("test/integration/lora/test_mixed_lora_batch.py",),
         ("-k", "parallel"),
         why="with CFG parallelism a rank applies the whole batch's row plan to its half of the rows",
     ),

@@ -9,14 +9,12 @@ and the precedence of ``huggingface_hub.constants`` (``HF_HUB_CACHE``, ``HUGGING
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
+from fixtures.hub_cache import COMMIT, cache_snapshot
 from sglang.multimodal_gen.configs.server_args import detect_model_type
 from sglang.multimodal_gen.hub import cached_snapshot, hf_hub_cache_dir
 from sglang.multimodal_gen.runtime.model_source import resolve_model_path
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture
@@ -25,19 +23,6 @@ def env(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     return monkeypatch
-
-
-def _cache_repo(cache, repo_id: str, files: dict[str, str]) -> str:
-    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
-    snap = os.path.join(repo, "snapshots", COMMIT)
-    for name, text in files.items():
-        os.makedirs(os.path.dirname(os.path.join(snap, name)), exist_ok=True)
-        with open(os.path.join(snap, name), "w") as f:
-            f.write(text)
-    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
-    with open(os.path.join(repo, "refs", "main"), "w") as f:
-        f.write(COMMIT)
-    return snap
 
 
 def test_the_cache_folder_follows_the_library_precedence(env, tmp_path):
@@ -55,7 +40,7 @@ def test_the_cache_folder_follows_the_library_precedence(env, tmp_path):
 def test_a_cached_repo_resolves_and_a_missing_one_names_the_cache(env, tmp_path):
     env.setenv("HF_HOME", str(tmp_path / "hf"))  # after huggingface_hub was imported: still read
     cache = tmp_path / "hf" / "hub"
-    snap = _cache_repo(cache, "Owner/Some-Model", {"model_index.json": "{}"})
+    snap = cache_snapshot(cache, "Owner/Some-Model", {"model_index.json": "{}"})
     assert cached_snapshot("Owner/Some-Model") == snap
     with pytest.raises(FileNotFoundError) as e:
         cached_snapshot("Owner/Not-Cached")
@@ -72,9 +57,9 @@ def test_the_model_loader_and_model_type_detection_use_it(env, tmp_path):
     with pytest.raises(ValueError, match="no model_index.json"):
         detect_model_type("Owner/Some-Model")
     index = json.dumps({"_class_name": "ZImagePipeline"})
-    snap = _cache_repo(cache, "Owner/Some-Model", {"model_index.json": index})
+    snap = cache_snapshot(cache, "Owner/Some-Model", {"model_index.json": index})
     assert resolve_model_path("Owner/Some-Model") == (snap, COMMIT)
     assert detect_model_type("Owner/Some-Model") == "diffusion"
-    _cache_repo(cache, "Owner/Some-Model", {"model_index.json": '{"_class_name": "Llama"}'})
+    cache_snapshot(cache, "Owner/Some-Model", {"model_index.json": '{"_class_name": "Llama"}'})
     with pytest.raises(ValueError, match="not a diffusers pipeline"):
         detect_model_type("Owner/Some-Model")

@@ -1,0 +1,116 @@
+"""Request bodies (``entrypoints/http_body.py``): JSON and multipart form bodies parsed against the
+request schema; malformed, hostile or oversized input is a 4xx naming what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+from sglang.multimodal_gen.entrypoints.http_body import BodyError, SchemaError, parse_json_body
+from sglang.multimodal_gen.entrypoints.protocol import ImageGenerationRequest, SetLoRARequest
+
+
+def test_parse_json_body_errors_have_line_and_column():
+    raw = b'{\n  "prompt": "three cats",\n  "size": "1024x1024",\n}'
+    with pytest.raises(BodyError) as e:
+        parse_json_body(raw, ImageGenerationRequest)
+    assert "line 4, column 1" in e.value.message and "trailing comma" in e.value.message
+    assert e.value.status_code == 400 and e.value.code == "invalid_json"
+    with pytest.raises(BodyError, match="empty"):
+        parse_json_body(b"  ", ImageGenerationRequest)
+    with pytest.raises(BodyError, match="UTF-8"):
+        parse_json_body(b'{"prompt": "\xff"}', ImageGenerationRequest)
+    with pytest.raises(SchemaError) as e:
+        parse_json_body(b'{"prompt": "x", "n": "two"}', ImageGenerationRequest)
+    assert e.value.status_code == 422 and e.value.param == "n"
+    assert parse_json_body(b"", SetLoRARequest.__base__, allow_empty=True) is not None
+
+
+def test_parse_json_body_bounds_what_json_allows():
+    from sglang.multimodal_gen.errors import PayloadTooLargeError
+
+    deep = b'{"prompt": "x", "lora": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    with pytest.raises(BodyError) as e:
+        parse_json_body(deep, ImageGenerationRequest)
+    assert e.value.param == "lora" and "nested more than 32" in e.value.message
+    with pytest.raises(BodyError) as e:
+        parse_json_body(b'{"prompt": "ok \\ud83d\\ude00 \\udc00"}', ImageGenerationRequest)
+    assert e.value.param == "prompt" and "character 5 is a lone UTF-16 surrogate" in e.value.message
+    # a paired surrogate escape is an ordinary character
+    assert parse_json_body(b'{"prompt": "\\ud83d\\ude00"}', ImageGenerationRequest).prompt == "😀"
+    with pytest.raises(BodyError) as e:
+        parse_json_body(b'{"prompt": "x", "n": ' + b"7" * 5000 + b"}", ImageGenerationRequest)
+    assert e.value.param == "n" and "5000 digits" in e.value.message
+    with pytest.raises(PayloadTooLargeError) as e:
+        parse_json_body(b" " * ((1 << 20) + 1), ImageGenerationRequest)
+    assert e.value.status_code == 413
+
+
+@pytest.mark.parametrize(
+    "raw,param",
+    [(b'{"prompt": "x", "n": 100, "n": 1}', "n"),
+     (b'{"prompt": "x", "lora": {"name": "a", "scale": 1, "scale": 9}}', "scale")],
+)  # fmt: skip
+def test_a_key_given_twice_is_refused(raw, param):
+    """Python's json keeps the last of two equal keys; which one a client meant is a guess."""
+    with pytest.raises(BodyError) as e:
+        parse_json_body(raw, ImageGenerationRequest)
+    assert e.value.param == param and "more than once" in e.value.message
+    assert e.value.status_code == 400
+
+
+def _form(fields: list[tuple[str, str]], boundary: str = "b0undary") -> tuple[bytes, str]:
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'
+        for k, v in fields
+    ]
+    return ("".join(parts) + f"--{boundary}--\r\n").encode(), (
+        f"multipart/form-data; boundary={boundary}"
+    )
+
+
+def test_form_bodies_are_typed_by_the_schema():
+    import asyncio
+
+    from sglang.multimodal_gen.entrypoints.http_body import parse_form_body
+    from sglang.multimodal_gen.entrypoints.videos import VideoGenerationRequest
+
+    def parse(fields):
+        raw, ctype = _form(fields)
+        return asyncio.run(parse_form_body(raw, ctype, VideoGenerationRequest))
+
+    req = parse([("prompt", "42"), ("seconds", "4"), ("num_frames", "9"),
+                 ("guidance_scale", "3.5"), ("lora", '{"name": "a", "scale": 0.5}')])  # fmt: skip
+    assert (req.prompt, req.seconds, req.num_frames, req.guidance_scale) == ("42", "4", 9, 3.5)
+    assert req.lora.name == "a" and req.lora.scale == 0.5
+    with pytest.raises(SchemaError) as e:
+        parse([("prompt", "x"), ("num_frames", "nine")])
+    assert e.value.param == "num_frames"
+    with pytest.raises(BodyError) as e:
+        parse([("prompt", "x"), ("fps", "8"), ("fps", "9")])
+    assert e.value.param == "fps" and "more than once" in e.value.message
+    with pytest.raises(BodyError) as e:
+        asyncio.run(
+            parse_form_body(
+                b"not multipart", "multipart/form-data; boundary=zz", VideoGenerationRequest
+            )
+        )
+    assert e.value.status_code == 400
+
+
+def test_form_charset_and_field_names_come_out_safe():
+    """A charset= of the client's is not used to decode the fields (punycode's decoder is
+    quadratic); a field name that is not valid Unicode is escaped in the error's param."""
+    import asyncio
+
+    from sglang.multimodal_gen.entrypoints.http_body import parse_form_body
+    from sglang.multimodal_gen.entrypoints.openai_errors import error_body
+    from sglang.multimodal_gen.entrypoints.videos import VideoGenerationRequest
+
+    raw, ctype = _form([("prompt", "xn--caf-dma")])
+    req = asyncio.run(parse_form_body(raw, ctype + "; charset=punycode", VideoGenerationRequest))
+    assert req.prompt == "xn--caf-dma"  # as sent, not decoded
+    for bad in ("multipart/form-data", 'multipart/form-data; boundary="a\x00b"'):
+        with pytest.raises(BodyError) as e:
+            asyncio.run(parse_form_body(raw, bad, VideoGenerationRequest))
+        assert e.value.param == "Content-Type"
+    err = error_body("x", 400, param="\ud800")["error"]
+    assert err["param"] == "\\ud800"
