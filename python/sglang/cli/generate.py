@@ -239,6 +239,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     try:
         engine = DiffusionEngine(**job, **multinode)
         params = engine.spec.resolve(engine.spec.params(**values))
+        for name, asked in values.items():
+            if getattr(params, name) != asked:  # brought to what the model makes
+                print(
+                    f"note: {name} is {getattr(params, name)!r}, not {asked!r}: what this model "
+                    "produces",
+                    file=sys.stderr,
+                )
         if args.seed is None:
             print(f"seed: {params.seed}", file=sys.stderr)
         if loras:
