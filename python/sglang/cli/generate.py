@@ -76,7 +76,12 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     add_kernel_args(parser)
     add_multinode_args(parser.add_argument_group("multi-node"))
     parser.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, choices=("auto", "float32", "float16", "bfloat16"))
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("auto", "float32", "float16", "bfloat16"),
+        help="parameter and compute dtype (default auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the step progress bar")
     return parser
 
