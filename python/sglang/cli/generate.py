@@ -76,7 +76,12 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     add_kernel_args(parser)
     add_multinode_args(parser.add_argument_group("multi-node"))
     parser.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, choices=("auto", "float32", "float16", "bfloat16"))
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("auto", "float32", "float16", "bfloat16"),
+        help="parameter and compute dtype (default auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the step progress bar")
     return parser
 
@@ -239,6 +244,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     try:
         engine = DiffusionEngine(**job, **multinode)
         params = engine.spec.resolve(engine.spec.params(**values))
+        for name, asked in values.items():
+            if getattr(params, name) != asked:  # brought to what the model makes
+                print(
+                    f"note: {name} is {getattr(params, name)!r}, not {asked!r}: what this model "
+                    "produces",
+                    file=sys.stderr,
+                )
         if args.seed is None:
             print(f"seed: {params.seed}", file=sys.stderr)
         if loras:

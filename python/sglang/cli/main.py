@@ -13,7 +13,10 @@ from collections.abc import Sequence
 
 
 def _add_generate(subparsers, load: bool):
-    help_text = "generate one image and write it as PNG"
+    help_text = (
+        "run one request and write its images (PNG, JPEG, WebP) or videos (MP4, WebP, GIF, "
+        "frame folders)"
+    )
     if not load:
         # Placeholder so `sglang --help` lists it; the real flags are added when it is chosen.
         p = subparsers.add_parser("generate", help=help_text, add_help=False)
@@ -35,7 +38,10 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="sglang", description="SGLang diffusion engine")
     sub = parser.add_subparsers(dest="command", metavar="{serve,generate}")
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible image server")
+    serve = sub.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server (/v1/images/generations, /v1/videos, LoRA admin)",
+    )
     add_serve_args(serve)
     serve.set_defaults(_run=run_serve)
     _add_generate(sub, load=bool(argv) and argv[0] == "generate")

@@ -196,6 +196,20 @@ def test_an_extreme_adapter_in_one_row_leaves_the_others_alone(family_model, eng
     engine.unset_lora()
 
 
+def test_rows_of_transposed_sizes_each_equal_themselves_alone(family_model, engine):
+    """32x48 and 48x32 have the same token count: their rows may share a call only if every
+    non-batched argument (positions, sizes) is the same, else each gets its own."""
+    engine.unset_lora()
+    wide = _request(engine, prompt="a red fox", seed=31, height=32, width=48)
+    tall = _request(engine, prompt="a red fox", seed=31, height=48, width=32)
+    alone = [_pixels(engine, p) for p in (wide, tall)]
+    assert alone[0].shape != alone[1].shape
+    for order in ([0, 1], [1, 0]):
+        out = engine.generate_batch([(wide, tall)[i] for i in order])
+        for i, res in zip(order, out):
+            _same(_outcome(res), alone[i], f"order {order}, row {i}")
+
+
 @pytest.mark.slow
 def test_tp2_equals_one_process(family_model, engine):
     fam, model_dir, (a, _b, _x) = family_model

@@ -335,6 +335,12 @@ class SamplingParams:
     def check(self, spec: RequestSpec) -> None:
         """Rules of a family's own fields beyond their kind's (default: none)."""
 
+    def conform(self, spec: RequestSpec) -> dict[str, Any]:
+        """Changes that bring a valid request to what the model actually produces (default:
+        none); :meth:`RequestSpec.resolve` applies them, so the resolved request says what the
+        output will be."""
+        return {}
+
     def _check_budget(self, limits: RequestLimits) -> None:
         budget = limits.max_pixel_steps
         steps = self.num_inference_steps
@@ -382,6 +388,16 @@ class VideoSamplingParams(SamplingParams):
         if self.fps is not None:
             check_count(self.fps, "fps", MAX_FPS)
 
+    def conform(self, spec: RequestSpec) -> dict[str, Any]:
+        """``num_frames`` brought to the model's form ``frame_step x k + 1`` (a video VAE that
+        compresses time by ``frame_step`` keeps the first frame alone) as diffusers' video
+        pipelines do, ``n // frame_step x frame_step + 1``: at ``frame_step`` 4, 6 frames are 5
+        and 8 are 9."""
+        n, step = self.num_frames, spec.frame_step
+        if n is None or step <= 1 or n % step == 1:
+            return {}
+        return {"num_frames": n // step * step + 1}
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -399,6 +415,8 @@ class RequestSpec:
         spatial_factor: height and width must be multiples of it.
         outputs: ``"image"`` or ``"video"``.
         inputs: the conditioning the model takes (``("text",)``).
+        frame_step: a video model makes ``frame_step x k + 1`` frames (its VAE's temporal
+            compression); other frame counts are rounded down to that form when resolved.
     """
 
     family: str
@@ -409,6 +427,7 @@ class RequestSpec:
     spatial_factor: int = 16
     outputs: str = "image"
     inputs: tuple[str, ...] = ("text",)
+    frame_step: int = 1
 
     @classmethod
     def generic(cls) -> RequestSpec:
@@ -471,7 +490,8 @@ class RequestSpec:
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """The request as the pipeline runs it: this model's class, every unset field from the
-        model's defaults, checked (:meth:`SamplingParams.validate`), the seed drawn when unset
+        model's defaults, checked (:meth:`SamplingParams.validate`), brought to what the model
+        produces (:meth:`SamplingParams.conform`: a video's frame count), the seed drawn when unset
         (the one place a seed is drawn), the adapter composition normalised. A request already
         resolved for this model (under these limits or tighter ones: the server's) is returned
         as is, so a request is validated once.
@@ -487,8 +507,13 @@ class RequestSpec:
             for f in fields(params)
             if getattr(params, f.name) is None and getattr(self.defaults, f.name) is not None
         }
-        params.replace(**fill).validate(self)  # checked before anything else is drawn
+        filled = params.replace(**fill)
+        filled.validate(self)  # checked before anything else is drawn
         changes: dict[str, Any] = dict(fill)
+        conformed = filled.conform(self)
+        if conformed:  # e.g. more frames than asked for: within the bounds too
+            filled.replace(**conformed).validate(self)
+            changes.update(conformed)
         if params.seed is None:
             changes["seed"] = secrets.randbits(63)
         if params.lora is not None:

@@ -352,8 +352,12 @@ class ServerArgs:
         add_multinode_args(parser.add_argument_group("multi-node"))
 
         g = parser.add_argument_group("server")
-        g.add_argument("--host", default="127.0.0.1")
-        g.add_argument("--port", type=int, default=30000)
+        g.add_argument(
+            "--host",
+            default="127.0.0.1",
+            help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for all)",
+        )
+        g.add_argument("--port", type=int, default=30000, help="port to listen on (default: 30000)")
         g.add_argument(
             "--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)"
         )
@@ -362,7 +366,12 @@ class ServerArgs:
             default=None,
             help="separate key required by the LoRA admin endpoints (set/unset/unload/merge)",
         )
-        g.add_argument("--max-queue-size", type=int, default=64)
+        g.add_argument(
+            "--max-queue-size",
+            type=int,
+            default=64,
+            help="generation requests allowed to wait; more get 503 + Retry-After (default: 64)",
+        )
         g.add_argument(
             "--max-batch-size",
             type=int,
@@ -442,7 +451,10 @@ class ServerArgs:
         )
         g.add_argument("--served-model-name", default=None, help="id reported by /v1/models")
         g.add_argument(
-            "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
+            "--log-level",
+            default="info",
+            choices=("debug", "info", "warning", "error", "critical"),
+            help="logging level of the server (default: info)",
         )
 
         g = parser.add_argument_group("LoRA")

@@ -196,9 +196,10 @@ class VideoJobStore:
             self._expire_locked()
 
 
-def _frames_for(req: Any, fps: int, default_frames: int) -> tuple[int, str]:
-    """``(num_frames, seconds)``: ``num_frames`` when given, else ``seconds * fps + 1`` (both are
-    validated when given), else the model's default."""
+def _frames_for(req: Any, fps: int) -> int | None:
+    """``num_frames`` when given, else ``round(seconds * fps) + 1`` (``seconds`` checked when
+    given), else ``None`` (the model's default). The resolved request then brings the count to
+    the model's form, and the job reports the frames and seconds it will produce."""
     seconds = None
     if req.seconds is not None:
         try:
@@ -210,12 +211,10 @@ def _frames_for(req: Any, fps: int, default_frames: int) -> tuple[int, str]:
         if not 0 < seconds <= 60:
             raise InvalidRequestError(f"seconds must be in (0, 60], got {seconds}", param="seconds")
     if req.num_frames is not None:
-        if req.num_frames < 1:
-            raise InvalidRequestError("num_frames must be >= 1", param="num_frames")
-        return req.num_frames, f"{(req.num_frames - 1) / fps:g}"
+        return req.num_frames
     if seconds is None:
-        return default_frames, f"{(default_frames - 1) / fps:g}"
-    return int(round(seconds * fps)) + 1, f"{seconds:g}"
+        return None
+    return int(round(seconds * fps)) + 1
 
 
 def add_video_routes(
@@ -248,13 +247,14 @@ def add_video_routes(
         fps = req.fps if req.fps is not None else int(spec.defaults.fps or 16)
         if fps < 1 or fps > 120:
             raise InvalidRequestError(f"fps must be in [1, 120], got {fps}", param="fps")
-        num_frames, seconds = _frames_for(req, fps, int(spec.defaults.num_frames or 1))
+        num_frames = _frames_for(req, fps)
         size = default_size(spec) if req.size is None else parse_size(req.size, spec)
         # the request resolved once, here: every value rule, before anything is queued
         params = sampling_params(req, spec, size, num_frames=num_frames, fps=fps)
         job = VideoJob(
             id=f"video_{secrets.token_hex(12)}", model=model_id, prompt=req.prompt,
-            size=f"{params.width}x{params.height}", seconds=seconds,
+            size=f"{params.width}x{params.height}",
+            seconds=f"{(params.num_frames - 1) / params.fps:g}",  # what will be produced
             num_frames=params.num_frames, fps=params.fps, seed=params.seed,
             total_steps=params.num_inference_steps,
             steps_done=getattr(scheduler, "steps_done_for", None),

@@ -148,9 +148,14 @@ class AdapterStore:
         """
         adapter = self._items.get(nickname)
         if adapter is None:
+            hint = (
+                "load it first with POST /v1/set_lora (engine.set_lora; a strength of 0 "
+                "loads it without using it globally)"
+                if param == "lora"
+                else "pass lora_path to load it"
+            )
             raise NotFoundError(
-                f"LoRA adapter {nickname!r} is not loaded (loaded: {list(self._items)}); "
-                "pass lora_path to load it",
+                f"LoRA adapter {nickname!r} is not loaded (loaded: {list(self._items)}); {hint}",
                 param=param,
             )
         return adapter

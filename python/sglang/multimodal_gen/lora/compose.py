@@ -153,6 +153,7 @@ class Composer:
             if k in changes:
                 changes[k] = tuple((n, float(s)) for n, s in changes[k])
         self._state[target] = replace(self._state[target], **changes)
+        self.context(target).active = self._state[target].applied
 
     def states(self) -> dict[str, TargetState]:
         """Every target's state (immutable values), for a savepoint."""
@@ -174,6 +175,8 @@ class Composer:
         :meth:`layer_states`; a layer already in its recorded state is not touched, a merged one
         is re-merged (deterministic: bit-identical weights)."""
         self._state.update(states)
+        for t, st in states.items():
+            self.context(t).active = st.applied
         for t, saved in layer_states.items():
             for m, (comp, merged) in saved.items():
                 layer = self._layers[t][m]

@@ -47,6 +47,7 @@ from sglang.multimodal_gen.pipelines.cfg_parallel import cfg_parallel_call
 from sglang.multimodal_gen.pipelines.common import (
     EncodingFailed,
     check_finite,
+    check_schedule,
     flow_shift_helpers,
     latents_to_uint8,
 )
@@ -540,6 +541,7 @@ class StagedPipeline:
         cond = self.prepare_conditioning(g, cond)
         latents = self.prepare_latents(g, cond)
         scheduler, timesteps = self.prepare_timesteps(g, latents)
+        check_schedule(scheduler, timesteps, p.num_inference_steps)
         show = sys.stderr.isatty() if progress is None else progress
         plan = [self.select_denoiser(i, t, g) for i, t in enumerate(timesteps)]
         names = {id(m): n for n, m in self.denoisers.items()}

@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "EncodingFailed",
     "check_finite",
+    "check_schedule",
     "flow_shift_helpers",
     "latents_to_uint8",
 ]
@@ -54,6 +55,35 @@ def check_finite(x: torch.Tensor, what: str, params: Any = None) -> None:
         f"the generation produced NaN/Inf {what}{hint}; no image is returned. Usual causes: a "
         "very large guidance weight, or an active LoRA with extreme weights or strength",
         param=param,
+    )
+
+
+def check_schedule(scheduler: Any, timesteps: torch.Tensor, num_inference_steps: int) -> None:
+    """Refuse a request whose schedule is not finite before any step runs (the cause is then
+    the schedule, not the guidance or an adapter): e.g. a flow-matching scheduler with
+    ``shift_terminal`` (Qwen-Image's 0.02) stretches a one-step schedule by ``0 / 0``, in
+    diffusers too.
+
+    Raises:
+        InvalidRequestError: ``param="num_inference_steps"``.
+    """
+    sigmas = getattr(scheduler, "sigmas", None)
+    values = [timesteps] + ([sigmas] if isinstance(sigmas, torch.Tensor) else [])
+    if all(bool(torch.isfinite(v.float()).all()) for v in values):
+        return
+    from sglang.multimodal_gen.errors import InvalidRequestError
+
+    config = dict(getattr(scheduler, "config", {}) or {})
+    why = ""
+    if config.get("shift_terminal"):
+        why = (
+            f" (the scheduler's shift_terminal={config['shift_terminal']:g} stretches the schedule "
+            "to a terminal sigma, which needs at least 2 steps; diffusers' pipeline gives NaN too)"
+        )
+    raise InvalidRequestError(
+        f"the model's schedule at num_inference_steps={num_inference_steps} is not finite"
+        f"{why}; use more steps",
+        param="num_inference_steps",
     )
 
 

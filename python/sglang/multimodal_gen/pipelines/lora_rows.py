@@ -35,6 +35,8 @@ def with_row_adapters(module: Any, row_lora: Sequence[Any] | None, fn: Callable[
         return fn()
     if any(s is None for s in row_lora):
         raise ValueError("every row of a call needs a LoRA selection, or none does")
-    mapping = RowMapping.of([s.for_target(ctx.target) for s in row_lora])
-    with ctx.rows(mapping):
+    comps = [s.for_target(ctx.target) for s in row_lora]
+    if all(c == ctx.active for c in comps):  # the layers' own composition: nothing to map
+        return fn()
+    with ctx.rows(RowMapping.of(comps)):
         return fn()

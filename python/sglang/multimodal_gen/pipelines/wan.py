@@ -49,10 +49,21 @@ class WanPipeline(StagedPipeline):
         self.expand_timesteps = bool(self.pipeline_config.get("expand_timesteps", False))
         if self.boundary_ratio is not None and "transformer_2" not in self.denoisers:
             raise ValueError("model_index.json sets boundary_ratio but has no transformer_2")
+        defaults = self.spec.defaults
         if self.boundary_ratio is None:  # one expert: no second guidance
-            self.spec = replace(
-                self.spec, defaults=self.spec.defaults.replace(guidance_scale_2=None)
-            )
+            defaults = defaults.replace(guidance_scale_2=None)
+        # what the rotary tables cover: rope_max_seq_len patches per axis
+        cfg, limits = self.transformer.cfg, self.spec.limits
+        side = cfg.rope_max_seq_len * self.spatial_factor
+        frames = (cfg.rope_max_seq_len * cfg.patch_size[0] - 1) * self.temporal_factor + 1
+        limits = replace(
+            limits,
+            max_image_size=min(limits.max_image_size or side, side),
+            max_num_frames=min(limits.max_num_frames or frames, frames),
+        )
+        self.spec = replace(
+            self.spec, defaults=defaults, limits=limits, frame_step=self.temporal_factor
+        )
 
     def compute_vae_scale_factor(self) -> int:
         return int(self.configs.get("vae", {}).get("scale_factor_spatial") or 8)
@@ -104,11 +115,9 @@ class WanPipeline(StagedPipeline):
 
     # ------------------------------------------------------------------ latents / schedule
     def latent_frames(self, num_frames: int) -> int:
-        """Latent frames for ``num_frames`` (rounded to ``t k + 1`` frames as diffusers does)."""
-        t = self.temporal_factor
-        if num_frames % t != 1:
-            num_frames = num_frames // t * t + 1
-        return (max(num_frames, 1) - 1) // t + 1
+        """Latent frames of ``num_frames`` frames (of the form ``t k + 1``: the resolved request
+        was brought to it, ``VideoSamplingParams.conform``)."""
+        return (max(num_frames, 1) - 1) // self.temporal_factor + 1
 
     def prepare_latents(self, g, cond):
         from diffusers.utils.torch_utils import randn_tensor

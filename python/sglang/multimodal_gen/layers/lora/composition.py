@@ -257,11 +257,20 @@ class LoRAContext:
 
     Args:
         target: the target's name (``"transformer"``...), used in messages.
+
+    Attributes:
+        mapping: the :class:`RowMapping` of the forwards running now (``None``: every row uses
+            the layers' active composition).
+        active: the composition the target's layers hold as active (set by the LoRA manager
+            when it changes them): a caller whose rows all use it passes no mapping.
     """
 
     def __init__(self, target: str):
         self.target = target
         self.mapping: RowMapping | None = None
+        # the composition every layer of the target holds as its active one (kept by the LoRA
+        # manager): rows of that composition need no mapping
+        self.active: Composition = Composition.EMPTY
 
     @contextlib.contextmanager
     def rows(self, mapping: RowMapping | None) -> Iterator[LoRAContext]:

@@ -58,6 +58,8 @@ __all__ = ["BaseLayerWithLoRA"]
 _LOCAL_CACHE = 64
 
 CompositionLike = Composition | Iterable[tuple[str | int, float]]
+#: What :meth:`BaseLayerWithLoRA._plan` returns for a mapping of several compositions.
+_GROUPS = object()
 
 
 class BaseLayerWithLoRA(nn.Module):
@@ -589,15 +591,10 @@ class BaseLayerWithLoRA(nn.Module):
     def _add_delta(self, x_local: torch.Tensor | None, y: torch.Tensor, local: Composition) -> None:
         """``y += delta(local)`` (``x_local=None``: its offsets alone), offsets on the rank that
         adds the bias."""
-        s = self.slots
-        s.follow(self.base_layer.weight)
+        self.slots.follow(self.base_layer.weight)
         dev = y.device
-        slots = local.slot_tensor(dev)
-        strengths = local.strength_tensor(dev, s.col_scale.dtype)
-        if x_local is not None and s.width:
-            add_lora_delta(y, x_local, s.lora_a, s.lora_b, s.col_scale, slots, strengths)
-        if s.lora_offset is not None and self.base_layer._bias_on_this_rank():
-            add_offset_delta(y, s.lora_offset, s.offset_scale, slots, strengths)
+        strengths = local.strength_tensor(dev, self.slots.col_scale.dtype)
+        self._add_delta_tensors(x_local, y, local.slot_tensor(dev), strengths)
 
     def _rows_out(
         self, x_local: torch.Tensor, local: Composition, bias, weight: torch.Tensor | None
@@ -621,26 +618,94 @@ class BaseLayerWithLoRA(nn.Module):
 
         Rows use the compositions of ``lora_context.mapping`` (``None``: the active one).
 
+        Under ``torch.compile`` the code that reads the mapping and the compositions (Python
+        values: slots, strengths) runs outside the graph (:meth:`_plan`); the graph sees them
+        as tensors, so another adapter or another strength is another tensor value, not another
+        graph (only the number of adapters in a composition is a shape).
+
         Raises:
             ValueError: the mapping has several compositions and the input's leading dimension
                 is not its row count (the message names the module).
         """
-        mapping: RowMapping | None = self.lora_context.mapping
-        if mapping is None or mapping.uniform:
-            comp = self._active if mapping is None else mapping.groups[0].composition
-            local = self._active_local if mapping is None else self.local_composition(comp)
-            if (not local and not self.merged) or (
-                self._merged_local is not None
-                and local == self._merged_local
-                and not self._merged_offsets
-            ):
-                return self.base_layer(x)
-            base = self.base_layer
-            x_local = base.parallel_input(x)
-            y = self._rows_out(x_local, local, base.gemm_bias(), None)
-            return base.package_output(base.reduce_output(y))
-        return self._forward_groups(x, mapping)
+        if self.lora_context.mapping is None and self._passthrough:
+            return self.base_layer(x)
+        plan = self._plan()
+        if plan is None:
+            return self.base_layer(x)
+        if plan is _GROUPS:
+            return self._forward_groups(x, self.lora_context.mapping)
+        weight, slots, strengths, offsets_only = plan
+        base = self.base_layer
+        x_local = base.parallel_input(x)
+        y = base.apply_gemm(x_local, base.gemm_bias(), weight)
+        if slots is not None:
+            self._add_delta_tensors(None if offsets_only else x_local, y, slots, strengths)
+        return base.package_output(base.reduce_output(y))
 
+    @property
+    def _passthrough(self) -> bool:
+        """Whether the active composition needs nothing in the forward (none, or merged without
+        offsets): the forward is then ``base_layer(x)``."""
+        local = self._active_local
+        if not local and not self.merged:
+            return True
+        return (
+            self._merged_local is not None
+            and local == self._merged_local
+            and not (self._merged_offsets)
+        )
+
+    @torch.compiler.disable
+    def _plan(self):
+        """What the forward does for the current mapping (outside any compiled graph):
+        ``None`` (the base layer alone), :data:`_GROUPS` (several compositions: rows by group),
+        or ``(weight, slots, strengths, offsets_only)`` for one composition: the weight the
+        base GEMM uses (``None``: the current one) and the composition as tensors (``None``:
+        no delta)."""
+        mapping = self.lora_context.mapping
+        if mapping is not None and not mapping.uniform:
+            return _GROUPS
+        local = (
+            self._active_local
+            if mapping is None
+            else self.local_composition(mapping.groups[0].composition)
+        )
+        on_merged = self._merged_local is not None and local == self._merged_local
+        if on_merged:
+            if not self._merged_offsets:
+                return None
+            weight, offsets_only = None, True
+        else:
+            if not local and not self.merged:
+                return None
+            weight, offsets_only = (self._exact_weight() if self.merged else None), False
+        if not local:
+            return (weight, None, None, False)
+        self.slots.follow(self.base_layer.weight)
+        dev = self.base_layer.weight.device
+        return (
+            weight,
+            local.slot_tensor(dev),
+            local.strength_tensor(dev, self.slots.col_scale.dtype),
+            offsets_only,
+        )
+
+    def _add_delta_tensors(
+        self,
+        x_local: torch.Tensor | None,
+        y: torch.Tensor,
+        slots: torch.Tensor,
+        strengths: torch.Tensor,
+    ) -> None:
+        """``y += delta`` of the adapters in ``slots`` at ``strengths`` (``x_local=None``: their
+        offsets alone), offsets on the rank that adds the bias."""
+        s = self.slots
+        if x_local is not None and s.width:
+            add_lora_delta(y, x_local, s.lora_a, s.lora_b, s.col_scale, slots, strengths)
+        if s.lora_offset is not None and self.base_layer._bias_on_this_rank():
+            add_offset_delta(y, s.lora_offset, s.offset_scale, slots, strengths)
+
+    @torch.compiler.disable
     def _forward_groups(
         self, x: torch.Tensor, mapping: RowMapping
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
