@@ -6,6 +6,10 @@ Same engine and defaults as the server, so the same arguments give the same pixe
         --height 1024 --width 1024 --guidance-scale 0 --output-path cat.png \\
         [--lora-path A.safetensors B/ --lora-scale 0.7 1.3] [--tp-size 2]
 
+``--model-path`` and ``--lora-path`` may be Hugging Face Hub ids (``owner/name``): downloaded into
+the HF cache by ``huggingface_hub`` when they are not there (``--revision`` for the model;
+``--no-enable-hub-lora`` keeps LoRA ids to the cache; ``HF_HUB_OFFLINE=1``: no request at all).
+
 Across nodes, the same command on each with ``--nnodes N --node-rank K --dist-init-addr
 HOST:PORT`` (or under ``torchrun``): node 0 writes the output, the others exit 0 when it is done.
 
@@ -37,8 +41,16 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument(
         "--model-path",
         default=None,
-        help="diffusers-format model directory or a Hub id in the local HF cache "
-        "(default: the embedded demo model, a tiny Z-Image trained on simple scenes)",
+        help="diffusers-format model directory or a Hugging Face Hub repo id (owner/name), "
+        "downloaded into the HF cache when not there (HF_ENDPOINT, HF_TOKEN, HF_HOME, "
+        "HF_HUB_OFFLINE apply; default: the embedded demo model, a tiny Z-Image trained on "
+        "simple scenes)",
+    )
+    parser.add_argument(
+        "--revision",
+        default=None,
+        help="Hub revision of --model-path: a branch, tag or commit (default: the repo's "
+        "default branch)",
     )
     add_sampling_args(parser)
     parser.add_argument(
@@ -49,7 +61,18 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "(default: output.png)",
     )
     parser.add_argument(
-        "--lora-path", nargs="+", action="extend", default=None, help="LoRA file(s)/folder(s)"
+        "--lora-path",
+        nargs="+",
+        action="extend",
+        default=None,
+        help="LoRA file(s)/folder(s) or Hub repo id(s) (owner/name)",
+    )
+    parser.add_argument(
+        "--enable-hub-lora",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="download --lora-path Hub ids that are not in the local Hugging Face cache "
+        "(default: on; --no-enable-hub-lora: cached ones only)",
     )
     parser.add_argument(
         "--lora-scale",
@@ -213,6 +236,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     multinode = multinode_kwargs(args)
     job = dict(
         model_path=args.model_path,
+        revision=args.revision,
         tp_size=layout.tp_size,
         sp_degree=layout.sp_degree,
         ulysses_degree=args.ulysses_degree,
@@ -242,7 +266,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     check_output_dir(args.output_path)
     engine = None
     try:
-        engine = DiffusionEngine(**job, **multinode)
+        engine = DiffusionEngine(**job, **multinode, allow_hub_lora=args.enable_hub_lora)
         params = engine.spec.resolve(engine.spec.params(**values))
         for name, asked in values.items():
             if getattr(params, name) != asked:  # brought to what the model makes

@@ -27,7 +27,7 @@ from sglang.multimodal_gen.configs.parallel import (
     layout_from_args,
     resolve_layout,
 )
-from sglang.multimodal_gen.hub import cached_snapshot
+from sglang.multimodal_gen.hub import HubUnavailableError, is_repo_id, model_index_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -41,29 +41,34 @@ DEFAULT_MAX_IMAGE_SIZE = 2048
 DEFAULT_MAX_PIXEL_STEPS = 1024 * 1024 * 256
 
 
-def _find_model_index(model_path: str) -> str | None:
-    """Return the path of ``model_index.json`` for a local directory or a cached Hub repo id.
+def _find_model_index(model_path: str, revision: str | None = None) -> str | None:
+    """Return the path of ``model_index.json`` for a local directory or a Hub repo id (that one
+    file is downloaded into the Hugging Face cache when it is not there; the engine fetches the
+    rest).
 
-    Only the local file system and the local Hugging Face cache are consulted; nothing is downloaded.
+    Raises:
+        ValueError: a Hub id that is neither cached nor downloadable (the message names the repo
+            id, the cache folder and the command that downloads it).
     """
     if os.path.isdir(model_path):
         candidate = os.path.join(model_path, "model_index.json")
         return candidate if os.path.isfile(candidate) else None
-    if model_path.count("/") == 1 and not model_path.startswith((".", "/")):
+    if is_repo_id(model_path):
         try:
-            candidate = os.path.join(cached_snapshot(model_path), "model_index.json")
-        except FileNotFoundError:  # not cached (or not a valid repo id)
-            return None
+            candidate = os.path.join(model_index_snapshot(model_path, revision), "model_index.json")
+        except HubUnavailableError as e:
+            raise ValueError(f"no model_index.json found: {e}") from None
         return candidate if os.path.isfile(candidate) else None
     return None
 
 
-def detect_model_type(model_path: str | None) -> str:
+def detect_model_type(model_path: str | None, revision: str | None = None) -> str:
     """Detect ``--model-type`` from the model's ``model_index.json`` (diffusers pipeline layout).
 
     Args:
-        model_path: a local directory, a Hub repo id present in the local HF cache, or ``None``
-            (the embedded default model, which is a diffusion model).
+        model_path: a local directory, a Hub repo id (its ``model_index.json`` at ``revision`` is
+            downloaded when it is not cached), or ``None`` (the embedded default model, which is
+            a diffusion model).
 
     Returns:
         ``"diffusion"``.
@@ -74,7 +79,7 @@ def detect_model_type(model_path: str | None) -> str:
     """
     if model_path is None:
         return "diffusion"
-    index = _find_model_index(model_path)
+    index = _find_model_index(model_path, revision)
     if index is None:
         raise ValueError(
             f"cannot detect the model type of {model_path!r}: no model_index.json found "
@@ -98,8 +103,11 @@ class ServerArgs:
     """Arguments of the engine and the HTTP server.
 
     Attributes:
-        model_path: local directory or Hub repo id already in the local HF cache; ``None`` serves
-            the embedded tiny default model.
+        model_path: local directory or Hub repo id (``owner/name``; downloaded into the Hugging
+            Face cache when it is not there, only the files the engine reads); ``None`` serves the
+            embedded tiny default model.
+        revision: the Hub revision of ``model_path`` (``--revision``: a branch, tag or commit;
+            default the repo's default branch).
         model_type: ``"diffusion"``; detected from ``model_index.json`` when ``None``.
         host, port: where uvicorn listens.
         tp_size: tensor-parallel size (``--tp-size``; see ``configs.parallel`` for how
@@ -113,12 +121,15 @@ class ServerArgs:
         lora_paths / lora_nicknames / lora_scales: adapters loaded and activated at startup
             (nickname defaults to the file or folder name without extension; scale to 1.0).
             They come from the operator's command line and load from anywhere (relative paths
-            are looked up in ``lora_dirs`` first).
+            are looked up in ``lora_dirs`` first; Hub ids are downloaded when not cached).
         lora_targets: ``--lora-target`` per startup adapter (``all``, ``transformer``,
             ``transformer_2`` for two-expert models); one value applies to all; default ``all``.
         lora_dirs: allowed roots for local LoRA paths sent to ``/v1/set_lora`` (realpath
             containment), passed to the engine. Empty: ``set_lora`` accepts no local path, only
-            Hub ids present in the local Hugging Face cache.
+            Hub ids.
+        enable_hub_lora: ``/v1/set_lora`` may name Hub LoRA ids that are not in the local
+            Hugging Face cache; they are downloaded (``--enable-hub-lora``; default off: only
+            cached ones are accepted).
         max_queue_size: generation requests waiting or running at once; more get 503 + Retry-After.
         max_batch_size: generations run in one denoising loop at most (``--max-batch-size``; 1:
             one at a time).
@@ -158,6 +169,7 @@ class ServerArgs:
     """
 
     model_path: str | None = None
+    revision: str | None = None
     model_type: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
@@ -173,6 +185,7 @@ class ServerArgs:
     lora_scales: list[float] = field(default_factory=list)
     lora_targets: list[str] = field(default_factory=list)
     lora_dirs: list[str] = field(default_factory=list)
+    enable_hub_lora: bool = False
     max_queue_size: int = 64
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     batch_wait_ms: float = 0.0
@@ -212,7 +225,7 @@ class ServerArgs:
             ValueError: naming the flag and the allowed range or pairing.
         """
         if self.model_type is None:
-            self.model_type = detect_model_type(self.model_path)
+            self.model_type = detect_model_type(self.model_path, self.revision)
         if self.model_type not in MODEL_TYPES:
             raise ValueError(
                 f"--model-type {self.model_type!r} is not supported; choose from {MODEL_TYPES}"
@@ -324,8 +337,15 @@ class ServerArgs:
         g.add_argument(
             "--model-path",
             default=None,
-            help="local model directory or a Hub repo id present in the local Hugging Face "
-            "cache (no downloads); omitted: the embedded tiny default model",
+            help="local model directory or a Hugging Face Hub repo id (owner/name), downloaded "
+            "into the HF cache when not there (HF_ENDPOINT, HF_TOKEN, HF_HOME, HF_HUB_OFFLINE "
+            "apply); omitted: the embedded tiny default model",
+        )
+        g.add_argument(
+            "--revision",
+            default=None,
+            help="Hub revision of --model-path: a branch, tag or commit (default: the repo's "
+            "default branch)",
         )
         g.add_argument(
             "--model-type",
@@ -463,8 +483,9 @@ class ServerArgs:
             action="extend",
             nargs="+",
             default=None,
-            help="adapter(s) to load and activate at startup (file, folder or cached repo id); "
-            "loaded from anywhere, relative paths are looked up in --lora-dir first",
+            help="adapter(s) to load and activate at startup (file, folder or Hub repo id, "
+            "downloaded when not cached); loaded from anywhere, relative paths are looked up in "
+            "--lora-dir first",
         )
         g.add_argument(
             "--lora-nickname",
@@ -494,8 +515,16 @@ class ServerArgs:
             action="append",
             default=None,
             help="allowed root for local LoRA paths given to /v1/set_lora (repeatable); paths "
-            "outside are refused, and without --lora-dir every local path is (Hub ids from the "
-            "local cache are accepted)",
+            "outside are refused, and without --lora-dir every local path is (Hub ids are "
+            "accepted)",
+        )
+        g.add_argument(
+            "--enable-hub-lora",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="let /v1/set_lora download Hub LoRA ids (owner/name) that are not in the local "
+            "Hugging Face cache (default: off, only cached ones are accepted; --lora-path at "
+            "startup downloads in every case)",
         )
         g.add_argument(
             "--lora-merge-cache-gb",
@@ -538,6 +567,8 @@ class ServerArgs:
             lora_scales=list(args.lora_scale or []),
             lora_targets=list(args.lora_target or []),
             lora_dirs=list(args.lora_dir or []),
+            enable_hub_lora=bool(getattr(args, "enable_hub_lora", False)),
+            revision=getattr(args, "revision", None),
             max_queue_size=args.max_queue_size,
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,

@@ -73,6 +73,21 @@ def server_spec(engine_spec: RequestSpec, args: ServerArgs) -> RequestSpec:
     )
 
 
+def _hub_lora_fetcher(args: ServerArgs):
+    """With ``--enable-hub-lora``: ``fetch(path)`` downloads a ``set_lora`` Hub id missing from
+    the cache under the engine's path policy (its ``--lora-dir`` roots), else ``None``."""
+    if not args.enable_hub_lora:
+        return None
+    roots = list(args.lora_dirs)
+
+    def fetch(path: str) -> None:
+        from sglang.multimodal_gen.lora.loading import fetch_hub_source
+
+        fetch_hub_source(path, roots)
+
+    return fetch
+
+
 def create_app(
     engine: Any,
     server_args: ServerArgs | None = None,
@@ -172,7 +187,7 @@ def create_app(
         timeout_body_s=args.timeout_body_s or None,
     )
     add_image_routes(app, ctx, images, metrics)
-    add_lora_routes(app, ctx, lora_targets)
+    add_lora_routes(app, ctx, lora_targets, _hub_lora_fetcher(args))
 
     def model_card() -> ModelCard:
         return ModelCard(

@@ -3,17 +3,22 @@
 ``/v1/merge_lora_weights``, ``/v1/unmerge_lora_weights`` and ``GET /v1/list_loras``.
 
 Each runs on the engine through the scheduler, in arrival order with the generations; the admin
-key (``--admin-api-key``) is checked by the app's middleware (:mod:`.auth`). Their paths and methods
+key (``--admin-api-key``) is checked by the app's middleware (:mod:`.auth`). With
+``--enable-hub-lora``, a ``set_lora`` Hub id missing from the local cache is downloaded in the
+handler first (a worker thread), so generations keep running meanwhile; the engine then reads it
+from the cache. Their paths and methods
 are the op table's (:mod:`~sglang.multimodal_gen.engine_ops`); this module gives each its handler.
 See ``docs/lora.md``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from sglang.multimodal_gen.engine_ops import ROUTED_CALLS
 from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
@@ -40,15 +45,25 @@ def _status(message: str, detail: Any = None) -> dict:
     return StatusResponse(message=message, detail=detail).model_dump()
 
 
-def add_lora_routes(app: FastAPI, ctx: RouteContext, targets: tuple[str, ...]) -> None:
+def add_lora_routes(
+    app: FastAPI,
+    ctx: RouteContext,
+    targets: tuple[str, ...],
+    fetch_hub_lora: Callable[[str], None] | None = None,
+) -> None:
     """Register the LoRA admin routes on ``app``: one per scheduled command of the op table
     (:data:`~sglang.multimodal_gen.engine_ops.ROUTED_CALLS`), at the op's path and method, named
     after the op. ``targets`` are the model's LoRA targets (``engine.lora_targets``), against
-    which every ``target`` field is checked."""
+    which every ``target`` field is checked. ``fetch_hub_lora(path)``, when given
+    (``--enable-hub-lora``), downloads a ``set_lora`` path that is a Hub id missing from the
+    cache before the command is scheduled (its errors are the answer)."""
 
     async def set_lora(request: Request):
         req = parse_json_body(await ctx.read_body(request), SetLoRARequest)
         args = validate_set_lora(req, targets)
+        if fetch_hub_lora is not None:
+            for path in dict.fromkeys(p for p in args.paths if p is not None):
+                await run_in_threadpool(fetch_hub_lora, path)
         result = await ctx.wait_for(ctx.scheduler.submit_call("set_lora", args))
         names = req.lora_nickname if isinstance(req.lora_nickname, list) else [req.lora_nickname]
         return _status(f"active on target {req.target!r}: {', '.join(names)}", result)

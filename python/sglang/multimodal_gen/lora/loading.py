@@ -1,4 +1,4 @@
-"""Reading LoRA files from disk: safetensors only, inside the allowed roots, offline Hub cache.
+"""Reading LoRA files from disk: safetensors only, inside the allowed roots, Hub ids.
 
 ``load_lora_state_dict`` accepts:
 
@@ -10,9 +10,10 @@
   ``adapter_config.json``);
 - a folder holding exactly one ``.safetensors`` file;
 - a Hugging Face Hub repo id (``owner/name``, or ``owner/name/file.safetensors`` for one file of
-  it) already present in the local Hub cache
-  (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``). Nothing is
-  downloaded.
+  it) from the local Hub cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+  ``~/.cache/huggingface/hub``; no request when it is there), downloaded into it first when the
+  caller allows (``download=True``: :func:`~sglang.multimodal_gen.hub.lora_snapshot`, the
+  top-level ``*.safetensors`` and ``adapter_config.json`` only). Otherwise nothing is downloaded.
 
 Pickle-based files (``.bin``, ``.pt``, ``.pth``, ``.ckpt``, ``.pkl``) are refused without being
 opened: unpickling runs arbitrary code. Local paths are resolved with ``os.path.realpath`` (so
@@ -38,13 +39,14 @@ import torch
 
 import sglang.multimodal_gen.lora.safetensors_io as safetensors_io
 from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError, SGLangError
-from sglang.multimodal_gen.hub import cached_snapshot, hf_hub_cache_dir
+from sglang.multimodal_gen.hub import HubUnavailableError, hf_hub_cache_dir, lora_snapshot
 from sglang.multimodal_gen.lora.peft_config import check_config_depth
 from sglang.multimodal_gen.lora.safetensors_io import json_kind, read_config
 
 __all__ = [
     "LoRASource",
     "OutsideLoRARootsError",
+    "fetch_hub_source",
     "file_key",
     "hf_hub_cache_dir",
     "is_hub_id",
@@ -131,18 +133,32 @@ def resolve_lora_path(path: str | os.PathLike, allowed_roots: Iterable[str] | No
     )
 
 
-def _snapshot_from_cache(repo_id: str, local: str = "not a local path") -> str:
-    """The cached snapshot folder of ``repo_id``; ``local`` says why no local path matched."""
+def _hub_snapshot(
+    repo_id: str,
+    local: str = "not a local path",
+    filename: str | None = None,
+    download: bool = False,
+) -> str:
+    """The snapshot folder of ``repo_id`` in the Hub cache, downloaded first when ``download``
+    and it is not there; ``local`` says why no local path matched."""
     cache = hf_hub_cache_dir()
     try:
-        return cached_snapshot(repo_id)
-    except FileNotFoundError:
-        raise InvalidRequestError(
-            f"LoRA {repo_id!r} could not be found locally ({local}; not in the Hugging "
-            f"Face cache at {cache}); downloading is not possible here. Download it beforehand "
-            "or pass a local path.",
-            param="lora_path",
-        ) from None
+        return lora_snapshot(repo_id, filename, download)
+    except HubUnavailableError as e:
+        if download:
+            message = (
+                f"LoRA {repo_id!r} could not be found locally ({local}; not in the Hugging Face "
+                f"cache at {cache}) and could not be downloaded ({e.reason}). Download it with "
+                f"`{e.command}` or pass a local path."
+            )
+        else:
+            message = (
+                f"LoRA {repo_id!r} could not be found locally ({local}; not in the Hugging "
+                f"Face cache at {cache}); downloading is not possible here (a server downloads "
+                "Hub LoRAs only when started with --enable-hub-lora). Download it beforehand "
+                f"(`{e.command}`) or pass a local path."
+            )
+        raise InvalidRequestError(message, param="lora_path") from None
 
 
 def _refuse_pickle(path: str) -> None:
@@ -191,10 +207,13 @@ class LoRASource:
 
 
 def locate_lora(
-    path_or_repo_id: str | os.PathLike, allowed_roots: Iterable[str] | None = None
+    path_or_repo_id: str | os.PathLike,
+    allowed_roots: Iterable[str] | None = None,
+    download: bool = False,
 ) -> LoRASource:
-    """Resolve a path or cached Hub id to its files (see :func:`load_lora_state_dict`); nothing
-    is read (``stat`` and directory listings only).
+    """Resolve a path or Hub id to its files (see :func:`load_lora_state_dict`); nothing is read
+    (``stat`` and directory listings only). ``download``: a Hub id missing from the local cache
+    is downloaded into it first (the top-level ``*.safetensors`` and ``adapter_config.json``).
 
     Raises:
         as :func:`load_lora_state_dict` (path refused, not found, pickle, no usable file).
@@ -213,14 +232,16 @@ def locate_lora(
         why = "not a local path"
         if allowed_roots:
             why = "no such path inside the allowed LoRA directories, where relative paths are looked up"
-        local = _snapshot_from_cache(repo_match.group("repo"), why)
+        local = _hub_snapshot(repo_match.group("repo"), why, repo_match.group("file"), download)
         if repo_match.group("file"):
             # cache files are symlinks into ../../blobs, so containment is checked on the name
             local = os.path.join(local, repo_match.group("file"))
             if not os.path.isfile(local):
+                where = "the Hub's" if download else "the cached"
                 raise InvalidRequestError(
-                    f"{repo_match.group('file')!r} is not in the cached snapshot of "
-                    f"{repo_match.group('repo')!r}; downloading is not possible here",
+                    f"{repo_match.group('file')!r} is not in {where} snapshot of "
+                    f"{repo_match.group('repo')!r}"
+                    + ("" if download else "; downloading is not possible here"),
                     param="lora_path",
                 )
     # files picked inside a local folder must not escape the roots through a symlink either
@@ -260,16 +281,19 @@ def file_key(src: LoRASource) -> tuple:
 
 
 def load_lora_state_dict(
-    path_or_repo_id: str | os.PathLike, allowed_roots: Iterable[str] | None = None
+    path_or_repo_id: str | os.PathLike,
+    allowed_roots: Iterable[str] | None = None,
+    download: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read a LoRA state dict and everything that describes it, without unpickling anything.
 
     Args:
         path_or_repo_id: a ``.safetensors`` file, a LoRA folder (peft / diffusers / single file), or
-            a Hub repo id (``owner/name[/file.safetensors]``) present in the local Hub cache.
+            a Hub repo id (``owner/name[/file.safetensors]``) from the local Hub cache.
             Local paths are tried first.
         allowed_roots: when given, local paths must resolve (realpath) inside one of these
             directories; relative paths are taken relative to them.
+        download: a Hub id missing from the local cache is downloaded into it first.
 
     Returns:
         ``(state_dict, metadata)``: ``state_dict`` maps keys to CPU tensors in the file's dtype.
@@ -285,9 +309,9 @@ def load_lora_state_dict(
             folder without exactly one usable ``.safetensors`` file, an unreadable
             ``adapter_config.json``.
         InvalidRequestError: the path is outside ``allowed_roots``; nothing found locally or in
-            the Hub cache (the message says downloading is not possible).
+            the Hub cache (the message says downloading is not possible, or why it failed).
     """
-    src = locate_lora(path_or_repo_id, allowed_roots)
+    src = locate_lora(path_or_repo_id, allowed_roots, download)
     path, kind = src.weights, src.kind
     adapter_config = None if src.config is None else read_config(src.config)
     sd, header, digest = safetensors_io.read_safetensors(path)
@@ -330,16 +354,18 @@ def load_lora_state_dict(
 
 
 def read_source(
-    path: str, allowed_roots: Sequence[str] | None, trusted: bool = False
+    path: str, allowed_roots: Sequence[str] | None, trusted: bool = False, download: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read one adapter as a server's trust policy allows: the path policy of the LoRA manager.
 
     Args:
         allowed_roots: directories local paths must resolve into; ``None``: any local path; an
-            empty sequence: no local path (Hub ids in the local cache are accepted in every case).
+            empty sequence: no local path (Hub ids are accepted in every case).
         trusted: the path comes from the operator's command line (``--lora-path`` when a server
             starts): read it wherever it is (a relative path is looked up in the roots first,
             then in the working directory).
+        download: a Hub id missing from the local cache is downloaded (the caller's policy:
+            ``--enable-hub-lora``, or ``trusted``); else it is refused.
 
     Returns:
         ``(state_dict, metadata)`` of :func:`load_lora_state_dict`.
@@ -349,14 +375,29 @@ def read_source(
             path. A local path refused by the roots gets the same message whether or not it
             exists.
     """
-    return _with_policy(path, allowed_roots, trusted, load_lora_state_dict)
+    return _with_policy(
+        path, allowed_roots, trusted, lambda p, r: load_lora_state_dict(p, r, download)
+    )
 
 
 def locate_source(
-    path: str, allowed_roots: Sequence[str] | None, trusted: bool = False
+    path: str, allowed_roots: Sequence[str] | None, trusted: bool = False, download: bool = False
 ) -> LoRASource:
-    """:func:`locate_lora` under the policy of :func:`read_source` (nothing is read)."""
-    return _with_policy(path, allowed_roots, trusted, locate_lora)
+    """:func:`locate_lora` under the policy of :func:`read_source` (nothing is read; a Hub id
+    may be downloaded, see ``download``)."""
+    return _with_policy(path, allowed_roots, trusted, lambda p, r: locate_lora(p, r, download))
+
+
+def fetch_hub_source(path: str, allowed_roots: Sequence[str] | None) -> None:
+    """Download a ``set_lora`` path that names a Hub id missing from the local cache, under the
+    policy of :func:`read_source` (a local path is left alone): the server calls this outside
+    the engine, so a download does not hold up generations; the engine then finds the cache.
+
+    Raises:
+        InvalidRequestError (``param="lora_path"``): as :func:`read_source`.
+    """
+    if isinstance(path, str) and is_hub_id(path):
+        locate_source(path, allowed_roots, trusted=False, download=True)
 
 
 def _with_policy(path: str, allowed_roots: Sequence[str] | None, trusted: bool, fn):
@@ -381,7 +422,8 @@ def _with_policy(path: str, allowed_roots: Sequence[str] | None, trusted: bool, 
             f"LoRA path {path!r} refused: this server accepts local LoRA paths only inside "
             "the directories it was started with (--lora-dir DIR), and it has none. Start it "
             "with --lora-dir, or load the adapter at startup with --lora-path; Hugging Face "
-            "Hub ids present in the local cache are accepted.",
+            "Hub ids are accepted (from the local cache, or downloaded when the server runs "
+            "with --enable-hub-lora).",
             param="lora_path",
         )
     try:

@@ -68,8 +68,10 @@ class LoRAManager:
         name_map: the model's :class:`NameMap` (file / diffusers / original names -> ours).
         allowed_roots: directories local LoRA paths must resolve into (realpath containment).
             ``None``: any local path (a user's own command line). An empty sequence: no local
-            path at all (a server started without ``--lora-dir``); Hub ids present in the local
-            Hugging Face cache are accepted in every case.
+            path at all (a server started without ``--lora-dir``); Hub ids are accepted in
+            every case.
+        allow_hub_download: a Hub id missing from the local Hugging Face cache is downloaded
+            (``False``: refused, unless the call is ``trusted``: startup ``--lora-path``).
         max_loaded_bytes: bound on the bytes of loaded adapters on this rank
             (``--max-loaded-lora-gb``); the least recently used adapters that are not active are
             unloaded to make room.
@@ -102,6 +104,7 @@ class LoRAManager:
         merge_cache_device: str | torch.device | None = None,
         model_name: str | None = None,
         snapshot_device: str | torch.device | None = None,
+        allow_hub_download: bool = False,
     ):
         if not targets:
             raise ValueError("LoRAManager needs at least one target module")
@@ -125,7 +128,7 @@ class LoRAManager:
             )
             for t, module in targets.items()
         }
-        self.stager = Stager(allowed_roots, specs)
+        self.stager = Stager(allowed_roots, specs, allow_hub_download)
         self.savepoints = Savepoints(self.store, self.composer)
 
     # ------------------------------------------------------------------ properties

@@ -36,10 +36,18 @@ class Stager:
         allowed_roots: directories local paths must resolve into (``None``: any; empty: none;
             see :class:`~sglang.multimodal_gen.lora.manager.LoRAManager`).
         specs: ``{target: LoRAModelSpec}``: what each target's layers accept.
+        allow_hub_download: Hub ids missing from the local cache are downloaded (``trusted``
+            reads download in every case).
     """
 
-    def __init__(self, allowed_roots: Sequence[str] | None, specs: Mapping[str, LoRAModelSpec]):
+    def __init__(
+        self,
+        allowed_roots: Sequence[str] | None,
+        specs: Mapping[str, LoRAModelSpec],
+        allow_hub_download: bool = False,
+    ):
         self.allowed_roots = None if allowed_roots is None else list(allowed_roots)
+        self.allow_hub_download = bool(allow_hub_download)
         self.specs = dict(specs)
         self._uids = itertools.count()
 
@@ -49,10 +57,12 @@ class Stager:
         """Read one adapter as this manager's roots allow
         (:func:`~sglang.multimodal_gen.lora.loading.read_source`); no layer is touched. TP rank 0
         reads each file once and sends the result to every rank (``set_lora(..., sources=...)``).
-        The metadata gains ``file_key`` (see :meth:`unchanged`).
+        The metadata gains ``file_key`` (see :meth:`unchanged`). A Hub id missing from the cache
+        is downloaded first when this stager allows it (or the call is ``trusted``).
         """
+        download = trusted or self.allow_hub_download
         # the key is taken before the read: a rewrite during the read makes the next call re-read
-        key = file_key(locate_source(path, self.allowed_roots, trusted))
+        key = file_key(locate_source(path, self.allowed_roots, trusted, download=download))
         sd, metadata = read_source(path, self.allowed_roots, trusted)
         metadata["file_key"] = key
         return sd, metadata

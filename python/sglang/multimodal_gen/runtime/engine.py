@@ -46,8 +46,13 @@ class DiffusionEngine:
     """Load a model and serve blocking calls (one caller at a time; calls are serialized).
 
     Args:
-        model_path: diffusers-format directory; ``None`` uses the embedded tiny default model
+        model_path: diffusers-format directory, or a Hugging Face Hub repo id (``owner/name``)
+            downloaded into the Hub cache when it is not there (only the files the engine reads;
+            ``HF_ENDPOINT``, ``HF_TOKEN``, ``HF_HOME``/``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` as
+            ``huggingface_hub`` reads them); ``None`` uses the embedded tiny default model
             (random weights: noise images), built once under the user cache dir.
+        revision: the Hub revision of ``model_path`` (a branch, tag or commit; default the
+            repo's default branch); ignored for a local directory.
         tp_size: tensor-parallel size.
         sp_degree, ulysses_degree, ring_degree: sequence parallelism (Ulysses all-to-all x ring
             attention); unset degrees are chosen as ``configs.parallel.resolve_layout`` does,
@@ -62,6 +67,10 @@ class DiffusionEngine:
             any local path, as for a user's own ``sglang generate``. Empty: no local path (a
             server started without ``--lora-dir``); Hub ids in the local Hugging Face cache and
             ``set_lora(..., trusted=True)`` (startup ``--lora-path``) are accepted in every case.
+        allow_hub_lora: a ``set_lora`` Hub id (``owner/name``) that is not in the local cache is
+            downloaded (default ``True``, as ``sglang generate``; ``sglang serve`` passes its
+            ``--enable-hub-lora``, off by default). ``False``: Hub ids from the local cache only;
+            ``trusted=True`` calls (startup ``--lora-path``) download in every case.
         generator_device: device of the seeded generator (default: the execution device type).
         attention_backend: SDPA kernel (``auto``, ``flash``, ``efficient``, ``cudnn``, ``math``).
         enable_torch_compile: ``torch.compile`` the DiT blocks (opt-in; compile time on first use).
@@ -111,11 +120,13 @@ class DiffusionEngine:
         heartbeat_s: float = 60.0,
         lora_merge_cache_gb: float | None = None,
         max_loaded_lora_gb: float | None = None,
+        revision: str | None = None,
+        allow_hub_lora: bool = True,
         _worker_setup: Callable[[ModelRunner, int], None] | None = None,
     ):
         if int(tp_size) < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-        model_path, self.model_name = resolve_model_path(model_path)
+        model_path, self.model_name = resolve_model_path(model_path, revision)
         self.layout = layout_for_model(
             model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree
         )
@@ -144,6 +155,7 @@ class DiffusionEngine:
             device=device,
             dtype=dtype,
             lora_dirs=None if lora_dirs is None else tuple(lora_dirs),
+            allow_hub_lora=bool(allow_hub_lora),
             generator_device=generator_device,
             dit_cpu_offload=bool(dit_cpu_offload),
             attention_backend=attention_backend,
@@ -170,11 +182,13 @@ class DiffusionEngine:
         """Build from a :class:`~sglang.multimodal_gen.configs.server_args.ServerArgs` (the server).
 
         Local LoRA paths sent to this engine must lie inside ``--lora-dir``; without it, none are
-        accepted (startup ``--lora-path`` adapters are loaded with ``trusted=True``).
+        accepted (startup ``--lora-path`` adapters are loaded with ``trusted=True``). Hub LoRA ids
+        that are not cached are downloaded only with ``--enable-hub-lora``.
         """
         return cls(
             **job_kwargs(server_args),
             lora_dirs=tuple(server_args.lora_dirs),
+            allow_hub_lora=bool(getattr(server_args, "enable_hub_lora", False)),
             lora_merge_cache_gb=getattr(server_args, "lora_merge_cache_gb", None),
             max_loaded_lora_gb=getattr(server_args, "max_loaded_lora_gb", None),
             **multinode_kwargs(server_args),

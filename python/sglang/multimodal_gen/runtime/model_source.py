@@ -1,16 +1,20 @@
-"""Where a job's model and layout come from: the model directory (a path, a Hub id in the local
-cache, or the embedded default), the device, the parallel layout for the model's head count, and
-the engine arguments a ``ServerArgs`` implies (shared by the engine and follower nodes).
+"""Where a job's model and layout come from: the model directory (a path, a Hub id downloaded
+into or found in the Hugging Face cache, or the embedded default), the device, the parallel layout
+for the model's head count, and the engine arguments a ``ServerArgs`` implies (shared by the engine
+and follower nodes).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from sglang.multimodal_gen import errors as errors_mod
-from sglang.multimodal_gen.hub import cached_snapshot
+from sglang.multimodal_gen.hub import is_repo_id, model_snapshot
+
+logger = logging.getLogger(__name__)
 
 
 def job_kwargs(server_args) -> dict:
@@ -19,6 +23,7 @@ def job_kwargs(server_args) -> dict:
     node 0 and for the ranks of follower nodes."""
     return dict(
         model_path=server_args.model_path,
+        revision=getattr(server_args, "revision", None),
         tp_size=server_args.tp_size,
         sp_degree=server_args.sp_degree,
         ulysses_degree=server_args.ulysses_degree,
@@ -96,27 +101,33 @@ def check_device(device: str | None) -> str:
     )
 
 
-def resolve_model_path(model_path: str | None) -> tuple[str, str]:
+def resolve_model_path(model_path: str | None, revision: str | None = None) -> tuple[str, str]:
     """``(directory, served name)``: the embedded default model (built once) for ``None``, a
-    directory as given, else a Hub id from the local cache (:func:`~sglang.multimodal_gen.hub.
-    cached_snapshot`).
+    directory as given, else a Hub repo id (``owner/name``) at ``revision``, downloaded into the
+    Hugging Face cache when needed (:func:`~sglang.multimodal_gen.hub.model_snapshot`: only the
+    files the engine reads; offline, the cached snapshot).
 
     Raises:
-        FileNotFoundError: not a directory and not in the local Hugging Face cache.
+        FileNotFoundError: not a directory, and not a Hub id that is cached or can be downloaded
+            (one line naming the repo id, the cache folder and the command that downloads it).
     """
     if model_path is None:
+        if revision:
+            logger.warning("--revision %s ignored: no --model-path (the embedded model)", revision)
         from sglang.multimodal_gen.models.default_model import (
             default_model_name,
             default_model_path,
         )
 
         return default_model_path(), default_model_name()
-    if not os.path.isdir(model_path):
-        try:
-            model_path = cached_snapshot(model_path)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(
-                f"model path {model_path!r} is not a directory and is not in the local Hugging "
-                "Face cache (nothing is downloaded)"
-            ) from e
+    if os.path.isdir(model_path):
+        if revision:
+            logger.warning("--revision %s ignored: %s is a local directory", revision, model_path)
+    elif is_repo_id(model_path):
+        model_path = model_snapshot(model_path, revision)
+    else:
+        raise FileNotFoundError(
+            f"model path {model_path!r} is not a directory and is not in the local Hugging Face "
+            "cache (it is not a Hub repo id, owner/name, either)"
+        )
     return model_path, os.path.basename(os.path.normpath(model_path))

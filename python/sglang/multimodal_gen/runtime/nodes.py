@@ -217,6 +217,7 @@ def run_follower_node(
     attention_backend: str = "auto",
     enable_torch_compile: bool = False,
     float32_matmul_precision: str = "highest",
+    revision: str | None = None,
     **multinode: Any,
 ) -> bool:
     """Run this launcher as a follower when the flags (or torchrun) say it does not hold rank 0.
@@ -241,7 +242,7 @@ def run_follower_node(
     torchrun = running_under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1
     if int(multinode.get("nnodes", 1) or 1) == 1 and not torchrun:
         return False  # one node, no torchrun: this launcher leads
-    model_path, _ = resolve_model_path(model_path)
+    model_path, _ = resolve_model_path(model_path, revision)  # each node fetches its own copy
     layout = layout_for_model(
         model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree
     )

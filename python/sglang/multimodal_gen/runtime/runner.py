@@ -90,7 +90,9 @@ class ModelRunner:
         layout: the parallel layout (:class:`~sglang.multimodal_gen.distributed.ParallelLayout`);
             the TP coordinates are derived from it and ``rank``.
         lora_dirs: allowed roots for local LoRA paths (``None``: any local path; empty: none, only
-            Hub ids from the local cache and trusted startup adapters).
+            Hub ids and trusted startup adapters).
+        allow_hub_lora: Hub LoRA ids missing from the local cache are downloaded (trusted
+            startup adapters are in every case).
         generator_device: device of the seeded ``torch.Generator`` (default: the execution
             device's type, as in diffusers' examples; ``"cpu"`` reproduces a CPU-seeded run).
         attention_backend: the SDPA kernel (``layers.attention.set_attention_backend``).
@@ -120,6 +122,7 @@ class ModelRunner:
         layout: ParallelLayout | None = None,
         lora_merge_cache_gb: float | None = None,
         max_loaded_lora_gb: float | None = None,
+        allow_hub_lora: bool = False,
     ):
         from sglang.multimodal_gen.configs.parallel import check_float32_matmul_precision
 
@@ -161,6 +164,7 @@ class ModelRunner:
             offload,
             merge_cache_gb=lora_merge_cache_gb,
             max_loaded_gb=max_loaded_lora_gb,
+            allow_hub_download=allow_hub_lora,
         )
         # One offloader per denoiser; with several (two-expert models) a generation keeps only
         # the expert that runs on the accelerator, moved in when the loop switches to it.

@@ -23,6 +23,7 @@ def build_lora_manager(
     cpu_offload: bool = False,
     merge_cache_gb: float | None = None,
     max_loaded_gb: float | None = None,
+    allow_hub_download: bool = False,
 ) -> LoRAManager:
     """The LoRA manager over the denoisers' LoRA-able layers.
 
@@ -38,6 +39,8 @@ def build_lora_manager(
             It is kept in host memory when the accelerator could not hold it next to what is
             free now (:func:`merge_cache_device`).
         max_loaded_gb: bound of the loaded adapters in GiB (``--max-loaded-lora-gb``; default 8).
+        allow_hub_download: Hub LoRA ids missing from the local cache are downloaded
+            (``--enable-hub-lora``; see :class:`LoRAManager`).
     """
     cache_bytes = int((1.0 if merge_cache_gb is None else merge_cache_gb) * 2**30)
     kw: dict = dict(merge_cache_bytes=cache_bytes)
@@ -54,6 +57,7 @@ def build_lora_manager(
         resolve_object(family.denoisers[0].name_map),
         allowed_roots=None if lora_dirs is None else list(lora_dirs),
         model_name=family.display_name,
+        allow_hub_download=allow_hub_download,
         **kw,
     )
 

@@ -26,17 +26,26 @@ __all__ = [
 
 # ---------------------------------------------------------------------- TP worker process
 def quiet_library_progress_bars() -> None:
-    """Hide transformers'/diffusers' weight-loading bars (our denoising bar stays)."""
+    """Hide transformers'/diffusers' weight-loading bars (our denoising bar stays, and so do
+    ``huggingface_hub``'s download bars, unless ``HF_HUB_DISABLE_PROGRESS_BARS=1``)."""
     try:
         import diffusers.utils.logging as dlog
         import transformers.utils.logging as tlog
 
-        tlog.disable_progress_bar()
+        tlog.disable_progress_bar()  # this also turns huggingface_hub's bars off...
         dlog.disable_progress_bar()
         # e.g. "CLIPImageProcessor requires torchvision": optional-backend notices about classes
         # we never use, printed while diffusers resolves component classes
         tlog.set_verbosity_error()
     except Exception:  # a missing or changed helper only costs some console noise
+        pass
+    try:  # ... which show a Hub download's progress: back on, as the library's setting says
+        from huggingface_hub import constants
+        from huggingface_hub.utils import enable_progress_bars
+
+        if constants.HF_HUB_DISABLE_PROGRESS_BARS is not True:
+            enable_progress_bars()
+    except Exception:
         pass
 
 
