@@ -9,8 +9,9 @@ diffusers / PEFT            ``transformer.<m>.lora_A.weight``, ``.lora_B.weight`
 peft ``get_peft_model``     ``base_model.model.<m>.lora_A.weight`` (any wrapper prefix combination)
 adapter-name infix          ``<m>.lora_A.<adapter>.weight`` (e.g. ``.default.``), one adapter per file
 kohya / musubi              ``lora_unet_<m with . -> _>.lora_down.weight``, ``.lora_up.weight``,
-                            ``.alpha`` (also ``lora_transformer_``); names are un-flattened by
-                            looking the flattened name up in the model's own flattened vocabulary
+                            ``.alpha`` (also ``lora_transformer_``, and VideoX-Fun's
+                            ``lora_unet__``); names are un-flattened by looking the flattened name
+                            up in the model's own flattened vocabulary
 ComfyUI                     ``diffusion_model.<m>...`` with either weight naming
 dotted kohya                ``<m>.lora.down.weight`` / ``<m>.lora.up.weight``
 LoRA processors (XLabs)     ``<m>.down.weight`` / ``<m>.up.weight`` where the module's last name
@@ -26,7 +27,7 @@ LyCORIS LoKr                ``<m>.lokr_w1`` (or ``_w1_a``/``_w1_b``), ``.lokr_w2
 ==========================  ======================================================================
 
 Files may mix these per module (each module keeps its own alpha). Text-encoder keys (``lora_te*``,
-``text_encoder*.``, ...) and keys of another pipeline component
+``text_encoder*.``, OneTrainer's ``bundle_emb.``, ...) and keys of another pipeline component
 (``transformer_2.`` while converting ``transformer``) are skipped and reported in ``ignored_keys``.
 
 Every alpha must satisfy ``0 < alpha <= 1024 r`` (``lora.limits.check_alpha``); a pair whose rank

@@ -43,6 +43,7 @@ _TEXT_ENCODER_PREFIXES = (
     "te2.",
     "cond_stage_model.",
     "conditioner.",
+    "bundle_emb.",  # OneTrainer: textual-inversion vectors bundled for the text encoders
 )
 
 # (regex on the key, feature name) -- checked before the LoRA grammar
@@ -73,7 +74,10 @@ _LOKR_RE = re.compile(r"^(?P<m>.+)\.lokr_(?P<part>w1|w2|w1_a|w1_b|w2_a|w2_b)$")
 # a component other than the one being converted are skipped and counted like text-encoder keys.
 _COMPONENT_RE = re.compile(r"^(transformer(?:_\d+)?)\.")
 
-_FLAT_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
+# ``lora_unet__`` (two underscores): VideoX-Fun's LoRANetwork names modules ``lora_unet`` + "." +
+# the (empty) name of the transformer root + "." + the module, flattened (videox_fun/utils/
+# lora_utils.py); longest first, so the extra underscore is never taken for part of the name.
+_FLAT_PREFIXES = ("lora_unet__", "lora_unet_", "lora_transformer_", "lycoris_")
 _ROLE = {"A": "A", "down": "A", "B": "B", "up": "B"}
 
 # Architectures we do not serve, for "the keys seem to target X" (the families we serve declare
