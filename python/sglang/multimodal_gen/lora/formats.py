@@ -9,8 +9,9 @@ diffusers / PEFT            ``transformer.<m>.lora_A.weight``, ``.lora_B.weight`
 peft ``get_peft_model``     ``base_model.model.<m>.lora_A.weight`` (any wrapper prefix combination)
 adapter-name infix          ``<m>.lora_A.<adapter>.weight`` (e.g. ``.default.``), one adapter per file
 kohya / musubi              ``lora_unet_<m with . -> _>.lora_down.weight``, ``.lora_up.weight``,
-                            ``.alpha`` (also ``lora_transformer_``); names are un-flattened by
-                            looking the flattened name up in the model's own flattened vocabulary
+                            ``.alpha`` (also ``lora_transformer_``, and VideoX-Fun's
+                            ``lora_unet__``); names are un-flattened by looking the flattened name
+                            up in the model's own flattened vocabulary
 ComfyUI                     ``diffusion_model.<m>...`` with either weight naming
 dotted kohya                ``<m>.lora.down.weight`` / ``<m>.lora.up.weight``
 LoRA processors (XLabs)     ``<m>.down.weight`` / ``<m>.up.weight`` where the module's last name
@@ -26,8 +27,11 @@ LyCORIS LoKr                ``<m>.lokr_w1`` (or ``_w1_a``/``_w1_b``), ``.lokr_w2
 ==========================  ======================================================================
 
 Files may mix these per module (each module keeps its own alpha). Text-encoder keys (``lora_te*``,
-``text_encoder*.``, ...) and keys of another pipeline component (``transformer_2.`` while
-converting ``transformer``) are skipped and reported in ``ignored_keys``.
+``text_encoder*.``, OneTrainer's ``bundle_emb.``, ...) and keys of another pipeline component
+(``transformer_2.`` while converting ``transformer``) are skipped and reported in ``ignored_keys``.
+
+Every alpha must satisfy ``0 < alpha <= 1024 r`` (``lora.limits.check_alpha``); a pair whose rank
+exceeds ``min(in, out)`` of its target shard is stored exactly at that rank (``_at_most_full_rank``).
 
 Where the model's name map says a file name stores its output rows in another order
 (``NameRule.row_order``, e.g. BFL's ``final_layer.adaLN_modulation.1``), ``B``, ``lora_B.bias``
@@ -56,6 +60,7 @@ import torch
 from sglang.multimodal_gen.errors import LoRAFormatError
 from sglang.multimodal_gen.layers.lora.weights import LoRAWeights, all_finite
 from sglang.multimodal_gen.lora.key_grammar import KeyPair, guess_architecture, parse_keys
+from sglang.multimodal_gen.lora.limits import MAX_ALPHA_PER_RANK, check_alpha
 from sglang.multimodal_gen.lora.lokr import lokr_to_lora
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
 from sglang.multimodal_gen.lora.peft_config import (
@@ -153,11 +158,15 @@ def _pair_scale(pair: KeyPair, r: int, cfg: AdapterConfig) -> float:
                 f"module {pair.file_module!r}: alpha must be a scalar, got shape "
                 f"{tuple(pair.alpha.shape)} ({pair.keys['alpha']!r})"
             )
-        alpha = float(pair.alpha.float().item())
+        # an integer alpha is read exactly (2**62 stays 2**62), a float one as float64
+        value = pair.alpha.reshape(()).item()
+        alpha = float(value)
         if not math.isfinite(alpha):
             raise LoRAFormatError(f"module {pair.file_module!r}: alpha is NaN or Inf")
+        check_alpha(alpha, r, f"module {pair.file_module!r} (key {pair.keys['alpha']!r})")
     elif cfg_alpha is not None:
         alpha = cfg_alpha
+        check_alpha(alpha, r, f"module {pair.file_module!r} ({cfg.alpha_origin(pair.file_module)})")
     else:
         alpha = float(r)
     return lora_scale(alpha, r, cfg.use_rslora)
@@ -201,6 +210,13 @@ def _pair_weights(
         if p.alpha is not None:
             _check_finite(p.alpha, f"module {label} alpha")
         a, b, lokr_scale = lokr_to_lora(p.lokr, p.alpha, p.file_module)
+        if p.alpha is not None and not 0 < lokr_scale <= MAX_ALPHA_PER_RANK:
+            raise LoRAFormatError(
+                f"module {label} (key {p.keys['alpha']!r}): LoKr alpha / rank = {lokr_scale:g} "
+                f"is out of range; LoRA alpha must satisfy 0 < alpha <= {MAX_ALPHA_PER_RANK} x "
+                "rank",
+                param="lora_path",
+            )
     if a is None or b is None:
         have = p.keys.get("A") or p.keys.get("B")
         missing = "lora_A/lora_down" if a is None else "lora_B/lora_up"
@@ -232,6 +248,22 @@ def _reorder_rows(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     """``t``'s rows cut in ``len(order)`` equal chunks; result chunk ``i`` = chunk ``order[i]``."""
     chunks = t.chunk(len(order), dim=0)
     return torch.cat([chunks[i] for i in order], dim=0)
+
+
+def _at_most_full_rank(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A [r, in], B [out, r])`` as stored: unchanged when ``r <= min(in, out)``; else the same
+    product ``B @ A`` written exactly at rank ``min(in, out)`` (``(I_in, B @ A)`` or
+    ``(B @ A, I_out)``, float32 or wider). A rank above the layer's width adds nothing a rank of
+    ``min(in, out)`` cannot express, and would widen the layer's slot columns for every adapter
+    (SimpleTuner's ``all+ffs+embedder`` puts its rank on Flux's 64-input ``x_embedder``)."""
+    r, out, fan_in = a.shape[0], b.shape[0], a.shape[1]
+    if r <= min(out, fan_in) or r == 0:
+        return a, b
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    d = b.to(dtype) @ a.to(dtype)
+    if fan_in <= out:
+        return torch.eye(fan_in, dtype=dtype), d
+    return d, torch.eye(out, dtype=dtype)
 
 
 def _place(
@@ -302,9 +334,10 @@ def _place(
     row = 0
     for s, n in zip(shard_ids, out_sizes):
         off = offset[row : row + n].contiguous() if offset is not None else None
+        a_s, b_s = _at_most_full_rank(a, b[row : row + n])
         modules.setdefault(our, {})[s] = LoRAWeights(
-            lora_A=a,
-            lora_B=b[row : row + n].contiguous(),
+            lora_A=a_s,
+            lora_B=b_s.contiguous(),
             scale=scale,
             offset=off,
             offset_scale=offset_scale,

@@ -26,6 +26,7 @@ __all__ = [
     "KeyPair",
     "architecture_signatures",
     "best_architecture",
+    "check_key_names",
     "guess_architecture",
     "parse_keys",
     "unsupported_error",
@@ -42,6 +43,7 @@ _TEXT_ENCODER_PREFIXES = (
     "te2.",
     "cond_stage_model.",
     "conditioner.",
+    "bundle_emb.",  # OneTrainer: textual-inversion vectors bundled for the text encoders
 )
 
 # (regex on the key, feature name) -- checked before the LoRA grammar
@@ -72,7 +74,10 @@ _LOKR_RE = re.compile(r"^(?P<m>.+)\.lokr_(?P<part>w1|w2|w1_a|w1_b|w2_a|w2_b)$")
 # a component other than the one being converted are skipped and counted like text-encoder keys.
 _COMPONENT_RE = re.compile(r"^(transformer(?:_\d+)?)\.")
 
-_FLAT_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
+# ``lora_unet__`` (two underscores): VideoX-Fun's LoRANetwork names modules ``lora_unet`` + "." +
+# the (empty) name of the transformer root + "." + the module, flattened (videox_fun/utils/
+# lora_utils.py); longest first, so the extra underscore is never taken for part of the name.
+_FLAT_PREFIXES = ("lora_unet__", "lora_unet_", "lora_transformer_", "lycoris_")
 _ROLE = {"A": "A", "down": "A", "B": "B", "up": "B"}
 
 # Architectures we do not serve, for "the keys seem to target X" (the families we serve declare
@@ -216,6 +221,69 @@ def _resolve_module(
     return name, _style(prefixes, weight_style, False), target
 
 
+def _skipped(key: str, component: str) -> bool:
+    """Whether ``key`` belongs to a text encoder, or to a pipeline component other than
+    ``component`` (``transformer_2.`` while converting ``transformer``): skipped and reported."""
+    bare = key[len("base_model.model.") :] if key.startswith("base_model.model.") else key
+    if bare.startswith(_TEXT_ENCODER_PREFIXES):
+        return True
+    m = _COMPONENT_RE.match(bare)
+    return m is not None and m.group(1) != component
+
+
+def _key_role(key: str, keys: Iterable[str]) -> tuple[str, re.Match, str]:
+    """``(role, match, weight style)`` of a key from its name alone: ``A``/``B``/``B_bias``,
+    ``alpha``, ``diff_b`` or ``lokr_<part>``; the match's ``m`` group is the module part.
+
+    Raises:
+        LoRAFormatError: an unsupported feature (listing ``keys`` that use it) or an unrecognized
+            key.
+    """
+    for pat, feature in _UNSUPPORTED_KEYS:
+        if pat.search(key):
+            raise unsupported_error(feature, pat, key, keys)
+    m = _PEFT_RE.match(key)
+    weight_style = "peft"
+    if m is None:
+        m = _KOHYA_RE.match(key) or _KOHYA_DOT_RE.match(key)
+        weight_style = "kohya"
+    if m is None and (m := _PROCESSOR_RE.match(key)) is not None:
+        weight_style = "xlabs"
+    if m is not None:
+        role = _ROLE[m.group("ab")]
+        if m.group("p") == "bias":
+            if role != "B":
+                raise LoRAFormatError(f"unsupported LoRA key {key!r}: a bias on lora_A")
+            role = "B_bias"
+        return role, m, weight_style
+    if (m := _LOKR_RE.match(key)) is not None:
+        return "lokr_" + m.group("part"), m, "lokr"
+    if (m := _DIFF_B_RE.match(key)) is not None:
+        return "diff_b", m, "kohya"
+    if (m := _ALPHA_RE.match(key)) is not None:
+        return "alpha", m, weight_style
+    raise LoRAFormatError(
+        f"unrecognized LoRA key {key!r}: expected lora_A/lora_B, lora_down/lora_up, lokr_* or "
+        ".alpha entries"
+    )
+
+
+def check_key_names(keys: Iterable[str]) -> None:
+    """Refuse, from the names alone, what :func:`parse_keys` would refuse whatever the model:
+    an unsupported feature (DoRA, LoHa, ...) or an unrecognized key. Keys of a text encoder or of
+    another pipeline component than ``transformer`` are left to the conversion, which skips and
+    reports them. The loader runs it on the header's names before any tensor is read, so such a
+    file costs no read.
+
+    Raises:
+        LoRAFormatError: naming the first offending key (as :func:`parse_keys` does).
+    """
+    keys = list(keys)
+    for key in keys:
+        if not _skipped(key, "transformer"):
+            _key_role(key, keys)
+
+
 def parse_keys(
     state_dict: Mapping[str, torch.Tensor], spec: LoRAModelSpec, component: str
 ) -> tuple[dict[str, KeyPair], list[str], list[str]]:
@@ -226,46 +294,12 @@ def parse_keys(
     for key, tensor in state_dict.items():
         if not isinstance(tensor, torch.Tensor):
             raise LoRAFormatError(f"LoRA key {key!r} is not a tensor ({type(tensor).__name__})")
-        bare = key[len("base_model.model.") :] if key.startswith("base_model.model.") else key
-        if bare.startswith(_TEXT_ENCODER_PREFIXES):
-            ignored.append(key)
+        if _skipped(key, component):
+            ignored.append(key)  # a text encoder's, or the other expert's of a two-expert model
             continue
-        m = _COMPONENT_RE.match(bare)
-        if m is not None and m.group(1) != component:
-            ignored.append(key)  # the other expert of a two-transformer model
-            continue
-        for pat, feature in _UNSUPPORTED_KEYS:
-            if pat.search(key):
-                raise unsupported_error(feature, pat, key, state_dict)
-        m = _PEFT_RE.match(key)
-        weight_style = "peft"
-        if m is None:
-            m = _KOHYA_RE.match(key) or _KOHYA_DOT_RE.match(key)
-            weight_style = "kohya"
-        if m is None and (m := _PROCESSOR_RE.match(key)) is not None:
-            weight_style = "xlabs"
-        if m is not None:
-            role = _ROLE[m.group("ab")]
-            if m.group("p") == "bias":
-                if role != "B":
-                    raise LoRAFormatError(f"unsupported LoRA key {key!r}: a bias on lora_A")
-                role = "B_bias"
-            if m.groupdict().get("adapter"):
-                adapters.add(m.group("adapter"))
-        elif (m := _LOKR_RE.match(key)) is not None:
-            role = "lokr_" + m.group("part")
-            weight_style = "lokr"
-        elif (m := _DIFF_B_RE.match(key)) is not None:
-            role = "diff_b"
-            weight_style = "kohya"
-        else:
-            m = _ALPHA_RE.match(key)
-            if m is None:
-                raise LoRAFormatError(
-                    f"unrecognized LoRA key {key!r}: expected lora_A/lora_B, lora_down/lora_up, "
-                    "lokr_* or .alpha entries"
-                )
-            role = "alpha"
+        role, m, weight_style = _key_role(key, state_dict)
+        if m.groupdict().get("adapter"):
+            adapters.add(m.group("adapter"))
         file_module, style, target = _resolve_module(m.group("m"), spec, component, weight_style)
         pair = pairs.get(file_module)
         if pair is None:
@@ -290,9 +324,10 @@ def parse_keys(
 
 
 def unsupported_error(
-    feature: str, pat: re.Pattern, key: str, state_dict: Mapping[str, Any]
+    feature: str, pat: re.Pattern, key: str, state_dict: Iterable[str] | Mapping[str, Any]
 ) -> LoRAFormatError:
-    """The refusal of a feature, listing the file's keys that use it (the first few)."""
+    """The refusal of a feature, listing the file's keys (``state_dict``: the keys, or a
+    mapping of them) that use it (the first few)."""
     keys = [k for k in state_dict if pat.search(k)]
     shown = ", ".join(repr(k) for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
     return LoRAFormatError(

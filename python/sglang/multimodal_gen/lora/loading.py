@@ -27,6 +27,7 @@ loaded adapter's file changed is answered without reading it by :func:`file_key`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ import torch
 import sglang.multimodal_gen.lora.safetensors_io as safetensors_io
 from sglang.multimodal_gen.errors import InvalidRequestError, LoRAFormatError, SGLangError
 from sglang.multimodal_gen.hub import HubUnavailableError, hf_hub_cache_dir, lora_snapshot
+from sglang.multimodal_gen.lora.key_grammar import check_key_names
 from sglang.multimodal_gen.lora.peft_config import check_config_depth
 from sglang.multimodal_gen.lora.safetensors_io import json_kind, read_config
 
@@ -284,6 +286,9 @@ def load_lora_state_dict(
     path_or_repo_id: str | os.PathLike,
     allowed_roots: Iterable[str] | None = None,
     download: bool = False,
+    *,
+    max_tensors: int | None = None,
+    check_keys: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read a LoRA state dict and everything that describes it, without unpickling anything.
 
@@ -294,6 +299,12 @@ def load_lora_state_dict(
         allowed_roots: when given, local paths must resolve (realpath) inside one of these
             directories; relative paths are taken relative to them.
         download: a Hub id missing from the local cache is downloaded into it first.
+        max_tensors: most tensors the file may hold, checked in its header before anything is
+            parsed (:data:`~sglang.multimodal_gen.lora.limits.MAX_TENSORS` when ``None``; the
+            manager passes :func:`~sglang.multimodal_gen.lora.limits.tensor_cap` of its model).
+        check_keys: refuse keys no conversion could use (unsupported features, unrecognized
+            names; :func:`~sglang.multimodal_gen.lora.key_grammar.check_key_names`) from the
+            header, before any tensor is read.
 
     Returns:
         ``(state_dict, metadata)``: ``state_dict`` maps keys to CPU tensors in the file's dtype.
@@ -307,14 +318,18 @@ def load_lora_state_dict(
     Raises:
         LoRAFormatError: a pickle file (``.bin``/``.pt``/...), a file that is not safetensors, a
             folder without exactly one usable ``.safetensors`` file, an unreadable
-            ``adapter_config.json``.
+            ``adapter_config.json``; a file beyond a bound (header, metadata, tensor count:
+            :mod:`~sglang.multimodal_gen.lora.limits`); with ``check_keys``, a key no
+            conversion could use.
         InvalidRequestError: the path is outside ``allowed_roots``; nothing found locally or in
             the Hub cache (the message says downloading is not possible, or why it failed).
     """
     src = locate_lora(path_or_repo_id, allowed_roots, download)
     path, kind = src.weights, src.kind
     adapter_config = None if src.config is None else read_config(src.config)
-    sd, header, digest = safetensors_io.read_safetensors(path)
+    sd, header, digest = safetensors_io.read_safetensors(
+        path, max_tensors, check_key_names if check_keys else None
+    )
 
     lam = None
     if "lora_adapter_metadata" in header:
@@ -354,7 +369,11 @@ def load_lora_state_dict(
 
 
 def read_source(
-    path: str, allowed_roots: Sequence[str] | None, trusted: bool = False, download: bool = False
+    path: str,
+    allowed_roots: Sequence[str] | None,
+    trusted: bool = False,
+    download: bool = False,
+    max_tensors: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read one adapter as a server's trust policy allows: the path policy of the LoRA manager.
 
@@ -366,6 +385,9 @@ def read_source(
             then in the working directory).
         download: a Hub id missing from the local cache is downloaded (the caller's policy:
             ``--enable-hub-lora``, or ``trusted``); else it is refused.
+        max_tensors: most tensors the file may hold (the manager's model cap); the file's key
+            names are checked before any tensor is read (``check_keys`` of
+            :func:`load_lora_state_dict`).
 
     Returns:
         ``(state_dict, metadata)`` of :func:`load_lora_state_dict`.
@@ -376,7 +398,12 @@ def read_source(
             exists.
     """
     return _with_policy(
-        path, allowed_roots, trusted, lambda p, r: load_lora_state_dict(p, r, download)
+        path,
+        allowed_roots,
+        trusted,
+        functools.partial(
+            load_lora_state_dict, download=download, max_tensors=max_tensors, check_keys=True
+        ),
     )
 
 

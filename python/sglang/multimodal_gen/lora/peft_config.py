@@ -198,6 +198,17 @@ class AdapterConfig:
                 alpha = float(self.alpha_pattern[key])
         return r, alpha
 
+    def alpha_origin(self, module_name: str) -> str:
+        """Where ``module_name``'s alpha comes from, for messages: ``"<source>: alpha_pattern
+        ['<key>']"`` or ``"<source>: lora_alpha"``."""
+        if self.alpha_pattern:
+            key = _pattern_key(
+                self.alpha_pattern, module_name, self.matcher, self._what("alpha_pattern") + " key"
+            )
+            if key is not None:
+                return f"{self._what('alpha_pattern')}[{key!r}]"
+        return self._what("lora_alpha")
+
     def targets(self, module_name: str) -> bool:
         """Whether peft would have put a LoRA on ``module_name`` (``True`` when it cannot tell).
 

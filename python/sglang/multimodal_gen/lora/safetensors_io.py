@@ -2,9 +2,11 @@
 
 Nothing is read before it is known to be bounded: a file must be a regular file (``stat`` first,
 so a FIFO or ``/dev/zero`` never blocks or floods a read); the header length is checked against
-:data:`MAX_HEADER_BYTES` and the file size, and the whole header (dtypes, shapes, offsets,
-``__metadata__``) is validated before any tensor is read; tensors are then read one by one with
-``safetensors.safe_open``. The checks are ours (not the safetensors library's) so that a refusal
+:data:`~sglang.multimodal_gen.lora.limits.MAX_HEADER_BYTES` and the file size, its tensor count
+against the caller's bound before it is parsed, and the whole header (dtypes, shapes, offsets,
+``__metadata__`` and its size) is validated, and the caller's check of the tensor names run, before
+any tensor is read; tensors are then read one by one, in file order, from the same open file
+(straight into tensors the file's size allows). The checks are ours (not the safetensors library's) so that a refusal
 names what the file actually is (empty, a Git LFS pointer, an HTML page, a pickle or zip
 checkpoint) and the tensor at fault. Float8 tensors (``F8_E4M3``, ``F8_E5M2``, which diffusers
 loads too) are upcast to float32 when read. Dtypes that hold no real numbers a LoRA could use are
@@ -20,11 +22,18 @@ import json
 import math
 import os
 import stat
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from sglang.multimodal_gen.errors import LoRAFormatError
+from sglang.multimodal_gen.lora.limits import (
+    MAX_HEADER_BYTES,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_ENTRIES,
+    MAX_TENSORS,
+)
 from sglang.multimodal_gen.lora.peft_config import check_config_depth
 
 __all__ = [
@@ -38,8 +47,6 @@ __all__ = [
 
 #: Files read by :func:`read_safetensors` and their bytes (tests count reads with it).
 READ_STATS = {"files": 0, "bytes": 0}
-#: Largest safetensors JSON header read (the safetensors library's own bound).
-MAX_HEADER_BYTES = 100_000_000
 #: Largest ``adapter_config.json`` read.
 MAX_CONFIG_BYTES = 1 << 20
 # safetensors dtypes read: bytes per element. Floats are weights (float8 upcast to float32 on
@@ -47,6 +54,22 @@ MAX_CONFIG_BYTES = 1 << 20
 _FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 _INT_DTYPES = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1}
 _DTYPES = {**_FLOAT_DTYPES, **_INT_DTYPES}
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+}
 _UPCAST = ("F8_E4M3", "F8_E5M2")
 # Every other dtype of the safetensors format: no real numbers a LoRA could use.
 _NOT_WEIGHTS = {
@@ -173,6 +196,20 @@ def _check_header(name: str, header: Any, data_bytes: int) -> dict[str, str]:
             raise _cannot_read(
                 name, f"__metadata__ entry {k!r} is {json_kind(v)}; entries must be strings"
             )
+    if len(meta) > MAX_METADATA_ENTRIES:
+        raise _cannot_read(
+            name,
+            f"its __metadata__ has {len(meta)} entries (e.g. {next(iter(meta))!r}); at most "
+            f"{MAX_METADATA_ENTRIES} are read (trainers write about a hundred)",
+        )
+    chars = sum(len(k) + len(v) for k, v in meta.items())
+    if chars > MAX_METADATA_BYTES:
+        big = max(meta, key=lambda k: len(k) + len(meta[k]))
+        raise _cannot_read(
+            name,
+            f"its __metadata__ holds {chars} characters (entry {big!r}: {len(meta[big])}); at "
+            f"most {MAX_METADATA_BYTES} are read",
+        )
     spans = []
     for key, info in header.items():
         if key == "__metadata__":
@@ -224,62 +261,109 @@ def _check_header(name: str, header: Any, data_bytes: int) -> dict[str, str]:
     return dict(meta)
 
 
-def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+def read_safetensors(
+    path: str,
+    max_tensors: int | None = None,
+    check_keys: Callable[[list[str]], None] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
     """Read a safetensors file: ``(tensors, header metadata, content digest)``.
 
-    The file must be a regular file; its header is read and validated (length bounded by
-    :data:`MAX_HEADER_BYTES` and the file size) before any tensor is read; tensors are then read
-    one by one with ``safetensors.safe_open`` (float8 upcast to float32). The digest
-    (BLAKE2b-128 of the file's bytes: the 8-byte length, the header and the tensor data in file
-    order, which :func:`_check_header` proved contiguous) is computed from those same bytes as
-    they are read, so the file is read once. It identifies the content for the merge cache and
-    adapter reuse: a file rewritten in place with the same size and mtime still gets a new one.
-    Every call adds one to ``READ_STATS["files"]`` and the file size to ``READ_STATS["bytes"]``.
-    """
-    from safetensors import SafetensorError, safe_open
+    The file must be a regular file. Before any tensor is read: its header length is bounded by
+    :data:`~sglang.multimodal_gen.lora.limits.MAX_HEADER_BYTES` and the file size; its tensor
+    count by ``max_tensors`` (counted in the raw header, before it is parsed, so a header of a
+    hundred thousand entries costs no parsing and no memory); the parsed header is validated
+    (dtypes, shapes, contiguous offsets, ``__metadata__`` within
+    :data:`~sglang.multimodal_gen.lora.limits.MAX_METADATA_ENTRIES` /
+    :data:`~sglang.multimodal_gen.lora.limits.MAX_METADATA_BYTES`); and ``check_keys`` is called
+    with the tensor names in file order (the LoRA loader refuses keys it cannot use there). The
+    tensors are then read one by one, in file order, from the same open file, each straight into
+    its own tensor (float8 upcast to float32 afterwards). The digest (BLAKE2b-128 of the file's
+    bytes: the 8-byte length, the header and the tensor data in file order, which
+    :func:`_check_header` proved contiguous) is computed from those same bytes as they are read, so
+    the file is read once. It identifies the content for the merge cache and adapter reuse: a file
+    rewritten in place with the same size and mtime still gets a new one. Every call that gets to
+    the tensors adds one to ``READ_STATS["files"]`` and the file size to ``READ_STATS["bytes"]``.
 
+    Args:
+        max_tensors: most tensors the file may hold
+            (:data:`~sglang.multimodal_gen.lora.limits.MAX_TENSORS` when ``None``).
+        check_keys: called with the tensor names before any tensor is read; raises to refuse.
+    """
     name = os.path.basename(path)
+    limit = MAX_TENSORS if max_tensors is None else int(max_tensors)
     f, size = open_regular(path)
     with f:
         head = f.read(64)
         n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
         if len(head) < 9 or head[8:9] not in (b"{", b" ") or n < 2:
             raise _not_safetensors(name, _what_is_it(head, size))
-        if n > MAX_HEADER_BYTES or 8 + n > size:
+        if 8 + n > size:
             raise _not_safetensors(
                 name,
                 f"its header would be {n} bytes long in a file of {size} bytes "
                 f"({_what_is_it(head, size)})",
             )
+        if n > MAX_HEADER_BYTES:
+            raise _cannot_read(
+                name,
+                f"its header is {n} bytes; a LoRA file's header is at most {MAX_HEADER_BYTES} "
+                "(its tensor entries and metadata)",
+            )
         f.seek(8)
         raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise _cannot_read(name, f"its header is not valid JSON ({e})") from None
-    except RecursionError:
-        raise _cannot_read(name, "its header is JSON nested too deeply") from None
-    meta = _check_header(name, header, size - 8 - n)
-    digest = hashlib.blake2b(head[:8], digest_size=16)
-    digest.update(raw)
-    order = sorted(
-        (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0]
-    )
-    READ_STATS["files"] += 1
-    READ_STATS["bytes"] += size
-    sd: dict[str, torch.Tensor] = {}
-    try:
-        with safe_open(path, framework="pt", device="cpu") as st:
+        # every tensor entry has exactly one "data_offsets" key (the text cannot occur unescaped
+        # inside a JSON string), so counting it bounds the entries before anything is parsed
+        entries = raw.count(b'"data_offsets"')
+        if entries > limit:
+            raise _too_many(name, entries, limit)
+        try:
+            header = json.loads(raw)
+        except ValueError as e:
+            raise _cannot_read(name, f"its header is not valid JSON ({e})") from None
+        except RecursionError:
+            raise _cannot_read(name, "its header is JSON nested too deeply") from None
+        meta = _check_header(name, header, size - 8 - n)
+        order = sorted(
+            (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0]
+        )
+        if len(order) > limit:
+            raise _too_many(name, len(order), limit)
+        if check_keys is not None:
+            check_keys(order)
+        digest = hashlib.blake2b(head[:8], digest_size=16)
+        digest.update(raw)
+        del raw
+        READ_STATS["files"] += 1
+        READ_STATS["bytes"] += size
+        sd: dict[str, torch.Tensor] = {}
+        try:
             for key in order:
-                t = st.get_tensor(key)
-                if t.numel():
-                    digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-                if header[key]["dtype"] in _UPCAST:
+                info = header[key]
+                t = torch.empty(info["shape"], dtype=_TORCH_DTYPES[info["dtype"]])
+                want = info["data_offsets"][1] - info["data_offsets"][0]
+                if want:
+                    buf = t.reshape(-1).view(torch.uint8).numpy()
+                    if f.readinto(memoryview(buf)) != want:
+                        raise _cannot_read(
+                            name, f"tensor {key!r}: the file ended early (changed while read?)"
+                        )
+                    digest.update(buf)
+                if info["dtype"] in _UPCAST:
                     t = t.float()  # as diffusers' load into fp32 LoRA layers: exact
                 sd[key] = t
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise _cannot_read(name, str(e)) from None
+        except LoRAFormatError:
+            raise
+        except (OSError, ValueError, RuntimeError) as e:
+            raise _cannot_read(name, str(e)) from None
     return sd, meta, digest.hexdigest()
+
+
+def _too_many(name: str, count: int, limit: int) -> LoRAFormatError:
+    return _cannot_read(
+        name,
+        f"it holds {count} tensors; at most {limit} are read for this model (a LoRA has a few "
+        "per layer it targets; see docs/lora.md, 'Bounds')",
+    )
 
 
 def read_config(path: str) -> dict:

@@ -19,6 +19,7 @@ import torch
 from sglang.multimodal_gen.errors import InvalidRequestError, LoRAPatternTooExpensiveError
 from sglang.multimodal_gen.lora.adapters import Adapter, stage_adapter
 from sglang.multimodal_gen.lora.formats import CanonicalLoRA, convert_to_canonical
+from sglang.multimodal_gen.lora.limits import tensor_cap
 from sglang.multimodal_gen.lora.loading import file_key, locate_source, read_source
 from sglang.multimodal_gen.lora.model_spec import LoRAModelSpec
 from sglang.multimodal_gen.lora.peft_config import PatternBudget
@@ -50,12 +51,17 @@ class Stager:
         self.allow_hub_download = bool(allow_hub_download)
         self.specs = dict(specs)
         self._uids = itertools.count()
+        #: most tensors a file may hold for these targets (:func:`tensor_cap`)
+        self.max_tensors = tensor_cap(
+            len(shards) for spec in self.specs.values() for shards in spec.module_shapes.values()
+        )
 
     def read_source(
         self, path: str, trusted: bool = False
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Read one adapter as this manager's roots allow
-        (:func:`~sglang.multimodal_gen.lora.loading.read_source`); no layer is touched. TP rank 0
+        (:func:`~sglang.multimodal_gen.lora.loading.read_source`), holding at most
+        :attr:`max_tensors` tensors; no layer is touched. TP rank 0
         reads each file once and sends the result to every rank (``set_lora(..., sources=...)``).
         The metadata gains ``file_key`` (see :meth:`unchanged`). A Hub id missing from the cache
         is downloaded first when this stager allows it (or the call is ``trusted``).
@@ -63,7 +69,9 @@ class Stager:
         download = trusted or self.allow_hub_download
         # the key is taken before the read: a rewrite during the read makes the next call re-read
         key = file_key(locate_source(path, self.allowed_roots, trusted, download=download))
-        sd, metadata = read_source(path, self.allowed_roots, trusted)
+        sd, metadata = read_source(
+            path, self.allowed_roots, trusted, download=download, max_tensors=self.max_tensors
+        )
         metadata["file_key"] = key
         return sd, metadata
 
