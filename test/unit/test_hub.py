@@ -9,6 +9,7 @@ and the precedence of ``huggingface_hub.constants`` (``HF_HUB_CACHE``, ``HUGGING
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from fixtures.hub_cache import COMMIT, cache_snapshot

@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 PORT = 30000
 SKIP = ("bash scripts/setup.sh", "bash scripts/test.sh")
 
