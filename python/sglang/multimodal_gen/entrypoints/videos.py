@@ -8,6 +8,10 @@ removes one (a queued job is dropped before it runs). Jobs live in memory: their
 bytes of their videos are bounded (the oldest finished jobs go first) and finished jobs expire.
 A job survives its client's disconnect; failures are reported in the job as an OpenAI error
 object.
+
+Every check a request can fail runs before the job exists: the values, the store's room, and
+(by the scheduler, as it queues the generation) the adapters its ``lora`` names; a refused
+request creates nothing.
 """
 
 from __future__ import annotations
@@ -155,15 +159,22 @@ class VideoJobStore:
     def _bytes_locked(self) -> int:
         return sum(len(j.content or b"") for j in self._jobs.values())
 
+    def _check_room_locked(self) -> None:
+        self._expire_locked()
+        if len(self._jobs) >= self.max_jobs:
+            raise InvalidRequestError(f"{self.max_jobs} video jobs are still running; retry later")
+
+    def check_room(self) -> None:
+        """Raise ``InvalidRequestError`` (``param=None``) when full of running jobs (what
+        :meth:`add` would raise), before anything is queued."""
+        with self._lock:
+            self._check_room_locked()
+
     def add(self, job: VideoJob) -> None:
         """Keep ``job``. Raises ``InvalidRequestError`` (``param=None``) when full of running
         jobs."""
         with self._lock:
-            self._expire_locked()
-            if len(self._jobs) >= self.max_jobs:
-                raise InvalidRequestError(
-                    f"{self.max_jobs} video jobs are still running; retry later"
-                )
+            self._check_room_locked()
             self._jobs[job.id] = job
 
     def get(self, job_id: str) -> VideoJob:
@@ -259,14 +270,17 @@ def add_video_routes(
             total_steps=params.num_inference_steps,
             steps_done=getattr(scheduler, "steps_done_for", None),
         )  # fmt: skip
-        store.add(job)
+        # every check before the job exists: the store's room, then (the scheduler, as it
+        # queues) the adapters; a refusal leaves no job behind
+        store.check_room()
         # the answer is the job as created ("queued"): a fast engine may finish it before this
         # handler runs again, and the answer should not depend on that race
         created = job.as_dict()
+        job.future = scheduler.submit_generation(params)
         try:
-            job.future = scheduler.submit_generation(params)
+            store.add(job)
         except BaseException:
-            store.delete(job.id)
+            job.future.cancel()
             raise
 
         def done(fut: Future) -> None:
