@@ -5,7 +5,8 @@
 Each runs on the engine through the scheduler, in arrival order with the generations; the admin
 key (``--admin-api-key``) is checked by the app's middleware (:mod:`.auth`). Their paths and methods
 are the op table's (:mod:`~sglang.multimodal_gen.engine_ops`); this module gives each its handler.
-See ``docs/lora.md``.
+The engine's answers leave through :class:`~.public_paths.PublicPaths`: an adapter's path relative
+to its ``--lora-dir`` root, never a server path. See ``docs/lora.md``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sglang.multimodal_gen.entrypoints.protocol import (
     validate_set_lora,
     validate_target,
 )
+from sglang.multimodal_gen.entrypoints.request_log import record_of
 from sglang.multimodal_gen.entrypoints.routing import RouteContext
 
 #: The commands that take only a ``target``, and what their answer says.
@@ -46,16 +48,25 @@ def add_lora_routes(app: FastAPI, ctx: RouteContext, targets: tuple[str, ...]) -
     after the op. ``targets`` are the model's LoRA targets (``engine.lora_targets``), against
     which every ``target`` field is checked."""
 
+    async def run(request: Request, op: str, *args: Any, **kwargs: Any) -> Any:
+        """``op`` through the scheduler, timed for the log line; the answer as clients see it."""
+        timing = record_of(request).timing()
+        result = await ctx.wait_for(ctx.scheduler.submit_call(op, *args, timing=timing, **kwargs))
+        return ctx.public_paths.report(result)
+
     async def set_lora(request: Request):
         req = parse_json_body(await ctx.read_body(request), SetLoRARequest)
         args = validate_set_lora(req, targets)
-        result = await ctx.wait_for(ctx.scheduler.submit_call("set_lora", args))
-        names = req.lora_nickname if isinstance(req.lora_nickname, list) else [req.lora_nickname]
+        names = list(args.nicknames)
+        paths = [p for p in args.paths if p is not None]
+        record_of(request).note(lora=",".join(names), lora_path=",".join(paths) or None)
+        result = await run(request, "set_lora", args)
         return _status(f"active on target {req.target!r}: {', '.join(names)}", result)
 
     async def unload_lora(request: Request):
         req = parse_json_body(await ctx.read_body(request), UnloadLoRARequest)
-        result = await ctx.wait_for(ctx.scheduler.submit_call("unload_lora", req.lora_nickname))
+        record_of(request).note(lora=req.lora_nickname)
+        result = await run(request, "unload_lora", req.lora_nickname)
         return _status(f"unloaded {req.lora_nickname!r}", result)
 
     def target_route(op: str, done: str):
@@ -64,13 +75,13 @@ def add_lora_routes(app: FastAPI, ctx: RouteContext, targets: tuple[str, ...]) -
         async def handler(request: Request):
             req = parse_json_body(await ctx.read_body(request), TargetRequest, allow_empty=True)
             target = validate_target(req.target, targets)
-            result = await ctx.wait_for(ctx.scheduler.submit_call(op, target=target))
+            result = await run(request, op, target=target)
             return _status(done.format(target=target), result)
 
         return handler
 
-    async def list_loras():
-        return JSONResponse(await ctx.wait_for(ctx.scheduler.submit_call("list_loras")))
+    async def list_loras(request: Request):
+        return JSONResponse(await run(request, "list_loras"))
 
     handlers = {
         "set_lora": set_lora,
