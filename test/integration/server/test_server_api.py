@@ -244,7 +244,8 @@ def test_admin_api_key(engine, lora_dir):
     admin = {"Authorization": "Bearer admin-key"}
     with running_server(engine, args) as (url, _, _):
         body = {"lora_nickname": "a", "lora_path": "a.safetensors"}
-        assert_envelope(httpx.post(f"{url}/v1/set_lora", json=body, headers=user), 401)
+        err = assert_envelope(httpx.post(f"{url}/v1/set_lora", json=body, headers=user), 403)
+        assert err["code"] == "insufficient_permissions" and "not an admin key" in err["message"]
         assert engine.loaded == {}
         r = httpx.post(f"{url}/v1/set_lora", json=body, headers=admin)
         assert r.status_code == 200, r.text
@@ -252,7 +253,7 @@ def test_admin_api_key(engine, lora_dir):
         # list_loras and generation take either key
         assert "a" in list_loras(url, user)["loaded"]
         assert "a" in list_loras(url, admin)["loaded"]
-        assert_envelope(httpx.post(f"{url}/v1/unset_lora", headers=user), 401)
+        assert_envelope(httpx.post(f"{url}/v1/unset_lora", headers=user), 403)
         assert httpx.post(f"{url}/v1/unset_lora", headers=admin).status_code == 200
 
 

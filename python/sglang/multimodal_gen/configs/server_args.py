@@ -116,8 +116,14 @@ class ServerArgs:
         ulysses_degree / ring_degree: the split of ``sp_degree``; ``None``: chosen by the engine
             from the model's head count.
         enable_cfg_parallel: run the two CFG branches on different ranks (doubles the processes).
-        api_key: when set, every endpoint but ``/health`` requires ``Authorization: Bearer <key>``.
-        admin_api_key: when set, the LoRA admin endpoints require this key instead.
+        api_key: when set, every endpoint but ``/health`` and ``/ready`` requires
+            ``Authorization: Bearer <key>``; a list gives several keys (``--api-key`` repeated),
+            each with its own video jobs and stored images (``docs/serving.md``, "Keys").
+        admin_api_key: when set, the LoRA admin endpoints require this key instead; it sees
+            every key's jobs and images.
+        public_url: the base of the links of ``response_format: "url"``
+            (``https://images.example.com``, a path prefix allowed); ``None``: the address the
+            server listens on (``--host``/``--port``; see :mod:`~..entrypoints.public_url`).
         lora_paths / lora_nicknames / lora_scales: adapters loaded and activated at startup
             (nickname defaults to the file or folder name without extension; scale to 1.0).
             They come from the operator's command line and load from anywhere (relative paths
@@ -160,7 +166,10 @@ class ServerArgs:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks CUDA when available.
         dtype: ``auto|float32|float16|bfloat16``; ``None`` = ``auto`` (the engine's default).
         served_model_name: id reported by ``/v1/models`` (default: the engine's ``model_name``).
-        log_level: Python logging level name for the server.
+        log_level: Python logging level name for the server (``info``: one line per HTTP
+            request, :mod:`~..entrypoints.request_log`).
+        log_prompts: the per-request log line also shows prompts and LoRA paths (off: they
+            never reach the log).
         nnodes, node_rank, dist_init_addr: multi-node launch (``--nnodes``, ``--node-rank``,
             ``--dist-init-addr HOST:PORT`` of node 0); node 0 serves HTTP, the others run their
             ranks only. Under ``torchrun`` these come from its environment instead.
@@ -178,8 +187,9 @@ class ServerArgs:
     ulysses_degree: int | None = None
     ring_degree: int | None = None
     enable_cfg_parallel: bool = False
-    api_key: str | None = None
+    api_key: str | list[str] | None = None
     admin_api_key: str | None = None
+    public_url: str | None = None
     lora_paths: list[str] = field(default_factory=list)
     lora_nicknames: list[str] = field(default_factory=list)
     lora_scales: list[float] = field(default_factory=list)
@@ -206,6 +216,7 @@ class ServerArgs:
     dtype: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
+    log_prompts: bool = False
     graceful_shutdown_timeout_s: float = 300.0
     nnodes: int = 1
     node_rank: int = 0
@@ -282,7 +293,9 @@ class ServerArgs:
         check_float32_matmul_precision(self.float32_matmul_precision)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.api_key == "":
+        if isinstance(self.api_key, (list, tuple)):
+            self.api_key = list(self.api_key) or None
+        if any(k == "" for k in self.user_api_keys):
             raise ValueError("--api-key must not be empty")
         if self.admin_api_key == "":
             raise ValueError("--admin-api-key must not be empty")
@@ -311,6 +324,8 @@ class ServerArgs:
         ):
             if gb is not None and not (0 <= gb < float("inf")):
                 raise ValueError(f"{flag} must be a finite number of GiB >= 0, got {gb}")
+        if self.public_url is not None:
+            self.public_url = check_public_url(self.public_url)
         for root in self.lora_dirs:
             if not os.path.isdir(root):
                 raise ValueError(f"--lora-dir {root!r} is not an existing directory")
@@ -322,6 +337,13 @@ class ServerArgs:
             )  # fmt: skip
         elif self.node_rank != 0:
             raise ValueError(f"--node-rank must be 0 without --nnodes, got {self.node_rank}")
+
+    @property
+    def user_api_keys(self) -> tuple[str, ...]:
+        """The keys of ``--api-key`` (none, one or several)."""
+        if self.api_key is None:
+            return ()
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
 
     @property
     def world_size(self) -> int:
@@ -379,12 +401,25 @@ class ServerArgs:
         )
         g.add_argument("--port", type=int, default=30000, help="port to listen on (default: 30000)")
         g.add_argument(
-            "--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)"
+            "--api-key",
+            action="append",
+            default=None,
+            help="require 'Authorization: Bearer KEY' (not on /health, /ready); repeat it for "
+            "several keys: each sees only the video jobs and images it created",
         )
         g.add_argument(
             "--admin-api-key",
             default=None,
-            help="separate key required by the LoRA admin endpoints (set/unset/unload/merge)",
+            help="separate key required by the LoRA admin endpoints (set/unset/unload/merge); "
+            "it sees every key's jobs and images",
+        )
+        g.add_argument(
+            "--public-url",
+            default=None,
+            metavar="URL",
+            help="base of the links of response_format=url, e.g. https://images.example.com "
+            "(default: http://HOST:PORT the server listens on; for 0.0.0.0 / :: the address "
+            "the client connected to); never taken from request headers",
         )
         g.add_argument(
             "--max-queue-size",
@@ -474,7 +509,12 @@ class ServerArgs:
             "--log-level",
             default="info",
             choices=("debug", "info", "warning", "error", "critical"),
-            help="logging level of the server (default: info)",
+            help="server log level (default info: one key=value line per HTTP request)",
+        )
+        g.add_argument(
+            "--log-prompts",
+            action="store_true",
+            help="show prompts and LoRA paths in the per-request log lines (default: never logged)",
         )
 
         g = parser.add_argument_group("LoRA")
@@ -560,8 +600,11 @@ class ServerArgs:
             ulysses_degree=args.ulysses_degree,
             ring_degree=args.ring_degree,
             enable_cfg_parallel=bool(args.enable_cfg_parallel),
-            api_key=args.api_key,
+            api_key=(args.api_key[0] if len(args.api_key) == 1 else list(args.api_key))
+            if args.api_key
+            else None,
             admin_api_key=args.admin_api_key,
+            public_url=args.public_url,
             lora_paths=list(args.lora_path or []),
             lora_nicknames=list(args.lora_nickname or []),
             lora_scales=list(args.lora_scale or []),
@@ -590,6 +633,7 @@ class ServerArgs:
             dtype=args.dtype,
             served_model_name=args.served_model_name,
             log_level=args.log_level,
+            log_prompts=bool(getattr(args, "log_prompts", False)),
             nnodes=args.nnodes,
             node_rank=args.node_rank,
             dist_init_addr=args.dist_init_addr,
@@ -625,10 +669,39 @@ class ServerArgs:
     def redacted(self) -> dict:
         """The arguments as a dict with the API keys masked, for logging."""
         out = dataclasses.asdict(self)
-        for key in ("api_key", "admin_api_key"):
-            if out[key] is not None:
-                out[key] = "***"
+        if isinstance(out["api_key"], str):
+            out["api_key"] = "***"
+        elif out["api_key"] is not None:
+            out["api_key"] = ["***"] * len(out["api_key"])
+        if out["admin_api_key"] is not None:
+            out["admin_api_key"] = "***"
         return out
+
+
+def check_public_url(url: str) -> str:
+    """``--public-url`` normalised (no trailing ``/``): an ``http`` or ``https`` URL with a host,
+    optionally a path prefix; no user name, password, query or fragment.
+
+    Raises:
+        ValueError: naming the flag and what is wrong.
+    """
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url.strip())
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as e:
+        raise ValueError(f"--public-url {url!r} is not a URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"--public-url must be an http:// or https:// URL with a host, such as "
+            f"https://images.example.com; got {url!r}"
+        )
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        raise ValueError(
+            f"--public-url must not carry a user name, password, query or fragment; got {url!r}"
+        )
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
 
 
 def default_lora_nickname(path: str) -> str:

@@ -1,21 +1,40 @@
 """API-key and cross-origin checks for the HTTP server.
 
 With ``--api-key`` every endpoint except ``/health`` and ``/ready`` (probes) requires
-``Authorization: Bearer <key>``. With ``--admin-api-key`` the LoRA admin endpoints require that key instead (the admin key is also
-accepted on the other endpoints). Keys are compared with :func:`hmac.compare_digest` so the time
-taken does not reveal how much of a guess was right.
+``Authorization: Bearer <key>``; several ``--api-key`` values are several keys. With
+``--admin-api-key`` the LoRA admin endpoints require that key instead (the admin key is also
+accepted on the other endpoints); a user key there is told it is not an admin key (403), any other
+token that it is invalid (401). Keys are compared with :func:`hmac.compare_digest`, and every key
+is compared with the token every time, so the time taken says neither how much of a guess was
+right nor which key it was close to.
+
+A request that passes acts for a :class:`Principal`: the key's owner id (a hash of the key, never
+the key) and whether it holds the admin key. Video jobs and stored images belong to the owner that
+created them (:meth:`Principal.may_see`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 # Paths that change engine state (they take the admin key when one is configured): the op table's
 from sglang.multimodal_gen.engine_ops import ADMIN_PATHS
 
-__all__ = ["ADMIN_PATHS", "PUBLIC_PATHS", "ApiKeyAuth", "bearer_token", "cross_origin_reason"]
+__all__ = [
+    "ADMIN_PATHS",
+    "ANONYMOUS",
+    "PUBLIC_PATHS",
+    "ApiKeyAuth",
+    "AuthRefusal",
+    "Principal",
+    "bearer_token",
+    "cross_origin_reason",
+    "key_owner",
+]
 #: Paths open to everyone.
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
 
@@ -36,18 +55,68 @@ def _matches(token: str | None, key: str | None) -> bool:
     return hmac.compare_digest(token.encode("utf-8"), key.encode("utf-8"))
 
 
+def key_owner(key: str) -> str:
+    """The owner id of ``key``: its SHA-256 (what jobs and images are stored under)."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request acts for.
+
+    Attributes:
+        owner: the owner id of its key (:func:`key_owner`); ``None``: no key (a server, or a route,
+            without keys).
+        admin: it holds ``--admin-api-key``: it sees what every key created.
+    """
+
+    owner: str | None = None
+    admin: bool = False
+
+    def may_see(self, owner: str | None) -> bool:
+        """Whether a job or image created under ``owner`` is visible to this principal: its own,
+        or any for the admin key. Without keys every owner is ``None``: all are visible."""
+        return self.admin or owner == self.owner
+
+
+#: The principal of a request without a key.
+ANONYMOUS = Principal()
+
+
+@dataclass(frozen=True)
+class AuthRefusal:
+    """Why a request may not reach its endpoint: ``status`` 401 (no valid key) or 403 (a valid
+    key without the right), the ``message`` and the envelope's ``code``."""
+
+    status: int
+    message: str
+    code: str
+
+
 class ApiKeyAuth:
-    """Decides whether a request may reach an endpoint.
+    """Decides whether a request may reach an endpoint, and for whom it acts.
 
     Args:
-        api_key: the key of ``--api-key`` or ``None`` (no auth on ordinary endpoints).
+        api_key: the key or keys of ``--api-key``, or ``None`` (no auth on ordinary endpoints).
         admin_api_key: the key of ``--admin-api-key`` or ``None`` (admin endpoints then follow
             ``api_key``).
     """
 
-    def __init__(self, api_key: str | None = None, admin_api_key: str | None = None):
-        self.api_key = api_key
+    def __init__(
+        self, api_key: str | Iterable[str] | None = None, admin_api_key: str | None = None
+    ):
+        keys = () if api_key is None else (api_key,) if isinstance(api_key, str) else api_key
+        self.api_keys: tuple[str, ...] = tuple(keys)
         self.admin_api_key = admin_api_key
+        self._owners = tuple(key_owner(k) for k in self.api_keys)
+        self._admin = (
+            None if admin_api_key is None else Principal(key_owner(admin_api_key), admin=True)
+        )
+
+    @property
+    def api_key(self) -> str | None:
+        """The first ``--api-key`` (``None`` without one)."""
+        return self.api_keys[0] if self.api_keys else None
 
     def required_for(self, path: str) -> bool:
         """True when ``path`` needs a key under this configuration."""
@@ -55,27 +124,53 @@ class ApiKeyAuth:
             return False
         if path in ADMIN_PATHS and self.admin_api_key is not None:
             return True
-        return self.api_key is not None
+        return bool(self.api_keys)
 
-    def check(self, path: str, authorization: str | None) -> str | None:
-        """Return ``None`` when allowed, else the reason for a 401."""
-        if not self.required_for(path):
-            return None
+    def _identify(self, token: str | None) -> tuple[Principal | None, Principal | None]:
+        """``(admin principal or None, user principal or None)`` of ``token``; every key is
+        compared, whichever matches (constant time in which key, if any, it is)."""
+        ok_admin = _matches(token, self.admin_api_key)
+        users = [_matches(token, k) for k in self.api_keys]  # all of them, no short cut
+        user = next((Principal(o) for o, ok in zip(self._owners, users) if ok), None)
+        return (self._admin if ok_admin else None), user
+
+    def authenticate(self, path: str, authorization: str | None) -> Principal | AuthRefusal:
+        """The principal a request to ``path`` acts for, or why it is refused.
+
+        On a route that needs no key, a known key still names its principal (an admin key sees
+        everything there too); anything else is :data:`ANONYMOUS`.
+        """
         token = bearer_token(authorization)
+        admin, user = self._identify(token)
+        if not self.required_for(path):
+            return admin or user or ANONYMOUS
         if token is None:
-            return (
+            return AuthRefusal(
+                401,
                 "missing API key: send the header 'Authorization: Bearer <key>'"
                 if not authorization
-                else "malformed Authorization header: expected 'Bearer <key>'"
+                else "malformed Authorization header: expected 'Bearer <key>'",
+                "invalid_api_key",
             )
         if path in ADMIN_PATHS and self.admin_api_key is not None:
-            ok = _matches(token, self.admin_api_key)
-        else:
-            # Evaluate both comparisons so the timing does not say which key was close.
-            ok_user = _matches(token, self.api_key)
-            ok_admin = _matches(token, self.admin_api_key)
-            ok = ok_user or ok_admin
-        return None if ok else "invalid API key"
+            if admin is not None:
+                return admin
+            if user is not None:
+                return AuthRefusal(
+                    403,
+                    f"this key is not an admin key: {path} needs the key of --admin-api-key",
+                    "insufficient_permissions",
+                )
+            return AuthRefusal(401, "invalid API key", "invalid_api_key")
+        found = admin or user
+        return (
+            found if found is not None else AuthRefusal(401, "invalid API key", "invalid_api_key")
+        )
+
+    def check(self, path: str, authorization: str | None) -> str | None:
+        """``None`` when allowed, else the message of the refusal (:meth:`authenticate`)."""
+        result = self.authenticate(path, authorization)
+        return result.message if isinstance(result, AuthRefusal) else None
 
 
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

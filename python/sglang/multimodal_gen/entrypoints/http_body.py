@@ -308,45 +308,147 @@ def _boundary(content_type: str) -> str:
     )
 
 
+def _close_delimiter_end(raw: bytes, boundary: bytes) -> int | None:
+    """Where the close delimiter (``--boundary--``) of a multipart body ends, or ``None`` when it
+    has none: at the very start (a form without parts) or after a line break."""
+    close = b"--" + boundary + b"--"
+    if raw.startswith(close):
+        return len(close)
+    pos = raw.find(b"\r\n" + close)
+    return None if pos < 0 else pos + 2 + len(close)
+
+
+def _form_text(data: bytes, what: str, param: str | None) -> str:
+    """A part's name or value as UTF-8 text (as a JSON body's text must be).
+
+    Raises:
+        BodyError: 400 naming ``param``; not valid UTF-8.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BodyError(
+            f"{what} is not valid UTF-8 ({e.reason} at byte {e.start}); send UTF-8 text",
+            param=param,
+            code="invalid_form",
+        ) from None
+
+
+def _parse_multipart(raw: bytes, boundary: str, max_fields: int) -> list[tuple[str, str | None]]:
+    """The ``(name, value)`` parts of a multipart body, strictly: the body must end with its
+    close delimiter (nothing but line breaks after it), every name and value must be UTF-8 text;
+    a file part has the value ``None``.
+
+    Raises:
+        BodyError: 400; not valid multipart, no close delimiter, text that is not UTF-8, more
+            than ``max_fields`` parts.
+    """
+    from python_multipart.exceptions import FormParserError
+    from python_multipart.multipart import MultipartParser, parse_options_header
+
+    parts: list[tuple[str, str | None]] = []
+    current: dict[str, Any] = {}
+    header_name, header_value = bytearray(), bytearray()
+
+    def on_part_begin() -> None:
+        current.clear()
+        current.update(disposition=b"", data=bytearray())
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        header_name.extend(data[start:end])
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        header_value.extend(data[start:end])
+
+    def on_header_end() -> None:
+        if bytes(header_name).lower() == b"content-disposition":
+            current["disposition"] = bytes(header_value)
+        header_name.clear()
+        header_value.clear()
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        current["data"].extend(data[start:end])
+
+    def on_part_end() -> None:
+        _, options = parse_options_header(current.get("disposition", b""))
+        if b"name" not in options:
+            raise BodyError(
+                "a multipart/form-data part has no name (Content-Disposition: form-data; "
+                'name="...")',
+                code="invalid_form",
+            )
+        raw_name = options[b"name"]
+        shown = raw_name.decode("utf-8", "backslashreplace")
+        name = _form_text(raw_name, f"the form field name {shown!r}", None)
+        if len(parts) >= max_fields:
+            raise BodyError(
+                f"the form has more than {max_fields} fields", param=name, code="invalid_form"
+            )
+        if b"filename" in options:
+            parts.append((name, None))
+        else:
+            parts.append((name, _form_text(bytes(current["data"]), f"field {name!r}", name)))
+
+    parser = MultipartParser(
+        boundary.encode("latin-1"),
+        {
+            "on_part_begin": on_part_begin,
+            "on_header_field": on_header_field,
+            "on_header_value": on_header_value,
+            "on_header_end": on_header_end,
+            "on_part_data": on_part_data,
+            "on_part_end": on_part_end,
+        },
+    )
+    try:
+        parser.write(raw)
+        parser.finalize()
+    except FormParserError as e:
+        raise BodyError(f"invalid multipart/form-data body: {e}", code="invalid_form") from None
+    end = _close_delimiter_end(raw, boundary.encode("latin-1"))
+    if end is None:  # a cut body: its last part never ended, and must not pass as absent
+        raise BodyError(
+            f"the multipart/form-data body does not end with its closing boundary "
+            f"'--{boundary}--'; it was cut short or is not multipart",
+            code="invalid_form",
+        )
+    if raw[end:].strip(b"\r\n"):
+        raise BodyError(
+            "the multipart/form-data body continues after its closing boundary",
+            code="invalid_form",
+        )
+    return parts
+
+
 async def parse_form_body(
     raw: bytes, content_type: str, model: type[BaseModel], max_fields: int = 64
 ) -> Any:
     """Decode a ``multipart/form-data`` body (what the ``openai`` client sends for
     ``videos.create``) and validate it against ``model`` as :func:`parse_json_body` does.
 
+    Parsed strictly (:func:`_parse_multipart`): a body cut short (no closing boundary) is
+    refused rather than read without its last field, and text that is not UTF-8 is refused as in
+    a JSON body, naming the field (never read as Latin-1). Only the boundary is taken from the
+    ``Content-Type``: a ``charset=`` there is ignored (everything is UTF-8).
+
     Form values are text: a field whose type takes a string keeps it; any other value is read as
     JSON (``"4"`` -> 4, ``"3.5"`` -> 3.5, a ``lora`` object), or kept as text when it is not JSON,
     so the schema error names the field.
 
     Raises:
-        BodyError: 400; a body that is not valid multipart, or more than ``max_fields`` fields.
+        BodyError: 400; a body that is not valid multipart or not UTF-8, one without its closing
+            boundary, a field given twice, more than ``max_fields`` fields.
         InvalidRequestError: 400; a file part (``param`` its field: files are not taken).
         SchemaError: 422, and the other errors of :func:`parse_json_body`.
     """
-    from starlette.datastructures import Headers
-    from starlette.formparsers import MultiPartException, MultiPartParser
-
-    async def stream():
-        yield raw
-
-    # only the boundary is taken from the client: the parser would decode every field with a
-    # charset= the client names (punycode's decoder is quadratic: 2 minutes for 1 MiB)
+    if len(raw) > MAX_BODY_BYTES:
+        raise PayloadTooLargeError(
+            f"request body larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
+        )
     boundary = _boundary(content_type)
-    parser = MultiPartParser(
-        Headers({"content-type": f"multipart/form-data; boundary={boundary}"}),
-        stream(),
-        max_files=4,
-        max_fields=max_fields,
-    )
-    try:
-        form = await parser.parse()
-    except MultiPartException as e:
-        raise BodyError(
-            f"invalid multipart/form-data body: {e.message}", code="invalid_form"
-        ) from e
     fields: dict[str, Any] = {}
-    for name, value in form.multi_items():
-        if not isinstance(value, str):
+    for name, value in _parse_multipart(raw, boundary, max_fields):
+        if value is None:
             raise InvalidRequestError(
                 f"{name}: file uploads are not supported here (send the fields only)", param=name
             )

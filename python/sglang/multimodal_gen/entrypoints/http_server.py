@@ -14,8 +14,10 @@ Routes (see ``docs/serving.md``), by module::
 
 The app only talks to the engine through a :class:`~.scheduler.Scheduler` (one thread, arrival
 order). Bodies are read and parsed with bounds by :mod:`.http_body`; every error is an OpenAI
-error envelope (:mod:`.routing`), never a stack trace. Connections are bounded below the app, in
-uvicorn's protocol (:mod:`.transport`). ``/health`` and ``/ready`` need no API key.
+error envelope (:mod:`.routing`), never a stack trace nor a server path (:mod:`.public_paths`).
+Connections are bounded below the app, in uvicorn's protocol (:mod:`.transport`). ``/health`` and
+``/ready`` need no API key. Every request gets one log line and an ``X-Request-Id``
+(:mod:`.request_log`).
 """
 
 from __future__ import annotations
@@ -44,11 +46,15 @@ from sglang.multimodal_gen.entrypoints.lora_admin import add_lora_routes
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import error_body
 from sglang.multimodal_gen.entrypoints.protocol import ModelCard, ModelList
+from sglang.multimodal_gen.entrypoints.public_paths import PublicPaths
+from sglang.multimodal_gen.entrypoints.public_url import PublicUrl
+from sglang.multimodal_gen.entrypoints.request_log import RequestLog
 from sglang.multimodal_gen.entrypoints.routing import AuthAndCount, EnvelopeRoute, RouteContext
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
 from sglang.multimodal_gen.entrypoints.schema_errors import schema_error_message
 from sglang.multimodal_gen.entrypoints.transport import run_uvicorn, uvicorn_server
 from sglang.multimodal_gen.entrypoints.videos import add_video_routes
+from sglang.multimodal_gen.hub import hf_hub_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +112,8 @@ def create_app(
         shutdown_engine: call ``engine.shutdown()`` when the app stops.
 
     Returns:
-        The app; ``app.state`` holds ``scheduler``, ``metrics``, ``engine``, ``server_args`` and
-        ``spec`` (the request spec with the server's bounds).
+        The app; ``app.state`` holds ``scheduler``, ``metrics``, ``engine``, ``server_args``,
+        ``spec`` (the request spec with the server's bounds) and ``public_paths``.
     """
     args = server_args or ServerArgs()
     info = dict(getattr(engine, "model_info", {}) or {})
@@ -134,11 +140,20 @@ def create_app(
         model_aliases |= {args.model_path, os.path.basename(os.path.normpath(args.model_path))}
     created = int(time.time())
     images = ImageStore()
+    public_paths = PublicPaths(
+        args.lora_dirs, args.model_path, hidden={"hf-cache": hf_hub_cache_dir()}
+    )
+    public_url = PublicUrl(args.public_url, args.host, args.port)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         scheduler.start()
         logger.info("serving %s (spatial factor %d)", model_id, spec.spatial_factor)
+        if args.public_url is None and args.host in ("0.0.0.0", "::", ""):
+            logger.info(
+                "response_format=url links use the address each client connected to; set "
+                "--public-url for the address clients should use"
+            )
         try:
             yield
         finally:
@@ -156,9 +171,12 @@ def create_app(
     app.state.server_args = args
     app.state.images = images
     app.state.spec = spec
+    app.state.public_paths = public_paths
 
     # ------------------------------------------------------------------ middleware / handlers
     app.add_middleware(AuthAndCount, auth=auth, metrics=metrics, router=app.router)
+    # added last: the outermost, so every answer (a 401 too) has its id and its log line
+    app.add_middleware(RequestLog, log_prompts=args.log_prompts)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -185,6 +203,8 @@ def create_app(
         model_id=model_id,
         model_aliases=frozenset(model_aliases),
         timeout_body_s=args.timeout_body_s or None,
+        public_paths=public_paths,
+        public_url=public_url,
     )
     add_image_routes(app, ctx, images, metrics)
     add_lora_routes(app, ctx, lora_targets, _hub_lora_fetcher(args))
@@ -193,7 +213,7 @@ def create_app(
         return ModelCard(
             id=model_id,
             created=created,
-            root=args.model_path,
+            root=model_id,  # the served name: never the server's directory
             family=info.get("family"),
             pipeline_class=info.get("pipeline_class"),
             modality=spec.outputs,

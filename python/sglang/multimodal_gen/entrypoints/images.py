@@ -1,6 +1,11 @@
 """Images: PNG/JPEG/WebP encoding, the store behind ``response_format="url"``, and the routes
 ``POST /v1/images/generations`` (OpenAI Images API + seed, steps, guidance, negative_prompt,
-lora) and ``GET /v1/images/files/{name}``."""
+lora) and ``GET /v1/images/files/{name}``.
+
+A stored image belongs to the key that created it (:class:`~.auth.Principal`): another key gets
+404 for it, the admin key gets every one; without keys every image is everyone's. Its link starts
+with the server's configured base (:mod:`.public_url`), never with the request's ``Host``.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from sglang.multimodal_gen.engine_ops import OPS
+from sglang.multimodal_gen.entrypoints.auth import ANONYMOUS, Principal
 from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.protocol import (
@@ -23,14 +29,15 @@ from sglang.multimodal_gen.entrypoints.protocol import (
     ImageGenerationResponse,
     image_job,
 )
-from sglang.multimodal_gen.entrypoints.routing import RouteContext
+from sglang.multimodal_gen.entrypoints.request_log import lora_summary, record_of
+from sglang.multimodal_gen.entrypoints.routing import RouteContext, principal_of
 from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError
 from sglang.multimodal_gen.outputs import IMAGE_FORMATS, encode_image
 
 
 class ImageStore:
     """In-memory store for ``response_format="url"``: random names, oldest dropped first,
-    time-limited.
+    time-limited, each image visible to its owner only (:meth:`~.auth.Principal.may_see`).
 
     Args:
         capacity: images kept at most.
@@ -43,15 +50,17 @@ class ImageStore:
         self.capacity = capacity
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self._items: OrderedDict[str, tuple[bytes, str, float]] = OrderedDict()
+        # name -> (bytes, media type, stored at, owner)
+        self._items: OrderedDict[str, tuple[bytes, str, float, str | None]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, data: bytes, output_format: str) -> str:
-        """Store ``data``; return its file name (``<random>.<ext>``)."""
+    def put(self, data: bytes, output_format: str, owner: str | None = None) -> str:
+        """Store ``data`` for ``owner`` (a :attr:`~.auth.Principal.owner`); return its file name
+        (``<random>.<ext>``)."""
         name = f"{secrets.token_urlsafe(18)}.{output_format}"
         with self._lock:
-            self._items[name] = (data, IMAGE_FORMATS[output_format], time.monotonic())
+            self._items[name] = (data, IMAGE_FORMATS[output_format], time.monotonic(), owner)
             self._bytes += len(data)
             while len(self._items) > 1 and (
                 len(self._items) > self.capacity or self._bytes > self.max_bytes
@@ -59,11 +68,12 @@ class ImageStore:
                 self._bytes -= len(self._items.popitem(last=False)[1][0])
         return name
 
-    def get(self, name: str) -> tuple[bytes, str] | None:
-        """``(bytes, media_type)`` or ``None`` when unknown or expired."""
+    def get(self, name: str, viewer: Principal | None = None) -> tuple[bytes, str] | None:
+        """``(bytes, media_type)``, or ``None`` when unknown, expired or not ``viewer``'s
+        (``None``: no owner, as a server without keys)."""
         with self._lock:
             item = self._items.get(name)
-            if item is None:
+            if item is None or not (viewer or ANONYMOUS).may_see(item[3]):
                 return None
             if time.monotonic() - item[2] > self.ttl_s:
                 del self._items[name]
@@ -90,7 +100,15 @@ def add_image_routes(
         # the request resolved once, here: defaults, every value rule, the seed drawn (so the
         # response can report it and the image can be reproduced)
         job = image_job(req, ctx.spec)
-        pil_images = await ctx.wait_for(ctx.scheduler.submit_generation(job.params), request)
+        record = record_of(request)
+        params = job.params
+        record.note(
+            model=ctx.model_id, size=job.size, steps=params.num_inference_steps,
+            n=params.num_outputs_per_prompt, lora=lora_summary(params.lora),
+            prompt=params.prompt, negative_prompt=params.negative_prompt,
+        )  # fmt: skip
+        future = ctx.scheduler.submit_generation(params, timing=record.timing())
+        pil_images = await ctx.wait_for(future, request)
 
         def encode_all() -> list[bytes]:
             return [
@@ -99,10 +117,12 @@ def add_image_routes(
 
         blobs = await run_in_threadpool(encode_all)
         data = []
+        owner = principal_of(request).owner
+        base = ctx.public_url.base(request.scope)
         for blob in blobs:
             if job.response_format == "url":
-                name = images.put(blob, job.output_format)
-                data.append(ImageData(url=f"{str(request.base_url)}v1/images/files/{name}"))
+                name = images.put(blob, job.output_format, owner)
+                data.append(ImageData(url=f"{base}/v1/images/files/{name}"))
             else:
                 data.append(ImageData(b64_json=base64.b64encode(blob).decode("ascii")))
         body = ImageGenerationResponse(
@@ -120,8 +140,8 @@ def add_image_routes(
     app.add_api_route(generate.path, images_generations, methods=[generate.method])
 
     @app.get("/v1/images/files/{name}")
-    async def image_file(name: str):
-        item = images.get(name)
+    async def image_file(name: str, request: Request):
+        item = images.get(name, principal_of(request))
         if item is None:
             raise NotFoundError(f"image {name!r} does not exist or has expired", param="name")
         return Response(content=item[0], media_type=item[1])

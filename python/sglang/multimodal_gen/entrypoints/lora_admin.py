@@ -8,7 +8,8 @@ key (``--admin-api-key``) is checked by the app's middleware (:mod:`.auth`). Wit
 handler first (a worker thread), so generations keep running meanwhile; the engine then reads it
 from the cache. Their paths and methods
 are the op table's (:mod:`~sglang.multimodal_gen.engine_ops`); this module gives each its handler.
-See ``docs/lora.md``.
+The engine's answers leave through :class:`~.public_paths.PublicPaths`: an adapter's path relative
+to its ``--lora-dir`` root, never a server path. See ``docs/lora.md``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sglang.multimodal_gen.entrypoints.protocol import (
     validate_set_lora,
     validate_target,
 )
+from sglang.multimodal_gen.entrypoints.request_log import record_of
 from sglang.multimodal_gen.entrypoints.routing import RouteContext
 
 #: The commands that take only a ``target``, and what their answer says.
@@ -58,19 +60,28 @@ def add_lora_routes(
     (``--enable-hub-lora``), downloads a ``set_lora`` path that is a Hub id missing from the
     cache before the command is scheduled (its errors are the answer)."""
 
+    async def run(request: Request, op: str, *args: Any, **kwargs: Any) -> Any:
+        """``op`` through the scheduler, timed for the log line; the answer as clients see it."""
+        timing = record_of(request).timing()
+        result = await ctx.wait_for(ctx.scheduler.submit_call(op, *args, timing=timing, **kwargs))
+        return ctx.public_paths.report(result)
+
     async def set_lora(request: Request):
         req = parse_json_body(await ctx.read_body(request), SetLoRARequest)
         args = validate_set_lora(req, targets)
+        names = list(args.nicknames)
+        paths = [p for p in args.paths if p is not None]
+        record_of(request).note(lora=",".join(names), lora_path=",".join(paths) or None)
         if fetch_hub_lora is not None:
-            for path in dict.fromkeys(p for p in args.paths if p is not None):
+            for path in dict.fromkeys(paths):
                 await run_in_threadpool(fetch_hub_lora, path)
-        result = await ctx.wait_for(ctx.scheduler.submit_call("set_lora", args))
-        names = req.lora_nickname if isinstance(req.lora_nickname, list) else [req.lora_nickname]
+        result = await run(request, "set_lora", args)
         return _status(f"active on target {req.target!r}: {', '.join(names)}", result)
 
     async def unload_lora(request: Request):
         req = parse_json_body(await ctx.read_body(request), UnloadLoRARequest)
-        result = await ctx.wait_for(ctx.scheduler.submit_call("unload_lora", req.lora_nickname))
+        record_of(request).note(lora=req.lora_nickname)
+        result = await run(request, "unload_lora", req.lora_nickname)
         return _status(f"unloaded {req.lora_nickname!r}", result)
 
     def target_route(op: str, done: str):
@@ -79,13 +90,13 @@ def add_lora_routes(
         async def handler(request: Request):
             req = parse_json_body(await ctx.read_body(request), TargetRequest, allow_empty=True)
             target = validate_target(req.target, targets)
-            result = await ctx.wait_for(ctx.scheduler.submit_call(op, target=target))
+            result = await run(request, op, target=target)
             return _status(done.format(target=target), result)
 
         return handler
 
-    async def list_loras():
-        return JSONResponse(await ctx.wait_for(ctx.scheduler.submit_call("list_loras")))
+    async def list_loras(request: Request):
+        return JSONResponse(await run(request, "list_loras"))
 
     handlers = {
         "set_lora": set_lora,

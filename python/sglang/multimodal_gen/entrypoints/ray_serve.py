@@ -115,15 +115,22 @@ _FORWARDED = (b"authorization", b"host", b"origin", b"sec-fetch-site")
 
 
 async def _call_app(
-    app: Any, method: str, path: str, body: bytes = b"", headers: dict | None = None
+    app: Any,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    headers: dict | list[tuple[str, Any]] | None = None,
 ) -> tuple[int, bytes]:
-    """Run one request through ``app`` in this process (its routes, its validation, its auth)."""
+    """Run one request through ``app`` in this process (its routes, its validation, its auth).
+    ``headers``: a dict, or ``(name, value)`` pairs kept as they are (a name may repeat)."""
     import httpx
 
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
-        headers = {"content-type": "application/json", **(headers or {})}
-        r = await client.request(method, path, content=body, headers=headers, timeout=None)
+        pairs = list(headers.items()) if isinstance(headers, dict) else list(headers or [])
+        if not any(k.lower() == "content-type" for k, _ in pairs):
+            pairs.append(("content-type", "application/json"))
+        r = await client.request(method, path, content=body, headers=pairs, timeout=None)
         return r.status_code, r.content
 
 
@@ -215,7 +222,8 @@ class DiffusionReplica:
     # ------------------------------------------------------------------ log replay
     def _apply_pending(self) -> None:
         pending = ray.get(self.log.since.remote(self.replica_id, self.applied))
-        key = self.args.admin_api_key or self.args.api_key  # a logged call was authorized
+        keys = self.args.user_api_keys
+        key = self.args.admin_api_key or (keys[0] if keys else None)  # it was authorized
         own = {"authorization": f"Bearer {key}"} if key else {}
         for seq, path, body in pending:
             status, content = asyncio.run(_call_app(self.inner, "POST", path, body, own))
@@ -242,9 +250,9 @@ class DiffusionReplica:
         try:
             with self._local:
                 await asyncio.to_thread(self._apply_pending)
-                client = {  # raw values: httpx sends bytes as they are
-                    k.decode("latin-1"): v for k, v in scope.get("headers", ()) if k in _FORWARDED
-                }
+                client = [  # raw values, every copy: a header sent twice is refused there
+                    (k.decode("latin-1"), v) for k, v in scope.get("headers", ()) if k in _FORWARDED
+                ]
                 status, content = await _call_app(self.inner, "POST", path, body, client)
                 if _error_text(status, content) is not None:
                     return status, content  # refused here: nothing logged, nothing changed

@@ -1,7 +1,10 @@
 """What every route of the app shares: error envelopes, auth and counting, the engine's answers.
 
-- :class:`EnvelopeRoute` turns any error a handler raises into the OpenAI error envelope;
-- :class:`AuthAndCount` checks the API key before anything else and counts requests by status;
+- :class:`EnvelopeRoute` turns any error a handler raises into the OpenAI error envelope (its
+  message without the server's paths, :mod:`.public_paths`);
+- :class:`AuthAndCount` refuses a duplicated credential or body header, checks the API key
+  before anything else, notes the request's :class:`~.auth.Principal` and counts requests by
+  status;
 - :class:`RouteContext` is handed to each route group (images, LoRA admin, videos): it reads
   bodies with the server's bounds, awaits the scheduler's futures (503 if the engine dies, the
   queued work dropped if the client leaves) and checks the ``model`` field.
@@ -14,7 +17,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -26,17 +29,34 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Router
 
 from sglang.multimodal_gen.configs.sampling_params import RequestSpec
-from sglang.multimodal_gen.entrypoints.auth import ApiKeyAuth, cross_origin_reason
+from sglang.multimodal_gen.entrypoints.auth import (
+    ANONYMOUS,
+    ApiKeyAuth,
+    AuthRefusal,
+    Principal,
+    cross_origin_reason,
+)
 from sglang.multimodal_gen.entrypoints.http_body import MAX_BODY_BYTES, ClientGoneError, read_body
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception, error_body
+from sglang.multimodal_gen.entrypoints.public_paths import PublicPaths
+from sglang.multimodal_gen.entrypoints.public_url import PublicUrl
+from sglang.multimodal_gen.entrypoints.request_headers import duplicated_header, single_headers
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, ServerShuttingDownError
 from sglang.multimodal_gen.errors import EngineDeadError, NotFoundError
 
 
-def _error_response(exc: BaseException) -> JSONResponse:
+def _error_response(exc: BaseException, public: PublicPaths | None = None) -> JSONResponse:
     status, body, headers = describe_exception(exc)
+    if public is not None:  # never the server's own paths (engine messages, OSError texts)
+        body["error"]["message"] = public.scrub(body["error"]["message"])
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def principal_of(request: Request) -> Principal:
+    """Who ``request`` acts for (:class:`AuthAndCount` notes it; :data:`~.auth.ANONYMOUS` for
+    an app without it)."""
+    return request.scope.get("state", {}).get("principal", ANONYMOUS)
 
 
 class EnvelopeRoute(APIRoute):
@@ -51,7 +71,7 @@ class EnvelopeRoute(APIRoute):
             except (StarletteHTTPException, RequestValidationError):
                 raise  # handled by the app's exception handlers
             except Exception as e:
-                return _error_response(e)
+                return _error_response(e, getattr(request.app.state, "public_paths", None))
             except asyncio.CancelledError:
                 # uvicorn cancels what is still open when --timeout-graceful-shutdown ends,
                 # wherever the handler is (reading the body, waiting for the engine): a 503
@@ -86,9 +106,11 @@ def endpoint_label(routes: Sequence[BaseRoute], scope: dict) -> str:
 
 
 class AuthAndCount:
-    """ASGI middleware: API-key check before anything else, then the cross-origin check
-    (:func:`~.auth.cross_origin_reason`, 403), then count the request by status and by the
-    app's route it is for (:func:`endpoint_label`).
+    """ASGI middleware: a security-relevant header sent twice is refused first (400 naming it,
+    :mod:`.request_headers`), then the API-key check (401; 403 for a user key on an admin
+    route), then the cross-origin check (:func:`~.auth.cross_origin_reason`, 403); the request's
+    :class:`~.auth.Principal` goes in ``scope["state"]["principal"]``. Every request is counted
+    by status and by the app's route it is for (:func:`endpoint_label`).
 
     A plain ASGI class rather than ``@app.middleware("http")``, so the handlers receive the
     server's own ``receive`` and can notice a client disconnecting (``request.is_disconnected``).
@@ -111,18 +133,31 @@ class AuthAndCount:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        headers = dict(scope.get("headers", ()))
-        raw_auth = headers.get(b"authorization")
-        authorization = None if raw_auth is None else raw_auth.decode("latin-1")
+        raw_headers = list(scope.get("headers", ()))
         status = 500
         try:
-            reason = self.auth.check(path, authorization)
-            if reason is not None:
-                status = 401
-                body = error_body(reason, 401, param=None, code="invalid_api_key")
-                response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
+            twice = duplicated_header(raw_headers)
+            if twice is not None:  # which copy counts is anybody's guess: neither does
+                status = 400
+                body = error_body(
+                    f"the {twice} header appears more than once; send it once",
+                    400,
+                    param=twice,
+                    code="duplicate_header",
+                )
+                await JSONResponse(body, 400)(scope, receive, send)
                 return
+            headers = single_headers(raw_headers)
+            raw_auth = headers.get(b"authorization")
+            authorization = None if raw_auth is None else raw_auth.decode("latin-1")
+            who = self.auth.authenticate(path, authorization)
+            if isinstance(who, AuthRefusal):
+                status = who.status
+                body = error_body(who.message, who.status, param=None, code=who.code)
+                extra = {"WWW-Authenticate": "Bearer"} if who.status == 401 else None
+                await JSONResponse(body, who.status, headers=extra)(scope, receive, send)
+                return
+            scope.setdefault("state", {})["principal"] = who
             reason = cross_origin_reason(scope.get("method", "GET"), headers)
             if reason is not None:
                 status = 403
@@ -152,6 +187,8 @@ class RouteContext:
         model_id: the id ``/v1/models`` reports.
         model_aliases: the names a request's ``model`` field may use.
         timeout_body_s: seconds a request body has to arrive (``None``: no bound).
+        public_paths: how the server's paths are shown in answers (:mod:`.public_paths`).
+        public_url: the base of the server's links (:mod:`.public_url`).
     """
 
     scheduler: Scheduler
@@ -159,6 +196,8 @@ class RouteContext:
     model_id: str
     model_aliases: frozenset[str]
     timeout_body_s: float | None
+    public_paths: PublicPaths = field(default_factory=PublicPaths)
+    public_url: PublicUrl = field(default_factory=lambda: PublicUrl(None, "127.0.0.1", 30000))
 
     async def read_body(self, request: Request) -> bytes:
         """The body, bounded in size and arrival time (:func:`~.http_body.read_body`)."""

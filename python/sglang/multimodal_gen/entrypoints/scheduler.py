@@ -33,11 +33,22 @@ for more to arrive; the engine runs them in one denoising loop (``engine.generat
 with its own seed, prompts and LoRA composition. Only generations queued before the first waiting admin call can
 join, so admin changes stay ordered with generations exactly as without batching.
 
+Adapters: a generation naming adapters (its own ``lora``) that will not be loaded when it runs is
+refused as it is queued (``NotFoundError``, 404 naming ``lora``), by the scheduler's
+:class:`~.adapter_ledger.AdapterLedger` (``scheduler.adapters``), which counts the LoRA commands
+queued ahead of it; the ledger starts from the engine's ``list_loras()``, asked by
+:meth:`Scheduler.start` before the worker thread exists.
+
+Timing: a :class:`TaskTiming` handed to :meth:`Scheduler.submit_generation` or
+:meth:`Scheduler.submit_call` gets the task's times (queued, started, finished) for the request's
+log line.
+
 This module does not import FastAPI; it is plain threading and ``concurrent.futures``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -48,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.multimodal_gen.engine_ops import OPS, SCHEDULER_CALLS
+from sglang.multimodal_gen.entrypoints.adapter_ledger import AdapterLedger
 from sglang.multimodal_gen.entrypoints.scheduler_health import HealthMonitor
 from sglang.multimodal_gen.errors import EngineDeadError, QueueFullError
 
@@ -59,12 +71,53 @@ class ServerShuttingDownError(EngineDeadError):
 
 
 @dataclass
+class TaskTiming:
+    """When a queued task was queued, started and finished (``time.perf_counter``); the
+    scheduler fills it in. A batch's tasks share its start and end."""
+
+    queued_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def queued_s(self) -> float | None:
+        """Seconds waiting in the queue (``None``: it never started)."""
+        if self.queued_at is None or self.started_at is None:
+            return None
+        return self.started_at - self.queued_at
+
+    @property
+    def compute_s(self) -> float | None:
+        """Seconds in the engine (``None``: it did not finish)."""
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+
+_SEQ = itertools.count(1)
+
+
+@dataclass
 class _Task:
     kind: str  # "generate" (args: one SamplingParams) or the name of an engine method
     args: tuple
     kwargs: dict
     future: Future
+    timing: TaskTiming | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
+    seq: int = field(default_factory=lambda: next(_SEQ))
+
+    def __post_init__(self) -> None:
+        if self.timing is not None:
+            self.timing.queued_at = self.enqueued_at
+
+    def started(self, at: float) -> None:
+        if self.timing is not None:
+            self.timing.started_at = at
+
+    def ended(self, at: float) -> None:
+        if self.timing is not None:
+            self.timing.finished_at = at
 
 
 class SchedulerMetrics:
@@ -109,6 +162,8 @@ class Scheduler:
             finished or stepped for this long (``None``: never; see :attr:`health`).
         max_batch_size: generations run together at most (1: one at a time).
         batch_wait_s: how long a batch that is not full waits for more requests (seconds).
+        adapters: the account of loaded adapters generations are checked against (a new
+            :class:`~.adapter_ledger.AdapterLedger` when omitted).
     """
 
     ADMIN_METHODS = SCHEDULER_CALLS  # the op table's scheduled commands
@@ -123,6 +178,7 @@ class Scheduler:
         stall_timeout_s: float | None = None,
         max_batch_size: int = 1,
         batch_wait_s: float = 0.0,
+        adapters: AdapterLedger | None = None,
     ):
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}")
@@ -133,6 +189,8 @@ class Scheduler:
         self.engine = engine
         self.max_queue_size = max_queue_size
         self.metrics = metrics or SchedulerMetrics()
+        #: the adapters loaded once the queued LoRA commands have run (checked on submission)
+        self.adapters = adapters or AdapterLedger()
         self._idle_check_s = idle_check_s
         #: dead, stalled, step progress: told what happens here, asked by ``/health``
         self.health = HealthMonitor(stall_timeout_s, steps=getattr(engine, "steps_done", None))
@@ -148,9 +206,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the worker thread (idempotent)."""
+        """Take the engine's loaded adapters (:attr:`adapters`), then start the worker thread
+        (idempotent). The one engine call made outside the worker thread, before it exists."""
         if not self._started and not self._stop:
             self._started = True
+            self._sync_adapters()  # before the first task: the queued commands are all pending
             self._thread.start()
 
     def begin_shutdown(self, timeout: float | None = None) -> None:
@@ -268,22 +328,27 @@ class Scheduler:
         if not self._accepting or self._stop:
             raise ServerShuttingDownError("the server is shutting down and accepts no new work")
 
-    def submit_generation(self, params: Any) -> Future:
+    def submit_generation(self, params: Any, timing: TaskTiming | None = None) -> Future:
         """Queue one generation (a resolved ``SamplingParams``); the future resolves to the
         engine's outputs (PIL images, or ``Video`` objects for a video model).
 
         Raises:
+            NotFoundError: 404, ``param="lora"``; its ``lora`` names an adapter that will not be
+                loaded when it runs (:attr:`adapters`). Nothing is queued.
             QueueFullError: ``max_queue_size`` requests are already waiting.
             EngineDeadError: the engine is dead or the server is shutting down.
         """
+        lora = getattr(params, "lora", None)
         with self._cond:
             self._check_open()
+            # under the queue lock: the LoRA commands queued ahead are exactly those counted
+            self.adapters.check(name for name, _ in lora or ())
             if self._waiting_generations >= self.max_queue_size:
                 raise QueueFullError(
                     f"the request queue is full ({self.max_queue_size} waiting); retry later",
                     retry_after_s=self.retry_after_s(),
                 )
-            task = _Task("generate", (params,), {}, Future())
+            task = _Task("generate", (params,), {}, Future(), timing)
             self._queue.append(task)
             self._waiting_generations += 1
             self._queue_changed_locked()
@@ -303,7 +368,9 @@ class Scheduler:
             self._waiting_generations -= 1
             self._queue_changed_locked()
 
-    def submit_call(self, method: str, *args: Any, **kwargs: Any) -> Future:
+    def submit_call(
+        self, method: str, *args: Any, timing: TaskTiming | None = None, **kwargs: Any
+    ) -> Future:
         """Queue ``engine.<method>(*args, **kwargs)`` (an admin call) behind the work before it.
 
         Raises:
@@ -314,11 +381,19 @@ class Scheduler:
             raise ValueError(f"unknown engine method {method!r}")
         with self._cond:
             self._check_open()
-            task = _Task(method, args, kwargs, Future())
+            task = _Task(method, args, kwargs, Future(), timing)
             self._queue.append(task)
+            self.adapters.queued(task.seq, method, args, kwargs)
+            # before the worker can take it: the ledger hears of the ends in the queue's order
+            task.future.add_done_callback(lambda fut: self._adapters_after(task.seq, fut))
             self._queue_changed_locked()
             self._cond.notify_all()
         return task.future
+
+    def _adapters_after(self, seq: int, fut: Future) -> None:
+        """Tell the ledger how a queued command ended (run, failed, or dropped unrun)."""
+        ok = not fut.cancelled() and fut.exception() is None
+        self.adapters.finished(seq, fut.result() if ok else None, ok=ok)
 
     def _queue_changed_locked(self) -> None:
         """Tell the metrics and the health monitor what the queue holds now."""
@@ -378,6 +453,18 @@ class Scheduler:
                 return  # an admin call waits: do not hold it back
             self._cond.wait(timeout=left)
 
+    def _sync_adapters(self) -> None:
+        """The ledger's starting point: the engine's own report (an engine without one, or one
+        that fails to give it, leaves the ledger unknowing: it then refuses nothing)."""
+        report = None
+        list_loras = getattr(self.engine, "list_loras", None)
+        if list_loras is not None:
+            try:
+                report = list_loras()
+            except Exception as e:
+                logger.warning("list_loras() failed (%s); adapters are checked by the engine", e)
+        self.adapters.sync(report)
+
     def _loop(self) -> None:
         while not self._stop:
             batch = self._next_task()
@@ -417,10 +504,13 @@ class Scheduler:
             return
         start = time.perf_counter()
         requests = [t.args[0] for t in tasks]
+        for t in tasks:
+            t.started(start)
         try:
             results = self.engine.generate_batch(requests)
         except BaseException as e:
             for t in tasks:
+                t.ended(time.perf_counter())
                 t.future.set_exception(e)
             try:
                 alive = not isinstance(e, EngineDeadError) and bool(self.engine.is_alive())
@@ -431,6 +521,8 @@ class Scheduler:
             return
         run_s = time.perf_counter() - start
         self.health.generation_finished(run_s)
+        for t in tasks:
+            t.ended(start + run_s)
         for t, req, res in zip(tasks, requests, results):
             self.metrics.observe_generation(
                 start - t.enqueued_at, run_s, getattr(req, "num_inference_steps", None)
@@ -442,6 +534,7 @@ class Scheduler:
 
     def _run(self, task: _Task) -> None:
         start = time.perf_counter()
+        task.started(start)
         steps = None
         try:
             if task.kind == "generate":
@@ -451,6 +544,7 @@ class Scheduler:
             else:
                 result = getattr(self.engine, task.kind)(*task.args, **task.kwargs)
         except BaseException as e:  # delivered to the waiting handler, which maps it
+            task.ended(time.perf_counter())
             task.future.set_exception(e)
             if isinstance(e, EngineDeadError):
                 self._mark_dead(e.message)
@@ -463,6 +557,7 @@ class Scheduler:
                     self._mark_dead(f"{type(e).__name__} while running {task.kind}")
             return
         end = time.perf_counter()
+        task.ended(end)
         if task.kind == "generate":
             run_s = end - start
             self.health.generation_finished(run_s)

@@ -8,6 +8,12 @@ removes one (a queued job is dropped before it runs). Jobs live in memory: their
 bytes of their videos are bounded (the oldest finished jobs go first) and finished jobs expire.
 A job survives its client's disconnect; failures are reported in the job as an OpenAI error
 object.
+
+Every check a request can fail runs before the job exists: the values, the store's room, and
+(by the scheduler, as it queues the generation) the adapters its ``lora`` names; a refused
+request creates nothing. A job belongs to the key that created it (:class:`~.auth.Principal`):
+another key gets 404 for it and does not see it in the list, the admin key sees every job;
+without keys every job is everyone's.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sglang.multimodal_gen.entrypoints.auth import ANONYMOUS, Principal
 from sglang.multimodal_gen.entrypoints.http_body import parse_form_body, parse_json_body
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception
 from sglang.multimodal_gen.entrypoints.protocol import (
@@ -33,7 +40,9 @@ from sglang.multimodal_gen.entrypoints.protocol import (
     sampling_params,
     with_declared_fields,
 )
-from sglang.multimodal_gen.entrypoints.routing import RouteContext
+from sglang.multimodal_gen.entrypoints.request_log import logger as request_logger
+from sglang.multimodal_gen.entrypoints.request_log import lora_summary, record_of
+from sglang.multimodal_gen.entrypoints.routing import RouteContext, principal_of
 from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError, SGLangError
 from sglang.multimodal_gen.outputs import encode_video
 
@@ -83,6 +92,7 @@ class VideoJob:
     future: Future | None = None
     total_steps: int | None = None  # denoising steps of the job (its progress' 100 %)
     steps_done: Callable[[Future], float | None] | None = None  # the scheduler's count
+    owner: str | None = None  # the creating key's owner id (auth.key_owner); None: no key
 
     def progress(self, status: str) -> int:
         """0-100: 100 once completed; while running, the share of its denoising steps done
@@ -125,6 +135,10 @@ class VideoJob:
 class VideoJobStore:
     """Jobs by id, bounded in count and video bytes; finished jobs expire after ``ttl_s``.
 
+    Every lookup is on behalf of a viewer (a :class:`~.auth.Principal`; ``None``: no key): a job
+    it may not see (:meth:`~.auth.Principal.may_see`) is as unknown to it as one that never
+    existed.
+
     Args:
         max_jobs: jobs kept at once; a new job first evicts the oldest finished one, and is
             refused (HTTP 400) when every kept job is still queued or running.
@@ -155,33 +169,45 @@ class VideoJobStore:
     def _bytes_locked(self) -> int:
         return sum(len(j.content or b"") for j in self._jobs.values())
 
+    def _check_room_locked(self) -> None:
+        self._expire_locked()
+        if len(self._jobs) >= self.max_jobs:
+            raise InvalidRequestError(f"{self.max_jobs} video jobs are still running; retry later")
+
+    def check_room(self) -> None:
+        """Raise ``InvalidRequestError`` (``param=None``) when full of running jobs (what
+        :meth:`add` would raise), before anything is queued."""
+        with self._lock:
+            self._check_room_locked()
+
     def add(self, job: VideoJob) -> None:
         """Keep ``job``. Raises ``InvalidRequestError`` (``param=None``) when full of running
         jobs."""
         with self._lock:
-            self._expire_locked()
-            if len(self._jobs) >= self.max_jobs:
-                raise InvalidRequestError(
-                    f"{self.max_jobs} video jobs are still running; retry later"
-                )
+            self._check_room_locked()
             self._jobs[job.id] = job
 
-    def get(self, job_id: str) -> VideoJob:
-        """The job (``NotFoundError`` naming ``video_id`` when unknown or expired)."""
+    def get(self, job_id: str, viewer: Principal | None = None) -> VideoJob:
+        """The job (``NotFoundError`` naming ``video_id`` when unknown, expired, or not
+        ``viewer``'s)."""
         with self._lock:
             self._expire_locked()
             job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or not (viewer or ANONYMOUS).may_see(job.owner):
             raise NotFoundError(f"video job {job_id!r} not found", param="video_id")
         return job
 
-    def list(self) -> list[VideoJob]:
+    def list(self, viewer: Principal | None = None) -> list[VideoJob]:
+        """The jobs ``viewer`` may see, oldest first."""
+        viewer = viewer or ANONYMOUS
         with self._lock:
             self._expire_locked()
-            return list(self._jobs.values())
+            return [j for j in self._jobs.values() if viewer.may_see(j.owner)]
 
-    def delete(self, job_id: str) -> VideoJob:
-        job = self.get(job_id)
+    def delete(self, job_id: str, viewer: Principal | None = None) -> VideoJob:
+        """Remove a job ``viewer`` may see (``NotFoundError`` otherwise); a queued job is dropped
+        before it runs."""
+        job = self.get(job_id, viewer)
         if job.future is not None:
             job.future.cancel()  # a queued job is dropped; a running one finishes unseen
         with self._lock:
@@ -244,6 +270,7 @@ def add_video_routes(
         else:
             req = parse_json_body(raw, VideoGenerationRequest)
         ctx.check_model(req.model)
+        record = record_of(request)
         fps = req.fps if req.fps is not None else int(spec.defaults.fps or 16)
         if fps < 1 or fps > 120:
             raise InvalidRequestError(f"fps must be in [1, 120], got {fps}", param="fps")
@@ -258,16 +285,28 @@ def add_video_routes(
             num_frames=params.num_frames, fps=params.fps, seed=params.seed,
             total_steps=params.num_inference_steps,
             steps_done=getattr(scheduler, "steps_done_for", None),
+            owner=principal_of(request).owner,
         )  # fmt: skip
-        store.add(job)
+        record.note(
+            model=model_id, size=job.size, steps=params.num_inference_steps,
+            n=params.num_outputs_per_prompt, frames=params.num_frames,
+            lora=lora_summary(params.lora), video_id=job.id,
+            prompt=params.prompt, negative_prompt=params.negative_prompt,
+        )  # fmt: skip
+        # every check before the job exists: the store's room, then (the scheduler, as it
+        # queues) the adapters; a refusal leaves no job behind
+        store.check_room()
         # the answer is the job as created ("queued"): a fast engine may finish it before this
         # handler runs again, and the answer should not depend on that race
         created = job.as_dict()
+        timing = record.timing()
+        job.future = scheduler.submit_generation(params, timing=timing)
         try:
-            job.future = scheduler.submit_generation(params)
+            store.add(job)
         except BaseException:
-            store.delete(job.id)
+            job.future.cancel()
             raise
+        request_id = record.request_id
 
         def done(fut: Future) -> None:
             if fut.cancelled():
@@ -276,27 +315,34 @@ def add_video_routes(
                 content = encode_video(fut.result()[0], fmt="mp4")
             except BaseException as e:
                 _, body, _ = describe_exception(e)
+                body["error"]["message"] = ctx.public_paths.scrub(body["error"]["message"])
                 store.finish(job, None, body["error"])
-                return
-            store.finish(job, content, None)
+            else:
+                store.finish(job, content, None)
+            request_logger.info(
+                "video_id=%s request_id=%s status=%s queued_s=%s compute_s=%s",
+                job.id, request_id, job.status,
+                _seconds(timing.queued_s), _seconds(timing.compute_s),
+            )  # fmt: skip
 
         job.future.add_done_callback(done)
         return JSONResponse(created)
 
     @app.get("/v1/videos")
-    async def list_videos():
+    async def list_videos(request: Request):
         need_video_model()
-        return JSONResponse({"object": "list", "data": [j.as_dict() for j in store.list()]})
+        jobs = store.list(principal_of(request))
+        return JSONResponse({"object": "list", "data": [j.as_dict() for j in jobs]})
 
     @app.get("/v1/videos/{video_id}")
-    async def get_video(video_id: str):
+    async def get_video(video_id: str, request: Request):
         need_video_model()
-        return JSONResponse(store.get(video_id).as_dict())
+        return JSONResponse(store.get(video_id, principal_of(request)).as_dict())
 
     @app.get("/v1/videos/{video_id}/content")
-    async def video_content(video_id: str):
+    async def video_content(video_id: str, request: Request):
         need_video_model()
-        job = store.get(video_id)
+        job = store.get(video_id, principal_of(request))
         if job.status != "completed" or job.content is None:
             raise VideoJobError(
                 f"video job {video_id!r} is {job.as_dict()['status']}; its content is available "
@@ -306,9 +352,13 @@ def add_video_routes(
         return Response(job.content, media_type="video/mp4")
 
     @app.delete("/v1/videos/{video_id}")
-    async def delete_video(video_id: str):
+    async def delete_video(video_id: str, request: Request):
         need_video_model()
-        job = store.delete(video_id)
+        job = store.delete(video_id, principal_of(request))
         return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})
 
     return store
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

@@ -388,6 +388,8 @@ class LoRAManager:
         return {
             "status": "ok",
             "message": f"LoRA set: {what} (merge_mode={mode})",
+            # every adapter loaded now (least recently used ones may have been unloaded)
+            "loaded": list(self.store),
             "active": {
                 t: report.composition_json(self.composer, t) for t in self.composer.target_names
             },
