@@ -21,7 +21,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from server_helpers import assert_envelope, running_server
+from fixtures.server import assert_envelope, running_server
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.runtime import DiffusionEngine
 
