@@ -69,7 +69,7 @@ def test_strength_overflow_refused_or_fails_clearly(engine, lora, tmp_path):
         engine.set_lora("big", str(big), strength=1000.0)
     assert e.value.param == "strength" and "NaN/Inf weights" in e.value.message
     assert state() == before
-    # alpha/r = 7.5e37 in float32: strength 10 makes it infinite -> 400 before any layer changes
+    # an alpha past the accepted bound (1024 x rank) is refused at load, naming the file
     peft = tmp_path / "peft"
     os.makedirs(peft)
     save_file(
@@ -78,11 +78,19 @@ def test_strength_overflow_refused_or_fails_clearly(engine, lora, tmp_path):
     )
     (peft / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 3e38}))
     with pytest.raises(InvalidRequestError) as e:
-        engine.set_lora("huge_alpha", str(peft), strength=10.0)
+        engine.set_lora("huge_alpha", str(peft), strength=1.0)
+    assert e.value.param == "lora_path" and "alpha" in e.value.message
+    assert state() == before
+    # alpha/r = 1024 (the largest accepted): strength 1e36 makes the scale infinite in float32
+    # -> 400 before any layer changes
+    (peft / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 4096}))
+    with pytest.raises(InvalidRequestError) as e:
+        engine.set_lora("huge_alpha", str(peft), strength=1e36)
     assert e.value.param == "strength" and "not finite in float32" in e.value.message
-    engine.set_lora("huge_alpha", str(peft), strength=1e-30)  # effective scale 7.5e7: fine
+    assert state() == before
+    engine.set_lora("huge_alpha", str(peft), strength=1e-30)  # effective scale 1e-27: fine
     with pytest.raises(InvalidRequestError) as e:  # the same overflow per request: param "lora"
-        _image(engine, lora=[("huge_alpha", 10.0)])
+        _image(engine, lora=[("huge_alpha", 1e36)])
     assert e.value.param == "lora" and "not finite in float32" in e.value.message
     # finite merged weights, activations overflow: the generation fails, never a black image
     engine.set_lora("a", lora, strength=3e38)

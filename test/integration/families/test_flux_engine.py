@@ -80,7 +80,7 @@ def test_engine_equals_diffusers_and_reports_family(tiny_flux_dev_dir, tp1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2])  # TP 4: the transformer parity test
 def test_tp_equals_tp1_base_and_kohya_lora(tiny_flux_dev_dir, kohya, tp1, tp):
     _, base, merged = tp1
     with DiffusionEngine(tiny_flux_dev_dir, tp_size=tp, device="cpu") as engine:

@@ -99,7 +99,7 @@ def test_other_spellings_of_the_same_numbers(files, tp1, fmt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2])  # TP 4: the transformer parity test
 def test_tp_equals_tp1(tiny_qwen_image_dir, files, tp1, tp):
     _, base, with_lora = tp1
     with DiffusionEngine(tiny_qwen_image_dir, tp_size=tp, device="cpu") as engine:

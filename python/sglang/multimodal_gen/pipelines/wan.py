@@ -115,9 +115,15 @@ class WanPipeline(StagedPipeline):
 
     # ------------------------------------------------------------------ latents / schedule
     def latent_frames(self, num_frames: int) -> int:
-        """Latent frames of ``num_frames`` frames (of the form ``t k + 1``: the resolved request
-        was brought to it, ``VideoSamplingParams.conform``)."""
-        return (max(num_frames, 1) - 1) // self.temporal_factor + 1
+        """Latent frames of ``num_frames`` frames. A resolved request already has the form
+        ``t k + 1`` (``VideoSamplingParams.conform``); any other count is first rounded as
+        diffusers' ``WanPipeline`` rounds it (``n // t * t + 1``), so a direct pipeline call agrees
+        with diffusers too."""
+        t = self.temporal_factor
+        n = max(num_frames, 1)
+        if n % t != 1:
+            n = n // t * t + 1
+        return (n - 1) // t + 1
 
     def prepare_latents(self, g, cond):
         from diffusers.utils.torch_utils import randn_tensor
