@@ -218,9 +218,10 @@ MUTANTS: list[Mutant] = [
     _m(
         "lora-merged-rows-add-delta-again",
         "layers/lora/layer.py",
+        "            if self._merged_offsets:  # offsets are never merged into the weight\n"
         "                self._add_delta(None, y, local)",
-        "                self._add_delta(x_local, y, local)",
-        ("test/unit/layers/lora/test_wrappers.py",),
+        "            if True:\n                self._add_delta(x_local, y, local)",
+        ("test/unit/layers/lora/test_wrappers.py", "test/unit/layers/lora/test_layer.py"),
         NOT_GLOO,
         why="rows of the merged composition add its delta on top of the merged weight",
     ),
