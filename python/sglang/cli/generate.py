@@ -54,6 +54,21 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     )
     add_sampling_args(parser)
     parser.add_argument(
+        "--image-path",
+        nargs="+",
+        default=None,
+        metavar="IMG",
+        help="input images (PNG, JPEG, WebP): the image to edit or re-noise (with --strength), "
+        "or an edit model's reference images (models whose inputs include image)",
+    )
+    parser.add_argument(
+        "--mask-path",
+        default=None,
+        metavar="MASK",
+        help="inpainting mask, the size of the first --image-path: white is edited, black kept "
+        "(or, in a mask with transparency, the transparent pixels are edited, as OpenAI's)",
+    )
+    parser.add_argument(
         "--output-path",
         default="output.png",
         help="images: .png, .jpg/.jpeg, .webp; videos: .mp4 (H.264), .webp, .gif; or a "
@@ -109,7 +124,9 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-_KIND_TYPES = {"text": str, "size": int, "count": int, "seed": int, "scale": float}
+_KIND_TYPES = {
+    "text": str, "size": int, "count": int, "seed": int, "scale": float, "fraction": float,
+}  # fmt: skip
 
 
 def sampling_flags() -> dict[str, tuple]:
@@ -147,6 +164,28 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def sampling_values(args: argparse.Namespace) -> dict:
     """The request fields given on the command line (unset flags left out)."""
     return {n: getattr(args, n) for n in sampling_flags() if getattr(args, n, None) is not None}
+
+
+def image_values(args: argparse.Namespace) -> dict:
+    """``image`` and ``mask_image`` decoded from ``--image-path`` / ``--mask-path`` (the limits
+    of :class:`~sglang.multimodal_gen.image_inputs.ImageLimits`).
+
+    Raises:
+        InvalidRequestError: a file that is missing, too large or not a still PNG/JPEG/WebP.
+    """
+    from sglang.multimodal_gen.image_inputs import ImageBudget, ImageLimits, read_image_file
+
+    out: dict = {}
+    limits = ImageLimits()
+    budget = ImageBudget(limits)
+    paths = list(getattr(args, "image_path", None) or [])
+    if paths:
+        out["image"] = tuple(read_image_file(p, f"--image-path {p}", limits, budget) for p in paths)
+    if getattr(args, "mask_path", None):
+        out["mask_image"] = read_image_file(
+            args.mask_path, f"--mask-path {args.mask_path}", limits, budget, mask=True
+        )
+    return out
 
 
 def lora_pairs(paths: list[str] | None, scales: list[float] | None) -> list[tuple[str, float]]:
@@ -262,6 +301,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     # the value rules that do not need the model, before it loads (all of them, with the
     # model's defaults and limits, once it is loaded)
     RequestSpec.generic().check_values(values)
+    values.update(image_values(args))
     check_device(args.device)
     check_output_dir(args.output_path)
     engine = None

@@ -75,6 +75,8 @@ WRONG = {
     "scale": [-0.5, float("nan"), float("inf"), "3", True],
     "seed": [-1, MAX_SEED + 1, 1.5, True],
     "lora": [[("a", float("nan"))], [("a", 1.0), ("a", 0.5)], [(" ", 1.0)], "a"],
+    "image": ["x", 3, ()],
+    "fraction": [0, 0.0, 1.5, -0.1, float("nan"), True, "0.5"],
 }
 FIELD_CASES = [
     (cls, f.name, f.metadata["kind"], value)
@@ -111,7 +113,9 @@ def test_each_family_declares_its_own_fields():
     assert by_name["QwenImageSamplingParams"].own_fields() == ("true_cfg_scale",)
     assert by_name["WanSamplingParams"].own_fields() == ("num_frames", "fps", "guidance_scale_2")
     assert issubclass(WanSamplingParams, VideoSamplingParams)
-    assert SamplingParams.per_row_fields() == {"prompt", "negative_prompt", "seed", "lora"}
+    assert SamplingParams.per_row_fields() == {
+        "prompt", "negative_prompt", "seed", "lora", "image", "mask_image",
+    }  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ undeclared fields
@@ -165,7 +169,13 @@ def test_resolve_fills_the_models_defaults_and_checks():
     expected = dataclasses.replace(ZIMAGE_DEFAULTS, prompt="p", height=32, num_outputs_per_prompt=1)
     assert dataclasses.replace(r, seed=None) == expected
     unset = {f.name for f in dataclasses.fields(r) if getattr(r, f.name) is None}
-    assert unset == {"negative_prompt", "lora"}  # no model default: CFG without one, no adapters
+    assert unset == {
+        "negative_prompt",
+        "lora",
+        "image",
+        "mask_image",
+        "strength",
+    }  # no model default: CFG without one, no adapters
     assert not SamplingParams(prompt="p").resolved
     with pytest.raises(InvalidRequestError) as e:
         ZIMAGE.resolve(SamplingParams(prompt="p", height=40))
@@ -277,10 +287,15 @@ def test_with_limits_tightens():
 
 
 def test_as_dict_is_the_flat_defaults():
-    limits = {"max_image_size", "max_num_frames", "max_sequence_length_limit", "modality", "inputs"}
+    limits = {
+        "max_image_size", "max_num_frames", "max_sequence_length_limit", "modality", "inputs",
+        "required_inputs",
+    }  # fmt: skip
     for spec in (ZIMAGE, WAN):
         d = spec.as_dict()
-        fields = set(spec.params_class.field_names()) - {"prompt", "lora", "seed"}
+        fields = set(spec.params_class.field_names()) - {
+            "prompt", "lora", "seed", "image", "mask_image",
+        }  # fmt: skip
         assert set(d) == fields | limits
         for name in fields:
             assert d[name] == getattr(spec.defaults, name), name
@@ -333,7 +348,9 @@ def test_cli_flags_derive_from_every_familys_declarations():
 
     flags = sampling_flags()
     owners = _owners()
-    assert set(flags) == (set(SamplingParams.field_names()) - {"lora"}) | set(owners)
+    # images: --image-path / --mask-path (files, decoded at the edge)
+    files = {"lora", "image", "mask_image"}
+    assert set(flags) == (set(SamplingParams.field_names()) - files) | set(owners)
     for name, fams in owners.items():
         assert list(flags[name][1]) == fams, name
 
@@ -346,8 +363,9 @@ def test_cli_flags_derive_from_every_familys_declarations():
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())  # argparse wraps the help at the terminal width
     for name in SamplingParams.field_names():
-        if name != "lora":  # set on the command line through --lora-path / --lora-scale
+        if name not in files:  # --lora-path / --lora-scale, --image-path, --mask-path
             assert f"--{name.replace('_', '-')}" in text, name
+    assert "--image-path" in text and "--mask-path" in text
     assert "--num-outputs-per-prompt" in text
     for name, fams in owners.items():
         flag = f"--{name.replace('_', '-')}"
@@ -390,6 +408,8 @@ def test_http_request_models_have_every_declared_field():
         for name in cls.field_names():
             if model is video and name == "num_outputs_per_prompt":
                 continue  # one video per job
+            if name in ("image", "mask_image"):
+                continue  # files: the edits route's parts, /v1/videos' input_reference
             assert renamed.get(name, name) in model, (fam.name, name)
     # a video's size in seconds or frames; never n (one video per job)
     assert {"seconds", "num_frames", "fps"} <= video and "n" not in video

@@ -22,7 +22,16 @@ Field kinds (``param(kind=...)``) and their rules, checked by :meth:`SamplingPar
 ``scale``   a finite number >= 0 (guidance weights)
 ``seed``    an integer in ``[0, MAX_SEED]`` (``torch.Generator.manual_seed``)
 ``lora``    a per-request adapter composition (``lora.requests.validate_composition``)
+``image``   decoded input images (:class:`~sglang.multimodal_gen.image_inputs.InputImage`),
+            at most ``max_input_images`` of them; only for a model whose ``inputs`` name it
+``fraction`` a finite number in ``(0, 1]`` (an edit ``strength``)
 ==========  =========================================================================
+
+Conditioning beyond text is declared by the model (:attr:`RequestSpec.inputs`, e.g. ``("text",
+"image", "mask")``; :attr:`RequestSpec.required_inputs`, e.g. ``("image",)`` for an edit model).
+A request that gives an input the model does not take, or leaves out one it requires, is refused
+naming the field (``image``, ``mask_image``); so is a ``strength`` without an image, or for a
+model whose defaults have no ``strength`` (it does not re-noise its input image).
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ MAX_SEED = 2**63 - 1
 #: Largest accepted ``fps`` (frames per second of a video).
 MAX_FPS = 120
 
-_KINDS = ("text", "size", "count", "scale", "seed", "lora")
+_KINDS = ("text", "size", "count", "scale", "seed", "lora", "image", "fraction")
 
 
 def param(
@@ -104,6 +113,7 @@ class RequestLimits:
         max_inference_steps: largest ``num_inference_steps``.
         max_num_outputs_per_prompt: largest ``num_outputs_per_prompt`` (HTTP ``n``).
         max_pixel_steps: largest ``n x num_frames x width x height x num_inference_steps``.
+        max_input_images: largest number of input images (``image``) a request may give.
     """
 
     max_image_size: int | None = 4096
@@ -112,6 +122,7 @@ class RequestLimits:
     max_inference_steps: int | None = None
     max_num_outputs_per_prompt: int | None = None
     max_pixel_steps: int | None = None
+    max_input_images: int | None = 1
 
     def tightened(self, other: RequestLimits) -> RequestLimits:
         """The smaller bound of each pair (``None`` counts as no bound)."""
@@ -205,6 +216,63 @@ def check_scale(value: Any, name: str) -> float:
     return float(value)
 
 
+def check_fraction(value: Any, name: str) -> float:
+    """A fraction such as an edit strength: a finite number in ``(0, 1]``.
+
+    Raises:
+        InvalidRequestError: ``param=name``.
+    """
+    if not _is_number(value) or not math.isfinite(value) or not 0 < value <= 1:
+        raise InvalidRequestError(f"{name} must be a number in (0, 1], got {value!r}", param=name)
+    return float(value)
+
+
+def _check_images(value: Any, name: str, high: int | None) -> None:
+    from sglang.multimodal_gen.image_inputs import InputImage
+
+    many = name == "image"
+    items = value if many else (value,)
+    if many and (not isinstance(value, tuple) or not value):
+        raise InvalidRequestError(f"{name} must be one or more images", param=name)
+    if many and high is not None and len(items) > high:
+        raise InvalidRequestError(
+            f"{name}: {len(items)} images given; this model takes at most {high}", param=name
+        )
+    for x in items:
+        if not isinstance(x, InputImage) or x.is_mask == many:
+            what = "input images" if many else "a mask"
+            raise InvalidRequestError(
+                f"{name} must be {what} decoded at the edge (sglang.multimodal_gen.image_inputs)",
+                param=name,
+            )
+
+
+def _images_as_inputs(params: SamplingParams) -> SamplingParams:
+    """The Python API's spellings of images made :class:`InputImage` values: one image or a
+    list for ``image`` (a tuple), Pillow images converted (no limits: the caller's own)."""
+    from sglang.multimodal_gen.image_inputs import InputImage
+
+    def one(x, i):
+        if hasattr(x, "mode") and hasattr(x, "size") and not isinstance(x, InputImage):
+            return InputImage.from_pil(x, f"image[{i}]")
+        return x
+
+    changes: dict[str, Any] = {}
+    img = params.image
+    if img is not None and not isinstance(img, tuple):
+        img = tuple(img) if isinstance(img, list) else (img,)
+    if img is not None:
+        img = tuple(one(x, i) for i, x in enumerate(img))
+        if img != params.image:
+            changes["image"] = img
+    mask = params.mask_image
+    if mask is not None and hasattr(mask, "mode") and not isinstance(mask, InputImage):
+        from sglang.multimodal_gen.image_inputs import mask_pixels
+
+        changes["mask_image"] = InputImage(mask_pixels(mask), source="mask_image")
+    return params.replace(**changes) if changes else params
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One generation request (the fields every model takes).
@@ -228,6 +296,13 @@ class SamplingParams:
         lora: per-request adapter composition ``((nickname, strength), ...)`` of loaded adapters
             (``{"name", "strength"}`` entries are accepted; ``scale`` is an alias of
             ``strength``); ``None`` uses the globally active composition, ``()`` none at all.
+        image: input images (:class:`~sglang.multimodal_gen.image_inputs.InputImage`, RGB):
+            the image to edit or re-noise, or the reference images of an edit model.
+        mask_image: the inpainting mask (:class:`~sglang.multimodal_gen.image_inputs.InputImage`,
+            255 = edit), the size of the first image.
+        strength: how much of the input image is re-noised (diffusers' ``strength``: 1 starts
+            from pure noise, 0.3 keeps most of the image; ``strength x num_inference_steps``
+            steps run).
     """
 
     prompt: str = param("text", "the text prompt", per_row=True)
@@ -257,6 +332,18 @@ class SamplingParams:
         "adapters for this request: [{name, strength}] of loaded adapters; null: the active ones",
         per_row=True,
         cli=False,
+    )
+    image: tuple[Any, ...] | None = param(
+        "image", "input images: the image to edit or re-noise, or reference images",
+        per_row=True, cli=False,
+    )  # fmt: skip
+    mask_image: Any = param(
+        "image", "inpainting mask, the size of the first image: white (or transparent) is edited",
+        per_row=True, cli=False,
+    )  # fmt: skip
+    strength: float | None = param(
+        "fraction",
+        "how much of the input image is re-noised: 1 starts from noise, lower keeps more of it",
     )
 
     # ------------------------------------------------------------------ declarations
@@ -329,6 +416,10 @@ class SamplingParams:
                     )
             elif kind == "lora":
                 validate_composition(value, f.name)
+            elif kind == "image":
+                _check_images(value, f.name, limits.max_input_images)
+            elif kind == "fraction":
+                check_fraction(value, f.name)
         self._check_budget(limits)
         self.check(spec)
 
@@ -367,6 +458,16 @@ class SamplingParams:
             "size or num_inference_steps",
             param=param_name,
         )
+
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share a denoising loop: every field must match but the
+        per-row ones (prompts, seed, adapters, input images); the presence of a negative prompt
+        and the sizes of the input images and mask count too (they change CFG and the shapes)."""
+        per_row = self.per_row_fields()
+        fixed = tuple((n, getattr(self, n)) for n in self.field_names() if n not in per_row)
+        shapes = tuple(x.size for x in self.image or ())
+        mask = self.mask_image.size if self.mask_image is not None else None
+        return (type(self), fixed, self.negative_prompt is None, shapes, mask)
 
     def guidance_values(self) -> dict[str, float]:
         """``{name: value}`` of the guidance weights that are set (fields of kind ``scale``)."""
@@ -414,7 +515,9 @@ class RequestSpec:
         limits: the bounds (:class:`RequestLimits`).
         spatial_factor: height and width must be multiples of it.
         outputs: ``"image"`` or ``"video"``.
-        inputs: the conditioning the model takes (``("text",)``).
+        inputs: the conditioning the model takes (``("text",)``; ``"image"``, ``"mask"``).
+        required_inputs: the conditioning every request must give (``("text",)``; an edit
+            model adds ``"image"``).
         frame_step: a video model makes ``frame_step x k + 1`` frames (its VAE's temporal
             compression); other frame counts are rounded down to that form when resolved.
     """
@@ -428,6 +531,7 @@ class RequestSpec:
     outputs: str = "image"
     inputs: tuple[str, ...] = ("text",)
     frame_step: int = 1
+    required_inputs: tuple[str, ...] = ("text",)
 
     @classmethod
     def generic(cls) -> RequestSpec:
@@ -501,12 +605,15 @@ class RequestSpec:
         """
         if self.accepts(params):
             return params
-        params = self.convert(params)
+        params = _images_as_inputs(self.convert(params))
+        self._check_inputs(params)
         fill = {
             f.name: getattr(self.defaults, f.name)
             for f in fields(params)
             if getattr(params, f.name) is None and getattr(self.defaults, f.name) is not None
         }
+        if not params.image:  # the strength of an input image: none, none to fill
+            fill.pop("strength", None)
         filled = params.replace(**fill)
         filled.validate(self)  # checked before anything else is drawn
         changes: dict[str, Any] = dict(fill)
@@ -521,6 +628,51 @@ class RequestSpec:
         params = dataclasses.replace(params, **changes)  # a new object, never the caller's
         object.__setattr__(params, "_resolved_for", (self.key, self.limits))
         return params
+
+    def _check_inputs(self, params: SamplingParams) -> None:
+        """The conditioning of a request against what the model takes and requires."""
+        takes_image = "image" in self.inputs
+        if params.image is not None and not takes_image:
+            raise InvalidRequestError(
+                f"{self.display_name} models take no input image (their inputs: "
+                f"{', '.join(self.inputs)})",
+                param="image",
+            )
+        if "image" in self.required_inputs and not params.image:
+            raise InvalidRequestError(
+                f"{self.display_name} models need an input image (image)", param="image"
+            )
+        if params.mask_image is not None:
+            if "mask" not in self.inputs:
+                raise InvalidRequestError(
+                    f"{self.display_name} models take no mask (their inputs: "
+                    f"{', '.join(self.inputs)})",
+                    param="mask_image",
+                )
+            if not params.image:
+                raise InvalidRequestError(
+                    "mask_image needs the image it masks (image)", param="mask_image"
+                )
+            _check_images(params.mask_image, "mask_image", None)
+            _check_images(params.image, "image", None)
+            if params.mask_image.size != params.image[0].size:
+                (mw, mh), (iw, ih) = params.mask_image.size, params.image[0].size
+                raise InvalidRequestError(
+                    f"mask_image is {mw}x{mh} but the image is {iw}x{ih}; they must be the "
+                    "same size",
+                    param="mask_image",
+                )
+        if params.strength is not None:
+            if self.defaults.strength is None:
+                raise InvalidRequestError(
+                    f"{self.display_name} models do not re-noise their input image: strength "
+                    "does not apply",
+                    param="strength",
+                )
+            if not params.image:
+                raise InvalidRequestError(
+                    "strength applies to an input image; give image", param="strength"
+                )
 
     def accepts(self, params: SamplingParams) -> bool:
         """Whether ``params`` was resolved for this model under limits at least as tight as
@@ -559,7 +711,7 @@ class RequestSpec:
         out = {
             f.name: getattr(self.defaults, f.name)
             for f in fields(self.params_class)
-            if f.name not in ("prompt", "lora", "seed")
+            if f.name not in ("prompt", "lora", "seed", "image", "mask_image")
         }
         out.update(
             max_image_size=self.limits.max_image_size,
@@ -567,5 +719,6 @@ class RequestSpec:
             max_sequence_length_limit=self.limits.max_sequence_length,
             modality=self.outputs,
             inputs=list(self.inputs),
+            required_inputs=list(self.required_inputs),
         )
         return out

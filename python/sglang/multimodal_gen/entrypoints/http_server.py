@@ -218,6 +218,7 @@ def create_app(
             pipeline_class=info.get("pipeline_class"),
             modality=spec.outputs,
             inputs=list(spec.inputs),
+            required_inputs=list(spec.required_inputs),
             parameters=spec.parameters(),
             tp_sizes=info.get("tp_sizes"),
             parallel=info.get("parallel"),

@@ -89,6 +89,7 @@ _KIND_TYPES = {
     "count": int,
     "seed": int,
     "scale": float,
+    "fraction": float,
     "lora": LoRASpec | list[LoRASpec],
 }
 #: Generation fields whose HTTP spelling is another (``n``, ``size``, ``seconds``).
@@ -106,7 +107,13 @@ def declared_fields() -> dict[str, dataclasses.Field]:
             out.setdefault(f.name, f)
     for f in dataclasses.fields(SamplingParams):
         out.setdefault(f.name, f)
-    return {k: v for k, v in out.items() if k not in _HTTP_SPELLED}
+    # input images arrive as files (the edits route, /v1/videos' input_reference), not as
+    # generation fields
+    return {
+        k: v
+        for k, v in out.items()
+        if k not in _HTTP_SPELLED and v.metadata.get("kind") != "image"
+    }
 
 
 def with_declared_fields(base: type[BaseModel], name: str) -> type[BaseModel]:
@@ -212,6 +219,7 @@ class ModelCard(BaseModel):
     modality: str | None = None
     # the conditioning the model takes ("text"; later "image")
     inputs: list[str] | None = None
+    required_inputs: list[str] | None = None
     # the request fields it takes: [{name, kind, help, default}] (the common ones and its
     # family's own)
     parameters: list[dict[str, Any]] | None = None

@@ -143,10 +143,7 @@ def _batch_key(task: _Task) -> tuple:
     """Generations with equal keys can share a denoising loop: every field of the request must
     match but the per-row ones (prompts, seed, adapters; a negative prompt's presence, not its
     text, changes CFG)."""
-    params = task.args[0]
-    per_row = params.per_row_fields()
-    fixed = tuple((n, getattr(params, n)) for n in params.field_names() if n not in per_row)
-    return (type(params), fixed, params.negative_prompt is None)
+    return task.args[0].batch_key()
 
 
 class Scheduler:

@@ -72,13 +72,17 @@ class SamplingDefaults:
         limits: what the model's position tables and text encoder cover
             (``max_image_size``, ``max_num_frames``, ``max_sequence_length``).
         outputs: ``"image"`` or ``"video"``.
-        inputs: the conditioning the model takes (``("text",)``).
+        inputs: the conditioning the model takes (``("text",)``; ``"image"``: input images,
+            ``"mask"``: an inpainting mask).
+        required_inputs: the conditioning every request must give (an edit model adds
+            ``"image"``).
     """
 
     params: SamplingParams
     limits: RequestLimits = field(default_factory=RequestLimits)
     outputs: str = "image"
     inputs: tuple[str, ...] = ("text",)
+    required_inputs: tuple[str, ...] = ("text",)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,14 @@ subclass overrides stages, never the loop:
 ======================  ===========================================================================
 ``prompt_list``         the texts a request encodes (prompt; negative prompt under CFG)
 ``encode_prompt_list``  texts -> conditioning (a dict of tensors); runs on TP rank 0 only
+``encode_images``       input images -> conditioning (VAE latent distributions...); rank 0 only
 ``prepare_latents``     initial noise in the family's latent layout (diffusers' ``randn_tensor``)
 ``prepare_timesteps``   a fresh scheduler from the directory's config + its timesteps
+``condition_latents``   an input image enters the start (image-to-image: fewer steps, re-noised
+                        image latents)
 ``select_denoiser``     which denoiser runs step ``i`` (Wan2.2 switches experts mid-loop)
 ``predict``             one model evaluation with the family's CFG policy -> scheduler input
+``after_step``          latents after each scheduler step (inpainting keeps the unmasked part)
 ``decode``              latents -> uint8 pixels ``[B, H, W, 3]`` (VAE ranks only)
 ======================  ===========================================================================
 
@@ -154,6 +158,7 @@ class StagedPipeline:
             spatial_factor=self.spatial_factor,
             outputs=d.outputs,
             inputs=tuple(d.inputs),
+            required_inputs=tuple(d.required_inputs),
         )
         # where the initial noise is drawn (diffusers' examples seed a generator of the
         # execution device); the runner may set "cpu" to reproduce a CPU-seeded run
@@ -310,8 +315,41 @@ class StagedPipeline:
             raise out[0]
         return out[0]
 
+    def encode_images(self, g: Generation) -> dict[str, Any]:
+        """The request's input images (``g.params.image``, ``mask_image``) -> conditioning
+        tensors, merged into the prompt conditioning and broadcast with it (rank 0 only, where
+        the VAE is). Called only for a request that gives images (the model's spec admits them
+        only where the family declares them). Default: nothing."""
+        return {}
+
     def prepare_latents(self, g: Generation, cond: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
+
+    def condition_latents(
+        self,
+        g: Generation,
+        cond: dict[str, Any],
+        latents: torch.Tensor,
+        scheduler: Any,
+        timesteps: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(latents, timesteps)`` the loop starts from, after the input images entered them
+        (image-to-image trims the schedule by ``strength`` and re-noises the image latents).
+        Default: unchanged."""
+        return latents, timesteps
+
+    def after_step(
+        self,
+        g: Generation,
+        cond: dict[str, Any],
+        latents: torch.Tensor,
+        step_index: int,
+        timesteps: torch.Tensor,
+        scheduler: Any,
+    ) -> torch.Tensor:
+        """The latents after step ``step_index``'s scheduler step (inpainting puts the kept
+        region back). Default: unchanged."""
+        return latents
 
     def prepare_timesteps(self, g: Generation, latents: torch.Tensor):
         """``(scheduler, timesteps)``: a fresh scheduler (so concurrent state never leaks)."""
@@ -529,6 +567,8 @@ class StagedPipeline:
         if self.rank == 0:
             try:
                 cond = self._encode(g)
+                if p.image:
+                    cond = {**cond, **self.encode_images(g)}
             except Exception as e:  # the other ranks wait in the broadcast: send them the failure
                 failure, cond = e, EncodingFailed(f"{type(e).__name__}: {e}")
         # in a batch the broadcasts (collectives) take turns in request order on every rank
@@ -542,6 +582,7 @@ class StagedPipeline:
         latents = self.prepare_latents(g, cond)
         scheduler, timesteps = self.prepare_timesteps(g, latents)
         check_schedule(scheduler, timesteps, p.num_inference_steps)
+        latents, timesteps = self.condition_latents(g, cond, latents, scheduler, timesteps)
         show = sys.stderr.isatty() if progress is None else progress
         plan = [self.select_denoiser(i, t, g) for i, t in enumerate(timesteps)]
         names = {id(m): n for n, m in self.denoisers.items()}
@@ -561,6 +602,7 @@ class StagedPipeline:
             t0 = time.perf_counter()
             pred = self.predict(current, latents, t, i, cond, g)
             latents = self.scheduler_step(scheduler, pred, t, latents)
+            latents = self.after_step(g, cond, latents, i, timesteps, scheduler)
             bar.update()
             if step_callback is not None:
                 step_callback(i, time.perf_counter() - t0)
