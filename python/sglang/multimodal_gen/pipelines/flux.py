@@ -18,6 +18,13 @@ so that the same weights and seed give the same image:
   ``neg + s (pos - neg)``, with cond and uncond in ONE batched forward (the reference runs two);
 * decode: unpack -> ``latents / scaling_factor + shift_factor`` -> VAE -> diffusers'
   ``VaeImageProcessor.postprocess`` -> uint8.
+
+With an input image it is ``FluxImg2ImgPipeline`` (and with a mask ``FluxInpaintPipeline``): the
+image resized to the request's size by diffusers' ``VaeImageProcessor.preprocess``, a posterior
+sample of its VAE latents ``(z - shift_factor) * scaling_factor`` drawn before the noise, the last
+``strength`` of the schedule run from ``scale_noise(image latents, t0, noise)``; an inpainting mask
+(binarised, resized to the latent grid by nearest neighbour) keeps the unmasked region after every
+step (:mod:`.image_conditioning`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,12 @@ import numpy as np
 import torch
 
 from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline, latents_to_uint8
+from sglang.multimodal_gen.pipelines.image_conditioning import (
+    inpaint_blend,
+    posterior_of,
+    sample_posterior,
+    sdedit_timesteps,
+)
 from sglang.multimodal_gen.pipelines.latent_packing import image_ids, pack_latents, unpack_latents
 
 __all__ = ["FluxPipeline"]
@@ -103,10 +116,22 @@ class FluxPipeline(StagedPipeline):
         h, w = self._latent_hw(g)
         dtype = cond["embeds"].dtype
         c = self.transformer.cfg.in_channels // 4
+        image_latents = None
+        if "image_mean" in cond:  # the posterior sample comes first from the generator
+            z = sample_posterior(cond["image_mean"], cond["image_std"], g.generator, self.device)
+            vae_cfg = self.configs.get("vae", {})
+            z = (z - (vae_cfg.get("shift_factor") or 0.0)) * vae_cfg.get("scaling_factor", 1.0)
+            image_latents = torch.cat([z.to(dtype)] * g.num_outputs, dim=0)
         noise = randn_tensor(
             (g.num_outputs, c, h, w), generator=g.generator, device=self.device, dtype=dtype
         )
         cond["img_ids"] = image_ids(h // 2, w // 2, self.device, dtype)
+        if image_latents is not None:
+            cond["image_latents"] = pack_latents(image_latents)
+            cond["noise"] = pack_latents(noise)
+            if "mask" in cond:
+                m = cond["mask"].to(self.device, dtype).repeat(g.num_outputs, c, 1, 1)
+                cond["mask"] = pack_latents(m)
         return pack_latents(noise)
 
     def prepare_timesteps(self, g, latents):
@@ -115,6 +140,53 @@ class FluxPipeline(StagedPipeline):
         return self.shifted_timesteps(
             latents.shape[1], n, None if use_own else np.linspace(1.0, 1 / n, n)
         )
+
+    # ------------------------------------------------------------------ input images
+    def _processors(self):
+        from diffusers.image_processor import VaeImageProcessor
+
+        factor = self.vae_scale_factor * 2
+        channels = self.configs.get("vae", {}).get("latent_channels", 16)
+        image = VaeImageProcessor(vae_scale_factor=factor, vae_latent_channels=channels)
+        mask = VaeImageProcessor(
+            vae_scale_factor=factor, vae_latent_channels=channels, do_normalize=False,
+            do_binarize=True, do_convert_grayscale=True,
+        )  # fmt: skip
+        return image, mask
+
+    @torch.no_grad()
+    def encode_images(self, g):
+        """The input image's VAE posterior (mean, std) at the request's size and, with a mask,
+        the binarised mask on the latent grid ``[1, 1, h, w]`` (1 = edit)."""
+        p = g.params
+        image_proc, mask_proc = self._processors()
+        x = image_proc.preprocess(p.image[0].to_pil(), height=p.height, width=p.width)
+        x = x.to(device=self.vae.device, dtype=self.vae.dtype)
+        mean, std = posterior_of(self.vae.encode(x))
+        out = {"image_mean": mean.to(self.device), "image_std": std.to(self.device)}
+        if p.mask_image is not None:
+            m = mask_proc.preprocess(p.mask_image.to_pil(), height=p.height, width=p.width)
+            out["mask"] = torch.nn.functional.interpolate(m, size=self._latent_hw(g))
+        return out
+
+    def condition_latents(self, g, cond, latents, scheduler, timesteps):
+        """Image-to-image: the last ``strength`` of the schedule, from the re-noised image."""
+        if "image_latents" not in cond:
+            return latents, timesteps
+        timesteps, _ = sdedit_timesteps(
+            scheduler, g.params.num_inference_steps, g.params.strength
+        )
+        t0 = timesteps[:1].repeat(latents.shape[0])
+        return scheduler.scale_noise(cond["image_latents"], t0, cond["noise"]), timesteps
+
+    def after_step(self, g, cond, latents, step_index, timesteps, scheduler):
+        """Inpainting: the unmasked region is the image, re-noised to the next timestep."""
+        if "mask" not in cond or "image_latents" not in cond:
+            return latents
+        return inpaint_blend(
+            latents, cond["image_latents"], cond["mask"], cond["noise"], scheduler, timesteps,
+            step_index,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ denoise
     def predict(self, denoiser, latents, t, step_index, cond, g):

@@ -25,14 +25,16 @@ def _defaults(cfg) -> SamplingDefaults:
     if cfg.guidance_embeds:  # FLUX.1-dev
         params = FluxSamplingParams(
             height=1024, width=1024, num_inference_steps=28, guidance_scale=3.5,
-            max_sequence_length=512, true_cfg_scale=1.0,
+            max_sequence_length=512, true_cfg_scale=1.0, strength=0.6,
         )  # fmt: skip
     else:  # FLUX.1-schnell
         params = FluxSamplingParams(
             height=1024, width=1024, num_inference_steps=4, guidance_scale=0.0,
-            max_sequence_length=256, true_cfg_scale=1.0,
+            max_sequence_length=256, true_cfg_scale=1.0, strength=0.6,
         )  # fmt: skip
-    return SamplingDefaults(params=params, limits=limits)
+    # an input image: image-to-image (FluxImg2ImgPipeline); with a mask, inpainting
+    # (FluxInpaintPipeline)
+    return SamplingDefaults(params=params, limits=limits, inputs=("text", "image", "mask"))
 
 
 def _tp_divisors(cfg) -> dict[str, int]:
