@@ -110,9 +110,7 @@ def declared_fields() -> dict[str, dataclasses.Field]:
     # input images arrive as files (the edits route, /v1/videos' input_reference), not as
     # generation fields
     return {
-        k: v
-        for k, v in out.items()
-        if k not in _HTTP_SPELLED and v.metadata.get("kind") != "image"
+        k: v for k, v in out.items() if k not in _HTTP_SPELLED and v.metadata.get("kind") != "image"
     }
 
 

@@ -173,9 +173,7 @@ class FluxPipeline(StagedPipeline):
         """Image-to-image: the last ``strength`` of the schedule, from the re-noised image."""
         if "image_latents" not in cond:
             return latents, timesteps
-        timesteps, _ = sdedit_timesteps(
-            scheduler, g.params.num_inference_steps, g.params.strength
-        )
+        timesteps, _ = sdedit_timesteps(scheduler, g.params.num_inference_steps, g.params.strength)
         t0 = timesteps[:1].repeat(latents.shape[0])
         return scheduler.scale_noise(cond["image_latents"], t0, cond["noise"]), timesteps
 
