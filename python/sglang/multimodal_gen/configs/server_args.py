@@ -39,6 +39,10 @@ DEFAULT_MAX_INFERENCE_STEPS = 1000
 DEFAULT_MAX_IMAGE_SIZE = 2048
 # n x width x height x steps: 1 x 1024^2 x 256 steps, or 8 x 1024^2 x 32 (8 x 1024^2 x 50 is over)
 DEFAULT_MAX_PIXEL_STEPS = 1024 * 1024 * 256
+# input images (/v1/images/edits, /v1/videos' input_reference): the ImageLimits defaults
+DEFAULT_MAX_INPUT_IMAGE_BYTES = 20 << 20
+DEFAULT_MAX_INPUT_BYTES = 64 << 20
+DEFAULT_MAX_INPUT_IMAGES = 16
 
 
 def _find_model_index(model_path: str, revision: str | None = None) -> str | None:
@@ -148,6 +152,13 @@ class ServerArgs:
         max_pixel_steps: upper bound of ``n x num_frames x width x height x
             num_inference_steps`` per request (0: no bound; ``None``: 1024x1024 x 256, or 4x the
             model's default request when larger).
+        max_input_image_bytes: bytes of one input image file (``--max-input-image-bytes``).
+        max_input_bytes: bytes of all the input images and the mask of one request
+            (``--max-input-bytes``); the body limit of the routes taking images derives from it.
+        max_input_images: input images in one request (``--max-input-images``; a model may
+            take fewer).
+        image_url_allowed_hosts: hosts whose ``http(s)`` image URLs a request may name
+            (``--image-url-allowed-hosts``); empty: no URL is fetched.
         timeout_keep_alive_s: an idle kept-alive connection is closed after this long.
         timeout_headers_s: request headers must arrive within this long of the connection
             opening (or of the previous answer); 0: no bound.
@@ -203,6 +214,10 @@ class ServerArgs:
     max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
     max_inference_steps: int = DEFAULT_MAX_INFERENCE_STEPS
     max_pixel_steps: int | None = None
+    max_input_image_bytes: int = DEFAULT_MAX_INPUT_IMAGE_BYTES
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
+    max_input_images: int = DEFAULT_MAX_INPUT_IMAGES
+    image_url_allowed_hosts: list[str] = field(default_factory=list)
     timeout_keep_alive_s: float = 5.0
     timeout_headers_s: float = 10.0
     timeout_body_s: float = 30.0
@@ -266,6 +281,19 @@ class ServerArgs:
             raise ValueError(f"--max-steps must be >= 1, got {self.max_inference_steps}")
         if self.max_pixel_steps is not None and int(self.max_pixel_steps) < 0:
             raise ValueError(f"--max-pixel-steps must be >= 0, got {self.max_pixel_steps}")
+        for flag, value in (
+            ("--max-input-image-bytes", self.max_input_image_bytes),
+            ("--max-input-bytes", self.max_input_bytes),
+            ("--max-input-images", self.max_input_images),
+        ):
+            if int(value) < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        self.image_url_allowed_hosts = [h.strip().lower() for h in self.image_url_allowed_hosts]
+        if any(not h or "/" in h for h in self.image_url_allowed_hosts):
+            raise ValueError(
+                "--image-url-allowed-hosts takes host names (images.example.com), got "
+                f"{self.image_url_allowed_hosts}"
+            )
         if int(self.limit_concurrency) < 1:
             raise ValueError(f"--limit-concurrency must be >= 1, got {self.limit_concurrency}")
         for flag, value in (
@@ -467,6 +495,35 @@ class ServerArgs:
             "request when larger, as for video models; 0: no bound)",
         )
         g.add_argument(
+            "--max-input-image-bytes",
+            type=int,
+            default=DEFAULT_MAX_INPUT_IMAGE_BYTES,
+            help="largest input image file in bytes (/v1/images/edits, input_reference; "
+            f"default {DEFAULT_MAX_INPUT_IMAGE_BYTES} = 20 MiB)",
+        )
+        g.add_argument(
+            "--max-input-bytes",
+            type=int,
+            default=DEFAULT_MAX_INPUT_BYTES,
+            help="largest total of the input images and mask of one request in bytes "
+            f"(default {DEFAULT_MAX_INPUT_BYTES} = 64 MiB)",
+        )
+        g.add_argument(
+            "--max-input-images",
+            type=int,
+            default=DEFAULT_MAX_INPUT_IMAGES,
+            help=f"most input images in one request (default {DEFAULT_MAX_INPUT_IMAGES}; a model "
+            "may take fewer)",
+        )
+        g.add_argument(
+            "--image-url-allowed-hosts",
+            nargs="*",
+            default=[],
+            metavar="HOST",
+            help="hosts whose http(s) image URLs a request may name (default: none; no URL is "
+            "fetched, images come as files or base64)",
+        )
+        g.add_argument(
             "--timeout-keep-alive",
             type=float,
             default=5.0,
@@ -619,6 +676,12 @@ class ServerArgs:
             max_images_per_request=args.max_n,
             max_inference_steps=args.max_steps,
             max_pixel_steps=args.max_pixel_steps,
+            max_input_image_bytes=getattr(
+                args, "max_input_image_bytes", DEFAULT_MAX_INPUT_IMAGE_BYTES
+            ),
+            max_input_bytes=getattr(args, "max_input_bytes", DEFAULT_MAX_INPUT_BYTES),
+            max_input_images=getattr(args, "max_input_images", DEFAULT_MAX_INPUT_IMAGES),
+            image_url_allowed_hosts=list(getattr(args, "image_url_allowed_hosts", None) or []),
             timeout_keep_alive_s=args.timeout_keep_alive,
             graceful_shutdown_timeout_s=args.timeout_graceful_shutdown,
             timeout_headers_s=args.timeout_headers,

@@ -14,6 +14,7 @@ import asyncio
 import json
 import re
 import typing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -149,20 +150,23 @@ def _check_parsed(obj: Any, walk: bool) -> None:
                 stack.append((v, (*path, i), depth + 1))
 
 
-def parse_json_body(raw: bytes, model: type[BaseModel], *, allow_empty: bool = False) -> Any:
+def parse_json_body(
+    raw: bytes, model: type[BaseModel], *, allow_empty: bool = False, limit: int = MAX_BODY_BYTES
+) -> Any:
     """Decode ``raw`` as JSON and validate it against ``model``.
 
     Raises:
-        PayloadTooLargeError: 413; more than :data:`MAX_BODY_BYTES`.
+        PayloadTooLargeError: 413; more than ``limit`` bytes (default :data:`MAX_BODY_BYTES`;
+            a route taking base64 images allows more).
         BodyError: 400; invalid UTF-8 or JSON, with line and column of the first error; a key
             given twice in one object; nesting, integers or text no field can take
             (:func:`_check_parsed`).
         SchemaError: 422; the JSON does not fit ``model`` (one sentence per field at fault,
             :func:`~.schema_errors.schema_error_message`).
     """
-    if len(raw) > MAX_BODY_BYTES:
+    if len(raw) > limit:
         raise PayloadTooLargeError(
-            f"request body larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
+            f"request body larger than {limit} bytes", code="request_too_large"
         )
     try:
         text = raw.decode("utf-8")
@@ -334,10 +338,28 @@ def _form_text(data: bytes, what: str, param: str | None) -> str:
         ) from None
 
 
-def _parse_multipart(raw: bytes, boundary: str, max_fields: int) -> list[tuple[str, str | None]]:
+@dataclass(frozen=True, eq=False)
+class FormFile:
+    """A file part of a ``multipart/form-data`` body (a part with a ``filename``).
+
+    Attributes:
+        data: the file's bytes, as sent.
+        filename: the name the client gave (shown in nothing but messages).
+    """
+
+    data: bytes
+    filename: str
+
+    def __repr__(self) -> str:
+        return f"FormFile({self.filename!r}, {len(self.data)} bytes)"
+
+
+def _parse_multipart(
+    raw: bytes, boundary: str, max_fields: int, files: bool = False
+) -> list[tuple[str, str | FormFile | None]]:
     """The ``(name, value)`` parts of a multipart body, strictly: the body must end with its
     close delimiter (nothing but line breaks after it), every name and value must be UTF-8 text;
-    a file part has the value ``None``.
+    a file part has the value ``None``, or with ``files`` a :class:`FormFile`.
 
     Raises:
         BodyError: 400; not valid multipart, no close delimiter, text that is not UTF-8, more
@@ -385,7 +407,8 @@ def _parse_multipart(raw: bytes, boundary: str, max_fields: int) -> list[tuple[s
                 f"the form has more than {max_fields} fields", param=name, code="invalid_form"
             )
         if b"filename" in options:
-            parts.append((name, None))
+            filename = options[b"filename"].decode("utf-8", "replace")
+            parts.append((name, FormFile(bytes(current["data"]), filename) if files else None))
         else:
             parts.append((name, _form_text(bytes(current["data"]), f"field {name!r}", name)))
 
@@ -458,12 +481,82 @@ async def parse_form_body(
                 param=name,
                 code="invalid_form",
             )
-        field = model.model_fields.get(name)
-        if field is None or _takes_text(field.annotation):
-            fields[name] = value
-            continue
-        try:
-            fields[name] = json.loads(value)
-        except ValueError:
-            fields[name] = value
+        fields[name] = _form_value(model, name, value)
     return parse_json_body(json.dumps(fields).encode(), model)
+
+
+def _form_value(model: type[BaseModel], name: str, value: str) -> Any:
+    """A form field's text as ``model`` takes it: kept as text where the field takes a string,
+    else read as JSON (kept as text when it is not JSON, so the schema error names it)."""
+    field = model.model_fields.get(name)
+    if field is None or _takes_text(field.annotation):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def parse_form_with_files(
+    raw: bytes,
+    content_type: str,
+    model: type[BaseModel],
+    file_fields: dict[str, bool],
+    *,
+    limit: int,
+    max_fields: int = 64,
+) -> tuple[Any, dict[str, list[tuple[str, str | FormFile]]]]:
+    """A ``multipart/form-data`` body with files (``/v1/images/edits``, ``/v1/videos``' input
+    reference), parsed as strictly as :func:`parse_form_body`.
+
+    The parts named in ``file_fields`` (a file, or text: a base64 image or a URL) are set apart
+    in arrival order; their names may carry ``[]`` (``image[]``, as the ``openai`` client sends
+    a list of files). Every other part is a text field validated against ``model`` as
+    :func:`parse_form_body` validates it.
+
+    Args:
+        file_fields: the field names that take files, each with whether it may repeat.
+        limit: the body's largest size (bytes).
+
+    Returns:
+        ``(body, inputs)``: the validated model and ``{field: [(form name, FormFile or text)]}``.
+
+    Raises:
+        PayloadTooLargeError: 413; more than ``limit`` bytes.
+        BodyError: 400; as :func:`parse_form_body`; a non-repeatable file field given twice.
+        InvalidRequestError: 400; a file part in another field (``param`` its name).
+        SchemaError: 422; the text fields do not fit ``model``.
+    """
+    if len(raw) > limit:
+        raise PayloadTooLargeError(
+            f"request body larger than {limit} bytes", code="request_too_large"
+        )
+    boundary = _boundary(content_type)
+    fields: dict[str, Any] = {}
+    inputs: dict[str, list[tuple[str, str | FormFile]]] = {}
+    for name, value in _parse_multipart(raw, boundary, max_fields, files=True):
+        base = name[:-2] if name.endswith("[]") else name
+        if base in file_fields:
+            got = inputs.setdefault(base, [])
+            if got and not file_fields[base]:
+                raise BodyError(
+                    f"field {base!r} appears more than once in the form; it takes one file",
+                    param=base,
+                    code="invalid_form",
+                )
+            got.append((name, value))
+            continue
+        if isinstance(value, FormFile):
+            raise InvalidRequestError(
+                f"{name}: this field takes no file (files go in "
+                f"{', '.join(repr(f) for f in file_fields)})",
+                param=name,
+            )
+        if name in fields:
+            raise BodyError(
+                f"field {name!r} appears more than once in the form",
+                param=name,
+                code="invalid_form",
+            )
+        fields[name] = _form_value(model, name, value)
+    return parse_json_body(json.dumps(fields).encode(), model), inputs

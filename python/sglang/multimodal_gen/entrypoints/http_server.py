@@ -3,6 +3,7 @@
 Routes (see ``docs/serving.md``), by module::
 
     images.py      POST /v1/images/generations     OpenAI Images API + seed, steps, guidance, ...
+                   POST /v1/images/edits           the same with input images (and a mask)
                    GET  /v1/images/files/{name}    images of response_format="url" (LRU, in memory)
     lora_admin.py  POST /v1/set_lora, /v1/unset_lora, /v1/unload_lora,
                         /v1/merge_lora_weights, /v1/unmerge_lora_weights;  GET /v1/list_loras
@@ -55,6 +56,7 @@ from sglang.multimodal_gen.entrypoints.schema_errors import schema_error_message
 from sglang.multimodal_gen.entrypoints.transport import run_uvicorn, uvicorn_server
 from sglang.multimodal_gen.entrypoints.videos import add_video_routes
 from sglang.multimodal_gen.hub import hf_hub_cache_dir
+from sglang.multimodal_gen.image_inputs import ImageLimits
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +207,12 @@ def create_app(
         timeout_body_s=args.timeout_body_s or None,
         public_paths=public_paths,
         public_url=public_url,
+        image_limits=ImageLimits(
+            max_file_bytes=args.max_input_image_bytes,
+            max_request_bytes=args.max_input_bytes,
+            max_images=args.max_input_images,
+        ),
+        image_url_hosts=tuple(args.image_url_allowed_hosts),
     )
     add_image_routes(app, ctx, images, metrics)
     add_lora_routes(app, ctx, lora_targets, _hub_lora_fetcher(args))

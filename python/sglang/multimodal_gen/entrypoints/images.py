@@ -1,6 +1,10 @@
 """Images: PNG/JPEG/WebP encoding, the store behind ``response_format="url"``, and the routes
 ``POST /v1/images/generations`` (OpenAI Images API + seed, steps, guidance, negative_prompt,
-lora) and ``GET /v1/images/files/{name}``.
+lora), ``POST /v1/images/edits`` (the same with input images and a mask, as a multipart form as
+OpenAI defines it or a JSON body with base64 images) and ``GET /v1/images/files/{name}``.
+
+Both generation routes run the engine's ``generate`` command (:data:`~..engine_ops.OPS`, which
+owns the generations path); the edits path is this module's (:data:`EDITS_PATH`).
 
 A stored image belongs to the key that created it (:class:`~.auth.Principal`): another key gets
 404 for it, the admin key gets every one; without keys every image is everyone's. Its link starts
@@ -21,18 +25,33 @@ from starlette.concurrency import run_in_threadpool
 
 from sglang.multimodal_gen.engine_ops import OPS
 from sglang.multimodal_gen.entrypoints.auth import ANONYMOUS, Principal
-from sglang.multimodal_gen.entrypoints.http_body import parse_json_body
+from sglang.multimodal_gen.entrypoints.http_body import parse_form_with_files, parse_json_body
+from sglang.multimodal_gen.entrypoints.input_images import (
+    body_limit,
+    decode_inputs,
+    http_field,
+)
 from sglang.multimodal_gen.entrypoints.metrics import ServerMetrics
 from sglang.multimodal_gen.entrypoints.protocol import (
     ImageData,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
+    ImageJob,
     image_job,
+    size_for_input,
 )
 from sglang.multimodal_gen.entrypoints.request_log import lora_summary, record_of
 from sglang.multimodal_gen.entrypoints.routing import RouteContext, principal_of
 from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError
+from sglang.multimodal_gen.image_inputs import ImageBudget
 from sglang.multimodal_gen.outputs import IMAGE_FORMATS, encode_image
+
+#: The path of ``POST /v1/images/edits`` (it runs the ``generate`` command, as generations do).
+EDITS_PATH = "/v1/images/edits"
+#: The HTTP name of each engine request field the edits route spells otherwise (an engine error
+#: naming ``mask_image`` reaches the client as ``mask``).
+_EDIT_FIELDS = {"mask_image": "mask"}
 
 
 class ImageStore:
@@ -88,18 +107,15 @@ def add_image_routes(
     """Register the image routes on ``app``: generations go through ``ctx.scheduler``; their
     images are encoded off the event loop and returned inline or kept in ``images``."""
 
-    async def images_generations(request: Request):
-        t0 = time.perf_counter()
-        req = parse_json_body(await ctx.read_body(request), ImageGenerationRequest)
-        ctx.check_model(req.model)
+    def need_image_model() -> None:
         modality = ctx.spec.outputs
         if modality != "image":  # before the values: their bounds are a video's
             raise InvalidRequestError(
                 f"{ctx.model_id} is a {modality} model; use /v1/videos", param="model"
             )
-        # the request resolved once, here: defaults, every value rule, the seed drawn (so the
-        # response can report it and the image can be reproduced)
-        job = image_job(req, ctx.spec)
+
+    async def run_job(request: Request, job: ImageJob, t0: float) -> JSONResponse:
+        """Queue ``job``, wait for its images, answer them inline or as links."""
         record = record_of(request)
         params = job.params
         record.note(
@@ -136,8 +152,71 @@ def add_image_routes(
         metrics.e2e.observe(time.perf_counter() - t0)
         return JSONResponse(body)
 
+    async def images_generations(request: Request):
+        t0 = time.perf_counter()
+        req = parse_json_body(await ctx.read_body(request), ImageGenerationRequest)
+        ctx.check_model(req.model)
+        need_image_model()
+        # the request resolved once, here: defaults, every value rule, the seed drawn (so the
+        # response can report it and the image can be reproduced)
+        return await run_job(request, image_job(req, ctx.spec), t0)
+
+    async def images_edits(request: Request):
+        t0 = time.perf_counter()
+        limits, spec = ctx.image_limits, ctx.spec
+        content_type = request.headers.get("content-type", "")
+        limit = body_limit(limits, content_type)
+        raw = await ctx.read_body(request, limit)
+        if content_type.lower().startswith("multipart/form-data"):  # OpenAI's form
+            req, parts = await run_in_threadpool(
+                parse_form_with_files, raw, content_type, ImageEditRequest,
+                {"image": True, "mask": False}, limit=limit, max_fields=limits.max_images + 64,
+            )  # fmt: skip
+            image_values = [v for _, v in parts.get("image", [])]
+            mask_values = [v for _, v in parts.get("mask", [])]
+        else:  # JSON: base64 text, a data URL, or a URL of an allowed host
+            req = await run_in_threadpool(parse_json_body, raw, ImageEditRequest, limit=limit)
+            image_values = [req.image] if isinstance(req.image, str) else list(req.image or [])
+            mask_values = [] if req.mask is None else [req.mask]
+        del raw
+        ctx.check_model(req.model)
+        need_image_model()
+        # what the model takes, before anything is decoded
+        if "image" not in spec.inputs:
+            raise InvalidRequestError(
+                f"{ctx.model_id} takes no input image (its inputs: {', '.join(spec.inputs)}); "
+                "use /v1/images/generations",
+                param="image",
+            )
+        if not image_values:
+            raise InvalidRequestError("an edit needs an image (image)", param="image")
+        if mask_values and "mask" not in spec.inputs:
+            raise InvalidRequestError(
+                f"{ctx.model_id} takes no mask (its inputs: {', '.join(spec.inputs)})",
+                param="mask",
+            )
+        budget = ImageBudget(limits)  # one byte count for the images and the mask
+
+        def decode_all():
+            common = dict(limits=limits, budget=budget, allowed_hosts=ctx.image_url_hosts)
+            imgs = decode_inputs(
+                image_values, "image", model_max=spec.limits.max_input_images, **common
+            )
+            masks = decode_inputs(mask_values, "mask", mask=True, **common)
+            return imgs, (masks[0] if masks else None)
+
+        decoded, mask = await run_in_threadpool(decode_all)
+        try:
+            job = image_job(
+                req, spec, size_for_input(spec, *decoded[0].size), image=decoded, mask_image=mask
+            )
+        except InvalidRequestError as e:
+            raise http_field(e, _EDIT_FIELDS) from None
+        return await run_job(request, job, t0)
+
     generate = OPS["generate"]  # the op table owns the path
     app.add_api_route(generate.path, images_generations, methods=[generate.method])
+    app.add_api_route(EDITS_PATH, images_edits, methods=["POST"])
 
     @app.get("/v1/images/files/{name}")
     async def image_file(name: str, request: Request):

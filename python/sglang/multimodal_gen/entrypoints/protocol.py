@@ -150,6 +150,23 @@ class _ImageGenerationBody(_Strict):
 ImageGenerationRequest = with_declared_fields(_ImageGenerationBody, "ImageGenerationRequest")
 
 
+class _ImageEditBody(_ImageGenerationBody):
+    """Body of ``POST /v1/images/edits``: the generation body plus the input images. In a
+    multipart form (OpenAI's) ``image`` / ``image[]`` and ``mask`` are file parts and never
+    reach this model; in a JSON body they are text here: base64, a data URL, or a URL of an
+    allowed host (:func:`~sglang.multimodal_gen.image_inputs.image_from_reference`)."""
+
+    image: str | list[str] | None = None
+    mask: str | None = None
+    # OpenAI edit fields accepted for compatibility, without effect on this engine.
+    input_fidelity: str | None = None
+    partial_images: int | None = None
+    safety_identifier: str | None = None
+
+
+ImageEditRequest = with_declared_fields(_ImageEditBody, "ImageEditRequest")
+
+
 class SetLoRARequest(_Strict):
     """Body of ``POST /v1/set_lora``.
 
@@ -367,18 +384,33 @@ def _is_scale(name: str) -> bool:
     return f is not None and f.metadata.get("kind") == "scale"
 
 
-def image_job(body: BaseModel, spec: RequestSpec) -> ImageJob:
-    """Check a ``/v1/images/generations`` body and translate it for the engine.
+def size_for_input(spec: RequestSpec, width: int, height: int) -> tuple[int, int]:
+    """``(width, height)`` of an edit without ``size``: the input image's, scaled down (aspect
+    kept) to the server's largest side and rounded down to the model's spatial factor."""
+    f, cap = spec.spatial_factor, spec.limits.max_image_size
+    scale = 1.0 if cap is None else min(1.0, cap / max(width, height))
+    return tuple(max(f, int(v * scale) // f * f) for v in (width, height))
+
+
+def image_job(
+    body: BaseModel, spec: RequestSpec, auto_size: tuple[int, int] | None = None, **inputs: Any
+) -> ImageJob:
+    """Check a ``/v1/images/generations`` (or ``/edits``) body and translate it for the engine.
 
     The output options (``response_format``, ``output_format``, ...) are the HTTP layer's; every
     generation value is checked once, by :meth:`RequestSpec.resolve` (the CLI's and the Python
     API's rules) with the server's bounds (``spec`` carries them).
 
+    Args:
+        auto_size: ``(width, height)`` when the body has no ``size`` (or ``"auto"``); ``None``:
+            the model's default (:func:`default_size`).
+        inputs: request fields the route decoded itself (``image``, ``mask_image``).
+
     Raises:
         InvalidRequestError: naming the field (``param``) and its allowed range.
     """
     if body.size in (None, "auto"):
-        size = default_size(spec)
+        size = auto_size or default_size(spec)
     else:
         size = parse_size(body.size, spec)
     response_format = body.response_format or "b64_json"
@@ -403,7 +435,7 @@ def image_job(body: BaseModel, spec: RequestSpec) -> ImageJob:
     if body.stream:
         raise _bad("stream=true is not supported; omit it or send false", "stream")
     try:
-        params = sampling_params(body, spec, size, num_outputs_per_prompt=body.n)
+        params = sampling_params(body, spec, size, num_outputs_per_prompt=body.n, **inputs)
     except InvalidRequestError as e:
         if e.param == "num_outputs_per_prompt":  # the HTTP spelling
             e.param = "n"

@@ -44,6 +44,7 @@ from sglang.multimodal_gen.entrypoints.public_url import PublicUrl
 from sglang.multimodal_gen.entrypoints.request_headers import duplicated_header, single_headers
 from sglang.multimodal_gen.entrypoints.scheduler import Scheduler, ServerShuttingDownError
 from sglang.multimodal_gen.errors import EngineDeadError, NotFoundError
+from sglang.multimodal_gen.image_inputs import ImageLimits
 
 
 def _error_response(exc: BaseException, public: PublicPaths | None = None) -> JSONResponse:
@@ -189,6 +190,10 @@ class RouteContext:
         timeout_body_s: seconds a request body has to arrive (``None``: no bound).
         public_paths: how the server's paths are shown in answers (:mod:`.public_paths`).
         public_url: the base of the server's links (:mod:`.public_url`).
+        image_limits: bounds of a request's input images (``--max-input-image-bytes``,
+            ``--max-input-bytes``, ``--max-input-images``).
+        image_url_hosts: hosts whose image URLs may be fetched (``--image-url-allowed-hosts``;
+            empty: none).
     """
 
     scheduler: Scheduler
@@ -198,10 +203,13 @@ class RouteContext:
     timeout_body_s: float | None
     public_paths: PublicPaths = field(default_factory=PublicPaths)
     public_url: PublicUrl = field(default_factory=lambda: PublicUrl(None, "127.0.0.1", 30000))
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
+    image_url_hosts: tuple[str, ...] = ()
 
-    async def read_body(self, request: Request) -> bytes:
-        """The body, bounded in size and arrival time (:func:`~.http_body.read_body`)."""
-        return await read_body(request, MAX_BODY_BYTES, self.timeout_body_s)
+    async def read_body(self, request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+        """The body, bounded in size (``limit`` bytes) and arrival time
+        (:func:`~.http_body.read_body`)."""
+        return await read_body(request, limit, self.timeout_body_s)
 
     async def wait_for(self, future: Future, request: Request | None = None) -> Any:
         """Await a scheduler future.
