@@ -22,6 +22,7 @@ from sglang.multimodal_gen.models.model_dir import (
     ModelLoadError,
     find_weight_files,
 )
+from sglang.multimodal_gen.models.processors import is_processor_class, load_processor
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ def load_component(
 
     Models (``torch.nn.Module`` subclasses) are loaded from safetensors only, in ``dtype``, moved
     to ``device`` and put in eval mode; other classes (tokenizers, schedulers, processors) with
-    their own ``from_pretrained``.
+    their own ``from_pretrained``; multimodal processors through
+    :func:`~sglang.multimodal_gen.models.processors.load_processor`.
 
     Raises:
         FileNotFoundError: the component folder is missing.
@@ -98,6 +100,8 @@ def load_component(
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"missing component directory: {folder}")
     cls = resolve_class(model_path, name, library, class_name)
+    if is_processor_class(cls):  # e.g. Qwen2VLProcessor, also without torchvision
+        return load_processor(folder, cls)
     if not _is_weighted_model(cls):
         return cls.from_pretrained(folder)
     find_weight_files(folder)  # refuses pickle-only folders with a clear message
