@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 def server_spec(engine_spec: RequestSpec, args: ServerArgs) -> RequestSpec:
     """The engine's request spec with the server's bounds on top (``--max-image-size``,
-    ``--max-n``, ``--max-steps``, ``--max-pixel-steps``).
+    ``--max-n``, ``--max-steps``, ``--max-pixel-steps``, ``--max-input-images``).
 
     Raises:
         ValueError: ``--max-image-size`` above the model's maximum.
@@ -77,6 +77,7 @@ def server_spec(engine_spec: RequestSpec, args: ServerArgs) -> RequestSpec:
             max_inference_steps=args.max_inference_steps,
             max_num_outputs_per_prompt=args.max_images_per_request,
             max_pixel_steps=resolve_max_pixel_steps(args.max_pixel_steps, defaults),
+            max_input_images=args.max_input_images,
         )
     )
 

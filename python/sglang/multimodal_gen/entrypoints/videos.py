@@ -9,6 +9,11 @@ bytes of their videos are bounded (the oldest finished jobs go first) and finish
 A job survives its client's disconnect; failures are reported in the job as an OpenAI error
 object.
 
+``input_reference`` (OpenAI's name) is the request's input image: a file part of the form, or in
+a JSON body base64 / a data URL / an allowed URL (or ``{"image_url": ...}``); it becomes the
+engine request's ``image``, decoded with the server's image bounds (:mod:`.input_images`), and a
+model that takes no image refuses it (400 naming ``input_reference``).
+
 Every check a request can fail runs before the job exists: the values, the store's room, and
 (by the scheduler, as it queues the generation) the adapters its ``lora`` names; a refused
 request creates nothing. A job belongs to the key that created it (:class:`~.auth.Principal`):
@@ -29,9 +34,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from sglang.multimodal_gen.entrypoints.auth import ANONYMOUS, Principal
-from sglang.multimodal_gen.entrypoints.http_body import parse_form_body, parse_json_body
+from sglang.multimodal_gen.entrypoints.http_body import (
+    MAX_BODY_BYTES,
+    parse_form_with_files,
+    parse_json_body,
+)
+from sglang.multimodal_gen.entrypoints.input_images import body_limit, decode_inputs, http_field
 from sglang.multimodal_gen.entrypoints.openai_errors import describe_exception
 from sglang.multimodal_gen.entrypoints.protocol import (
     _Strict,
@@ -44,14 +55,25 @@ from sglang.multimodal_gen.entrypoints.request_log import logger as request_logg
 from sglang.multimodal_gen.entrypoints.request_log import lora_summary, record_of
 from sglang.multimodal_gen.entrypoints.routing import RouteContext, principal_of
 from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError, SGLangError
+from sglang.multimodal_gen.image_inputs import ImageBudget
 from sglang.multimodal_gen.outputs import encode_video
 
 __all__ = ["VideoGenerationRequest", "VideoJobStore", "add_video_routes"]
 
 
+class _InputReference(_Strict):
+    """OpenAI's object form of ``input_reference``: an image URL (a data URL, or a URL of an
+    allowed host); ``file_id`` (OpenAI's file store) is not offered here."""
+
+    image_url: str | None = None
+    file_id: str | None = None
+
+
 class _VideoGenerationBody(_Strict):
     """Body of ``POST /v1/videos``: OpenAI's fields (``prompt``, ``model``, ``size``,
-    ``seconds``), plus every declared generation field of video models
+    ``seconds``, ``input_reference``: in a JSON body base64 text, a data URL or
+    ``{"image_url": ...}``; in a form a file part), plus every declared generation field of
+    video models
     (:func:`~.protocol.with_declared_fields`: ``num_frames``, ``fps``, ``seed``,
     ``negative_prompt``, ``guidance_scale``, ``num_inference_steps``, ``lora``, and the
     families' own)."""
@@ -60,6 +82,7 @@ class _VideoGenerationBody(_Strict):
     model: str | None = None
     size: str | None = None
     seconds: str | int | float | None = None
+    input_reference: str | _InputReference | None = None
 
 
 VideoGenerationRequest = with_declared_fields(_VideoGenerationBody, "VideoGenerationRequest")
@@ -263,13 +286,35 @@ def add_video_routes(
     @app.post("/v1/videos")
     async def create_video(request: Request):
         need_video_model()
-        raw = await ctx.read_body(request)
         content_type = request.headers.get("content-type", "")
+        takes_image = "image" in spec.inputs
+        # room for an input image only where the model takes one
+        limit = body_limit(ctx.image_limits, content_type) if takes_image else MAX_BODY_BYTES
+        raw = await ctx.read_body(request, limit)
         if content_type.lower().startswith("multipart/form-data"):  # the openai client's form
-            req = await parse_form_body(raw, content_type, VideoGenerationRequest)
+            req, parts = await run_in_threadpool(
+                parse_form_with_files, raw, content_type, VideoGenerationRequest,
+                {"input_reference": False}, limit=limit,
+            )  # fmt: skip
+            refs = [v for _, v in parts.get("input_reference", [])]
         else:
-            req = parse_json_body(raw, VideoGenerationRequest)
+            req = await run_in_threadpool(parse_json_body, raw, VideoGenerationRequest, limit=limit)
+            refs = [] if req.input_reference is None else [_reference_text(req.input_reference)]
+        del raw
         ctx.check_model(req.model)
+        if refs and not takes_image:  # before anything is decoded
+            raise InvalidRequestError(
+                f"{model_id} takes no input image (its inputs: {', '.join(spec.inputs)}); "
+                "send the request without input_reference",
+                param="input_reference",
+            )
+        image = None
+        if refs:
+            image = await run_in_threadpool(
+                decode_inputs, refs, "input_reference", ctx.image_limits,
+                ImageBudget(ctx.image_limits), model_max=spec.limits.max_input_images,
+                allowed_hosts=ctx.image_url_hosts,
+            )  # fmt: skip
         record = record_of(request)
         fps = req.fps if req.fps is not None else int(spec.defaults.fps or 16)
         if fps < 1 or fps > 120:
@@ -277,7 +322,10 @@ def add_video_routes(
         num_frames = _frames_for(req, fps)
         size = default_size(spec) if req.size is None else parse_size(req.size, spec)
         # the request resolved once, here: every value rule, before anything is queued
-        params = sampling_params(req, spec, size, num_frames=num_frames, fps=fps)
+        try:
+            params = sampling_params(req, spec, size, num_frames=num_frames, fps=fps, image=image)
+        except InvalidRequestError as e:
+            raise http_field(e, {"image": "input_reference"}) from None
         job = VideoJob(
             id=f"video_{secrets.token_hex(12)}", model=model_id, prompt=req.prompt,
             size=f"{params.width}x{params.height}",
@@ -358,6 +406,23 @@ def add_video_routes(
         return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})
 
     return store
+
+
+def _reference_text(ref: str | _InputReference) -> str:
+    """The image text of a JSON ``input_reference`` (a string, or the object's ``image_url``).
+
+    Raises:
+        InvalidRequestError: naming ``input_reference``; an object without ``image_url``.
+    """
+    if isinstance(ref, str):
+        return ref
+    if ref.image_url is None:
+        raise InvalidRequestError(
+            "input_reference: give the image itself (a file part, base64, or "
+            '{"image_url": "data:image/png;base64,..."}); file_id is not offered here',
+            param="input_reference",
+        )
+    return ref.image_url
 
 
 def _seconds(value: float | None) -> str:
