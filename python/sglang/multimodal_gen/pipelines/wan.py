@@ -1,4 +1,5 @@
-"""Wan2.x text-to-video: the stages, for one expert (Wan2.1, Wan2.2 TI2V-5B) or two (Wan2.2 A14B).
+"""Wan2.x text- and image-to-video: the stages, for one expert (Wan2.1, Wan2.2 TI2V-5B) or two
+(Wan2.2 A14B).
 
 Follows diffusers' ``WanPipeline.__call__`` (diffusers 0.42.1, ``pipelines/wan/pipeline_wan.py``)
 so that the same weights and seed give the same frames:
@@ -20,6 +21,21 @@ so that the same weights and seed give the same frames:
 * decode: ``latents * std + mean`` (the VAE config's ``latents_std`` / ``latents_mean``),
   ``AutoencoderKLWan.decode``, diffusers' ``VideoProcessor.postprocess_video`` -> uint8
   ``[n, F, H, W, 3]``.
+
+An input image (the request's ``image``, the first frame) follows diffusers'
+``WanImageToVideoPipeline.__call__`` (``pipelines/wan/pipeline_wan_i2v.py``). The image is resized
+to the request's size by diffusers' ``VideoProcessor.preprocess`` and encoded by the VAE (its
+posterior's mode, no draw from the generator), normalised as ``(z - mean) / std``; then
+
+* I2V-A14B (the DiT's ``in_channels = 2 C + 4``): the VAE encodes the video ``[image, F - 1 black
+  frames]``; every step the DiT gets ``[noise latents (C), frame mask (4), image video latents
+  (C)]`` along channels, the mask 1 on the first latent frame and 0 elsewhere; the scheduler
+  still steps the ``C`` noise channels only;
+* TI2V-5B (``expand_timesteps``): the VAE encodes the image alone (one latent frame); the DiT's
+  input has that latent frame in place of the first latent frame and its tokens get timestep 0
+  (the others ``t``); the final latents get the image's latent frame back before decoding.
+
+The image's latents are computed on rank 0 and broadcast with the prompt conditioning.
 """
 
 from __future__ import annotations
@@ -30,13 +46,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from sglang.multimodal_gen.models.families.wan import takes_image_condition
 from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline
 
 __all__ = ["WanPipeline"]
 
 
 class WanPipeline(StagedPipeline):
-    """Wan2.x video generation on our DiT (``models/dits/wan.py``)."""
+    """Wan2.x video generation on our DiT (``models/dits/wan.py``).
+
+    Attributes:
+        image_mode: how an input image enters: ``"concat"`` (I2V-A14B: channel concatenation,
+            an image required), ``"first_frame"`` (``expand_timesteps``, TI2V-5B: the first
+            latent frame, an image optional) or ``None`` (text only).
+    """
 
     family_name = "wan"
     text_components = ("text_encoder", "tokenizer")
@@ -49,6 +72,15 @@ class WanPipeline(StagedPipeline):
         self.expand_timesteps = bool(self.pipeline_config.get("expand_timesteps", False))
         if self.boundary_ratio is not None and "transformer_2" not in self.denoisers:
             raise ValueError("model_index.json sets boundary_ratio but has no transformer_2")
+        if takes_image_condition(self.transformer.cfg):
+            self.image_mode = "concat"
+        elif self.expand_timesteps:
+            self.image_mode = "first_frame"
+        else:
+            self.image_mode = None
+        inputs = self.spec.inputs
+        if self.image_mode and "image" not in inputs:  # e.g. a narrower TI2V-like DiT
+            inputs = (*inputs, "image")
         defaults = self.spec.defaults
         if self.boundary_ratio is None:  # one expert: no second guidance
             defaults = defaults.replace(guidance_scale_2=None)
@@ -62,8 +94,9 @@ class WanPipeline(StagedPipeline):
             max_num_frames=min(limits.max_num_frames or frames, frames),
         )
         self.spec = replace(
-            self.spec, defaults=defaults, limits=limits, frame_step=self.temporal_factor
-        )
+            self.spec, defaults=defaults, limits=limits, frame_step=self.temporal_factor,
+            inputs=inputs,
+        )  # fmt: skip
 
     def compute_vae_scale_factor(self) -> int:
         return int(self.configs.get("vae", {}).get("scale_factor_spatial") or 8)
@@ -110,8 +143,23 @@ class WanPipeline(StagedPipeline):
         return {"embeds": self._t5(prompts, max_sequence_length).to(self.transformer.dtype)}
 
     def prepare_conditioning(self, g, cond):
-        """Rows ``[pos x n, neg x n]``."""
-        return dict(cond, embeds=cond["embeds"].repeat_interleave(g.num_outputs, dim=0))
+        """Rows ``[pos x n, neg x n]``; with an input image, its condition for the ``n`` videos:
+        ``image_condition`` ``[n, 4 + C, f, h, w]`` (frame mask, then the latents; I2V-A14B) or
+        ``first_frame`` ``[n, C, 1, h, w]`` (TI2V-5B), fp32."""
+        n = g.num_outputs
+        cond = dict(cond, embeds=cond["embeds"].repeat_interleave(n, dim=0))
+        z = cond.pop("image_latents", None)
+        if z is None:
+            return cond
+        z = z.to(self.device, torch.float32).repeat(n, 1, 1, 1, 1)
+        if self.image_mode == "concat":
+            # diffusers' mask: 1 on each of the first latent frame's 4 frames, 0 after
+            mask = torch.zeros(n, self.temporal_factor, *z.shape[2:], device=self.device)
+            mask[:, :, 0] = 1
+            cond["image_condition"] = torch.cat([mask, z], dim=1)
+        else:
+            cond["first_frame"] = z
+        return cond
 
     # ------------------------------------------------------------------ latents / schedule
     def latent_frames(self, num_frames: int) -> int:
@@ -132,7 +180,7 @@ class WanPipeline(StagedPipeline):
         p = g.params
         shape = (
             g.num_outputs,
-            self.transformer.cfg.in_channels,
+            self.transformer.cfg.out_channels,  # the VAE's channels (I2V: not the DiT's input)
             self.latent_frames(p.num_frames),
             p.height // s,
             p.width // s,
@@ -144,6 +192,51 @@ class WanPipeline(StagedPipeline):
         scheduler.set_timesteps(g.params.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
+
+    # ------------------------------------------------------------------ input image
+    def _latent_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, 1 / std)`` of the VAE config as ``[1, C, 1, 1, 1]`` tensors like ``like``."""
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)
+        return mean.to(like.device, like.dtype), inv_std.to(like.device, like.dtype)
+
+    @torch.no_grad()
+    def encode_images(self, g):
+        """``{"image_latents": [1, C, f, h, w]}`` fp32: the normalised VAE latents (posterior
+        mode) of the request's image at its size, as the video ``[image, F - 1 black frames]``
+        (I2V-A14B, ``f`` the request's latent frames) or the image alone (TI2V-5B, ``f = 1``)."""
+        from diffusers.video_processor import VideoProcessor
+
+        p = g.params
+        proc = VideoProcessor(vae_scale_factor=self.vae_scale_factor)
+        image = proc.preprocess(p.image[0].to_pil(), height=p.height, width=p.width)
+        video = image.to(self.vae.device, torch.float32).unsqueeze(2)  # [1, 3, 1, H, W]
+        if self.image_mode == "concat":
+            frames = (self.latent_frames(p.num_frames) - 1) * self.temporal_factor + 1
+            black = video.new_zeros(1, 3, frames - 1, p.height, p.width)
+            video = torch.cat([video, black], dim=2)
+        z = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode()
+        z = z.to(self.device, torch.float32)
+        mean, inv_std = self._latent_stats(z)
+        return {"image_latents": (z - mean) * inv_std}
+
+    @staticmethod
+    def _first_frame_mask(latents: torch.Tensor) -> torch.Tensor:
+        """``[1, 1, f, h, w]`` fp32: 0 on the first latent frame (the image's), 1 elsewhere."""
+        mask = torch.ones(1, 1, *latents.shape[2:], device=latents.device)
+        mask[:, :, 0] = 0
+        return mask
+
+    def _with_first_frame(self, latents: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        mask = self._first_frame_mask(latents)
+        return (1 - mask) * cond["first_frame"] + mask * latents
+
+    def after_step(self, g, cond, latents, step_index, timesteps, scheduler):
+        """TI2V with an image: after the last step the first latent frame is the image's."""
+        if "first_frame" in cond and step_index == len(timesteps) - 1:
+            return self._with_first_frame(latents, cond)
+        return latents
 
     # ------------------------------------------------------------------ denoise
     def _boundary(self) -> float | None:
@@ -165,12 +258,20 @@ class WanPipeline(StagedPipeline):
         w = g.params.guidance_scale
         if not self._high_noise(t) and g.params.guidance_scale_2 is not None:
             w = g.params.guidance_scale_2
-        x = latents.to(denoiser.dtype)
-        if self.expand_timesteps:
+        if "image_condition" in cond:
+            x = torch.cat([latents, cond["image_condition"]], dim=1)
+        elif "first_frame" in cond:
+            x = self._with_first_frame(latents, cond)
+        else:
+            x = latents
+        x = x.to(denoiser.dtype)
+        if self.expand_timesteps:  # one timestep per patch token; 0 on the image's tokens
             p = denoiser.cfg.patch_size
-            tokens = (x.shape[2] // p[0]) * (x.shape[3] // p[1]) * (x.shape[4] // p[2])
-            ones = torch.ones(tokens, dtype=torch.float32, device=self.device)
-            timestep = (ones * t).unsqueeze(0).expand(b, -1)
+            grid = (x.shape[2] // p[0], x.shape[3] // p[1], x.shape[4] // p[2])
+            per_token = torch.ones(grid, dtype=torch.float32, device=self.device)
+            if "first_frame" in cond:
+                per_token[0] = 0
+            timestep = (per_token * t).flatten().unsqueeze(0).expand(b, -1)
         else:
             timestep = t.expand(b)
         rows = cond["embeds"].shape[0] // b

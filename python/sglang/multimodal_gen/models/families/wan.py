@@ -1,9 +1,12 @@
-"""Wan2.x (Alibaba): ``WanPipeline`` video directories.
+"""Wan2.x (Alibaba): ``WanPipeline`` and ``WanImageToVideoPipeline`` video directories.
 
 Layouts: Wan2.2 T2V-A14B (two experts: ``transformer`` for high noise, ``transformer_2`` for low
-noise, switched at ``boundary_ratio`` from ``model_index.json``), Wan2.2 TI2V-5B (one expert,
-48 latent channels, the Wan2.2 VAE, per-token timesteps via ``expand_timesteps``) and Wan2.1
-(one expert). Files of the family: ``configs/wan.py``, ``models/dits/wan.py`` (+
+noise, switched at ``boundary_ratio`` from ``model_index.json``), Wan2.2 I2V-A14B (the same two
+experts, whose input is the noise concatenated with the image's condition latents and a frame
+mask: ``in_channels = 2 * out_channels + 4``; an image is required), Wan2.2 TI2V-5B (one expert,
+48 latent channels, the Wan2.2 VAE, per-token timesteps via ``expand_timesteps``; text-to-video,
+or image-to-video with the image as the first frame) and Wan2.1 (one expert, text only; the
+CLIP image branch of Wan2.1 I2V is not implemented, see ``configs/wan.py``). Files of the family: ``configs/wan.py``, ``models/dits/wan.py`` (+
 ``wan_layers.py``), ``models/dits/wan_names.py``, ``pipelines/wan.py``, ``models/families/tiny/wan.py`` and this
 declaration.
 """
@@ -29,20 +32,40 @@ def _max_frames(cfg) -> int:
     return (cfg.rope_max_seq_len * cfg.patch_size[0] - 1) * 4 + 1
 
 
+def takes_image_condition(cfg) -> bool:
+    """Whether the DiT's input is the noise concatenated with an image condition (Wan2.2
+    I2V-A14B: ``out_channels`` noise channels, a 4-channel frame mask, ``out_channels`` image
+    latent channels)."""
+    return cfg.in_channels == 2 * cfg.out_channels + 4
+
+
 def _defaults(cfg) -> SamplingDefaults:
     limits = RequestLimits(max_sequence_length=512, max_num_frames=_max_frames(cfg))
-    if cfg.in_channels == 48:  # TI2V-5B: 704x1280, 121 frames at 24 fps
+    if takes_image_condition(cfg):
+        # I2V-A14B: 480x832, 81 frames at 16 fps, both experts' guidance 3.5; every request
+        # gives the first frame
+        params = WanSamplingParams(
+            num_inference_steps=40, guidance_scale=3.5, height=480, width=832,
+            max_sequence_length=512, num_frames=81, fps=16, guidance_scale_2=3.5,
+        )  # fmt: skip
+        return SamplingDefaults(
+            params=params, limits=limits, outputs="video", inputs=("text", "image"),
+            required_inputs=("text", "image"),
+        )  # fmt: skip
+    if cfg.in_channels == 48:  # TI2V-5B: 704x1280, 121 frames at 24 fps; an image is optional
         params = WanSamplingParams(
             num_inference_steps=50, guidance_scale=5.0, height=704, width=1280,
             max_sequence_length=512, num_frames=121, fps=24,
         )  # fmt: skip
-    else:
-        # T2V-A14B (and Wan2.1): 480x832, 81 frames at 16 fps; the second expert's guidance 3.0
-        # (the pipeline drops it for one-expert directories)
-        params = WanSamplingParams(
-            num_inference_steps=40, guidance_scale=4.0, height=480, width=832,
-            max_sequence_length=512, num_frames=81, fps=16, guidance_scale_2=3.0,
-        )  # fmt: skip
+        return SamplingDefaults(
+            params=params, limits=limits, outputs="video", inputs=("text", "image")
+        )
+    # T2V-A14B (and Wan2.1): 480x832, 81 frames at 16 fps; the second expert's guidance 3.0
+    # (the pipeline drops it for one-expert directories)
+    params = WanSamplingParams(
+        num_inference_steps=40, guidance_scale=4.0, height=480, width=832,
+        max_sequence_length=512, num_frames=81, fps=16, guidance_scale_2=3.0,
+    )  # fmt: skip
     return SamplingDefaults(params=params, limits=limits, outputs="video")
 
 
@@ -66,7 +89,7 @@ WAN = register_family(
     ModelFamily(
         name="wan",
         display_name="Wan2.x",
-        pipeline_classes=("WanPipeline",),
+        pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
         pipeline=f"{_PKG}.pipelines.wan:WanPipeline",
         denoisers=(_expert("transformer"), _expert("transformer_2")),
         defaults=_defaults,

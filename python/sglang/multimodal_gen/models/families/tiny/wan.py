@@ -1,12 +1,16 @@
 """Small, seeded, random-weight Wan2.2 directories in diffusers format (tests, demos, benchmarks).
 
 ``layout="a14b"``: two experts (``transformer`` / ``transformer_2``) switched at
-``boundary_ratio``, the Wan2.1 VAE (16 latent channels, spatial factor 8). ``layout="ti2v"``: one
-expert with per-token timesteps (``expand_timesteps``) and the Wan2.2 VAE layout (residual blocks,
-2x2 pixel patches, spatial factor 16). Built with diffusers' ``WanTransformer3DModel``,
-``AutoencoderKLWan``, ``UniPCMultistepScheduler`` (flow sigmas, as Wan ships) and transformers'
-``UMT5EncoderModel`` with an offline character-level ``T5Tokenizer``; saved with
-``WanPipeline.save_pretrained``. Random weights: the frames are noise by construction.
+``boundary_ratio``, the Wan2.1 VAE (16 latent channels, spatial factor 8). ``layout="i2v"``: the
+same as a Wan2.2 I2V-A14B ``WanImageToVideoPipeline`` (two experts whose input is the noise
+concatenated with the image's condition: ``in_channels = 2 * 16 + 4 = 36``, ``out_channels``
+16; no CLIP image encoder). ``layout="ti2v"``: one expert with per-token timesteps
+(``expand_timesteps``) and the Wan2.2 VAE layout (residual blocks, 2x2 pixel patches, spatial
+factor 16). Built with diffusers' ``WanTransformer3DModel``, ``AutoencoderKLWan``,
+``UniPCMultistepScheduler`` (flow sigmas, as Wan ships) and transformers' ``UMT5EncoderModel``
+with an offline character-level ``T5Tokenizer``; saved with ``WanPipeline.save_pretrained``
+(``WanImageToVideoPipeline`` for ``"i2v"``). Random weights: the frames are noise by
+construction.
 """
 
 from __future__ import annotations
@@ -68,24 +72,33 @@ def _vae(layout: str):
     )  # fmt: skip
 
 
+LAYOUTS = ("a14b", "i2v", "ti2v")
+
+
 def build_wan_components(layout: str = "a14b", seed: int = DEFAULT_SEED) -> dict[str, Any]:
-    """The components of a ``WanPipeline`` (fp32, CPU, eval mode) plus its config values
-    (``boundary_ratio`` / ``expand_timesteps``)."""
+    """The components of a ``WanPipeline`` (``WanImageToVideoPipeline`` for ``"i2v"``; fp32,
+    CPU, eval mode) plus its config values (``boundary_ratio`` / ``expand_timesteps``).
+
+    Raises:
+        ValueError: ``layout`` is not one of :data:`LAYOUTS`.
+    """
     from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    if layout not in ("a14b", "ti2v"):
-        raise ValueError(f"layout must be 'a14b' or 'ti2v', got {layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     _, tok = build_clip_t5_tokenizers()
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     te = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), **TINY_UMT5)).eval()
     vae = _vae(layout).eval()
     z = vae.config.z_dim
-    t_cfg = dict(TINY_TRANSFORMER, in_channels=z, out_channels=z)
+    # I2V: noise (z) + the frame mask (4, one per frame of the VAE's temporal group) + the image
+    # condition's latents (z)
+    t_cfg = dict(TINY_TRANSFORMER, in_channels=2 * z + 4 if layout == "i2v" else z, out_channels=z)
     experts = {}
     for i, name in enumerate(
-        ("transformer", "transformer_2") if layout == "a14b" else ("transformer",)
+        ("transformer",) if layout == "ti2v" else ("transformer", "transformer_2")
     ):
         torch.manual_seed(seed + 1 + i)
         experts[name] = WanTransformer3DModel(**t_cfg).eval()
@@ -98,6 +111,8 @@ def build_wan_components(layout: str = "a14b", seed: int = DEFAULT_SEED) -> dict
     comps = dict(tokenizer=tok, text_encoder=te, vae=vae, scheduler=sched, **experts)
     if layout == "a14b":
         comps.update(boundary_ratio=0.875)
+    elif layout == "i2v":  # Wan2.2 I2V-A14B switches experts at 0.9; no CLIP image encoder
+        comps.update(boundary_ratio=0.9, image_encoder=None, image_processor=None)
     else:
         comps.update(transformer_2=None, expand_timesteps=True)
     return comps
@@ -106,11 +121,13 @@ def build_wan_components(layout: str = "a14b", seed: int = DEFAULT_SEED) -> dict
 def build_wan_dir(
     path: str | os.PathLike, *, layout: str = "a14b", seed: int = DEFAULT_SEED
 ) -> str:
-    """Write a diffusers-format Wan2.2 directory at ``path``; returns ``str(path)``."""
-    from diffusers import WanPipeline
+    """Write a diffusers-format Wan2.2 directory at ``path`` (see :func:`build_wan_components`);
+    returns ``str(path)``."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
 
     path = os.fspath(path)
-    WanPipeline(**build_wan_components(layout, seed)).save_pretrained(path, safe_serialization=True)
+    cls = WanImageToVideoPipeline if layout == "i2v" else WanPipeline
+    cls(**build_wan_components(layout, seed)).save_pretrained(path, safe_serialization=True)
     return path
 
 
