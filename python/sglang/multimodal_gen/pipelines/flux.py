@@ -187,6 +187,11 @@ class FluxPipeline(StagedPipeline):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ denoise
+    def denoiser_input(self, latents: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        """The DiT's image tokens ``[B, L', C]`` for ``latents`` ``[B, L, C]``: the latents
+        themselves (an edit model appends its reference tokens; ``img_ids`` then covers both)."""
+        return latents
+
     def predict(self, denoiser, latents, t, step_index, cond, g):
         """One DiT call: the distilled guidance value for [dev]; cond and uncond batched in one
         forward under true CFG, combined as ``neg + s (pos - neg)``."""
@@ -198,7 +203,7 @@ class FluxPipeline(StagedPipeline):
             guidance = torch.full(
                 [b], g.params.guidance_scale, device=self.device, dtype=torch.float32
             )
-        x = latents.to(denoiser.dtype)
+        x = self.denoiser_input(latents, cond).to(denoiser.dtype)
         if rows > 1:
             x = x.repeat(rows, 1, 1)
             timestep = timestep.repeat(rows)
@@ -216,6 +221,7 @@ class FluxPipeline(StagedPipeline):
         out = self.run_branches(
             denoiser, rows, args, batched + (() if guidance is None else ("guidance",)), g
         )
+        out = out[:, : latents.shape[1]]  # the prediction of the latents' own tokens
         if rows == 1:
             return out
         pos, neg = out[:b], out[b:]

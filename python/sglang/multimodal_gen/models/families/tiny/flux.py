@@ -158,3 +158,34 @@ def build_flux_dir(
 
 
 build_flux_dir.version = TINY_VERSION  # cache key of an embedded default model
+
+
+def build_flux_kontext_dir(
+    path: str | os.PathLike,
+    *,
+    transformer: dict | None = None,
+    seed: int = DEFAULT_SEED,
+) -> str:
+    """Write a diffusers-format FLUX.1 Kontext directory at ``path``: the [dev] components of
+    :func:`build_flux_components` saved by diffusers' ``FluxKontextPipeline`` (its
+    ``model_index.json`` names that class), with a 64 x 64 default size in the transformer
+    config (``_sglang_defaults``, which diffusers ignores) so that reference images are brought
+    to Kontext's aspect ratios at 64 x 64 pixels of area rather than a megapixel; returns
+    ``str(path)``."""
+    import json
+
+    from diffusers import FluxKontextPipeline
+
+    path = os.fspath(path)
+    comps = build_flux_components(True, transformer, seed=seed)
+    FluxKontextPipeline(**comps).save_pretrained(path, safe_serialization=True)
+    cfg_path = os.path.join(path, "transformer", "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["_sglang_defaults"] = {"height": 64, "width": 64}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return path
+
+
+build_flux_kontext_dir.version = TINY_VERSION
