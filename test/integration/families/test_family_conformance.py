@@ -79,8 +79,20 @@ def _request(engine, **fields) -> SamplingParams:
             values[name] = 4.0
     if "num_frames" in spec.params_class.field_names():
         values["num_frames"] = 5
+    if "image" in spec.required_inputs:  # an edit / image-to-video model: one input image
+        values["image"] = (_input_image(),)
     values.update(fields)
     return spec.params(**values)
+
+
+def _input_image():
+    """A 64 x 64 RGB input image with structure (gradients and a square)."""
+    from sglang.multimodal_gen.image_inputs import InputImage
+
+    y, x = np.mgrid[0:64, 0:64]
+    a = np.stack([x * 4, y * 4, (x + y) * 2], -1).astype(np.uint8)
+    a[8:30, 20:50] = (230, 40, 90)
+    return InputImage(a, source="image")
 
 
 def _pixels(engine, params) -> np.ndarray:
@@ -95,6 +107,13 @@ def _reference(model_dir: str, params: SamplingParams) -> np.ndarray:
     pipe.set_progress_bar_config(disable=True)
     takes = set(inspect.signature(pipe.__call__).parameters)
     kw = {k: v for k, v in params.set_fields().items() if k in takes and k != "seed"}
+    if params.image:  # PIL images, as diffusers takes them
+        pil = [x.to_pil() for x in params.image]
+        kw["image"] = pil[0] if len(pil) == 1 else pil
+    if "max_area" in takes:  # the request's size is exact (diffusers rescales to max_area)
+        kw["max_area"] = params.height * params.width
+    if "_auto_resize" in takes:  # the 64 x 64 input is already the tiny model's trained area
+        kw["_auto_resize"] = False
     n = params.num_outputs_per_prompt
     for name in ("num_images_per_prompt", "num_videos_per_prompt"):
         if name in takes:

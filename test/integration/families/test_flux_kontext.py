@@ -1,6 +1,7 @@
 """FLUX.1 Kontext (image editing) vs diffusers' ``FluxKontextPipeline``: same directory, reference
 image and seed -> the same pixels; in one process, in a batch of edits with different
-references, at TP 2, and with a LoRA in the diffusers layout (merged and per request).
+references, and with a LoRA in the diffusers layout (merged, unmerged and per request). TP 2 is
+in the family conformance suite, which runs every declared family.
 
 The tiny model declares a 64 x 64 default size, so its reference images are brought to Kontext's
 aspect ratios at that area (:func:`kontext_reference_size`); a 72 x 60 reference becomes 64 x 48,
@@ -143,9 +144,9 @@ def test_batched_edits_keep_their_own_reference(kontext_dir, reference):
     assert psnr(single[0], single[2]) < MIN_PSNR - 3
 
 
-def test_tp2_and_lora_match(kontext_dir, reference, tmp_path):
-    """TP 2 gives the single-process image; a diffusers-format LoRA (Kontext LoRAs are Flux
-    LoRAs) gives diffusers' image merged and per request."""
+def test_lora_matches_diffusers(kontext_dir, reference, tmp_path):
+    """A diffusers-format LoRA (Kontext LoRAs are Flux LoRAs) gives diffusers' image merged,
+    unmerged and per request (TP 2 and mixed-adapter batches: the family conformance suite)."""
     from diffusers import FluxKontextPipeline, FluxTransformer2DModel
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
@@ -174,7 +175,7 @@ def test_tp2_and_lora_match(kontext_dir, reference, tmp_path):
     assert psnr(with_lora, base) < FAR  # the adapter changes the edit
 
     req = FluxSamplingParams(prompt="make it red", image=img, seed=3, **KW)
-    with DiffusionEngine(kontext_dir, device="cpu", tp_size=2) as eng:
+    with DiffusionEngine(kontext_dir, device="cpu") as eng:
         assert psnr(output_pixels(eng.generate(req)), base) >= MIN_PSNR
         eng.set_lora("k", lora_dir, strength=0.8, merge_mode="merge")
         assert psnr(output_pixels(eng.generate(req)), with_lora) >= MIN_PSNR
