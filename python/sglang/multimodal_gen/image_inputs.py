@@ -29,8 +29,8 @@ Masks (:func:`decode_mask`) follow one of two conventions, told apart by the fil
   black kept (its luminance, ``L`` of Pillow).
 
 URLs are not fetched unless the server names the hosts it may fetch from
-(:func:`image_from_reference` with ``allowed_hosts``), so a request cannot make the server reach
-its own network.
+(:func:`image_from_reference` with ``allowed_hosts``; redirects are not followed), so a request
+cannot make the server reach its own network.
 """
 
 from __future__ import annotations
@@ -390,6 +390,11 @@ def image_from_reference(
     return decode(data, field_name, limits, budget)
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # urllib then raises HTTPError for the 3xx
+
+
 def _fetch(url, field_name, limits, allowed_hosts, timeout_s) -> bytes:
     host = (urllib.parse.urlsplit(url).hostname or "").lower()
     if not allowed_hosts or host not in {h.lower() for h in allowed_hosts}:
@@ -399,8 +404,10 @@ def _fetch(url, field_name, limits, allowed_hosts, timeout_s) -> bytes:
             + "; send the image itself (a file part or base64)",
             param=field_name,
         )
+    # redirects are not followed: an allowed host must not hand the fetch on to another one
+    opener = urllib.request.build_opener(_NoRedirect)
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - allow-listed
+        with opener.open(url, timeout=timeout_s) as resp:  # allow-listed host
             data = resp.read(limits.max_file_bytes + 1)
     except Exception as e:
         raise InvalidRequestError(
