@@ -16,6 +16,17 @@ image:
   directory's exponential dynamic shift); the DiT sees ``t / 1000``;
 * decode: unpack to 5-D ``[n, C, 1, h, w]``, ``latents * latents_std + latents_mean``,
   ``AutoencoderKLQwenImage``, the single frame, ``VaeImageProcessor``.
+
+With an input image it is ``QwenImageImg2ImgPipeline`` (``pipeline_qwenimage_img2img.py``), and
+with a mask ``QwenImageInpaintPipeline`` (``pipeline_qwenimage_inpaint.py``): the image through
+``VaeImageProcessor`` at the request's size, given the VAE's frame axis ``[1, 3, 1, H, W]``; a
+sample of its posterior drawn from the request's generator before the noise, normalised as
+``(z - latents_mean) * (1 / latents_std)`` and packed like the noise; the same schedule and
+``mu`` as text-to-image, of which the last ``strength`` runs from
+``scale_noise(image latents, t0, noise)``; an inpainting mask (binarised, nearest-neighbour on the
+latent grid, repeated over the channels and packed) keeps the unmasked region after every step,
+re-noised to the next timestep (:mod:`.image_conditioning`). The reference's encoding of the
+masked image (a posterior draw after the noise) is never used and is not made here.
 """
 
 from __future__ import annotations
@@ -26,6 +37,16 @@ import numpy as np
 import torch
 
 from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline, latents_to_uint8
+from sglang.multimodal_gen.pipelines.image_conditioning import (
+    IMAGE_LATENTS,
+    INPAINT_MASK,
+    NOISE,
+    encode_image_posterior,
+    encode_inpaint_mask,
+    sample_posterior,
+    sdedit_after_step,
+    sdedit_start,
+)
 from sglang.multimodal_gen.pipelines.latent_packing import pack_latents, unpack_latents
 
 __all__ = ["QwenImagePipeline"]
@@ -98,7 +119,8 @@ class QwenImagePipeline(StagedPipeline):
         """Rows ``[pos x n, neg x n]`` padded to one length, with the key mask when they differ."""
         rows = [r for r in cond["rows"] for _ in range(g.num_outputs)]
         embeds, mask = _pad_rows(rows)
-        return {"embeds": embeds, "mask": mask}
+        images = {k: v for k, v in cond.items() if k != "rows"}  # encode_images' tensors
+        return dict(images, embeds=embeds, mask=mask)
 
     # ------------------------------------------------------------------ latents / schedule
     def _latent_hw(self, g: Generation) -> tuple[int, int]:
@@ -110,15 +132,61 @@ class QwenImagePipeline(StagedPipeline):
 
         h, w = self._latent_hw(g)
         c = self.transformer.cfg.in_channels // 4
+        dtype = cond["embeds"].dtype
+        image_latents = None
+        if "image_mean" in cond:  # the posterior sample comes first from the generator
+            z = sample_posterior(cond["image_mean"], cond["image_std"], g.generator, self.device)
+            vae_cfg = self.configs.get("vae", {})
+            shape = (1, z.shape[1], 1, 1, 1)
+            mean = torch.tensor(vae_cfg["latents_mean"]).view(shape).to(z.device, z.dtype)
+            inv_std = 1.0 / torch.tensor(vae_cfg["latents_std"]).view(shape).to(z.device, z.dtype)
+            z = ((z - mean) * inv_std)[:, :, 0]  # [1, z, h, w]: the single frame
+            image_latents = torch.cat([z.to(dtype)] * g.num_outputs, dim=0)
         noise = randn_tensor(
-            (g.num_outputs, 1, c, h, w), generator=g.generator, device=self.device,
-            dtype=cond["embeds"].dtype,
-        )  # fmt: skip
-        return pack_latents(noise[:, 0])
+            (g.num_outputs, 1, c, h, w), generator=g.generator, device=self.device, dtype=dtype
+        )
+        latents = pack_latents(noise[:, 0])
+        if image_latents is not None:
+            cond[IMAGE_LATENTS] = pack_latents(image_latents)
+            cond[NOISE] = latents
+            if "mask_latent" in cond:
+                m = cond["mask_latent"].to(self.device, dtype)
+                cond[INPAINT_MASK] = pack_latents(m.repeat(g.num_outputs, c, 1, 1))
+        return latents
 
     def prepare_timesteps(self, g, latents):
         n = g.params.num_inference_steps
         return self.shifted_timesteps(latents.shape[1], n, np.linspace(1.0, 1 / n, n))
+
+    # ------------------------------------------------------------------ input images
+    @torch.no_grad()
+    def encode_images(self, g):
+        """The input image's VAE posterior (``image_mean``, ``image_std``, ``[1, z, 1, h, w]``)
+        at the request's size and, with a mask, the binarised mask on the latent grid
+        (``mask_latent``, ``[1, 1, h, w]``, 1 = edit)."""
+        p = g.params
+        factor = self.vae_scale_factor * 2
+        channels = self.configs.get("vae", {}).get("z_dim", 16)
+        mean, std = encode_image_posterior(
+            self.vae, p.image[0], p.height, p.width, factor, channels, frame_axis=True
+        )
+        out = {"image_mean": mean.to(self.device), "image_std": std.to(self.device)}
+        if p.mask_image is not None:
+            out["mask_latent"] = encode_inpaint_mask(
+                p.mask_image, p.height, p.width, factor, self._latent_hw(g)
+            )
+        return out
+
+    def condition_latents(self, g, cond, latents, scheduler, timesteps):
+        """Image-to-image: the last ``strength`` of the schedule, from the re-noised image."""
+        p = g.params
+        return sdedit_start(
+            cond, latents, scheduler, timesteps, p.num_inference_steps, p.strength
+        )  # fmt: skip
+
+    def after_step(self, g, cond, latents, step_index, timesteps, scheduler):
+        """Inpainting: the unmasked region is the image, re-noised to the next timestep."""
+        return sdedit_after_step(cond, latents, step_index, timesteps, scheduler)
 
     # ------------------------------------------------------------------ denoise
     def predict(self, denoiser, latents, t, step_index, cond, g):

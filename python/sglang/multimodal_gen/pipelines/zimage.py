@@ -20,6 +20,18 @@ the same image:
 * decode: ``latents / scaling_factor + shift_factor`` -> ``AutoencoderKL.decode`` -> diffusers'
   ``VaeImageProcessor.postprocess`` -> ``round(255 x)`` uint8.
 
+With an input image it is ``ZImageImg2ImgPipeline`` (``pipeline_z_image_img2img.py``), and with
+a mask ``ZImageInpaintPipeline`` (``pipeline_z_image_inpaint.py``): the image through
+``VaeImageProcessor`` at the request's size, a sample of its VAE posterior drawn from the
+request's generator before the noise, ``(z - shift_factor) * scaling_factor``; image latents and
+noise in the text embeddings' dtype (the reference's ``prompt_embeds[0].dtype``); the same
+schedule and ``mu`` as text-to-image, of which the last ``strength`` runs from
+``scale_noise(image latents, t0, noise)``; an inpainting mask (binarised, nearest-neighbour on the
+latent grid ``[1, 1, h, w]``, broadcast over the channels) keeps the unmasked region after every
+step, re-noised to the next timestep (:mod:`.image_conditioning`). The reference also encodes the
+masked image (one more posterior draw after the noise) but never uses it; nothing here depends on
+that draw, so it is not made.
+
 The caption side of the DiT (embedding + context refiner) does not depend on the timestep, so it
 is computed once per call instead of once per step (same numbers).
 
@@ -35,6 +47,16 @@ import numpy as np
 import torch
 
 from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline, latents_to_uint8
+from sglang.multimodal_gen.pipelines.image_conditioning import (
+    IMAGE_LATENTS,
+    INPAINT_MASK,
+    NOISE,
+    encode_image_posterior,
+    encode_inpaint_mask,
+    sample_posterior,
+    sdedit_after_step,
+    sdedit_start,
+)
 
 __all__ = ["ZImagePipeline", "default_sigmas"]
 
@@ -150,7 +172,10 @@ class ZImagePipeline(StagedPipeline):
             g,
         )
         ctx_pos = ctx_full.select(list(range(n))) if do_cfg else ctx_full
-        return {"do_cfg": do_cfg, "ctx_full": ctx_full, "ctx_pos": ctx_pos}
+        images = {k: v for k, v in cond.items() if k != "embeds"}  # encode_images' tensors
+        return dict(
+            images, do_cfg=do_cfg, ctx_full=ctx_full, ctx_pos=ctx_pos, text_dtype=embeds[0].dtype
+        )
 
     # ------------------------------------------------------------------ latents / schedule
     def latent_shape(self, batch: int, height: int, width: int) -> tuple[int, int, int, int]:
@@ -161,12 +186,51 @@ class ZImagePipeline(StagedPipeline):
         from diffusers.utils.torch_utils import randn_tensor
 
         shape = self.latent_shape(g.num_outputs, g.params.height, g.params.width)
-        return randn_tensor(shape, generator=g.generator, device=self.device, dtype=torch.float32)
+        if "image_mean" not in cond:
+            return randn_tensor(
+                shape, generator=g.generator, device=self.device, dtype=torch.float32
+            )
+        # image-to-image: the posterior sample first, then the noise, in the text dtype
+        dtype = cond["text_dtype"]
+        z = sample_posterior(cond["image_mean"], cond["image_std"], g.generator, self.device)
+        vae_cfg = self.configs.get("vae", {})
+        z = (z - (vae_cfg.get("shift_factor") or 0.0)) * vae_cfg.get("scaling_factor", 1.0)
+        cond[IMAGE_LATENTS] = torch.cat([z.to(dtype)] * g.num_outputs, dim=0)
+        cond[NOISE] = randn_tensor(shape, generator=g.generator, device=self.device, dtype=dtype)
+        if "mask_latent" in cond:
+            cond[INPAINT_MASK] = cond["mask_latent"].to(self.device, dtype)
+        return cond[NOISE]
 
     def prepare_timesteps(self, g, latents):
         image_seq_len = (latents.shape[2] // 2) * (latents.shape[3] // 2)
         n = g.params.num_inference_steps
         return self.shifted_timesteps(image_seq_len, n, default_sigmas(n))
+
+    # ------------------------------------------------------------------ input images
+    @torch.no_grad()
+    def encode_images(self, g):
+        """The input image's VAE posterior (``image_mean``, ``image_std``, ``[1, C, h, w]``) at
+        the request's size and, with a mask, the binarised mask on the latent grid
+        (``mask_latent``, ``[1, 1, h, w]``, 1 = edit)."""
+        p = g.params
+        factor = self.vae_scale_factor * 2
+        mean, std = encode_image_posterior(self.vae, p.image[0], p.height, p.width, factor)
+        out = {"image_mean": mean.to(self.device), "image_std": std.to(self.device)}
+        if p.mask_image is not None:
+            hw = self.latent_shape(1, p.height, p.width)[2:]
+            out["mask_latent"] = encode_inpaint_mask(p.mask_image, p.height, p.width, factor, hw)
+        return out
+
+    def condition_latents(self, g, cond, latents, scheduler, timesteps):
+        """Image-to-image: the last ``strength`` of the schedule, from the re-noised image."""
+        p = g.params
+        return sdedit_start(
+            cond, latents, scheduler, timesteps, p.num_inference_steps, p.strength
+        )  # fmt: skip
+
+    def after_step(self, g, cond, latents, step_index, timesteps, scheduler):
+        """Inpainting: the unmasked region is the image, re-noised to the next timestep."""
+        return sdedit_after_step(cond, latents, step_index, timesteps, scheduler)
 
     # ------------------------------------------------------------------ denoise
     def predict(self, denoiser, latents, t, step_index, cond, g):

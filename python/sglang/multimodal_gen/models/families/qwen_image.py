@@ -20,7 +20,8 @@ from sglang.multimodal_gen.models.registry import (
 _PKG = "sglang.multimodal_gen"
 
 # QwenImagePipeline.__call__'s defaults: 50 steps, true CFG 4.0 (with a negative prompt), 512
-# text tokens (at most 1024); --guidance-scale only matters for guidance-distilled variants.
+# text tokens (at most 1024); --guidance-scale only matters for guidance-distilled variants;
+# strength 0.6 for an input image.
 _DEFAULTS = SamplingDefaults(
     params=QwenImageSamplingParams(
         height=1024,
@@ -29,8 +30,12 @@ _DEFAULTS = SamplingDefaults(
         guidance_scale=1.0,
         max_sequence_length=512,
         true_cfg_scale=4.0,
+        strength=0.6,
     ),  # fmt: skip
     limits=RequestLimits(max_sequence_length=1024),
+    # an input image: image-to-image (QwenImageImg2ImgPipeline); with a mask, inpainting
+    # (QwenImageInpaintPipeline); both default to strength 0.6
+    inputs=("text", "image", "mask"),
 )
 
 

@@ -32,8 +32,12 @@ def _defaults(cfg) -> SamplingDefaults:
             max_sequence_length=512,
             cfg_normalization=0.0,
             cfg_truncation=1.0,
+            strength=0.6,
         ),  # fmt: skip
         limits=RequestLimits(max_image_size=side, max_sequence_length=1024),
+        # an input image: image-to-image (ZImageImg2ImgPipeline, strength 0.6 by default); with
+        # a mask, inpainting (ZImageInpaintPipeline, whose own default strength is 1.0)
+        inputs=("text", "image", "mask"),
     )
 
 
