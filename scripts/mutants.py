@@ -693,6 +693,44 @@ MUTANTS: list[Mutant] = [
         why="a generation queued after set_lora joins an earlier batch and runs with the old "
         "adapters",
     ),
+    # ------------------------------------------------------------------ input images over HTTP
+    _m(
+        "edits-mask-budget-of-its-own",
+        "entrypoints/images.py",
+        'masks = decode_inputs(mask_values, "mask", mask=True, **common)',
+        'masks = decode_inputs(mask_values, "mask", mask=True, '
+        '**{**common, "budget": ImageBudget(limits)})',
+        ("test/integration/server/test_image_edits.py",),
+        ("-k", "hostile"),
+        why="the mask gets a byte budget of its own: a request carries twice --max-input-bytes",
+    ),
+    _m(
+        "edits-engine-field-names-kept",
+        "entrypoints/images.py",
+        '_EDIT_FIELDS = {"mask_image": "mask"}',
+        "_EDIT_FIELDS = {}",
+        ("test/integration/server/test_image_edits.py",),
+        ("-k", "field_names"),
+        why="an engine error about the mask names mask_image, a field the HTTP client never sent",
+    ),
+    _m(
+        "input-images-server-count-unchecked",
+        "entrypoints/input_images.py",
+        "    if len(values) > top:",
+        "    if False:",
+        ("test/integration/server/test_image_edits.py",),
+        ("-k", "image_at_fault"),
+        why="--max-input-images ignored: a request's images are all decoded before a bound applies",
+    ),
+    _m(
+        "qwen-edit-image-latents-reversed",
+        "pipelines/qwen_image_edit.py",
+        'for z in cond["image_latents"]], dim=1)',
+        'for z in reversed(cond["image_latents"])], dim=1)',
+        ("test/integration/families/test_qwen_image_edit.py",),
+        ("-k", "plus_two_images"),
+        why="Plus: the images' VAE tokens in reverse order, each on the other's RoPE frame",
+    ),
 ]
 
 

@@ -45,7 +45,7 @@ def png(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
     return buf.getvalue()
 
 
-def scene(w: int = 64, h: int = 48, seed: int = 1) -> Image.Image:
+def scene(w: int = 48, h: int = 32, seed: int = 1) -> Image.Image:
     """Gradients and a bright square (structure the model's output depends on)."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:h, 0:w]
@@ -59,7 +59,7 @@ def noise(w: int, h: int, seed: int = 0) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), np.uint8))
 
 
-def right_half_mask(w: int = 64, h: int = 48) -> np.ndarray:
+def right_half_mask(w: int = 48, h: int = 32) -> np.ndarray:
     a = np.zeros((h, w), np.uint8)
     a[:, w // 2 :] = 255
     return a
@@ -96,7 +96,7 @@ def flux(tiny_flux_dev_dir):
 
 def engine_pixels(engine, image: Image.Image, mask: np.ndarray | None = None, **kw) -> np.ndarray:
     params = engine.spec.params(
-        prompt="a red fox", image=InputImage.from_pil(image), width=64, height=48,
+        prompt="a red fox", image=InputImage.from_pil(image), width=48, height=32,
         mask_image=None if mask is None else InputImage(mask, source="mask"), **STEPS, **kw,
     )  # fmt: skip
     return np.asarray(engine.generate(params)[0].convert("RGB"))
@@ -110,19 +110,19 @@ def test_openai_client_and_json_edits_are_the_engines_images(flux):
     src, mask = scene(), right_half_mask()
     extra = dict(STEPS)
     plain = client.images.edit(
-        image=("fox.png", png(src), "image/png"), prompt="a red fox", size="64x48",
+        image=("fox.png", png(src), "image/png"), prompt="a red fox", size="48x32",
         extra_body=extra,
     )  # fmt: skip
-    assert plain.size == "64x48" and plain.seed == 3 and len(plain.data) == 1
+    assert plain.size == "48x32" and plain.seed == 3 and len(plain.data) == 1
     expected = engine_pixels(engine, src)
     np.testing.assert_array_equal(decoded(plain.data[0].b64_json), expected)
 
     # OpenAI's mask convention (transparent = edit) as a file part; the colours are ignored
-    rgba = np.zeros((48, 64, 4), np.uint8)
+    rgba = np.zeros((32, 48, 4), np.uint8)
     rgba[:, :, 3] = 255 - mask
     masked = client.images.edit(
         image=("fox.png", png(src), "image/png"), mask=("m.png", png(Image.fromarray(rgba))),
-        prompt="a red fox", size="64x48", extra_body=extra,
+        prompt="a red fox", size="48x32", extra_body=extra,
     )  # fmt: skip
     expected_masked = engine_pixels(engine, src, mask)  # diffusers' convention: white = edit
     got_masked = decoded(masked.data[0].b64_json)
@@ -131,7 +131,7 @@ def test_openai_client_and_json_edits_are_the_engines_images(flux):
 
     # JSON: base64 and a data URL, the same pixels; another image gives another picture
     b64 = base64.b64encode(png(src)).decode()
-    body = dict(prompt="a red fox", size="64x48", **extra)
+    body = dict(prompt="a red fox", size="48x32", **extra)
     r = httpx.post(f"{url}/v1/images/edits", json={**body, "image": b64}, timeout=120)
     assert r.status_code == 200, r.text
     np.testing.assert_array_equal(decoded(r.json()["data"][0]["b64_json"]), expected)
@@ -152,12 +152,12 @@ def test_field_names_of_refusals_on_the_edit_route(flux):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     f = ("a.png", png(scene()), "image/png")
     with pytest.raises(openai.BadRequestError) as e:  # image[] parts: Flux takes one image
-        client.images.edit(image=[f, f], prompt="x", size="64x48")
+        client.images.edit(image=[f, f], prompt="x", size="48x32")
     assert e.value.body["param"] == "image" and "takes at most 1" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:  # the engine's mask_image is HTTP's mask
         client.images.edit(image=f, mask=("m.png", png(scene(32, 32))), prompt="x")
     assert e.value.body["param"] == "mask", e.value.body
-    assert "mask is 32x32 but the image is 64x48" in e.value.body["message"]
+    assert "mask is 32x32 but the image is 48x32" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.images.edit(image=f, prompt="x", extra_body={"strength": 1.5})
     assert e.value.body["param"] == "strength"
@@ -179,7 +179,7 @@ def _hostile_cases() -> list[tuple[str, dict, int, str]]:
     assert 256 * KB < len(big) < 400 * KB
     half = png(noise(280, 280))  # about 230 KB: two of them pass per file, not per request
     assert 200 * KB < len(half) < 256 * KB
-    form = {"prompt": "x", "size": "64x48"}
+    form = {"prompt": "x", "size": "48x32"}
 
     def files(*parts):
         return {"files": list(parts), "data": form}
@@ -224,7 +224,7 @@ def _hostile_cases() -> list[tuple[str, dict, int, str]]:
         ("16-bit png", png(grey16)),
         ("palette png", png(src.convert("P", palette=Image.Palette.ADAPTIVE))),
     ):
-        kw = {"files": [("image", ("i", data))], "data": {**form, "size": "63x48"}}
+        kw = {"files": [("image", ("i", data))], "data": {**form, "size": "47x32"}}
         cases.append((what, kw, 400, "size"))
     return cases
 
@@ -248,11 +248,13 @@ def test_hostile_images_are_refused_naming_the_field_and_memory_stays_bounded(fl
         assert client.get(f"{url}/health").status_code == 200
         ok = client.post(
             f"{url}/v1/images/edits",
-            files=[("image", ("a.png", png(scene())))],
-            data={"prompt": "x", "size": "32x32", "seed": "1", "num_inference_steps": "1"},
+            files=[("image", ("a.png", png(scene(50, 33))))],
+            data={"prompt": "x", "seed": "1", "num_inference_steps": "1"},
         )
         assert ok.status_code == 200, ok.text
-        assert decoded(ok.json()["data"][0]["b64_json"]).shape == (32, 32, 3)
+        # no size: the input's, rounded down to the model's factor (16)
+        assert ok.json()["size"] == "48x32"
+        assert decoded(ok.json()["data"][0]["b64_json"]).shape == (32, 48, 3)
 
 
 def test_image_limits_name_the_image_at_fault():
@@ -272,8 +274,16 @@ def test_image_limits_name_the_image_at_fault():
             json={"prompt": "x", "image": [base64.b64encode(ok).decode()] * 5},
         )
         err = assert_envelope(r, 400, "image")
-        assert "takes at most 4" in err["message"]
+        assert "this model takes at most 4" in err["message"]
         assert engine.calls == []
+    # the server's own bound (--max-input-images) below the model's
+    with running_server(engine, ServerArgs(max_input_images=2)) as (url, _, _):
+        r = httpx.post(
+            f"{url}/v1/images/edits",
+            json={"prompt": "x", "image": [base64.b64encode(bad).decode()] * 3},
+        )
+        err = assert_envelope(r, 400, "image")  # counted before any image is decoded
+        assert "this server takes at most 2 per request" in err["message"]
 
 
 def test_models_without_image_inputs_refuse_images_naming_the_field():
@@ -287,6 +297,9 @@ def test_models_without_image_inputs_refuse_images_naming_the_field():
         assert_envelope(r, 400, "image")
         r = httpx.post(f"{url}/v1/images/edits", json={"prompt": "x", "image": "AAAA"})
         assert_envelope(r, 400, "image")
+        big = {"files": [("image", ("a.png", b"x" * (1100 * KB)))], "data": {"prompt": "x"}}
+        r = httpx.post(f"{url}/v1/images/edits", timeout=30, **big)
+        assert_envelope(r, 413, None)  # no room for images a model does not take
         r = httpx.post(f"{url}/v1/videos", json={"prompt": "x"}, timeout=30)
         assert_envelope(r, 400, "model")  # an image model
     video = FakeVideoEngine()

@@ -25,7 +25,11 @@ from starlette.concurrency import run_in_threadpool
 
 from sglang.multimodal_gen.engine_ops import OPS
 from sglang.multimodal_gen.entrypoints.auth import ANONYMOUS, Principal
-from sglang.multimodal_gen.entrypoints.http_body import parse_form_with_files, parse_json_body
+from sglang.multimodal_gen.entrypoints.http_body import (
+    MAX_BODY_BYTES,
+    parse_form_with_files,
+    parse_json_body,
+)
 from sglang.multimodal_gen.entrypoints.input_images import (
     body_limit,
     decode_inputs,
@@ -165,7 +169,9 @@ def add_image_routes(
         t0 = time.perf_counter()
         limits, spec = ctx.image_limits, ctx.spec
         content_type = request.headers.get("content-type", "")
-        limit = body_limit(limits, content_type)
+        takes_image = spec.outputs == "image" and "image" in spec.inputs
+        # room for input images only where the model takes them (else refused below, unread)
+        limit = body_limit(limits, content_type) if takes_image else MAX_BODY_BYTES
         raw = await ctx.read_body(request, limit)
         if content_type.lower().startswith("multipart/form-data"):  # OpenAI's form
             req, parts = await run_in_threadpool(
