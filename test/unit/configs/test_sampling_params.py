@@ -6,6 +6,7 @@ resolve, and what derives from the declarations (CLI flags, HTTP request models)
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -359,6 +360,8 @@ def test_cli_flags_derive_from_every_familys_declarations():
         capture_output=True,
         text=True,
         timeout=120,
+        # no wrapping: argparse breaks lines after hyphens ("Qwen-\nImage-Edit-Plus")
+        env={**os.environ, "COLUMNS": "100000"},
     )
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())  # argparse wraps the help at the terminal width
