@@ -731,6 +731,50 @@ MUTANTS: list[Mutant] = [
         ("-k", "plus_two_images"),
         why="Plus: the images' VAE tokens in reverse order, each on the other's RoPE frame",
     ),
+    # ------------------------------------------------------------------ input images in the pipelines
+    _m(
+        "sdedit-whole-schedule",
+        "pipelines/image_conditioning.py",
+        "t_start = int(max(n - init, 0))",
+        "t_start = 0",
+        ("test/unit/pipelines/test_image_conditioning.py",),
+        why="strength ignored: image-to-image runs every step from the image's latents",
+    ),
+    _m(
+        "posterior-mean-only",
+        "pipelines/image_conditioning.py",
+        "return mean.to(device) + std.to(device) * eps",
+        "return mean.to(device) + 0 * eps",
+        ("test/integration/families/test_flux_image_conditioning.py",),
+        ("-k", "image_to_image and 0.6"),
+        why="the image latents are the posterior's mean, not diffusers' sample",
+    ),
+    _m(
+        "flux-inpaint-no-blend",
+        "pipelines/flux.py",
+        'if "mask" not in cond or "image_latents" not in cond:',
+        "if True:",
+        ("test/integration/families/test_flux_image_conditioning.py",),
+        ("-k", "inpainting"),
+        why="the mask is accepted and never used (the unmasked part is redrawn too)",
+    ),
+    _m(
+        "kontext-reference-on-the-output-axis",
+        "pipelines/flux_kontext.py",
+        "ids[:, 0] = 1",
+        "ids[:, 0] = 0",
+        ("test/integration/families/test_flux_kontext.py",),
+        ("-k", "edit_matches"),
+        why="the reference tokens share the output's RoPE positions",
+    ),
+    _m(
+        "text-only-model-takes-an-image",
+        "configs/sampling_params.py",
+        "if params.image is not None and not takes_image:",
+        "if False:",
+        ("test/unit/configs/sampling_params/test_inputs.py",),
+        why="an image sent to a text-only model is silently ignored",
+    ),
 ]
 
 
