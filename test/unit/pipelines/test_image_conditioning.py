@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from sglang.multimodal_gen.pipelines.image_conditioning import (
+    encode_inpaint_mask,
     inpaint_blend,
     sample_posterior,
+    sdedit_start,
     sdedit_timesteps,
 )
 
@@ -57,3 +59,35 @@ def test_inpaint_blend_keeps_the_unmasked_part():
     assert torch.equal(out[:, 1::2], kept[:, 1::2]) and torch.equal(out[:, ::2], lat[:, ::2])
     last = inpaint_blend(lat, image, mask, noise, sched, steps, len(steps) - 1)
     assert torch.equal(last[:, 1::2], image[:, 1::2])  # the image itself after the last step
+
+
+def test_inpaint_mask_is_diffusers_binarised_mask_on_the_latent_grid():
+    import numpy as np
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+
+    grey = np.tile(np.linspace(0, 255, 64).astype(np.uint8), (48, 1))  # 0 .. 255 left to right
+    mask = Image.fromarray(grey, "L")
+    got = encode_inpaint_mask(mask, 48, 64, 16, (6, 8))
+    proc = VaeImageProcessor(
+        vae_scale_factor=16, do_normalize=False, do_binarize=True, do_convert_grayscale=True
+    )
+    expected = torch.nn.functional.interpolate(proc.preprocess(mask, 48, 64), size=(6, 8))
+    assert got.shape == (1, 1, 6, 8) and torch.equal(got, expected)
+    assert set(got.unique().tolist()) == {0.0, 1.0}  # binarised: white half edited
+    assert got[..., :3].sum() == 0 and got[..., 5:].min() == 1
+
+
+def test_sdedit_start_renoises_the_image_at_the_first_kept_step():
+    sched = _scheduler(4)
+    lat, image, noise = (torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(i))
+                         for i in range(3))  # fmt: skip
+    # no image: the text-to-image start and schedule, unchanged
+    same, steps = sdedit_start({}, lat, sched, sched.timesteps, 4, 0.5)
+    assert same is lat and steps is sched.timesteps
+    cond = {"image_latents": image, "noise": noise}
+    start, steps = sdedit_start(cond, lat, sched, sched.timesteps, 4, 0.5)
+    assert torch.equal(steps, _scheduler(4).timesteps[2:])
+    ref = _scheduler(4)
+    ref.set_begin_index(2)
+    assert torch.equal(start, ref.scale_noise(image, steps[:1].repeat(2), noise))
