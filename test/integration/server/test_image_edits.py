@@ -243,6 +243,7 @@ def test_hostile_images_are_refused_naming_the_field_and_memory_stays_bounded(fl
             err = assert_envelope(r, status, param)
             assert "Traceback" not in err["message"], what
         growth = proc.memory_info().rss - rss0
+        print(f"RSS growth over {len(cases)} hostile requests: {growth / 2**20:.1f} MiB")
         assert growth < 200 << 20, f"RSS grew by {growth >> 20} MB"
         assert time.perf_counter() - t0 < 60
         assert client.get(f"{url}/health").status_code == 200
@@ -276,6 +277,17 @@ def test_image_limits_name_the_image_at_fault():
         err = assert_envelope(r, 400, "image")
         assert "this model takes at most 4" in err["message"]
         assert engine.calls == []
+        # the openai client's image[] parts reach the engine in order
+        import openai
+
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        a, b = scene(32, 32, seed=1), scene(32, 32, seed=2)
+        client.images.edit(image=[("a.png", png(a)), ("b.png", png(b))], prompt="x",
+                           size="32x32", extra_body={"seed": 1})  # fmt: skip
+        ((req, _),) = engine.generate_log
+        assert [x.source for x in req.image] == ["image[0]", "image[1]"]
+        np.testing.assert_array_equal(req.image[0].pixels, np.asarray(a))
+        np.testing.assert_array_equal(req.image[1].pixels, np.asarray(b))
     # the server's own bound (--max-input-images) below the model's
     with running_server(engine, ServerArgs(max_input_images=2)) as (url, _, _):
         r = httpx.post(
