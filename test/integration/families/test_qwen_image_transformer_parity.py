@@ -172,6 +172,50 @@ def test_tp_size_not_dividing_heads_is_a_clear_error():
         QwenImageTransformer(QwenImageArchConfig(**TINY_DIT), tp_rank=0, tp_size=3)
 
 
+# ------------------------------------------------------------------- zero_cond_t (Edit-2511)
+# output grid 3 x 4 and two condition images (2 x 3, 2 x 2), a padded batch with a text mask
+ZERO_COND_IMAGES = [(1, 3, 4), (1, 2, 3), (1, 2, 2)]
+
+
+def reference_zero_cond_dit(seed: int = 0):
+    """diffusers' ``QwenImageTransformer2DModel(zero_cond_t=True)`` with :func:`reference_dit`'s
+    perturbed weights (the switch adds no parameter)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    ref = QwenImageTransformer2DModel(**TINY_DIT, zero_cond_t=True).eval()
+    ref.load_state_dict(reference_dit(seed).state_dict())
+    assert ref.zero_cond_t
+    return ref
+
+
+def test_zero_cond_t_with_two_condition_images_matches_diffusers():
+    """Measured: rel err 2.0e-7 (the same as the plain model's on this machine). The same
+    weights without ``zero_cond_t`` give 0.12, the index reversed (output tokens at timestep 0)
+    more still: far outside."""
+    ref = reference_zero_cond_dit(seed=2)
+    ours = qwen_image_from_diffusers_module(ref, tp_rank=0, tp_size=1)
+    assert ours.cfg.zero_cond_t
+    inp = dit_inputs(lengths=(7, 4), images=ZERO_COND_IMAGES, seed=9)
+    got, expected = _both(ours, ref, inp)
+    assert got.shape == expected.shape == (2, 22, 16)
+    err = rel_err(got, expected)
+    print(f"qwen-image zero_cond_t parity: rel err {err:.3g}")
+    assert err <= PARITY_REL_ERR
+    # the condition images' timestep matters: the plain path on the same weights is far off,
+    # on the output tokens too
+    ours.cfg.zero_cond_t = False
+    try:
+        with torch.no_grad():
+            plain = ours(**inp)
+    finally:
+        ours.cfg.zero_cond_t = True
+    print(f"zero_cond_t off: rel err {rel_err(plain, expected):.3g}")
+    assert rel_err(plain[:, :12], expected[:, :12]) > 100 * PARITY_REL_ERR
+    # one img_shapes list per batch item is required to place each item's output tokens
+    with pytest.raises(ValueError, match="one entry per batch item"):
+        ours(**dict(inp, img_shapes=[ZERO_COND_IMAGES]))
+
+
 # ------------------------------------------------------------------------------ TP (gloo)
 def _rank_fn(rank, config, state_dict, inputs):
     from sglang.multimodal_gen.models.loader import load_tensors_into
@@ -228,5 +272,6 @@ def test_config_from_dict_and_json(tmp_path):
         QwenImageArchConfig.from_json_file(path)
     with pytest.raises(ValueError, match=r"sum\(axes_dims_rope\)=18"):
         QwenImageArchConfig(**dict(TINY_DIT, axes_dims_rope=(6, 6, 6)))
-    with pytest.raises(ValueError, match="zero_cond_t"):
-        QwenImageArchConfig(**dict(TINY_DIT, zero_cond_t=True))
+    with pytest.raises(ValueError, match="use_additional_t_cond"):
+        QwenImageArchConfig(**dict(TINY_DIT, use_additional_t_cond=True))
+    assert QwenImageArchConfig(**dict(TINY_DIT, zero_cond_t=True)).zero_cond_t

@@ -6,10 +6,11 @@ defaults are those of diffusers' ``QwenImageTransformer2DModel.__init__`` (diffu
 60 double-stream blocks, 24 heads x 128 (``inner_dim`` 3072), Qwen2.5-VL text features of width
 3584, packed 2x2 latents of 16 channels (``in_channels`` 64).
 
-The variant switches of later checkpoints (``zero_cond_t`` of Qwen-Image-Edit-2511,
-``use_additional_t_cond`` and ``use_layer3d_rope`` of Qwen-Image-Layered) are read but not
-implemented here: a config that turns one on is rejected with a clear error. ``guidance_embeds``
-is accepted (the reference builds nothing for it and cannot run with a guidance tensor).
+``zero_cond_t`` (Qwen-Image-Edit-2511) is implemented: the condition images' tokens are modulated
+with the embedding of timestep 0 (see ``models/dits/qwen_image.py``). The variant switches of
+Qwen-Image-Layered (``use_additional_t_cond``, ``use_layer3d_rope``) are read but not implemented:
+a config that turns one on is rejected with a clear error. ``guidance_embeds`` is accepted (the
+reference builds nothing for it and cannot run with a guidance tensor).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ QWEN_IMAGE_TRANSFORMER_CLASS = "QwenImageTransformer2DModel"
 class QwenImageArchConfig(DiffusersConfig):
     """Shapes of one Qwen-Image transformer.
 
-    Attributes mirror the diffusers config. ``out_channels=None`` means ``in_channels`` (as the
+    Attributes mirror the diffusers config. ``zero_cond_t``: the image stream's adaLN gives the
+    output tokens the parameters of the timestep and the condition images' tokens those of
+    timestep 0 (Qwen-Image-Edit-2511). ``out_channels=None`` means ``in_channels`` (as the
     diffusers model resolves it; note its default is 16, not ``None``). Derived: ``inner_dim =
     num_attention_heads * attention_head_dim`` (the model width ``D``), ``mlp_hidden = 4 *
     inner_dim`` (the GELU-tanh FFN width of ``img_mlp`` / ``txt_mlp``), ``out_features =
@@ -35,7 +38,7 @@ class QwenImageArchConfig(DiffusersConfig):
 
     Raises:
         ValueError: ``sum(axes_dims_rope) != attention_head_dim``, an odd RoPE axis, a
-            non-positive size, or an unsupported variant switch turned on.
+            non-positive size, or a Qwen-Image-Layered switch turned on.
     """
 
     DIFFUSERS_CLASS: ClassVar[str] = QWEN_IMAGE_TRANSFORMER_CLASS
@@ -91,10 +94,11 @@ class QwenImageArchConfig(DiffusersConfig):
                 f"(axes_dims_rope={list(self.axes_dims_rope)}) must equal "
                 f"attention_head_dim={self.attention_head_dim}"
             )
-        for name in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
+        self.zero_cond_t = bool(self.zero_cond_t)
+        for name in ("use_additional_t_cond", "use_layer3d_rope"):
             if getattr(self, name):
                 raise ValueError(
-                    f"Qwen-Image config: {name}=true (a Qwen-Image-Edit-2511 / Layered variant) "
+                    f"Qwen-Image config: {name}=true (a Qwen-Image-Layered variant) "
                     f"is not supported by this implementation"
                 )
 

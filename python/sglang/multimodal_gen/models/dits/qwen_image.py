@@ -22,6 +22,14 @@ with its ``heads / n`` heads over the whole joint sequence; no communication ins
 GELU-tanh FFNs (diffusers' ``FeedForward(activation_fn="gelu-approximate")``) split column ->
 row. Four all-reduces per block. The embedders, ``txt_norm``, the adaLN modulations
 (``img_mod.1`` / ``txt_mod.1``), ``norm_out`` and ``proj_out`` are replicated.
+
+``zero_cond_t`` (Qwen-Image-Edit-2511; diffusers' ``zero_cond_t=True``): the timestep embedding is
+computed for ``[t, 0]`` (``[2B, D]``); the image stream's ``img_mod`` gives each image token the
+parameters of ``t`` when it is an output token (the first ``(F, H, W)`` entry of its item's
+``img_shapes``) and those of ``0`` when it belongs to a condition image; the text stream's
+``txt_mod`` and the final ``norm_out`` use ``t`` only. The per-token choice is a ``[B, S_img]``
+bool index built before the sequence is sharded and sharded with the image tokens, so it works
+under TP (the modulations are replicated) and sequence parallelism alike.
 """
 
 from __future__ import annotations
@@ -137,9 +145,19 @@ class QwenJointAttention(nn.Module):
         return self.to_out[0](x_out.contiguous())[0], self.to_add_out(ctx_out.contiguous())[0]
 
 
-def _modulate(x: torch.Tensor, params: torch.Tensor):
+def _modulate(x: torch.Tensor, params: torch.Tensor, cond_index: torch.Tensor | None = None):
     """``shift, scale, gate = params.chunk(3)``; returns ``(x * (1 + scale) + shift, gate)`` with
-    ``x [B, S, D]``, ``params [B, 3D]``, ``gate [B, 1, D]``."""
+    ``x [B, S, D]``, ``params [B, 3D]``, ``gate [B, 1, D]``.
+
+    With ``cond_index`` (``[B, S, 1]`` bool, ``zero_cond_t``) ``params`` is ``[2B, 3D]`` (the
+    parameters of ``t``, then of timestep 0) and each token takes the second half's where its
+    index is True (diffusers' ``QwenImageTransformerBlock._modulate`` with ``index``); ``gate`` is
+    then ``[B, S, D]``."""
+    if cond_index is not None:
+        b = params.shape[0] // 2
+        params = torch.where(cond_index, params[b:].unsqueeze(1), params[:b].unsqueeze(1))
+        shift, scale, gate = params.chunk(3, dim=-1)
+        return modulate(x, shift, scale), gate
     shift, scale, gate = params.chunk(3, dim=-1)
     return modulate(x, shift.unsqueeze(1), scale.unsqueeze(1)), gate.unsqueeze(1)
 
@@ -158,6 +176,10 @@ class QwenImageBlock(nn.Module):
 
     Shapes: ``x [B, S_img, D]``, ``ctx [B, S_txt, D]``, ``temb [B, D]``, RoPE tables and key
     mask as :class:`QwenJointAttention` -> ``(ctx, x)`` (the reference's order).
+
+    ``zero_cond_t``: ``cond_index [B, S_img, 1]`` bool (True: a condition image's token) and
+    ``temb [2B, D]`` (the embeddings of ``t``, then of 0); ``img_mod`` runs on both halves and
+    each image token takes its half (:func:`_modulate`), ``txt_mod`` on the first half only.
     """
 
     def __init__(self, cfg: QwenImageArchConfig, prefix: str, tp_rank, tp_size, dtype):
@@ -178,17 +200,19 @@ class QwenImageBlock(nn.Module):
         self.txt_norm2 = LayerNormNoAffine(d, eps=eps)
         self.txt_mlp = GeluTanhFeedForward(d, h, f"{prefix}.txt_mlp", tp_rank, tp_size, dtype)
 
-    def forward(self, x, ctx, temb, img_freqs, txt_freqs, key_mask):
+    def forward(self, x, ctx, temb, img_freqs, txt_freqs, key_mask, cond_index=None):
         img_mod1, img_mod2 = self.img_mod[1](F.silu(temb))[0].chunk(2, dim=-1)
+        if cond_index is not None:
+            temb = temb[: temb.shape[0] // 2]
         txt_mod1, txt_mod2 = self.txt_mod[1](F.silu(temb))[0].chunk(2, dim=-1)
 
-        nx, img_gate1 = _modulate(self.img_norm1(x), img_mod1)
+        nx, img_gate1 = _modulate(self.img_norm1(x), img_mod1, cond_index)
         nc, txt_gate1 = _modulate(self.txt_norm1(ctx), txt_mod1)
         attn_x, attn_c = self.attn(nx, nc, img_freqs, txt_freqs, key_mask)
         x = x + img_gate1 * attn_x
         ctx = ctx + txt_gate1 * attn_c
 
-        hx, img_gate2 = _modulate(self.img_norm2(x), img_mod2)
+        hx, img_gate2 = _modulate(self.img_norm2(x), img_mod2, cond_index)
         x = x + img_gate2 * self.img_mlp(hx)
         hc, txt_gate2 = _modulate(self.txt_norm2(ctx), txt_mod2)
         ctx = ctx + txt_gate2 * self.txt_mlp(hc)
@@ -214,6 +238,28 @@ def _first_item_shapes(img_shapes) -> list[tuple[int, int, int]]:
             raise ValueError(f"Qwen-Image: img_shapes entries are (frames, h, w), got {fhw!r}")
         out.append(tuple(int(v) for v in fhw))
     return out
+
+
+def _condition_token_index(img_shapes, b: int, s_img: int, device) -> torch.Tensor:
+    """``zero_cond_t``'s per-token index: ``[b, s_img]`` bool, False for an item's output tokens
+    (the first ``(F, H, W)`` entry of its ``img_shapes`` list), True for the condition images'
+    tokens after them (diffusers' ``modulate_index``, 0 and 1).
+
+    Raises:
+        ValueError: ``img_shapes`` does not hold one entry per batch item.
+    """
+    per_item = img_shapes if isinstance(img_shapes, list) else [img_shapes]
+    if len(per_item) != b:
+        raise ValueError(
+            f"Qwen-Image (zero_cond_t): img_shapes needs one entry per batch item "
+            f"({b}), got {len(per_item)}"
+        )
+    n_out = []
+    for entry in per_item:
+        f, h, w = entry[0] if isinstance(entry, list) else entry
+        n_out.append(int(f) * int(h) * int(w))
+    first = torch.tensor(n_out, device=device).unsqueeze(1)
+    return torch.arange(s_img, device=device).unsqueeze(0) >= first
 
 
 class QwenImageTransformer(nn.Module):
@@ -300,10 +346,13 @@ class QwenImageTransformer(nn.Module):
                 dropped as attention *keys* (they still produce outputs, which are discarded).
                 RoPE always uses the padded length ``S_txt``.
             timestep: ``[B]`` in ``[0, 1]`` (the pipeline passes ``t / 1000``); cast to the model
-                dtype and multiplied by 1000 inside the sinusoid, as the reference.
+                dtype and multiplied by 1000 inside the sinusoid, as the reference. With
+                ``zero_cond_t`` the condition images' tokens are modulated with timestep 0.
             img_shapes: ``[[(F, H, W), ...], ...]`` per batch item, ``H``/``W`` in packed tokens
                 (latent size / 2); as in diffusers only the first item's list is used for RoPE,
-                so all items must share it. ``sum(F * H * W)`` must equal ``S_img``.
+                so all items must share it. ``sum(F * H * W)`` must equal ``S_img``. With
+                ``zero_cond_t`` the first entry of each item's list is its output, the rest its
+                condition images (one list per batch item is then required).
             guidance: must be ``None`` (Qwen-Image has no guidance embedder; the reference
                 cannot run with one either).
             attention_kwargs: ``None`` or a dict with at most ``"scale"`` (diffusers' LoRA
@@ -319,7 +368,8 @@ class QwenImageTransformer(nn.Module):
 
         Raises:
             ValueError: a mask whose shape is not ``[B, S_txt]``, missing or inconsistent
-                ``img_shapes``, or an unsupported argument.
+                ``img_shapes`` (``zero_cond_t``: not one entry per item), or an unsupported
+                argument.
         """
         if guidance is not None:
             raise ValueError("Qwen-Image has no guidance embedder: pass guidance=None")
@@ -351,7 +401,14 @@ class QwenImageTransformer(nn.Module):
             img_mask = torch.ones((b, s_img), dtype=torch.bool, device=x.device)
             key_mask = torch.cat([txt_mask, img_mask], dim=1)
 
-        temb = self.time_text_embed(t, x.dtype)
+        cond_index = None
+        if self.cfg.zero_cond_t:
+            # embeddings of [t, 0]: the blocks' img_mod picks one per token; the rest uses t
+            block_temb = self.time_text_embed(torch.cat([t, t * 0], dim=0), x.dtype)
+            temb = block_temb.chunk(2, dim=0)[0]
+            cond_index = _condition_token_index(img_shapes, b, s_img, x.device)
+        else:
+            temb = block_temb = self.time_text_embed(t, x.dtype)
         img_freqs, txt_freqs = self.pos_embed(shapes, s_txt, x.device)
         # sequence parallelism: each rank keeps its chunk of both streams (identity without SP)
         xs, ts = SeqSplit.of(s_img), SeqSplit.of(s_txt)
@@ -359,6 +416,8 @@ class QwenImageTransformer(nn.Module):
         img_freqs, txt_freqs = xs.local(img_freqs, 0), ts.local(txt_freqs, 0)
         if key_mask is not None:
             key_mask = torch.cat([ts.local(key_mask[:, :s_txt]), xs.local(key_mask[:, s_txt:])], 1)
+        if cond_index is not None:  # follows the image tokens it describes
+            cond_index = xs.local(cond_index).unsqueeze(-1)
 
         n_blocks = len(self.transformer_blocks)
         interval = None
@@ -366,7 +425,7 @@ class QwenImageTransformer(nn.Module):
             interval = int(math.ceil(n_blocks / len(controlnet_block_samples)))
         with sequence_split(ts + xs):
             for i, block in enumerate(self.transformer_blocks):
-                ctx, x = block(x, ctx, temb, img_freqs, txt_freqs, key_mask)
+                ctx, x = block(x, ctx, block_temb, img_freqs, txt_freqs, key_mask, cond_index)
                 if interval is not None:
                     x = x + xs.local(controlnet_block_samples[i // interval])
         return xs.gather(self.proj_out(self.norm_out(x, temb))[0])

@@ -12,6 +12,10 @@ written part by part (tokenizer, ``preprocessor_config.json``): without torchvis
 can neither build nor save a ``Qwen2VLProcessor`` (its video processor does not import); load it
 with :func:`sglang.multimodal_gen.models.processors.load_processor`. Random weights: images are
 noise by construction.
+
+``build_qwen_image_edit_plus_dir(..., zero_cond_t=True)`` writes a Qwen-Image-Edit-2511-style
+directory: the same weights, with ``"zero_cond_t": true`` in ``transformer/config.json`` (the
+condition images' tokens are modulated with timestep 0).
 """
 
 from __future__ import annotations
@@ -61,9 +65,13 @@ def build_vl_tokenizer():
     return tok
 
 
-def build_qwen_image_edit_components(seed: int = DEFAULT_SEED) -> dict[str, Any]:
+def build_qwen_image_edit_components(
+    seed: int = DEFAULT_SEED, *, zero_cond_t: bool = False
+) -> dict[str, Any]:
     """The six components of a ``QwenImageEditPipeline`` / ``QwenImageEditPlusPipeline`` (fp32,
-    CPU, eval mode); ``processor`` is a ``Qwen2VLProcessor`` built without its video part."""
+    CPU, eval mode); ``processor`` is a ``Qwen2VLProcessor`` built without its video part.
+    ``zero_cond_t``: the transformer is the same weights in a ``zero_cond_t=True``
+    ``QwenImageTransformer2DModel`` (Qwen-Image-Edit-2511)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -72,6 +80,13 @@ def build_qwen_image_edit_components(seed: int = DEFAULT_SEED) -> dict[str, Any]
     from sglang.multimodal_gen.models.processors import tolerant_processor_class
 
     comps = build_qwen_image_components(seed)
+    if zero_cond_t:
+        from diffusers import QwenImageTransformer2DModel
+
+        dit = comps["transformer"]
+        init = {k: v for k, v in dit.config.items() if not k.startswith("_")}
+        comps["transformer"] = QwenImageTransformer2DModel(**dict(init, zero_cond_t=True)).eval()
+        comps["transformer"].load_state_dict(dit.state_dict())
     tok = build_vl_tokenizer()
     ids = dict(zip(("start", "end", "image", "video"), tok.convert_tokens_to_ids(VISION_TOKENS)))
     gen = torch.Generator().manual_seed(seed + 10)
@@ -109,10 +124,10 @@ def build_qwen_image_edit_components(seed: int = DEFAULT_SEED) -> dict[str, Any]
     return comps
 
 
-def _save(path: str, pipeline_class: str, seed: int) -> str:
+def _save(path: str, pipeline_class: str, seed: int, zero_cond_t: bool = False) -> str:
     import diffusers
 
-    comps = build_qwen_image_edit_components(seed)
+    comps = build_qwen_image_edit_components(seed, zero_cond_t=zero_cond_t)
     processor = comps.pop("processor")
     pipe = getattr(diffusers, pipeline_class)(**comps, processor=None)
     pipe.save_pretrained(path, safe_serialization=True)
@@ -135,10 +150,12 @@ def build_qwen_image_edit_dir(path: str | os.PathLike, *, seed: int = DEFAULT_SE
     return _save(os.fspath(path), "QwenImageEditPipeline", seed)
 
 
-def build_qwen_image_edit_plus_dir(path: str | os.PathLike, *, seed: int = DEFAULT_SEED) -> str:
-    """Write a diffusers-format Qwen-Image-Edit-Plus (``QwenImageEditPlusPipeline``, the
-    2509/2511 releases) directory at ``path``; returns ``str(path)``."""
-    return _save(os.fspath(path), "QwenImageEditPlusPipeline", seed)
+def build_qwen_image_edit_plus_dir(
+    path: str | os.PathLike, *, seed: int = DEFAULT_SEED, zero_cond_t: bool = False
+) -> str:
+    """Write a diffusers-format Qwen-Image-Edit-Plus (``QwenImageEditPlusPipeline``) directory at
+    ``path``: 2509-style, or 2511-style with ``zero_cond_t=True``; returns ``str(path)``."""
+    return _save(os.fspath(path), "QwenImageEditPlusPipeline", seed, zero_cond_t)
 
 
 def reference_pipeline(model_dir: str, **kwargs: Any):
