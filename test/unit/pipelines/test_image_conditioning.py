@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from sglang.multimodal_gen.pipelines.image_conditioning import (
+    IMAGE_LATENTS,
+    NOISE,
     encode_inpaint_mask,
     inpaint_blend,
     sample_posterior,
@@ -85,7 +87,7 @@ def test_sdedit_start_renoises_the_image_at_the_first_kept_step():
     # no image: the text-to-image start and schedule, unchanged
     same, steps = sdedit_start({}, lat, sched, sched.timesteps, 4, 0.5)
     assert same is lat and steps is sched.timesteps
-    cond = {"image_latents": image, "noise": noise}
+    cond = {IMAGE_LATENTS: image, NOISE: noise}
     start, steps = sdedit_start(cond, lat, sched, sched.timesteps, 4, 0.5)
     assert torch.equal(steps, _scheduler(4).timesteps[2:])
     ref = _scheduler(4)
