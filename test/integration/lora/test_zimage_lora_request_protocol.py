@@ -8,7 +8,8 @@ restore after it and nothing a failure could leave half done.
   another composition (and one with none) leaves every layer's weight bit-identical and merged as
   before; the server stays healthy.
 - TP 2: rank 0 selects a request's adapters and sends the selection with the command, so the
-  ranks cannot disagree (a rank that would select differently is never asked), and a refused
+  ranks cannot disagree (a rank that would select differently is never asked: on the session's
+  shared TP 2 engine, rank 1 selecting is an error, ``fixtures.tp_engine``), and a refused
   composition (an unknown adapter) fails before any rank starts; nothing changes either way: the
   next requests give the images of before (the TP image depends on both ranks' weights).
 """
@@ -25,7 +26,6 @@ from sglang.multimodal_gen.errors import NotFoundError
 from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
 
 REQ = dict(prompt="a lighthouse at dusk", height=32, width=32, num_inference_steps=2, seed=9)
-FAIL_ON = "b"  # per-request compositions naming this adapter fail on rank 1
 
 
 def _layer_state(engine) -> dict:
@@ -55,40 +55,25 @@ def test_a_request_composition_changes_no_weight(tiny_zimage_dir, tiny_zimage_lo
             assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
-def _rank1_never_selects(runner, rank):
-    """Worker hook: on rank 1, selecting adapters fails (rank 0's selection must be used)."""
-    if rank != 1:
-        return
-
-    def failing(composition):
-        raise AssertionError("TP rank 1 selected adapters; rank 0 should have sent them")
-
-    runner.lora_manager.selection = failing
-
-
 def _image(engine, **kw):
     return np.asarray(engine.generate(SamplingParams(**REQ, **kw))[0])
 
 
 @pytest.mark.slow
-def test_tp2_rank0_selects_and_a_refusal_changes_nothing(tiny_zimage_dir, tiny_zimage_loras):
+def test_tp2_rank0_selects_and_a_refusal_changes_nothing(zimage_tp2_engine, tiny_zimage_loras):
     a, b = tiny_zimage_loras
-    with DiffusionEngine(
-        tiny_zimage_dir, tp_size=2, device="cpu", _worker_setup=_rank1_never_selects
-    ) as engine:
-        engine.set_lora(["a", "b"], [a, b], strength=[0.7, 0.0], merge_mode="merge")
-        before_image, before_state = _image(engine), engine.list_loras()["active"]
-        with pytest.raises(NotFoundError) as e:
-            _image(engine, lora=[{"name": "nope", "strength": 1.0}])
-        assert e.value.param == "lora"
-        assert engine.list_loras()["active"] == before_state
-        assert np.array_equal(_image(engine), before_image)
-        with_b = _image(engine, lora=[{"name": "b", "strength": 1.0}])
-        assert not np.array_equal(with_b, before_image)
-        batch = engine.generate_batch(
-            [SamplingParams(**REQ, lora=[("b", 1.0)]), SamplingParams(**REQ)]
-        )
-        assert np.array_equal(np.asarray(batch[0][0]), with_b)
-        assert np.array_equal(np.asarray(batch[1][0]), before_image)
-        assert np.array_equal(_image(engine), before_image)
-        assert engine.is_alive()
+    engine = zimage_tp2_engine
+    engine.set_lora(["a", "b"], [a, b], strength=[0.7, 0.0], merge_mode="merge")
+    before_image, before_state = _image(engine), engine.list_loras()["active"]
+    with pytest.raises(NotFoundError) as e:
+        _image(engine, lora=[{"name": "nope", "strength": 1.0}])
+    assert e.value.param == "lora"
+    assert engine.list_loras()["active"] == before_state
+    assert np.array_equal(_image(engine), before_image)
+    with_b = _image(engine, lora=[{"name": "b", "strength": 1.0}])
+    assert not np.array_equal(with_b, before_image)
+    batch = engine.generate_batch([SamplingParams(**REQ, lora=[("b", 1.0)]), SamplingParams(**REQ)])
+    assert np.array_equal(np.asarray(batch[0][0]), with_b)
+    assert np.array_equal(np.asarray(batch[1][0]), before_image)
+    assert np.array_equal(_image(engine), before_image)
+    assert engine.is_alive()

@@ -2,9 +2,10 @@
 
 * A failure only rank 0 can meet (prompt encoding: the text encoders live on rank 0) fails that
   request on every rank, alone and in a batch, under tensor and sequence parallelism. A test hook
-  makes rank 0's encoder raise for prompts holding ``BOOM`` (as a tokenizer or text encoder
-  rejecting a prompt would). Before the fix rank 0 raised before the conditioning broadcast, the
-  other rank waited in it forever, and the engine hung.
+  (``fixtures.tp_engine.strict_ranks``; at TP 2 the shared engine's) makes rank 0's encoder raise
+  for prompts holding ``BOOM`` (as a tokenizer or text encoder rejecting a prompt would). Before
+  the fix rank 0 raised before the conditioning broadcast, the other rank waited in it forever,
+  and the engine hung.
 * Workers ignore SIGTERM (the launcher owns their lifetime); when the launching process is killed
   outright they exit by themselves within seconds.
 """
@@ -21,23 +22,8 @@ import time
 import numpy as np
 import pytest
 from fixtures.tiny_models import psnr
+from fixtures.tp_engine import BAD, strict_ranks
 from sglang.multimodal_gen.runtime import DiffusionEngine, SamplingParams
-
-BAD = "BOOM"
-
-
-def _rank0_encoder_rejects(runner, rank):
-    if rank != 0:
-        return
-    pipe = runner.pipeline
-    encode = pipe.encode_prompt_list
-
-    def rejecting(prompts, max_sequence_length):
-        if any(BAD in p for p in prompts):
-            raise ValueError(f"the text encoder rejects {BAD!r} (simulated)")
-        return encode(prompts, max_sequence_length)
-
-    pipe.encode_prompt_list = rejecting
 
 
 def _req(prompt, seed=3):
@@ -46,50 +32,60 @@ def _req(prompt, seed=3):
     )
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", [dict(tp_size=2), dict(ulysses_degree=2)], ids=["tp2", "sp2"])
-def test_rank0_encoder_failure_fails_the_request_not_the_engine(tiny_zimage_dir, layout):
+@pytest.fixture
+def sp2_engine(tiny_zimage_dir):
     with DiffusionEngine(
-        tiny_zimage_dir, device="cpu", _worker_setup=_rank0_encoder_rejects, **layout
+        tiny_zimage_dir, device="cpu", ulysses_degree=2, _worker_setup=strict_ranks
     ) as engine:
-        good = np.asarray(engine.generate(_req("a red square"))[0])
-        with pytest.raises(ValueError, match="rejects"):
-            engine.generate(_req(f"a {BAD} square"))
-        # same ranks, same order: the next request is still the image it was
-        assert np.array_equal(np.asarray(engine.generate(_req("a red square"))[0]), good)
-
-        # in a batch the failing request fails alone and the others are their own images
-        reqs = [_req("a red square"), _req(f"{BAD}!", seed=4), _req("a blue circle", seed=5)]
-        outs = engine.generate_batch(reqs)
-        assert isinstance(outs[1], ValueError) and "rejects" in str(outs[1])
-        assert psnr(np.asarray(outs[0][0]), good) >= 45
-        alone = np.asarray(engine.generate(reqs[2])[0])
-        assert psnr(np.asarray(outs[2][0]), alone) >= 45
-        assert psnr(alone, good) < 30  # the two good requests are far apart
-        assert engine.is_alive()
+        yield engine
 
 
 @pytest.mark.timeout(300)
-def test_tp2_interrupted_call_does_not_hand_its_answer_to_the_next(tiny_zimage_dir):
+@pytest.mark.parametrize("layout", ["tp2", "sp2"])
+def test_rank0_encoder_failure_fails_the_request_not_the_engine(request, layout):
+    # TP 2: the session's shared engine (same worker hook)
+    engine = request.getfixturevalue({"tp2": "zimage_tp2_engine", "sp2": "sp2_engine"}[layout])
+    good = np.asarray(engine.generate(_req("a red square"))[0])
+    with pytest.raises(ValueError, match="rejects"):
+        engine.generate(_req(f"a {BAD} square"))
+    # same ranks, same order: the next request is still the image it was
+    assert np.array_equal(np.asarray(engine.generate(_req("a red square"))[0]), good)
+
+    # in a batch the failing request fails alone and the others are their own images
+    reqs = [_req("a red square"), _req(f"{BAD}!", seed=4), _req("a blue circle", seed=5)]
+    outs = engine.generate_batch(reqs)
+    assert isinstance(outs[1], ValueError) and "rejects" in str(outs[1])
+    assert psnr(np.asarray(outs[0][0]), good) >= 45
+    alone = np.asarray(engine.generate(reqs[2])[0])
+    assert psnr(np.asarray(outs[2][0]), alone) >= 45
+    assert psnr(alone, good) < 30  # the two good requests are far apart
+    assert engine.is_alive()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_interrupted_call_does_not_hand_its_answer_to_the_next(zimage_tp2_engine):
     """A caller interrupted while the TP workers run its command: the workers still answer it,
     and that answer must be dropped, not returned to the next call (before: ``list_loras()``
     returned the interrupted generation's image)."""
-    with DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu") as engine:
-        expected = np.asarray(engine.generate(_req("a red square"))[0])
-        wait = engine._executor._wait_result
-        calls = [0]
+    engine = zimage_tp2_engine
+    expected = np.asarray(engine.generate(_req("a red square"))[0])
+    wait = engine._executor._wait_result
+    calls = [0]
 
-        def interrupted_once(*a, **k):
-            calls[0] += 1
-            if calls[0] == 1:
-                raise KeyboardInterrupt  # as a Ctrl-C while waiting for the workers
-            return wait(*a, **k)
+    def interrupted_once(*a, **k):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt  # as a Ctrl-C while waiting for the workers
+        return wait(*a, **k)
 
-        engine._executor._wait_result = interrupted_once
+    engine._executor._wait_result = interrupted_once
+    try:
         with pytest.raises(KeyboardInterrupt):
             engine.generate(_req("a red square"))
         assert isinstance(engine.list_loras(), dict)
         assert np.array_equal(np.asarray(engine.generate(_req("a red square"))[0]), expected)
+    finally:
+        del engine._executor._wait_result  # the shared engine: back to the class's method
 
 
 LAUNCHER = textwrap.dedent(
