@@ -731,6 +731,24 @@ MUTANTS: list[Mutant] = [
         ("-k", "plus_two_images"),
         why="Plus: the images' VAE tokens in reverse order, each on the other's RoPE frame",
     ),
+    _m(
+        "qwen-zero-cond-index-reversed",
+        "models/dits/qwen_image.py",
+        "return torch.arange(s_img, device=device).unsqueeze(0) >= first",
+        "return torch.arange(s_img, device=device).unsqueeze(0) < first",
+        ("test/integration/families/test_qwen_image_transformer_parity.py",),
+        ("-k", "zero_cond_t"),
+        why="Edit-2511: the output tokens modulated with timestep 0, the condition images with t",
+    ),
+    _m(
+        "qwen-2511-served-as-2509",
+        "configs/qwen_image.py",
+        "self.zero_cond_t = bool(self.zero_cond_t)",
+        "self.zero_cond_t = False",
+        ("test/integration/families/test_qwen_image_edit_2511.py",),
+        ("-k", "matches_diffusers"),
+        why="zero_cond_t read and dropped: a 2511 checkpoint runs with every image token at t",
+    ),
     # ------------------------------------------------------------------ input images in the pipelines
     _m(
         "sdedit-whole-schedule",
@@ -752,8 +770,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "flux-inpaint-no-blend",
         "pipelines/flux.py",
-        'if "mask" not in cond or "image_latents" not in cond:',
-        "if True:",
+        "cond[INPAINT_MASK] = pack_latents(m)",
+        "m = None",
         ("test/integration/families/test_flux_image_conditioning.py",),
         ("-k", "inpainting"),
         why="the mask is accepted and never used (the unmasked part is redrawn too)",

@@ -55,6 +55,7 @@ from sglang.multimodal_gen.pipelines.common import (
     flow_shift_helpers,
     latents_to_uint8,
 )
+from sglang.multimodal_gen.pipelines.image_conditioning import sdedit_after_step, sdedit_start
 from sglang.multimodal_gen.pipelines.lora_rows import with_row_adapters
 
 __all__ = ["Generation", "StagedPipeline", "check_finite", "latents_to_uint8"]
@@ -333,10 +334,13 @@ class StagedPipeline:
         scheduler: Any,
         timesteps: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(latents, timesteps)`` the loop starts from, after the input images entered them
-        (image-to-image trims the schedule by ``strength`` and re-noises the image latents).
-        Default: unchanged."""
-        return latents, timesteps
+        """``(latents, timesteps)`` the loop starts from, after the input images entered them.
+        Default: image-to-image when :meth:`prepare_latents` put the image's latents and the
+        noise in ``cond`` (:func:`~.image_conditioning.sdedit_start`: the last ``strength`` of
+        the schedule, from the re-noised image); else unchanged."""
+        p = g.params
+        return sdedit_start(cond, latents, scheduler, timesteps, p.num_inference_steps,
+                            p.strength)  # fmt: skip
 
     def after_step(
         self,
@@ -347,9 +351,10 @@ class StagedPipeline:
         timesteps: torch.Tensor,
         scheduler: Any,
     ) -> torch.Tensor:
-        """The latents after step ``step_index``'s scheduler step (inpainting puts the kept
-        region back). Default: unchanged."""
-        return latents
+        """The latents after step ``step_index``'s scheduler step. Default: inpainting when
+        ``cond`` holds a mask (:func:`~.image_conditioning.sdedit_after_step`: the kept region
+        is the image re-noised to the next timestep); else unchanged."""
+        return sdedit_after_step(cond, latents, step_index, timesteps, scheduler)
 
     def prepare_timesteps(self, g: Generation, latents: torch.Tensor):
         """``(scheduler, timesteps)``: a fresh scheduler (so concurrent state never leaks)."""

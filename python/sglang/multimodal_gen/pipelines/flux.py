@@ -36,10 +36,12 @@ import torch
 
 from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline, latents_to_uint8
 from sglang.multimodal_gen.pipelines.image_conditioning import (
-    inpaint_blend,
-    posterior_of,
+    IMAGE_LATENTS,
+    INPAINT_MASK,
+    NOISE,
+    encode_image_posterior,
+    encode_inpaint_mask,
     sample_posterior,
-    sdedit_timesteps,
 )
 from sglang.multimodal_gen.pipelines.latent_packing import image_ids, pack_latents, unpack_latents
 
@@ -126,12 +128,12 @@ class FluxPipeline(StagedPipeline):
             (g.num_outputs, c, h, w), generator=g.generator, device=self.device, dtype=dtype
         )
         cond["img_ids"] = image_ids(h // 2, w // 2, self.device, dtype)
-        if image_latents is not None:
-            cond["image_latents"] = pack_latents(image_latents)
-            cond["noise"] = pack_latents(noise)
-            if "mask" in cond:
-                m = cond["mask"].to(self.device, dtype).repeat(g.num_outputs, c, 1, 1)
-                cond["mask"] = pack_latents(m)
+        if image_latents is not None:  # the SDEdit stages of the base class take it from here
+            cond[IMAGE_LATENTS] = pack_latents(image_latents)
+            cond[NOISE] = pack_latents(noise)
+            if "mask_latent" in cond:
+                m = cond["mask_latent"].to(self.device, dtype).repeat(g.num_outputs, c, 1, 1)
+                cond[INPAINT_MASK] = pack_latents(m)
         return pack_latents(noise)
 
     def prepare_timesteps(self, g, latents):
@@ -143,48 +145,29 @@ class FluxPipeline(StagedPipeline):
 
     # ------------------------------------------------------------------ input images
     def _processors(self):
+        """diffusers' image processor of Flux pipelines (``vae_scale_factor * 2``)."""
         from diffusers.image_processor import VaeImageProcessor
 
-        factor = self.vae_scale_factor * 2
         channels = self.configs.get("vae", {}).get("latent_channels", 16)
-        image = VaeImageProcessor(vae_scale_factor=factor, vae_latent_channels=channels)
-        mask = VaeImageProcessor(
-            vae_scale_factor=factor, vae_latent_channels=channels, do_normalize=False,
-            do_binarize=True, do_convert_grayscale=True,
-        )  # fmt: skip
-        return image, mask
+        return VaeImageProcessor(
+            vae_scale_factor=self.vae_scale_factor * 2, vae_latent_channels=channels
+        )
 
     @torch.no_grad()
     def encode_images(self, g):
         """The input image's VAE posterior (mean, std) at the request's size and, with a mask,
         the binarised mask on the latent grid ``[1, 1, h, w]`` (1 = edit)."""
         p = g.params
-        image_proc, mask_proc = self._processors()
-        x = image_proc.preprocess(p.image[0].to_pil(), height=p.height, width=p.width)
-        x = x.to(device=self.vae.device, dtype=self.vae.dtype)
-        mean, std = posterior_of(self.vae.encode(x))
+        factor = self.vae_scale_factor * 2
+        channels = self.configs.get("vae", {}).get("latent_channels", 16)
+        mean, std = encode_image_posterior(self.vae, p.image[0], p.height, p.width, factor,
+                                           channels)  # fmt: skip
         out = {"image_mean": mean.to(self.device), "image_std": std.to(self.device)}
         if p.mask_image is not None:
-            m = mask_proc.preprocess(p.mask_image.to_pil(), height=p.height, width=p.width)
-            out["mask"] = torch.nn.functional.interpolate(m, size=self._latent_hw(g))
+            out["mask_latent"] = encode_inpaint_mask(
+                p.mask_image, p.height, p.width, factor, self._latent_hw(g)
+            )
         return out
-
-    def condition_latents(self, g, cond, latents, scheduler, timesteps):
-        """Image-to-image: the last ``strength`` of the schedule, from the re-noised image."""
-        if "image_latents" not in cond:
-            return latents, timesteps
-        timesteps, _ = sdedit_timesteps(scheduler, g.params.num_inference_steps, g.params.strength)
-        t0 = timesteps[:1].repeat(latents.shape[0])
-        return scheduler.scale_noise(cond["image_latents"], t0, cond["noise"]), timesteps
-
-    def after_step(self, g, cond, latents, step_index, timesteps, scheduler):
-        """Inpainting: the unmasked region is the image, re-noised to the next timestep."""
-        if "mask" not in cond or "image_latents" not in cond:
-            return latents
-        return inpaint_blend(
-            latents, cond["image_latents"], cond["mask"], cond["noise"], scheduler, timesteps,
-            step_index,
-        )  # fmt: skip
 
     # ------------------------------------------------------------------ denoise
     def denoiser_input(self, latents: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:

@@ -72,7 +72,7 @@ class FluxKontextPipeline(FluxPipeline):
     @torch.no_grad()
     def encode_images(self, g: Generation) -> dict[str, Any]:
         """The reference's packed latents ``[1, L_ref, 4C]`` and positions ``[L_ref, 3]``."""
-        image_proc, _ = self._processors()
+        image_proc = self._processors()
         img = g.params.image[0].to_pil()
         h, w = image_proc.get_default_height_width(img)
         d = self.spec.defaults

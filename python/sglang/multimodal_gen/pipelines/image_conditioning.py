@@ -44,7 +44,9 @@ __all__ = [
 #: The conditioning keys :func:`sdedit_start` and :func:`sdedit_after_step` read: the input
 #: image's normalised latents and the noise (both in the loop's latent layout) and the inpainting
 #: mask (broadcastable to them, 1 = edit).
-IMAGE_LATENTS, NOISE, INPAINT_MASK = "image_latents", "noise", "inpaint_mask"
+#: Named for SDEdit alone: the default stages of ``pipelines/base.py`` act when they are present,
+#: so a family's own conditioning (an edit model's reference latents) never takes these names.
+IMAGE_LATENTS, NOISE, INPAINT_MASK = "sdedit_image_latents", "sdedit_noise", "sdedit_mask"
 
 
 def sdedit_timesteps(

@@ -54,8 +54,6 @@ from sglang.multimodal_gen.pipelines.image_conditioning import (
     encode_image_posterior,
     encode_inpaint_mask,
     sample_posterior,
-    sdedit_after_step,
-    sdedit_start,
 )
 
 __all__ = ["ZImagePipeline", "default_sigmas"]
@@ -220,17 +218,6 @@ class ZImagePipeline(StagedPipeline):
             hw = self.latent_shape(1, p.height, p.width)[2:]
             out["mask_latent"] = encode_inpaint_mask(p.mask_image, p.height, p.width, factor, hw)
         return out
-
-    def condition_latents(self, g, cond, latents, scheduler, timesteps):
-        """Image-to-image: the last ``strength`` of the schedule, from the re-noised image."""
-        p = g.params
-        return sdedit_start(
-            cond, latents, scheduler, timesteps, p.num_inference_steps, p.strength
-        )  # fmt: skip
-
-    def after_step(self, g, cond, latents, step_index, timesteps, scheduler):
-        """Inpainting: the unmasked region is the image, re-noised to the next timestep."""
-        return sdedit_after_step(cond, latents, step_index, timesteps, scheduler)
 
     # ------------------------------------------------------------------ denoise
     def predict(self, denoiser, latents, t, step_index, cond, g):
