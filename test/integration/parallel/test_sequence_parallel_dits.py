@@ -4,7 +4,8 @@ on real gloo processes against the single-process DiT (which equals diffusers bi
 
 Each case uses seeded random weights (every parameter perturbed) and inputs whose token counts no
 SP degree divides (uneven chunks), with padded batches where the family has them (Z-Image's
-caption/image lengths, Qwen-Image's text mask) and per-token timesteps (Wan TI2V).
+caption/image lengths, Qwen-Image's text mask), per-token timesteps (Wan TI2V) and Qwen-Image-Edit-
+2511's per-token choice of the timestep (``zero_cond_t``: the index is sharded with the tokens).
 
 Measured (torch 2.13 CPU, fp32): relative error vs one process <= 1.2e-6 in every layout and family
 (SP only re-orders the softmax sums). Threshold 1e-5; a timestep moved by 1e-3 changes every
@@ -88,8 +89,19 @@ def _qwen_case():
     )
 
 
+def _qwen_zero_cond_case():
+    """Qwen-Image-Edit-2511 (``zero_cond_t``): output 3 x 5, condition images 2 x 3 and 1 x 2;
+    23 image tokens, so the output / condition boundary (token 15) falls inside a shard."""
+    from diffusers import QwenImageTransformer2DModel
+
+    ref = QwenImageTransformer2DModel(**tiny_qwen_image.TINY_DIT, zero_cond_t=True).eval()
+    ref.load_state_dict(tiny_qwen_image.reference_dit(seed=5).state_dict())
+    images = [(1, 3, 5), (1, 2, 3), (1, 1, 2)]
+    return "qwen-image", ref, [tiny_qwen_image.dit_inputs(seed=11, images=images)]
+
+
 def _cases():
-    return [_zimage_case(), _flux_case(), *_wan_cases(), _qwen_case()]
+    return [_zimage_case(), _flux_case(), *_wan_cases(), _qwen_case(), _qwen_zero_cond_case()]
 
 
 def _model_out(model, inp):
