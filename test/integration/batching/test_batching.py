@@ -50,9 +50,11 @@ def _zimage_requests():
     ]  # fmt: skip
 
 
-def _check_batched_equals_single(runner, reqs, steps):
+def _check_batched_equals_single(runner, reqs, steps, single=None):
+    """``single``: each request's pixels alone on ``runner``, when already computed."""
     prepared = [runner.spec.resolve(r) for r in reqs]
-    single = [output_pixels(runner.cmd_generate(r)) for r in prepared]
+    if single is None:
+        single = [output_pixels(runner.cmd_generate(r)) for r in prepared]
     calls = count_dit_calls(runner)
     out = runner.cmd_generate_batch(prepared)
     # requests of one size share ONE DiT call per step (CFG branches included)
@@ -67,8 +69,18 @@ def _check_batched_equals_single(runner, reqs, steps):
     return single
 
 
-def test_zimage_batch_equals_single_requests(tiny_zimage_dir):
-    _check_batched_equals_single(ModelRunner(tiny_zimage_dir), _zimage_requests(), steps=3)
+@pytest.fixture(scope="module")
+def zimage_single(tiny_zimage_dir):
+    """``(runner, pixels)``: a TP 1 runner and each of ``_zimage_requests()`` alone on it (the
+    reference of the TP 1 batch and of the TP 2 batch)."""
+    runner = ModelRunner(tiny_zimage_dir)
+    reqs = [runner.spec.resolve(r) for r in _zimage_requests()]
+    return runner, [output_pixels(runner.cmd_generate(r)) for r in reqs]
+
+
+def test_zimage_batch_equals_single_requests(zimage_single):
+    runner, single = zimage_single
+    _check_batched_equals_single(runner, _zimage_requests(), steps=3, single=single)
 
 
 def test_flux_true_cfg_batch_equals_single_requests(tiny_flux_dev_dir):
@@ -269,14 +281,12 @@ def test_per_expert_offload_batch_keeps_one_expert_on_the_device(tiny_wan_a14b_d
 
 
 @pytest.mark.slow
-def test_tp2_batch_equals_tp1(tiny_zimage_dir):
-    reqs = _zimage_requests()
-    with DiffusionEngine(tiny_zimage_dir, device="cpu") as e1:
-        single = [np.asarray(e1.generate(r)[0]) for r in reqs]
-    with DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu") as e2:
-        out = e2.generate_batch(reqs)
+def test_tp2_batch_equals_tp1(zimage_single, zimage_tp2_engine):
+    _, single = zimage_single  # TP 1, each request alone
+    out = zimage_tp2_engine.generate_batch(_zimage_requests())  # the session's shared engine
+    assert len(out) == len(single)
     for a, b in zip(single, out):
-        assert psnr(a, np.asarray(b[0])) >= MIN_PSNR
+        assert psnr(a[0], np.asarray(b[0])) >= MIN_PSNR
 
 
 class _Counting:
