@@ -742,9 +742,9 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "qwen-2511-served-as-2509",
-        "configs/qwen_image.py",
-        "self.zero_cond_t = bool(self.zero_cond_t)",
-        "self.zero_cond_t = False",
+        "models/dits/qwen_image.py",
+        "if self.cfg.zero_cond_t:",
+        "if False:",
         ("test/integration/families/test_qwen_image_edit_2511.py",),
         ("-k", "matches_diffusers"),
         why="zero_cond_t read and dropped: a 2511 checkpoint runs with every image token at t",
