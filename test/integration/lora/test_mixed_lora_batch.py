@@ -103,30 +103,49 @@ def test_qwen_image_and_wan_mixed_compositions(tiny_qwen_image_dir, tiny_wan_ti2
                 negative_prompt="blurry"))  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(tp_size=2), dict(cfg_degree=2)])
-def test_parallel_mixed_batch_equals_one_process(tiny_zimage_dir, tiny_zimage_loras, layout):
-    """At TP 2 every rank runs the same rows with its weight shards; with CFG parallelism each
-    rank runs one branch, i.e. its half of the batch's rows and their compositions."""
+PARALLEL_BASE = dict(height=32, width=32, num_inference_steps=2, guidance_scale=3.0,
+                     negative_prompt="blurry")  # fmt: skip
+PARALLEL_REQS = [
+    SamplingParams(prompt=["a red fox", "a boat"][i % 2], seed=i, lora=comp, **PARALLEL_BASE)
+    for i, comp in enumerate(COMPOSITIONS)
+]
+
+
+def _load(engine, loras):
+    engine.set_lora(["a", "b"], list(loras), strength=[0.5, 0.7])
+
+
+@pytest.fixture(scope="module")
+def parallel_single(tiny_zimage_dir, tiny_zimage_loras):
+    """Each request of ``PARALLEL_REQS`` alone on one process (both layouts compare with it)."""
     import numpy as np
     from sglang.multimodal_gen.runtime import DiffusionEngine
 
-    base = dict(height=32, width=32, num_inference_steps=2, guidance_scale=3.0,
-                negative_prompt="blurry")  # fmt: skip
-    reqs = [
-        SamplingParams(prompt=["a red fox", "a boat"][i % 2], seed=i, lora=comp, **base)
-        for i, comp in enumerate(COMPOSITIONS)
-    ]
-
-    def load(e):
-        e.set_lora(["a", "b"], list(tiny_zimage_loras), strength=[0.5, 0.7])
-
     with DiffusionEngine(tiny_zimage_dir, device="cpu") as e1:
-        load(e1)
-        single = [np.asarray(e1.generate(r)[0]) for r in reqs]
-    with DiffusionEngine(tiny_zimage_dir, device="cpu", **layout) as e2:
-        load(e2)
-        out = e2.generate_batch(reqs)
-    for i, (a, b) in enumerate(zip(single, out)):
-        assert psnr(a, np.asarray(b[0])) >= MIN_PSNR, f"row {i}: {psnr(a, np.asarray(b[0])):.1f}"
+        _load(e1, tiny_zimage_loras)
+        single = [np.asarray(e1.generate(r)[0]) for r in PARALLEL_REQS]
     assert psnr(single[2], single[3]) < 30
+    return single
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "cfg2"])
+def test_parallel_mixed_batch_equals_one_process(
+    request, tiny_zimage_dir, tiny_zimage_loras, parallel_single, layout
+):
+    """At TP 2 every rank runs the same rows with its weight shards; with CFG parallelism each
+    rank runs one branch, i.e. its half of the batch's rows and their compositions. (TP 2: the
+    session's shared engine.)"""
+    import numpy as np
+    from sglang.multimodal_gen.runtime import DiffusionEngine
+
+    if layout == "tp2":
+        e2 = request.getfixturevalue("zimage_tp2_engine")
+        _load(e2, tiny_zimage_loras)
+        out = e2.generate_batch(PARALLEL_REQS)
+    else:
+        with DiffusionEngine(tiny_zimage_dir, device="cpu", cfg_degree=2) as e2:
+            _load(e2, tiny_zimage_loras)
+            out = e2.generate_batch(PARALLEL_REQS)
+    for i, (a, b) in enumerate(zip(parallel_single, out)):
+        assert psnr(a, np.asarray(b[0])) >= MIN_PSNR, f"row {i}: {psnr(a, np.asarray(b[0])):.1f}"

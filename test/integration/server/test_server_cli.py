@@ -126,7 +126,7 @@ def test_seed_command_line_serves_and_matches_generate(tmp_path, tiny_zimage_dir
     assert diff.max() <= 1 and (diff > 0).mean() <= 0.001, (int(diff.max()), (diff > 0).mean())
 
 
-def test_tp2_server_equals_tp1(tiny_zimage_dir):
+def test_tp2_server_equals_tp1(tiny_zimage_dir, zimage_tp2_engine):
     model = tiny_zimage_dir
     fields = dict(prompt="two lanterns", height=32, width=32, seed=5, num_inference_steps=2)
     tp1 = runtime.DiffusionEngine(model_path=model, device="cpu")
@@ -137,39 +137,36 @@ def test_tp2_server_equals_tp1(tiny_zimage_dir):
         ]
     finally:
         tp1.shutdown()
-    tp2 = runtime.DiffusionEngine(model_path=model, tp_size=2, device="cpu")
-    try:
-        args = ServerArgs(model_path=model, tp_size=2)
-        with running_server(tp2, args) as (url, _, _):
-            body = {
-                "prompt": "two lanterns",
-                "size": "32x32",
-                "seed": 5,
-                "num_inference_steps": 2,
-                "n": 2,
-            }
-            r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
-            assert r.status_code == 200, r.text
-            assert httpx.get(f"{url}/health").status_code == 200
-            got = [_pixels(base64.b64decode(item["b64_json"])) for item in r.json()["data"]]
-            # exactly what the TP 2 engine returns when called directly ...
-            tp2_direct = tp2.generate(runtime.SamplingParams(**fields, num_outputs_per_prompt=2))
-            for g, d in zip(got, tp2_direct):
-                np.testing.assert_array_equal(g, np.asarray(d))
-            # ... and TP 1's images up to the all-reduce's summation order (a level of 255)
-            for g, ref in zip(got, refs):
-                assert np.abs(g.astype(int) - ref.astype(int)).max() <= 2
-                assert psnr(g, ref) >= 45
-            # a dead TP worker: /health fails and requests get 503 instead of hanging
-            procs = getattr(tp2, "_procs", None)
-            if not procs:
-                return
-            os.kill(procs[1].pid, signal.SIGKILL)
-            procs[1].join(timeout=10)
-            assert httpx.get(f"{url}/health", timeout=10).status_code == 503
-            t0 = time.monotonic()
-            r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=60)
-            assert r.status_code == 503 and "error" in r.json()
-            assert time.monotonic() - t0 < 30
-    finally:
-        tp2.shutdown()
+    tp2 = zimage_tp2_engine  # the session's shared TP 2 engine
+    args = ServerArgs(model_path=model, tp_size=2)
+    with running_server(tp2, args) as (url, _, _):
+        body = {
+            "prompt": "two lanterns",
+            "size": "32x32",
+            "seed": 5,
+            "num_inference_steps": 2,
+            "n": 2,
+        }
+        r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{url}/health").status_code == 200
+        got = [_pixels(base64.b64decode(item["b64_json"])) for item in r.json()["data"]]
+        # exactly what the TP 2 engine returns when called directly ...
+        tp2_direct = tp2.generate(runtime.SamplingParams(**fields, num_outputs_per_prompt=2))
+        for g, d in zip(got, tp2_direct):
+            np.testing.assert_array_equal(g, np.asarray(d))
+        # ... and TP 1's images up to the all-reduce's summation order (a level of 255)
+        for g, ref in zip(got, refs):
+            assert np.abs(g.astype(int) - ref.astype(int)).max() <= 2
+            assert psnr(g, ref) >= 45
+        # a dead TP worker: /health fails and requests get 503 instead of hanging
+        procs = getattr(tp2, "_procs", None)
+        if not procs:
+            return
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].join(timeout=10)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=60)
+        assert r.status_code == 503 and "error" in r.json()
+        assert time.monotonic() - t0 < 30
