@@ -33,6 +33,7 @@ from fixtures.server import free_port
 from fixtures.tiny_models import build_tiny_zimage
 from huggingface_hub import constants
 from PIL import Image
+from sglang.cli.main import main as sglang_main
 from sglang.multimodal_gen.hub import HubUnavailableError, download_command, model_snapshot
 
 MODEL = "owner/tiny-zimage"
@@ -102,13 +103,11 @@ def test_generate_downloads_what_the_engine_reads_and_matches_local(
     hub, downloaded, tiny_zimage_dir, tiny_zimage_loras, tmp_path
 ):
     home, png, requests = downloaded
+    # the same command on the local folders (in this process: nothing to download)
     local = str(tmp_path / "local.png")
-    done = _generate(
-        hub.env(str(tmp_path / "unused_home")),
-        local,
-        *("--model-path", tiny_zimage_dir, "--lora-path", tiny_zimage_loras[0]),
-    )
-    assert done.returncode == 0, done.stderr
+    args = ["generate", "--prompt", "a cabin in snow", *STEPS, "--output-path", local]
+    args += ["--model-path", tiny_zimage_dir, "--lora-path", tiny_zimage_loras[0]]
+    assert sglang_main(args) == 0
     np.testing.assert_array_equal(_pixels(png), _pixels(local))
 
     # exactly the model's files and the LoRA's weights: no decoy, no pickle
