@@ -177,3 +177,19 @@ def test_references_base64_data_urls_and_no_url_fetched_by_default():
     with pytest.raises(InvalidRequestError, match="from 'evil.example'") as e:
         image_from_reference("https://evil.example/a.png", "mask", allowed_hosts=("ok.example",))
     assert e.value.param == "mask"
+
+
+def test_a_jpeg_with_further_pictures_is_its_first_picture():
+    """MPO (a JPEG followed by more pictures: phones' depth maps, HDR gain maps) opens as its
+    first picture, as diffusers' ``load_image`` reads it; it is not an animation."""
+    import io
+
+    from PIL import Image
+    from sglang.multimodal_gen.image_inputs import decode_image
+
+    buf = io.BytesIO()
+    first = Image.new("RGB", (64, 48), (200, 10, 10))
+    first.save(buf, "MPO", save_all=True, append_images=[Image.new("RGB", (64, 48), (0, 0, 255))])
+    got = decode_image(buf.getvalue(), "image")
+    assert got.size == (64, 48)
+    assert abs(int(got.pixels[10, 10, 0]) - 200) < 8 and got.pixels[10, 10, 2] < 30

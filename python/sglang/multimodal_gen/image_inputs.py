@@ -7,7 +7,8 @@ later hop parses a file again. The rules, each refused with an
 :class:`~sglang.multimodal_gen.errors.InvalidRequestError` naming the field:
 
 * formats PNG, JPEG and WebP only (the file's content decides, not its name); an animated PNG or
-  WebP is refused (which frame would be meant is not clear);
+  WebP is refused (which frame would be meant is not clear); a JPEG carrying further pictures
+  (MPO: depth maps, HDR gain maps) is read as its first picture;
 * at most :attr:`ImageLimits.max_file_bytes` per file and :attr:`ImageLimits.max_request_bytes`
   per request;
 * the pixel count read from the header (before any pixel is decoded: a decompression bomb costs
@@ -91,8 +92,8 @@ class InputImage:
         pixels: uint8 ``[H, W, 3]`` RGB for an image; uint8 ``[H, W]`` for a mask, where 255 is
             "edit" and 0 "keep" (the convention already applied, see the module docstring).
         source: how the image reached us, for messages (``"image[1]"``, a file name).
-        digest: SHA-256 of the pixels (hex, first 16 characters): two requests with equal digests
-            carry the same image.
+        digest: the first 16 hex characters of the pixels' SHA-256, to tell images apart in
+            logs and tests.
     """
 
     pixels: np.ndarray
@@ -210,10 +211,14 @@ def _open_checked(data: bytes, field_name: str, limits: ImageLimits, budget: Ima
             f"{field_name} is {w}x{h}; each side must be at least {limits.min_side} pixels",
             param=field_name,
         )
-    if getattr(img, "n_frames", 1) > 1:
+    # a JPEG with further pictures after its own (MPO: phones' depth maps and HDR gain maps)
+    # opens as "MPO": it is the JPEG's first picture, as diffusers' load_image reads it
+    kind = IMAGE_INPUT_FORMATS.get("JPEG" if img.format == "MPO" else img.format, img.format)
+    if img.format == "MPO":
+        img.seek(0)
+    elif getattr(img, "n_frames", 1) > 1:
         raise InvalidRequestError(
-            f"{field_name} is an animated {IMAGE_INPUT_FORMATS[img.format]} ({img.n_frames} "
-            "frames); give a still image",
+            f"{field_name} is an animated {kind} ({img.n_frames} frames); give a still image",
             param=field_name,
         )
     try:
@@ -222,8 +227,7 @@ def _open_checked(data: bytes, field_name: str, limits: ImageLimits, budget: Ima
             img.load()
     except Exception as e:
         raise InvalidRequestError(
-            f"{field_name} is a truncated or corrupt {IMAGE_INPUT_FORMATS[img.format]} file "
-            f"({type(e).__name__})",
+            f"{field_name} is a truncated or corrupt {kind} file ({type(e).__name__})",
             param=field_name,
         ) from None
     from PIL import ImageOps

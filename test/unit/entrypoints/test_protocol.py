@@ -354,3 +354,29 @@ def test_a_refused_size_names_the_bound_it_fails(size, reason):
 def test_accepted_sizes():
     assert parse_size("48x1024", _generic_spec()) == (48, 1024)
     assert parse_size("7x9", _generic_spec(factor=1, top=None)) == (7, 9)
+
+
+def test_an_edit_without_size_takes_the_models_own_size_rule():
+    """/v1/images/edits without ``size``: an image-to-image model keeps the input's size
+    (``auto_size``); an edit model (it requires an image) leaves the size to its own rule, as
+    the CLI and the Python API do (its defaults here)."""
+    import numpy as np
+    from sglang.multimodal_gen.configs.sampling_params import SamplingParams
+    from sglang.multimodal_gen.entrypoints.protocol import ImageEditRequest, image_job
+    from sglang.multimodal_gen.image_inputs import InputImage
+
+    defaults = SamplingParams(prompt="", height=64, width=64, num_inference_steps=2,
+                              guidance_scale=1.0, max_sequence_length=32, strength=0.6)  # fmt: skip
+    img2img = RequestSpec("i", "Img", SamplingParams, defaults, RequestLimits(),
+                          inputs=("text", "image"))  # fmt: skip
+    edit = RequestSpec("e", "Edit", SamplingParams, defaults.replace(strength=None),
+                       RequestLimits(), inputs=("text", "image"),
+                       required_inputs=("text", "image"))  # fmt: skip
+    image = (InputImage(np.zeros((32, 48, 3), np.uint8)),)
+    body = ImageEditRequest(prompt="p")
+    job = image_job(body, img2img, (48, 32), image=image)
+    assert (job.params.width, job.params.height) == (48, 32)
+    job = image_job(body, edit, (48, 32), image=image)
+    assert (job.params.width, job.params.height) == (64, 64)  # the model's default
+    job = image_job(ImageEditRequest(prompt="p", size="32x16"), edit, (48, 32), image=image)
+    assert (job.params.width, job.params.height) == (32, 16)  # a given size is kept

@@ -247,6 +247,25 @@ def _check_images(value: Any, name: str, high: int | None) -> None:
             )
 
 
+def _check_steps_left(params: SamplingParams) -> None:
+    """An image re-noised at ``strength`` runs the last ``n - int(n - n * strength)`` of its
+    ``n`` steps (diffusers' ``get_timesteps``); a strength so small that none is left is refused
+    here, before the request is queued.
+
+    Raises:
+        InvalidRequestError: ``param="strength"``.
+    """
+    s, n = params.strength, params.num_inference_steps
+    if not params.image or s is None or n is None:
+        return
+    if n - int(max(n - min(n * s, n), 0)) < 1:
+        raise InvalidRequestError(
+            f"strength {s:g} x num_inference_steps {n} leaves no denoising step; raise "
+            "strength or num_inference_steps",
+            param="strength",
+        )
+
+
 def _images_as_inputs(params: SamplingParams) -> SamplingParams:
     """The Python API's spellings of images made :class:`InputImage` values: one image or a
     list for ``image`` (a tuple), Pillow images converted (no limits: the caller's own)."""
@@ -616,6 +635,7 @@ class RequestSpec:
             fill.pop("strength", None)
         filled = params.replace(**fill)
         filled.validate(self)  # checked before anything else is drawn
+        _check_steps_left(filled)
         changes: dict[str, Any] = dict(fill)
         conformed = filled.conform(self)
         if conformed:  # e.g. more frames than asked for: within the bounds too

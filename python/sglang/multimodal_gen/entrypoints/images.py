@@ -181,6 +181,7 @@ def add_image_routes(
             image_values = [v for _, v in parts.get("image", [])]
             mask_values = [v for _, v in parts.get("mask", [])]
         else:  # JSON: base64 text, a data URL, or a URL of an allowed host
+            parts = None
             req = await run_in_threadpool(parse_json_body, raw, ImageEditRequest, limit=limit)
             image_values = [req.image] if isinstance(req.image, str) else list(req.image or [])
             mask_values = [] if req.mask is None else [req.mask]
@@ -203,7 +204,7 @@ def add_image_routes(
             )
         budget = ImageBudget(limits)  # one byte count for the images and the mask
 
-        def decode_all():
+        def decode_all(image_values, mask_values):
             common = dict(limits=limits, budget=budget, allowed_hosts=ctx.image_url_hosts)
             imgs = decode_inputs(
                 image_values, "image", model_max=spec.limits.max_input_images, **common
@@ -211,13 +212,18 @@ def add_image_routes(
             masks = decode_inputs(mask_values, "mask", mask=True, **common)
             return imgs, (masks[0] if masks else None)
 
-        decoded, mask = await run_in_threadpool(decode_all)
+        decoded, mask = await run_in_threadpool(decode_all, image_values, mask_values)
+        # the encoded bytes are not needed any more: not held while the job waits and runs
+        del parts, image_values, mask_values
+        # without a size: an image-to-image model keeps the input's size (OpenAI's "auto");
+        # an edit model (an image required) makes the size its own rule gives, as from the CLI
+        # and the Python API (Kontext's default, Qwen-Image-Edit's from the last image)
+        auto = size_for_input(spec, *decoded[0].size)
         try:
-            job = image_job(
-                req, spec, size_for_input(spec, *decoded[0].size), image=decoded, mask_image=mask
-            )
+            job = image_job(req, spec, auto, image=decoded, mask_image=mask)
         except InvalidRequestError as e:
             raise http_field(e, _EDIT_FIELDS) from None
+        del req
         return await run_job(request, job, t0)
 
     generate = OPS["generate"]  # the op table owns the path

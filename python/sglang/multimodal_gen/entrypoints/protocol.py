@@ -403,14 +403,18 @@ def image_job(
 
     Args:
         auto_size: ``(width, height)`` when the body has no ``size`` (or ``"auto"``); ``None``:
-            the model's default (:func:`default_size`).
+            the model's default (:func:`default_size`). An edit model (one that requires an
+            image) given its images and no size makes the size its own rule gives (its
+            defaults, or a size from the images), as from the CLI and the Python API.
         inputs: request fields the route decoded itself (``image``, ``mask_image``).
 
     Raises:
         InvalidRequestError: naming the field (``param``) and its allowed range.
     """
     if body.size in (None, "auto"):
-        size = auto_size or default_size(spec)
+        # an edit model sizes its output by its own rule (its defaults, or from the images)
+        own_rule = "image" in spec.required_inputs and "image" in inputs
+        size = None if own_rule else auto_size or default_size(spec)
     else:
         size = parse_size(body.size, spec)
     response_format = body.response_format or "b64_json"

@@ -62,6 +62,8 @@ def test_strength_belongs_to_an_image_that_is_renoised():
     assert "does not apply" in refused(EDIT, "strength", image=(img(),), strength=0.5)
     refused(IMG2IMG, "strength", image=(img(),), strength=0.0)
     refused(IMG2IMG, "strength", image=(img(),), strength=1.01)
+    # so small that no step is left: refused when resolved, not in the middle of the pipeline
+    assert "no denoising step" in refused(IMG2IMG, "strength", image=(img(),), strength=1e-17)
     assert IMG2IMG.resolve(SamplingParams(prompt="p", image=(img(),))).strength == 0.6
     assert IMG2IMG.resolve(SamplingParams(prompt="p", image=(img(),), strength=1)).strength == 1
     # text alone: no strength is filled in (nothing is re-noised)
