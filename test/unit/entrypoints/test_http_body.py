@@ -203,3 +203,33 @@ def test_too_many_fields_and_parts_without_a_name():
     )
     with pytest.raises(BodyError, match="no name"):
         parse(nameless)
+
+
+def test_nested_extra_body_values_arrive_as_the_openai_client_spells_them():
+    """The ``openai`` client sends a nested ``extra_body`` value of a multipart request with
+    bracketed names (its own serializer makes them here): ``lora`` as a list of objects, or one
+    object, reaches the schema as the JSON value it stands for."""
+    import openai
+    from sglang.multimodal_gen.entrypoints.http_body import parse_form_with_files
+    from sglang.multimodal_gen.entrypoints.protocol import ImageEditRequest
+
+    client = openai.OpenAI(api_key="k", base_url="http://127.0.0.1:9/v1")
+    for lora, expected in (
+        ([{"name": "a", "strength": 0.5}, {"name": "b", "strength": 2}],
+         [("a", 0.5), ("b", 2.0)]),
+        ({"name": "a", "strength": 0.25}, [("a", 0.25)]),
+    ):  # fmt: skip
+        # the client's own multipart serializer: every key's values together, in key order
+        data = client._serialize_multipartform({"prompt": "p", "seed": 3, "lora": lora})
+        items = [(k, x) for k, v in data.items() for x in (v if isinstance(v, list) else [v])]
+        body, ctype = _form([(k, str(v)) for k, v in items])
+        req, files = parse_form_with_files(
+            body, ctype, ImageEditRequest, {"image": True, "mask": False}, limit=1 << 20
+        )
+        specs = req.lora if isinstance(req.lora, list) else [req.lora]
+        assert [s.as_pair() for s in specs] == expected and req.seed == 3 and files == {}
+    # a name spelt both ways is refused naming it
+    body, ctype = _form([("lora", '[{"name": "a"}]'), ("lora[][name]", "b")])
+    with pytest.raises(BodyError) as e:
+        parse_form_with_files(body, ctype, ImageEditRequest, {"image": True}, limit=1 << 20)
+    assert e.value.param == "lora"

@@ -470,11 +470,14 @@ async def parse_form_body(
         )
     boundary = _boundary(content_type)
     fields: dict[str, Any] = {}
+    nested = _BracketedFields()
     for name, value in _parse_multipart(raw, boundary, max_fields):
         if value is None:
             raise InvalidRequestError(
                 f"{name}: file uploads are not supported here (send the fields only)", param=name
             )
+        if nested.add(name, value):
+            continue
         if name in fields:
             raise BodyError(
                 f"field {name!r} appears more than once in the form",
@@ -482,7 +485,82 @@ async def parse_form_body(
                 code="invalid_form",
             )
         fields[name] = _form_value(model, name, value)
-    return parse_json_body(json.dumps(fields).encode(), model)
+    return parse_json_body(json.dumps(_merged(fields, nested)).encode(), model)
+
+
+def _merged(fields: dict[str, Any], nested: _BracketedFields) -> dict[str, Any]:
+    both = sorted(set(fields) & set(nested.values))
+    if both:
+        raise BodyError(
+            f"field {both[0]!r} appears more than once in the form",
+            param=both[0],
+            code="invalid_form",
+        )
+    return {**fields, **nested.values}
+
+
+_BRACKETS = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])+)$")
+
+
+class _BracketedFields:
+    """Form fields whose names carry brackets, rebuilt into the JSON value they stand for: the
+    ``openai`` client sends a nested ``extra_body`` value of a multipart request that way
+    (``lora[][name]=a``, ``lora[][strength]=0.5`` for ``"lora": [{"name": "a", "strength":
+    0.5}]``; ``k[sub]`` for an object, ``k[]`` for a list of values). In a list of objects the
+    n-th value of a key belongs to the n-th object, whatever the order of the parts. Values are
+    read as JSON where they parse (numbers, ``true``), else kept as text.
+    """
+
+    def __init__(self):
+        self.values: dict[str, Any] = {}
+        self._seen: dict[str, int] = {}
+
+    def add(self, name: str, text: str) -> bool:
+        """Take the field ``name`` if its name carries brackets; ``False`` otherwise.
+
+        Raises:
+            BodyError: a shape other than ``k[]``, ``k[sub]`` and ``k[][sub]``, or one field
+                spelt in two shapes.
+        """
+        m = _BRACKETS.match(name)
+        if m is None:
+            return False
+        top, path = m.group(1), re.findall(r"\[([^\[\]]*)\]", m.group(2))
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if path == [""]:  # k[]: a list of values
+            current = self._of(top, list, name)
+            current.append(value)
+        elif len(path) == 1:  # k[sub]: an object
+            self._of(top, dict, name)[path[0]] = value
+        elif len(path) == 2 and path[0] == "" and path[1]:  # k[][sub]: a list of objects
+            current = self._of(top, list, name)
+            # the n-th ``k[][sub]`` belongs to the n-th object: the client may send the objects
+            # one after the other or (openai's multipart serializer) every key's values together
+            index = self._seen.get(name, 0)
+            self._seen[name] = index + 1
+            while len(current) <= index:
+                current.append({})
+            current[index][path[1]] = value
+        else:
+            raise BodyError(
+                f"form field {name!r}: nested form names are k[], k[key] or k[][key]",
+                param=top,
+                code="invalid_form",
+            )
+        return True
+
+    def _of(self, top: str, kind: type, name: str):
+        current = self.values.setdefault(top, kind())
+        if not isinstance(current, kind):
+            raise BodyError(
+                f"form field {name!r}: {top} is spelt both as a list and as an object",
+                param=top,
+                code="invalid_form",
+            )
+        return current
 
 
 def _form_value(model: type[BaseModel], name: str, value: str) -> Any:
@@ -534,6 +612,7 @@ def parse_form_with_files(
     boundary = _boundary(content_type)
     fields: dict[str, Any] = {}
     inputs: dict[str, list[tuple[str, str | FormFile]]] = {}
+    nested = _BracketedFields()
     for name, value in _parse_multipart(raw, boundary, max_fields, files=True):
         base = name[:-2] if name.endswith("[]") else name
         if base in file_fields:
@@ -552,6 +631,8 @@ def parse_form_with_files(
                 f"{', '.join(repr(f) for f in file_fields)})",
                 param=name,
             )
+        if nested.add(name, value):
+            continue
         if name in fields:
             raise BodyError(
                 f"field {name!r} appears more than once in the form",
@@ -559,4 +640,4 @@ def parse_form_with_files(
                 code="invalid_form",
             )
         fields[name] = _form_value(model, name, value)
-    return parse_json_body(json.dumps(fields).encode(), model), inputs
+    return parse_json_body(json.dumps(_merged(fields, nested)).encode(), model), inputs
