@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fixtures.input_images import half_mask, scene
 from fixtures.tiny_models import psnr
 from PIL import Image
 from sglang.multimodal_gen.errors import InvalidRequestError
@@ -17,23 +18,6 @@ from sglang.multimodal_gen.pipelines.flux import FluxPipeline
 MIN_PSNR = 70.0
 # a wrong input (another image, strength or mask) lands at least 15 dB below it (measured: <= 42)
 FAR = MIN_PSNR - 15
-
-
-def scene(w: int, h: int, seed: int) -> Image.Image:
-    """A structured test image: gradients and a bright square, placed by ``seed``."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w]
-    a = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], -1)
-    x0, y0 = rng.integers(0, w // 2), rng.integers(0, h // 2)
-    a[y0 : y0 + h // 3, x0 : x0 + w // 3] = rng.integers(0, 256, 3)
-    return Image.fromarray(a.astype(np.uint8))
-
-
-def half_mask(w: int, h: int) -> Image.Image:
-    """White (edit) on the right half, black (keep) on the left."""
-    a = np.zeros((h, w), np.uint8)
-    a[:, w // 2 :] = 255
-    return Image.fromarray(a, "L")
 
 
 @pytest.fixture(scope="module")

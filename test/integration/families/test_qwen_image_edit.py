@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fixtures.input_images import scene
 from fixtures.tiny_models import output_pixels, psnr, random_peft_lora
 from PIL import Image
 from sglang.multimodal_gen.configs.qwen_image_edit import VAE_IMAGE_AREA, calculate_dimensions
@@ -34,16 +35,6 @@ MIN_PSNR = 70.0
 FAR = MIN_PSNR - 10  # a wrong input lands at least this far below (measured: see each test)
 KW = dict(height=32, width=48, num_inference_steps=2, true_cfg_scale=4.0, negative_prompt="blur")
 PROMPT = "make the square red"
-
-
-def scene(w: int, h: int, seed: int) -> Image.Image:
-    """A structured test image: gradients and a bright square, placed by ``seed``."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w]
-    a = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], -1)
-    x0, y0 = rng.integers(0, w // 2), rng.integers(0, h // 2)
-    a[y0 : y0 + h // 3, x0 : x0 + w // 3] = rng.integers(0, 256, 3)
-    return Image.fromarray(a.astype(np.uint8))
 
 
 @pytest.fixture(scope="module")

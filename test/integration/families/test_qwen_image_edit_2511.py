@@ -17,8 +17,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from fixtures.input_images import scene
 from fixtures.tiny_models import output_pixels, psnr
-from PIL import Image
 from sglang.multimodal_gen.models.families.tiny.qwen_image_edit import (
     build_qwen_image_edit_plus_dir,
     reference_pipeline,
@@ -32,16 +32,6 @@ FAR = MIN_PSNR - 10
 KW = dict(height=32, width=48, num_inference_steps=2, true_cfg_scale=4.0, negative_prompt="blur")
 PROMPT = "put the square of picture 2 into picture 1"
 SEED = 9
-
-
-def scene(w: int, h: int, seed: int) -> Image.Image:
-    """A structured test image: gradients and a bright square, placed by ``seed``."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w]
-    a = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], -1)
-    x0, y0 = rng.integers(0, w // 2), rng.integers(0, h // 2)
-    a[y0 : y0 + h // 3, x0 : x0 + w // 3] = rng.integers(0, 256, 3)
-    return Image.fromarray(a.astype(np.uint8))
 
 
 IMAGES = (scene(64, 48, 3), scene(40, 56, 4))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fixtures.input_images import scene
 from fixtures.tiny_models import psnr
 from fixtures.tiny_wan import build_tiny_wan, reference_wan_i2v
 from PIL import Image
@@ -31,17 +32,6 @@ MIN_PSNR = 70.0
 FAR = MIN_PSNR - 15
 # 3 steps: timesteps 999, 857, 600; the I2V boundary (0.9 x 1000) lies inside: both experts run
 KW = dict(height=32, width=32, num_frames=5, num_inference_steps=3, negative_prompt="blurry")
-
-
-def scene(w: int, h: int, seed: int) -> Image.Image:
-    """A structured RGB test image (gradients and a flat square placed by ``seed``), of another
-    size than the request's so that the resize is part of the comparison."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w]
-    a = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], -1)
-    x0, y0 = rng.integers(0, w // 2), rng.integers(0, h // 2)
-    a[y0 : y0 + h // 3, x0 : x0 + w // 3] = rng.integers(0, 256, 3)
-    return Image.fromarray(a.astype(np.uint8))
 
 
 def _ref(pipe, prompt, image, seed, **kw):
