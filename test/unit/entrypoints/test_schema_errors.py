@@ -50,13 +50,19 @@ def test_every_request_field_has_its_own_schema_sentence():
     it takes (the video fields once fell through to 'the body must be a JSON object')."""
     from sglang.multimodal_gen.entrypoints.protocol import LoRASpec
     from sglang.multimodal_gen.entrypoints.schema_errors import _expected, model_field_names
+    from sglang.multimodal_gen.entrypoints.videos import _InputReference
 
     models = _request_models()
     assert set(models) >= {"ImageGenerationRequest", "VideoGenerationRequest"}
     for name, model in models.items():
         for field in model_field_names(model):
             # the table's words, or (a family's declared field) its annotation's JSON type
-            owner = model if field in model.model_fields else LoRASpec
+            nested = (LoRASpec, _InputReference)  # the objects a body field may hold
+            owner = (
+                model
+                if field in model.model_fields
+                else next((m for m in nested if field in m.model_fields), LoRASpec)
+            )
             assert field in owner.model_fields, (name, field)
             assert _expected(owner, field) != "a value of another type", (name, field)
 
