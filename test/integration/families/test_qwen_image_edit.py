@@ -113,8 +113,9 @@ def test_output_size_follows_the_last_image_unless_given(plus_dir):
 
 
 def test_diffusers_format_lora_matches_diffusers(edit_dir, tmp_path):
-    """A peft-layout file (``transformer.transformer_blocks.N....lora_A/B``) set at 0.8 on our
-    engine and loaded with diffusers' ``load_lora_weights`` + ``set_adapters``."""
+    """A peft-layout file (``transformer.transformer_blocks.N....lora_A/B``) at 0.8 on our
+    engine at TP 2 (merged, unmerged and per request) against diffusers' ``load_lora_weights`` +
+    ``set_adapters``; the base weights are back after ``unset_lora``."""
     from sglang.multimodal_gen.runtime import DiffusionEngine
 
     lora = random_peft_lora(edit_dir, str(tmp_path / "lora"), seed=5)
@@ -124,10 +125,18 @@ def test_diffusers_format_lora_matches_diffusers(edit_dir, tmp_path):
     ref.load_lora_weights(lora, adapter_name="a")
     ref.set_adapters(["a"], [0.8])
     expected = _ref(ref, 3, img, **KW)
-    with DiffusionEngine(edit_dir, device="cpu") as eng:
-        eng.set_lora("a", lora, strength=0.8)
+    # at TP 2: merged, unmerged (dynamic), per request, and a request without it after
+    with DiffusionEngine(edit_dir, device="cpu", tp_size=2) as eng:
         params = eng.spec.params(prompt=PROMPT, image=[img], seed=3, **KW)
-        got = output_pixels(eng.generate(params))
-    assert psnr(got, expected) >= MIN_PSNR, psnr(got, expected)
+        eng.set_lora("a", lora, strength=0.8, merge_mode="merge")
+        merged = output_pixels(eng.generate(params))
+        eng.set_lora("a", None, strength=0.8, merge_mode="dynamic")
+        dynamic = output_pixels(eng.generate(params))
+        eng.unset_lora()
+        per_request = output_pixels(eng.generate(params.replace(lora=(("a", 0.8),))))
+        plain = output_pixels(eng.generate(params))
+    for got in (merged, dynamic, per_request):
+        assert psnr(got, expected) >= MIN_PSNR, psnr(got, expected)
+    assert psnr(plain, base) >= MIN_PSNR, psnr(plain, base)
     # the adapter matters (measured 32 dB without it)
     assert psnr(base, expected) < FAR, psnr(base, expected)
