@@ -476,16 +476,28 @@ async def parse_form_body(
             raise InvalidRequestError(
                 f"{name}: file uploads are not supported here (send the fields only)", param=name
             )
-        if nested.add(name, value):
-            continue
-        if name in fields:
-            raise BodyError(
-                f"field {name!r} appears more than once in the form",
-                param=name,
-                code="invalid_form",
-            )
-        fields[name] = _form_value(model, name, value)
+        _take_text_field(fields, nested, model, name, value)
     return parse_json_body(json.dumps(_merged(fields, nested)).encode(), model)
+
+
+def _take_text_field(
+    fields: dict[str, Any], nested: _BracketedFields, model: type[BaseModel], name: str, value: str
+) -> None:
+    """One text part of a form: a bracketed name into ``nested``, any other into ``fields``
+    typed by ``model`` (:func:`_form_value`).
+
+    Raises:
+        BodyError: the field appears twice.
+    """
+    if nested.add(name, value):
+        return
+    if name in fields:
+        raise BodyError(
+            f"field {name!r} appears more than once in the form",
+            param=name,
+            code="invalid_form",
+        )
+    fields[name] = _form_value(model, name, value)
 
 
 def _merged(fields: dict[str, Any], nested: _BracketedFields) -> dict[str, Any]:
@@ -631,13 +643,5 @@ def parse_form_with_files(
                 f"{', '.join(repr(f) for f in file_fields)})",
                 param=name,
             )
-        if nested.add(name, value):
-            continue
-        if name in fields:
-            raise BodyError(
-                f"field {name!r} appears more than once in the form",
-                param=name,
-                code="invalid_form",
-            )
-        fields[name] = _form_value(model, name, value)
+        _take_text_field(fields, nested, model, name, value)
     return parse_json_body(json.dumps(_merged(fields, nested)).encode(), model), inputs
