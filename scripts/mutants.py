@@ -811,6 +811,22 @@ MUTANTS: list[Mutant] = [
         ("test/unit/configs/sampling_params/test_inputs.py",),
         why="an image sent to a text-only model is silently ignored",
     ),
+    _m(
+        "res2s-arithmetic-midpoint",
+        "pipelines/res2s.py",
+        "sigma_mid = sigma * math.exp(-c2 * h)",
+        "sigma_mid = sigma - c2 * (sigma - sigma_next)",
+        ("test/unit/pipelines/test_res2s.py",),
+        why="res_2s evaluates its second stage at the arithmetic, not the log-space midpoint",
+    ),
+    _m(
+        "res2s-phi-series-off-by-one",
+        "pipelines/res2s.py",
+        "term *= z / (k + j + 1)",
+        "term *= z / (k + j + 2)",
+        ("test/unit/pipelines/test_res2s.py",),
+        why="the small-h phi series drops a factor (phi_j wrong for |z| < 1, every LTX-2 step)",
+    ),
 ]
 
 
