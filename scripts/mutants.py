@@ -827,6 +827,14 @@ MUTANTS: list[Mutant] = [
         ("test/unit/pipelines/test_res2s.py",),
         why="the small-h phi series drops a factor (phi_j wrong for |z| < 1, every LTX-2 step)",
     ),
+    _m(
+        "ltx2-upsample-normalized-in",
+        "pipelines/ltx2_upsample.py",
+        "x = stats.denormalize(x)",
+        "x = x",
+        ("test/unit/pipelines/test_ltx2_upsample.py",),
+        why="LTX-2's latent upsampler runs on normalized latents (it was trained on raw VAE ones)",
+    ),
 ]
 
 
