@@ -7,6 +7,9 @@ Measured (this machine): step vs reference max |diff| 1.8e-15 over the sigma pai
 phi_2 at z = -1e-8 within 1.1e-16 relative of mpmath where the float64 closed form is off by 0.108;
 point-mass data sampled to 0: max |x - x0| 0.0; Gaussian data over [0.9, 0.1]: error 5.4e-3 at 4
 steps, 1.37e-3 at 8 (ratio 3.95, second order); the first-order combination's ratio is 2.0.
+Stochastic (HQ) step vs Lightricks' loop body written as published (alpha_ratio / sigma_down,
+bongmath by 100 iterations), same noise: max |diff| <= 2.4e-15, except 1.2e-9 at h = 1e-7 (both
+divide by sigma - sigma_next); bongmath off instead: 0.56 to 1.05 where it applies.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ import mpmath
 import pytest
 import torch
 from sglang.multimodal_gen.pipelines.res2s import (
+    LTX2_HQ_RES2S,
     RES2S_TERMINAL_SIGMA,
     phi,
     res2s_coefficients,
+    res2s_renoise,
     res2s_sample,
     res2s_schedule,
     res2s_step,
+    standardized_noise,
 )
 
 
@@ -237,3 +243,101 @@ def test_gaussian_data_converges_at_second_order():
     assert e8 < 2e-3
     assert 3.5 < e4 / e8 < 4.5, (e4, e8)
     assert 1.7 < run_euler(4) / run_euler(8) < 2.3
+
+
+# ---------------------------------------------------------------- the stochastic (HQ) variant
+def _sde_ref(sample, x_det, sigma, sigma_next, eta, noise):
+    """Lightricks' Res2sDiffusionStep.step written as published: alpha_ratio, sigma_down,
+    sigma_up from get_sde_coeff(sigma_next, sigma_up=eta * sigma_next), sigma_max = 1."""
+    s, sn = torch.tensor(sigma, dtype=torch.float64), torch.tensor(sigma_next, dtype=torch.float64)
+    su = torch.clamp(sn * eta, max=sn * 0.9999)
+    resid = torch.clamp(sn**2 - su**2, min=0) ** 0.5
+    alpha_ratio = (1 - sn) + resid
+    sd = resid / alpha_ratio
+    if su == 0 or sn == 0:
+        return x_det
+    eps_next = (sample - x_det) / (s - sn)
+    denoised_next = sample - s * eps_next
+    return alpha_ratio * (denoised_next + sd * eps_next) + su * noise
+
+
+def _hq_step_ref(x, sigma, sigma_next, denoise, n_sub, n_step, eta=0.5, sub_eta=0.5):
+    """Lightricks' loop body for one step (c2 = 1/2, bongmath by 100 iterations), float64."""
+    with mpmath.workdps(50):
+        h = float(mpmath.log(mpmath.mpf(sigma) / mpmath.mpf(sigma_next)))
+        sub = float(mpmath.sqrt(mpmath.mpf(sigma) * sigma_next))
+    a21 = 0.5 * _phi_ref(1, -0.5 * h)
+    b2 = _phi_ref(2, -h) / 0.5
+    b1 = _phi_ref(1, -h) - b2
+    anchor = x.double()
+    d1 = denoise(anchor, sigma).double()
+    eps1 = d1 - anchor
+    x_mid = _sde_ref(anchor, anchor + h * a21 * eps1, sigma, sub, sub_eta, n_sub)
+    if h < 0.5 and sigma > 0.03:
+        for _ in range(100):
+            anchor = x_mid - h * a21 * eps1
+            eps1 = d1 - anchor
+    eps2 = denoise(x_mid, sub).double() - anchor
+    x_next = anchor + h * (b1 * eps1 + b2 * eps2)
+    return _sde_ref(anchor, x_next, sigma, sigma_next, eta, n_step)
+
+
+@pytest.mark.parametrize(("sigma", "sigma_next"), SIGMA_PAIRS[:-1] + [(0.02, 0.01)])
+def test_hq_step_matches_lightricks_loop_body(sigma, sigma_next):
+    denoise = _toy_denoiser(seed=6)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 6, 8, generator=g, dtype=torch.float64)
+    n_sub, n_step = (torch.randn(2, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    ours = res2s_step(
+        x, sigma, sigma_next, denoise, substep_noise=lambda _: n_sub, step_noise=lambda _: n_step,
+        **LTX2_HQ_RES2S,
+    )  # fmt: skip
+    ref = _hq_step_ref(x, sigma, sigma_next, denoise, n_sub, n_step)
+    # renoising divides by sigma - sigma_next: rounding grows as the step shrinks (both codes)
+    tol = 1e-10 if sigma - sigma_next > 1e-6 else 1e-7
+    assert (ours - ref).abs().max().item() < tol
+    # nearby wrong case: the same noise, bongmath off (matters where it applies)
+    if math.log(sigma / sigma_next) < 0.5 and sigma > 0.03 and sigma - sigma_next > 1e-3:
+        off = res2s_step(
+            x, sigma, sigma_next, denoise, eta=0.5, substep_eta=0.5, bongmath=False,
+            substep_noise=lambda _: n_sub, step_noise=lambda _: n_step,
+        )  # fmt: skip
+        assert (off - ref).abs().max().item() > 1e-4
+
+
+def test_renoise_keeps_the_flow_matching_marginal():
+    """Point-mass data x0 and noise e: the renoised point is exactly
+    (1 - s') x0 + sqrt(s'^2 - u^2) e + u n (total noise level s')."""
+    g = torch.Generator().manual_seed(8)
+    x0, e, n = (torch.randn(64, generator=g, dtype=torch.float64) for _ in range(3))
+    s, sn, eta = 0.7, 0.4, 0.5
+    x = (1 - s) * x0 + s * e
+    x_det = (1 - sn) * x0 + sn * e
+    out = res2s_renoise(x, x_det, s, sn, eta, n)
+    u = eta * sn
+    assert (out - ((1 - sn) * x0 + math.sqrt(sn**2 - u**2) * e + u * n)).abs().max() < 1e-14
+    assert (out - _sde_ref(x, x_det, s, sn, eta, n)).abs().max() < 1e-14
+    assert torch.equal(res2s_renoise(x, x_det, s, sn, 0.0, n), x_det)
+
+
+def test_standardized_noise_and_hq_sample():
+    like = torch.zeros(2, 30, 4)
+    n = standardized_noise(like, torch.Generator().manual_seed(9))
+    assert n.dtype == torch.float64 and n.shape == like.shape
+    assert n.mean(dim=(-2, -1)).abs().max() < 1e-12
+    assert (n.std(dim=(-2, -1)) - 1).abs().max() < 1e-12
+    assert torch.equal(n, standardized_noise(like, torch.Generator().manual_seed(9)))
+    denoise = _toy_denoiser(seed=10)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    gs, gsub = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    out = res2s_sample(
+        x, [0.909375, 0.725, 0.421875, 0.0], denoise,
+        step_noise=lambda t: standardized_noise(t, gs),
+        substep_noise=lambda t: standardized_noise(t, gsub), **LTX2_HQ_RES2S,
+    )  # fmt: skip
+    det = res2s_sample(x, [0.909375, 0.725, 0.421875, 0.0], denoise)
+    assert torch.isfinite(out).all() and (out - det).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="^eta: 0.5 > 0 needs its noise function"):
+        res2s_step(x, 0.5, 0.4, denoise, eta=0.5)
+    with pytest.raises(ValueError, match=r"^substep_eta: must lie in \[0, 1\]"):
+        res2s_step(x, 0.5, 0.4, denoise, substep_eta=1.5, substep_noise=lambda t: t)

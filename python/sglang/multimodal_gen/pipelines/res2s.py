@@ -40,10 +40,24 @@ The last step to ``sigma_next = 0`` (``h`` infinite) is the data prediction itse
 evaluation returns ``D``; :func:`res2s_schedule` builds that schedule and :func:`res2s_sample`
 runs it.
 
-What this module leaves out of Lightricks' loop: its SDE noise injection (``eta = 0.5`` after
-the substep and after the step, from generators seeded with fixed seeds) and the "bongmath"
-anchor refinement, which is the identity when no noise is injected. At ``eta = 0`` their loop
-is the deterministic step above.
+The stochastic variant (Lightricks' loop as its HQ pipelines call it: ``eta = 0.5`` and
+``substep_eta = 0.5``, "bongmath" on). A deterministic move from ``x`` at ``sigma`` to ``x_det`` at
+``s' < sigma`` implies a velocity ``v = (x - x_det) / (sigma - s')``, a data point
+``x0 = x - sigma v`` and a noise ``e = x0 + v``; :func:`res2s_renoise` replaces part of that noise by
+fresh noise ``n`` at the same level: ``u = min(eta s', 0.9999 s')``,
+``x' = (1 - s') x0 + sqrt(s'^2 - u^2) e + u n`` (this is Lightricks' ``Res2sDiffusionStep.step``,
+``alpha_ratio (x0 + sigma_down v) + sigma_up n``, with its terms collected). The step then reads::
+
+    x_mid = renoise(x, x + h a21 (D1 - x), sigma, sigma_mid, substep_eta, n_sub)
+    if bongmath and h < 0.5 and sigma > 0.03:     # the anchor that x_mid is the exact substep of
+        x_a = (x_mid - h a21 D1) / (1 - h a21);  D1 - x_a replaces D1 - x
+    x_next = renoise(x_a, x_a + h (b1 (D1 - x_a) + b2 (D2 - x_a)), sigma, sigma_next, eta, n)
+
+(Lightricks iterate ``x_a = x_mid - h a21 (D1 - x_a)`` 100 times; its fixed point is the closed
+form above.) Their noise is float64 normal noise standardized over the whole tensor, then over its
+last two dimensions (:func:`standardized_noise`), from two generators seeded ``-1`` and ``9999``
+whatever the request's seed; here the caller passes the noise functions. Without noise the
+variant is the deterministic step (the anchor is then ``x`` itself).
 """
 
 from __future__ import annotations
@@ -54,12 +68,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = [
+    "LTX2_HQ_RES2S",
     "RES2S_TERMINAL_SIGMA",
     "phi",
     "res2s_coefficients",
+    "res2s_renoise",
     "res2s_sample",
     "res2s_schedule",
     "res2s_step",
+    "standardized_noise",
 ]
 
 # The last non-zero noise level of Lightricks' res_2s loop before the final data prediction
@@ -70,7 +87,12 @@ RES2S_TERMINAL_SIGMA = 0.0011
 _SERIES_BELOW = 1.0
 _SERIES_TERMS = 30  # |z| <= 1: the tail after 30 terms is below 1/30!, far under float64's ulp
 
+# Lightricks' HQ pipelines run the loop with its defaults (ltx_pipelines/utils/samplers.py,
+# res2s_audio_video_denoising_loop): step eta 0.5, substep eta 0.5, bongmath on.
+LTX2_HQ_RES2S = {"eta": 0.5, "substep_eta": 0.5, "bongmath": True}
+
 Denoiser = Callable[[torch.Tensor, float], torch.Tensor]
+Noise = Callable[[torch.Tensor], torch.Tensor]
 
 
 def phi(j: int, z: float) -> float:
@@ -133,8 +155,57 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.device.type == "mps" else torch.float64
 
 
+def res2s_renoise(
+    x: torch.Tensor,
+    x_det: torch.Tensor,
+    sigma: float,
+    sigma_next: float,
+    eta: float,
+    noise: torch.Tensor,
+) -> torch.Tensor:
+    """Swap part of the noise of a deterministic move ``x -> x_det`` for fresh ``noise``.
+
+    ``v = (x - x_det) / (sigma - sigma_next)``, ``x0 = x - sigma v``, ``e = x0 + v``,
+    ``u = min(eta sigma_next, 0.9999 sigma_next)``; returns
+    ``(1 - sigma_next) x0 + sqrt(sigma_next^2 - u^2) e + u noise`` (Lightricks'
+    ``Res2sDiffusionStep.step`` with ``sigma_max = 1``), or ``x_det`` when ``u`` or
+    ``sigma_next`` is 0. Computed in the inputs' dtype.
+
+    Args:
+        x: the latents at ``sigma``; x_det: the deterministic result at ``sigma_next``.
+        noise: standard normal noise, shape of ``x``.
+        eta: the share of ``sigma_next`` that is fresh noise, ``[0, 1]``.
+    """
+    u = min(eta * sigma_next, 0.9999 * sigma_next)
+    if u <= 0.0 or sigma_next == 0.0:
+        return x_det
+    v = (x - x_det) / (sigma - sigma_next)
+    x0 = x - sigma * v
+    kept = math.sqrt(max(sigma_next * sigma_next - u * u, 0.0))
+    return (1.0 - sigma_next) * x0 + kept * (x0 + v) + u * noise.to(x.dtype)
+
+
+def standardized_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Lightricks' res_2s noise: float64 normal noise of ``like``'s shape (on the generator's
+    device), standardized over the whole tensor, then over its last two dimensions
+    (``ltx_pipelines/utils/samplers.py``, ``_get_new_noise``; unbiased std)."""
+    n = torch.randn(like.shape, generator=generator, dtype=torch.float64, device=generator.device)
+    n = (n - n.mean()) / n.std()
+    return (n - n.mean(dim=(-2, -1), keepdim=True)) / n.std(dim=(-2, -1), keepdim=True)
+
+
 def res2s_step(
-    x: torch.Tensor, sigma: float, sigma_next: float, denoise: Denoiser, c2: float = 0.5
+    x: torch.Tensor,
+    sigma: float,
+    sigma_next: float,
+    denoise: Denoiser,
+    c2: float = 0.5,
+    *,
+    eta: float = 0.0,
+    substep_eta: float = 0.0,
+    step_noise: Noise | None = None,
+    substep_noise: Noise | None = None,
+    bongmath: bool = True,
 ) -> torch.Tensor:
     """One res_2s step of the latents ``x`` from ``sigma`` to ``sigma_next`` (module docstring).
 
@@ -149,12 +220,19 @@ def res2s_step(
         sigma_next: next noise level, ``0 <= sigma_next < sigma``.
         denoise: ``(x, sigma) -> x0`` prediction, same shape as ``x``.
         c2: substep position (0.5: the geometric midpoint ``sqrt(sigma sigma_next)``).
+        eta, substep_eta: fresh-noise shares after the step and after the substep (0: the
+            deterministic step; Lightricks' HQ: 0.5 and 0.5, :data:`LTX2_HQ_RES2S`).
+        step_noise, substep_noise: ``like -> standard normal noise`` of ``like``'s shape, drawn
+            when the matching eta is > 0 (e.g. :func:`standardized_noise` with a generator).
+        bongmath: re-anchor the step on the substep's injected noise (``h < 0.5``,
+            ``sigma > 0.03``), as Lightricks' loop does.
 
     Returns:
         ``x_next``, shape and dtype of ``x``.
 
     Raises:
-        ValueError: a noise level out of range or not decreasing.
+        ValueError: a noise level out of range or not decreasing, an eta outside ``[0, 1]``, an
+            eta > 0 without its noise function.
     """
     sigma, sigma_next = float(sigma), float(sigma_next)
     if not (0.0 < sigma <= 1.0 and 0.0 <= sigma_next < sigma):
@@ -162,6 +240,11 @@ def res2s_step(
             f"res_2s: sigmas must satisfy 0 <= sigma_next < sigma <= 1, got sigma={sigma}, "
             f"sigma_next={sigma_next}"
         )
+    for name, value, fn in (("eta", eta, step_noise), ("substep_eta", substep_eta, substep_noise)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name}: must lie in [0, 1], got {value}")
+        if value > 0.0 and fn is None:
+            raise ValueError(f"{name}: {value} > 0 needs its noise function")
     if sigma_next == 0.0:
         return denoise(x, sigma).to(x.dtype)
     hp = _compute_dtype(x)
@@ -169,10 +252,20 @@ def res2s_step(
     a21, b1, b2 = res2s_coefficients(h, c2)
     sigma_mid = sigma * math.exp(-c2 * h)
     x_hp = x.to(hp)
-    eps1 = denoise(x, sigma).to(hp) - x_hp
+    d1 = denoise(x, sigma).to(hp)
+    eps1 = d1 - x_hp
     x_mid = x_hp + (h * a21) * eps1
-    eps2 = denoise(x_mid.to(x.dtype), sigma_mid).to(hp) - x_hp
-    x_next = x_hp + h * (b1 * eps1 + b2 * eps2)
+    anchor = x_hp
+    if substep_eta > 0.0:
+        x_mid = res2s_renoise(x_hp, x_mid, sigma, sigma_mid, substep_eta, substep_noise(x))
+        if bongmath and h < 0.5 and sigma > 0.03:
+            k = h * a21
+            anchor = (x_mid - k * d1) / (1.0 - k)
+            eps1 = d1 - anchor
+    eps2 = denoise(x_mid.to(x.dtype), sigma_mid).to(hp) - anchor
+    x_next = anchor + h * (b1 * eps1 + b2 * eps2)
+    if eta > 0.0:
+        x_next = res2s_renoise(anchor, x_next, sigma, sigma_next, eta, step_noise(x))
     return x_next.to(x.dtype)
 
 
@@ -215,6 +308,7 @@ def res2s_sample(
     sigmas: Sequence[float] | torch.Tensor,
     denoise: Denoiser,
     callback: Callable[[int, torch.Tensor], None] | None = None,
+    **step_options,
 ) -> torch.Tensor:
     """Run res_2s over ``sigmas`` (through :func:`res2s_schedule`) from the latents ``x``.
 
@@ -225,16 +319,18 @@ def res2s_sample(
         sigmas: the requested schedule (see :func:`res2s_schedule`).
         denoise: ``(x, sigma) -> x0``.
         callback: called as ``callback(i, x)`` after step ``i`` of the expanded schedule.
+        step_options: :func:`res2s_step`'s keyword options (``eta``, ``substep_eta``, the noise
+            functions, ``bongmath``), the same for every step.
 
     Returns:
         The latents at the last noise level, shape and dtype of ``x``.
 
     Raises:
-        ValueError: an invalid schedule (naming ``sigmas``).
+        ValueError: an invalid schedule (naming ``sigmas``) or option.
     """
     schedule = res2s_schedule(sigmas)
     for i, (sigma, sigma_next) in enumerate(zip(schedule, schedule[1:])):
-        x = res2s_step(x, sigma, sigma_next, denoise)
+        x = res2s_step(x, sigma, sigma_next, denoise, **step_options)
         if callback is not None:
             callback(i, x)
     return x
