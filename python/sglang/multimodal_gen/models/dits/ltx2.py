@@ -509,10 +509,11 @@ class LTX2Transformer(nn.Module):
             "audio": self._rope_local(self.audio_rope, audio_coords),
             "ca_video": local_seq(self._rope_local(self.cross_attn_rope, video_coords[:, 0:1])),
             "ca_audio": self._rope_local(self.cross_attn_audio_rope, audio_coords[:, 0:1]),
-            "video_groups": (cfg.num_attention_heads // tp,) * 2,
-            "audio_groups": (cfg.audio_num_attention_heads // tp,) * 2,
-            "ca_video_groups": cfg.num_attention_heads // tp,
-            "ca_audio_groups": cfg.audio_num_attention_heads // tp,
+            # the split layout's channel groups on this rank (each RoPE's own head count)
+            "video_groups": (self.rope.heads // tp,) * 2,
+            "audio_groups": (self.audio_rope.heads // tp,) * 2,
+            "ca_video_groups": self.cross_attn_rope.heads // tp,
+            "ca_audio_groups": self.cross_attn_audio_rope.heads // tp,
         }
 
         # ---- inputs
