@@ -11,11 +11,12 @@ of the reference is perturbed with seeded noise.
 Measured on this machine (torch 2.13 CPU, fp32), max |ours - ref| / max |ref| per output (video,
 audio): ltx23 3.2e-7 / 3.1e-7, ltx20 2.4e-7 / 1.4e-7; with STG (all items / item 0 only),
 isolate_modalities, use_cross_timestep and per-token timesteps <= 3.1e-7 (not bitwise: our
-self-attention q/k/v and the cross-attention k/v are one fused GEMM each). TP 2 vs TP 1 2.9e-7,
-Ulysses 2 vs one process 1.5e-7 (both layouts). Thresholds: parity 2e-6, parallel 5e-6.
-Nearby wrong cases, all far outside: fps 25 instead of 24 in the video coordinates 0.34 / 0.18
-(ltx23), 0.13 / 0.12 (ltx20); each mode vs the plain forward > 1e-2 on both streams (e.g. STG at
-block 1 0.14, isolate_modalities 0.6).
+self-attention q/k/v and the cross-attention k/v are one fused GEMM each); bf16 (weights and
+latents on both sides) 0.0, bitwise. TP 2 vs TP 1 2.9e-7, Ulysses 2 vs one process 1.5e-7 (both
+layouts). Thresholds: parity 2e-6, bf16 2**-8, parallel 5e-6. Nearby wrong cases, all far
+outside: fps 25 instead of 24 in the video coordinates 0.34 / 0.18 (ltx23), 0.13 / 0.12 (ltx20);
+each mode vs the plain forward > 1e-2 on both streams (e.g. STG at block 1 0.14,
+isolate_modalities 0.6). Once on an H200 (torch 2.11, CUDA, TF32 off): fp32 <= 2.7e-7, bf16 0.0.
 
 The gloo tests are ``slow`` (about 25 s each on a loaded 2-core machine: two spawned processes).
 """
@@ -38,6 +39,7 @@ from sglang.multimodal_gen.models.dits.ltx2_names import LTX2_NAME_MAP
 from sglang.multimodal_gen.models.registry import DenoiserSpec
 
 PARITY_REL_ERR = 2e-6  # measured <= 3.2e-7 (both layouts, every mode)
+BF16_REL_ERR = 2**-8  # measured 0.0 (bitwise); one bf16 ulp of max |ref| as the margin
 PARALLEL_REL_ERR = 5e-6  # measured 2.9e-7 (TP 2), 1.5e-7 (Ulysses 2)
 
 _PKG = "sglang.multimodal_gen"
@@ -139,6 +141,29 @@ def test_nearby_wrong_case_and_coords_and_dtype(models):
     assert max(_err(fps25, plain)) > 2e3 * PARITY_REL_ERR
     assert v.dtype == torch.bfloat16 and a.dtype == torch.float16
     assert max(_err((v, a), plain)) < 2e-2
+
+
+def test_bf16_matches_diffusers(models):
+    """bf16 weights and latents on both sides (diffusers keeps no LTX-2 module in fp32): the
+    modulation arithmetic, norms and RoPE round where the reference rounds (measured 0.0 on this
+    machine and on an H200 for both layouts)."""
+    import copy
+
+    ours, ref, layout, _ = models
+    ref16 = copy.deepcopy(ref).to(torch.bfloat16)
+    ours16 = ltx2_from_diffusers_module(ref16, tp_rank=0, tp_size=1)
+    assert ours16.dtype == torch.bfloat16
+    inp = dit_inputs(layout)
+    for k in ("hidden_states", "audio_hidden_states", "encoder_hidden_states"):
+        inp[k] = inp[k].bfloat16()
+    inp["audio_encoder_hidden_states"] = inp["audio_encoder_hidden_states"].bfloat16()
+    with torch.no_grad():
+        expected = ref16(**inp, return_dict=False)
+        got = ours16(**inp)
+    assert got[0].dtype == got[1].dtype == torch.bfloat16
+    err = _err(got, expected)
+    print(f"ltx2 bf16 parity ({layout}): {err}")
+    assert max(err) <= BF16_REL_ERR
 
 
 def test_bad_inputs_are_clear_errors(models):
