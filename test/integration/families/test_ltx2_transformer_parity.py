@@ -173,6 +173,8 @@ def test_bad_inputs_are_clear_errors(models):
         ours(**dict(inp, audio_hidden_states=inp["audio_hidden_states"][..., :-1]))
     with pytest.raises(ValueError, match="timestep must be"):
         ours(**dict(inp, timestep=torch.ones(2, 5)))
+    with pytest.raises(ValueError, match="audio_timestep is required"):
+        ours(**dict(inp, timestep=torch.ones(2, 18)))
     with pytest.raises(ValueError, match="video coordinates"):
         ours(**dict(inp, num_frames=4))
     with pytest.raises(ValueError, match="out of range"):

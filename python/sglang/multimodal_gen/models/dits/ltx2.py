@@ -459,11 +459,15 @@ class LTX2Transformer(nn.Module):
 
         # ---- timesteps
         timestep = self._timestep(timestep, b, sv, "timestep").to(dev)
-        audio_timestep = (
-            timestep
-            if audio_timestep is None
-            else self._timestep(audio_timestep, b, sa, "audio_timestep").to(dev)
-        )
+        if audio_timestep is None:
+            if timestep.shape[1] not in (1, sa):
+                raise ValueError(
+                    f"audio_timestep is required when timestep is per video token ({sv} per "
+                    f"item; the audio has {sa} tokens)"
+                )
+            audio_timestep = timestep
+        else:
+            audio_timestep = self._timestep(audio_timestep, b, sa, "audio_timestep").to(dev)
         if sigma is not None:
             sigma = self._timestep(sigma, b, 1, "sigma").to(dev)
         audio_sigma = (

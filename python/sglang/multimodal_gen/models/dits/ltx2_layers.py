@@ -35,6 +35,7 @@ __all__ = [
     "LTX2AdaLayerNormSingle",
     "LTX2Attention",
     "LTX2Rope",
+    "Perturbation",
     "apply_ltx2_rope",
     "ltx2_audio_coords",
     "ltx2_video_coords",
