@@ -898,6 +898,25 @@ MUTANTS: list[Mutant] = [
         ("-k", "original"),
         why="the Lightricks names of the per-block a2v/v2a tables mapped to the wrong stream",
     ),
+    # ------------------------------------------------------------------ LTX-2 LoRA files
+    _m(
+        "ltx2-lora-a2v-gate-original-name",
+        "models/dits/ltx2_names.py",
+        '_top("av_ca_a2v_gate_adaln_single", "av_cross_attn_video_a2v_gate"),',
+        '_top("av_ca_a2v_gate_adaln_single", "av_cross_attn_audio_v2a_gate"),',
+        ("test/unit/lora/formats/test_ltx2_trainers.py",),
+        ("-k", "ltx20"),
+        why="a Lightricks LoRA's video a2v gate embedder lands on the audio v2a gate embedder",
+    ),
+    _m(
+        "lora-diffusers-metadata-other-component",
+        "lora/peft_config.py",
+        "        if comp == component:\n            out[fld] = v",
+        "        if comp != component:\n            out[fld] = v",
+        ("test/unit/lora/formats/test_ltx2.py",),
+        ("-k", "peft"),
+        why="a pipeline-saved LoRA's transformer.lora_alpha is not read (scale alpha/r lost)",
+    ),
 ]
 
 
