@@ -124,8 +124,29 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+def _flag(text: str) -> bool:
+    """``--name true|false`` (also 1/0, yes/no)."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _indices(text: str) -> list[int]:
+    """``--name 27,28``: comma-separated integers (an empty string: none)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
 _KIND_TYPES = {
     "text": str, "size": int, "count": int, "seed": int, "scale": float, "fraction": float,
+    "flag": _flag, "indices": _indices,
 }  # fmt: skip
 
 

@@ -78,6 +78,8 @@ WRONG = {
     "lora": [[("a", float("nan"))], [("a", 1.0), ("a", 0.5)], [(" ", 1.0)], "a"],
     "image": ["x", 3, ()],
     "fraction": [0, 0.0, 1.5, -0.1, float("nan"), True, "0.5"],
+    "flag": [1, 0, "true"],
+    "indices": [[-1], [1.5], [True], "28", 28],
 }
 FIELD_CASES = [
     (cls, f.name, f.metadata["kind"], value)

@@ -25,6 +25,8 @@ Field kinds (``param(kind=...)``) and their rules, checked by :meth:`SamplingPar
 ``image``   decoded input images (:class:`~sglang.multimodal_gen.image_inputs.InputImage`),
             at most ``max_input_images`` of them; only for a model whose ``inputs`` name it
 ``fraction`` a finite number in ``(0, 1]`` (an edit ``strength``)
+``flag``    ``true`` or ``false`` (a switch)
+``indices`` a list of integers >= 0 (e.g. block indices); kept as a tuple
 ==========  =========================================================================
 
 Conditioning beyond text is declared by the model (:attr:`RequestSpec.inputs`, e.g. ``("text",
@@ -66,7 +68,9 @@ MAX_SEED = 2**63 - 1
 #: Largest accepted ``fps`` (frames per second of a video).
 MAX_FPS = 120
 
-_KINDS = ("text", "size", "count", "scale", "seed", "lora", "image", "fraction")
+_KINDS = (
+    "text", "size", "count", "scale", "seed", "lora", "image", "fraction", "flag", "indices",
+)  # fmt: skip
 
 
 def param(
@@ -225,6 +229,30 @@ def check_fraction(value: Any, name: str) -> float:
     if not _is_number(value) or not math.isfinite(value) or not 0 < value <= 1:
         raise InvalidRequestError(f"{name} must be a number in (0, 1], got {value!r}", param=name)
     return float(value)
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """A switch: ``True`` or ``False`` (not ``1`` / ``"true"``).
+
+    Raises:
+        InvalidRequestError: ``param=name``.
+    """
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be true or false, got {value!r}", param=name)
+    return value
+
+
+def check_indices(value: Any, name: str) -> tuple[int, ...]:
+    """A list (or tuple) of integers >= 0, such as block indices.
+
+    Raises:
+        InvalidRequestError: ``param=name``.
+    """
+    if not isinstance(value, list | tuple) or not all(_is_int(v) and v >= 0 for v in value):
+        raise InvalidRequestError(
+            f"{name} must be a list of integers >= 0, got {value!r}", param=name
+        )
+    return tuple(value)
 
 
 def _check_images(value: Any, name: str, high: int | None) -> None:
@@ -439,6 +467,10 @@ class SamplingParams:
                 _check_images(value, f.name, limits.max_input_images)
             elif kind == "fraction":
                 check_fraction(value, f.name)
+            elif kind == "flag":
+                check_flag(value, f.name)
+            elif kind == "indices":
+                check_indices(value, f.name)
         self._check_budget(limits)
         self.check(spec)
 

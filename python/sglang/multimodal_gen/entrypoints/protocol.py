@@ -90,6 +90,8 @@ _KIND_TYPES = {
     "seed": int,
     "scale": float,
     "fraction": float,
+    "flag": bool,
+    "indices": list[int],
     "lora": LoRASpec | list[LoRASpec],
 }
 #: Generation fields whose HTTP spelling is another (``n``, ``size``, ``seconds``).
