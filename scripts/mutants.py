@@ -917,6 +917,15 @@ MUTANTS: list[Mutant] = [
         ("-k", "peft"),
         why="a pipeline-saved LoRA's transformer.lora_alpha is not read (scale alpha/r lost)",
     ),
+    _m(
+        "ltx2-lora-rows-not-seen-by-the-joint-call",
+        "pipelines/ltx2.py",
+        "        self.joint.sync_lora_context()\n",
+        "",
+        ("test/integration/families/test_ltx2_lora.py",),
+        ("-k", "mixed"),
+        why="LTX-2's joint DiT call runs without the DiT's LoRA context: per-request adapters lost",
+    ),
 ]
 
 
