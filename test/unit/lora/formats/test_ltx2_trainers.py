@@ -156,3 +156,26 @@ def test_lightricks_layout_on_ltx20(tmp_path):
         sd[f"diffusion_model.{original_name(name)}.lora_B.weight"] = b
     got = Applied("ltx20", tmp_path, sd, 1.3)
     _check(got, mods, pairs, dict.fromkeys(pairs, 1.0), 1.3)
+
+
+def test_simpletuner_lycoris_default_targets(tmp_path):
+    """SimpleTuner's LTX-2 model (``helpers/models/ltxvideo2/model.py``): default targets
+    ``to_k``, ``to_q``, ``to_v``, ``to_out.0`` plus the audio list (``audio_ff.net.0.proj``,
+    ``audio_ff.net.2``, ``audio_proj_in``, ``audio_proj_out``); with ``lora_type: lycoris`` the
+    LyCORIS names ``lycoris_<diffusers name, . -> _>`` + ``lora_down``/``lora_up`` + ``alpha``
+    (its ``standard`` LoRA goes through ``save_lora_weights``: the diffusers/PEFT layout)."""
+    suffixes = ("to_q", "to_k", "to_v", "to_out.0", "audio_ff.net.0.proj", "audio_ff.net.2")
+    mods = {
+        k: v
+        for k, v in modules("ltx23").items()
+        if k.endswith(suffixes) or k in ("audio_proj_in", "audio_proj_out")
+    }
+    pairs = _pairs(mods, 5)
+    sd = {}
+    for name, (a, b) in pairs.items():
+        flat = "lycoris_" + name.replace(".", "_")
+        sd[f"{flat}.lora_down.weight"] = a
+        sd[f"{flat}.lora_up.weight"] = b
+        sd[f"{flat}.alpha"] = torch.tensor(1.0)
+    got = Applied("ltx23", tmp_path, sd, 0.9)
+    _check(got, mods, pairs, dict.fromkeys(pairs, 1.0 / R), 0.9)
