@@ -1,0 +1,293 @@
+"""LTX-2's two-stage generation: stage 1 at half the requested height and width, the latent
+upsampler (x2), stage 2 over the fixed distilled sigmas at the requested size.
+
+The composition is the one diffusers documents for LTX-2 (diffusers 0.42.1,
+docs/source/en/api/pipelines/ltx2.md, "Two-stages Generation"):
+
+1. ``LTX2Pipeline(height / 2, width / 2, output_type="latent")`` -> raw video latents
+   ``[n, C, F, h, w]`` and audio latents (no decode noise: that belongs to decoding);
+2. ``LTX2LatentUpsamplePipeline(latents=..., output_type="latent")`` -> ``[n, C, F, 2h, 2w]``
+   (:mod:`~sglang.multimodal_gen.pipelines.ltx2_upsample`);
+3. ``LTX2Pipeline(latents=..., audio_latents=..., sigmas=STAGE_2_DISTILLED_SIGMA_VALUES,
+   num_inference_steps=3, noise_scale=sigmas[0])`` with the scheduler rebuilt from its config with
+   ``use_dynamic_shifting=False, shift_terminal=None``: both latents are normalized, packed and
+   re-noised, ``noise_scale * noise + (1 - noise_scale) * latents`` (video noise ``[n, S, C]``
+   drawn first, then audio noise ``[n, L, C_a M]``, from the same generator as stage 1), and
+   the three steps run without guidance (guidance 1, STG 0, modality 1, rescale 0: the distilled
+   stage, as Lightricks' ``SimpleDenoiser``).
+
+Selected by the model directory: a ``latent_upsampler`` component in ``model_index.json``
+(``["ltx2", "LTX2LatentUpsamplerModel"]``; diffusers' own ``LTX2Pipeline`` ignores the entry).
+Without it :class:`LTX2TwoStagePipeline` is :class:`~sglang.multimodal_gen.pipelines.ltx2.
+LTX2Pipeline` unchanged.
+
+Lightricks' recipe (github.com/Lightricks/LTX-2, ``ltx_pipelines/ti2vid_two_stages.py`` and
+``ti2vid_two_stages_hq.py``) differs in what this module does not do yet: the distilled LoRA
+(``ltx-2-19b-distilled-lora-384``) at stage 2 (strength 1; HQ: 0.25 at stage 1 and 0.5 at
+stage 2), and in the HQ variant the res_2s sampler
+(:mod:`~sglang.multimodal_gen.pipelines.res2s`) in both stages, and stage 2's audio discarded
+for stage 1's.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from sglang.multimodal_gen.pipelines.ltx2 import LTX2Generation, LTX2Pipeline, LTX2Shapes
+from sglang.multimodal_gen.pipelines.ltx2_upsample import VideoLatentStats, upsample_video_latents
+from sglang.multimodal_gen.pipelines.res2s import (
+    LTX2_HQ_RES2S,
+    RES2S_TERMINAL_SIGMA,
+    res2s_step,
+    standardized_noise,
+)
+
+__all__ = [
+    "LTX2_HQ_SETTINGS",
+    "LTX2TwoStagePipeline",
+    "STAGE_2_SIGMAS",
+    "UPSAMPLER_COMPONENT",
+]
+
+UPSAMPLER_COMPONENT = "latent_upsampler"
+# diffusers 0.42.1 pipelines/ltx2/utils.py STAGE_2_DISTILLED_SIGMA_VALUES (Lightricks'
+# STAGE_2_DISTILLED_SIGMA_VALUES without its terminal 0, which the scheduler appends)
+STAGE_2_SIGMAS = (0.909375, 0.725, 0.421875)
+
+# Lightricks' HQ preset (ltx_pipelines/utils/constants.py LTX_2_3_HQ_PARAMS, ti2vid_two_stages_hq.py):
+# stage 1 at 1088x1920 / 2, 15 res_2s steps, video CFG 3 / rescale 0.45 / modality 3, audio CFG 7
+# / rescale 1 / modality 3, STG off; the distilled LoRA at 0.25 (stage 1) and 0.5 (stage 2)
+LTX2_HQ_SETTINGS = dict(
+    num_inference_steps=15, guidance_scale=3.0, guidance_rescale=0.45, modality_scale=3.0,
+    audio_guidance_scale=7.0, audio_guidance_rescale=1.0, audio_modality_scale=3.0,
+    stg_scale=0.0, audio_stg_scale=0.0, height=1088, width=1920,
+)  # fmt: skip
+LTX2_HQ_LORA_STRENGTHS = (0.25, 0.5)
+# the seeds of Lightricks' res_2s noise generators (noise_seed=-1, substep seed + 10000)
+_RES2S_SEEDS = (-1, 9999)
+
+# the stage-2 request: no guidance of any kind (the distilled stage)
+_STAGE_2_FIELDS = dict(
+    guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
+    modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0,
+    audio_guidance_rescale=0.0, num_inference_steps=len(STAGE_2_SIGMAS),
+)  # fmt: skip
+
+
+@dataclass
+class _Stage2Start:
+    """What stage 2 starts from: raw upsampled video latents ``[n, C, F, 2h, 2w]`` and stage 1's
+    normalized packed audio latents ``[n, L, C_a M]``."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+
+
+# the stage of the call being built (set around each stage's call; read by new_generation)
+_STAGE: contextvars.ContextVar[tuple[int, _Stage2Start | None] | None] = contextvars.ContextVar(
+    "ltx2_two_stage", default=None
+)
+
+
+@dataclass
+class LTX2TwoStageGeneration(LTX2Generation):
+    """:class:`LTX2Generation` plus the stage of the call (0: one-stage, 1, 2) and stage 2's
+    starting latents."""
+
+    stage: int = 0
+    start: _Stage2Start | None = None
+    res2s_noise: tuple[torch.Generator, torch.Generator] | None = None
+
+
+class LTX2TwoStagePipeline(LTX2Pipeline):
+    """:class:`LTX2Pipeline`, in two stages when the directory has a latent upsampler (module
+    docstring).
+
+    Raises (per call, two-stage directories):
+        InvalidRequestError: ``height`` / ``width`` not a multiple of twice the spatial factor
+            (stage 1 runs at half of each).
+    """
+
+    #: the sampler of both stages: "euler" (diffusers' scheduler step) or "res2s" (Lightricks' HQ
+    #: res_2s, :mod:`~sglang.multimodal_gen.pipelines.res2s`); a request's ``sampler`` field, where
+    #: the family declares one, takes precedence
+    default_sampler = "euler"
+
+    def sampler_of(self, g) -> str:
+        """The sampler of the call ``g``."""
+        return getattr(g.params, "sampler", None) or self.default_sampler
+
+    @property
+    def two_stage(self) -> bool:
+        """Whether this model runs in two stages (its directory has a latent upsampler)."""
+        return UPSAMPLER_COMPONENT in self.components
+
+    def new_generation(self, params, generator=None, lora=None, batch=None):
+        g = super().new_generation(params, generator, lora, batch)
+        stage, start = _STAGE.get() or (0, None)
+        fields = {f.name: getattr(g, f.name) for f in dataclasses.fields(LTX2Generation)}
+        return LTX2TwoStageGeneration(**fields, stage=stage, start=start)
+
+    @torch.no_grad()
+    def __call__(self, params, *, generator=None, lora=None, batch=None, output_type="pil",
+                 progress=None, step_callback=None, **fields):  # fmt: skip
+        """One request; two stages on a two-stage directory (same arguments and results as
+        :meth:`StagedPipeline.__call__`; ``output_type="latent"`` gives stage 2's latents)."""
+        if not self.two_stage:
+            return super().__call__(
+                params, generator=generator, lora=lora, batch=batch, output_type=output_type,
+                progress=progress, step_callback=step_callback, **fields,
+            )  # fmt: skip
+        if batch is not None:
+            raise NotImplementedError("LTX-2 two-stage generation runs one request at a time")
+        if isinstance(params, str):
+            params = self.spec.params(prompt=params, **fields)
+        p = self.spec.resolve(params)
+        self._check_two_stage_size(p)
+        if generator is None:
+            generator = torch.Generator(self.generator_device).manual_seed(int(p.seed))
+        common = dict(generator=generator, lora=lora, progress=progress,
+                      step_callback=step_callback)  # fmt: skip
+        token = _STAGE.set((1, None))
+        try:
+            p1 = dataclasses.replace(p, height=p.height // 2, width=p.width // 2)
+            joint = super().__call__(p1, output_type="latent", **common)
+        finally:
+            _STAGE.reset(token)
+        start = self._upsample(joint, LTX2Generation(params=p1, generator=generator))
+        p2 = dataclasses.replace(p, **{k: v for k, v in _STAGE_2_FIELDS.items() if hasattr(p, k)})
+        token = _STAGE.set((2, start))
+        try:
+            return super().__call__(p2, output_type=output_type, **common)
+        finally:
+            _STAGE.reset(token)
+
+    def _check_two_stage_size(self, p) -> None:
+        from sglang.multimodal_gen.errors import InvalidRequestError
+
+        step = 2 * self.spatial_factor
+        for name in ("height", "width"):
+            value = getattr(p, name)
+            if value % step:
+                raise InvalidRequestError(
+                    f"{name} must be a multiple of {step} for this two-stage model (stage 1 runs "
+                    f"at half the size, a multiple of {self.spatial_factor}), got {value}",
+                    param=name,
+                )
+
+    def _upsample(self, joint: torch.Tensor, g1: LTX2Generation) -> _Stage2Start:
+        """Stage 1's joint rows -> stage 2's start (the upsampler on the raw video latents)."""
+        sh = self.shapes_of(g1)
+        video, audio = sh.split(joint)
+        up = upsample_video_latents(
+            video, self.components[UPSAMPLER_COMPONENT], VideoLatentStats.from_vae(self.vae),
+            latents_normalized=True, grid=(sh.frames, sh.height, sh.width),
+        )  # fmt: skip
+        # diffusers hands stage 2 the de-normalized audio, which it normalizes again
+        avae = self.components["audio_vae"]
+        mean, std = avae.latents_mean.to(audio), avae.latents_std.to(audio)
+        audio = ((audio * std + mean) - mean) / std
+        return _Stage2Start(video=up, audio=audio)
+
+    # ------------------------------------------------------------------ stages
+    def prepare_latents(self, g, cond):
+        """Stage 2: the upsampled video latents, normalized and packed, and stage 1's audio,
+        each re-noised at the first stage-2 sigma (diffusers' ``_create_noised_state``)."""
+        if getattr(g, "stage", 0) != 2:
+            return super().prepare_latents(g, cond)
+        from diffusers.utils.torch_utils import randn_tensor
+
+        sh = self.shapes_of(g)
+        g.shapes = sh
+        start = g.start
+        video = VideoLatentStats.from_vae(self.vae).normalize(start.video)
+        n = video.shape[0]
+        if tuple(video.shape[2:]) != (sh.frames, sh.height, sh.width):
+            raise ValueError(
+                f"latent_upsampler: upsampled latents {tuple(video.shape)} do not fit the "
+                f"stage-2 grid {(sh.frames, sh.height, sh.width)}"
+            )
+        video = video.permute(0, 2, 3, 4, 1).reshape(n, sh.video_tokens, sh.channels)
+        s = STAGE_2_SIGMAS[0]
+        noise = randn_tensor(video.shape, generator=g.generator, device=video.device,
+                             dtype=video.dtype)  # fmt: skip
+        video = (s * noise + (1 - s) * video).to(self.device, torch.float32)
+        audio = start.audio
+        noise = randn_tensor(audio.shape, generator=g.generator, device=audio.device,
+                             dtype=audio.dtype)  # fmt: skip
+        audio = (s * noise + (1 - s) * audio).to(self.device, torch.float32)
+        return LTX2Shapes.join(video, audio)
+
+    def prepare_timesteps(self, g, latents):
+        """Stage 2: the fixed distilled sigmas on a scheduler without dynamic shifting or
+        terminal stretch (diffusers' documented stage-2 scheduler)."""
+        if getattr(g, "stage", 0) != 2:
+            return super().prepare_timesteps(g, latents)
+        from diffusers.pipelines.ltx2.pipeline_ltx2 import retrieve_timesteps
+
+        scheduler = self.new_scheduler()
+        scheduler = type(scheduler).from_config(
+            scheduler.config, use_dynamic_shifting=False, shift_terminal=None
+        )
+        timesteps, _ = retrieve_timesteps(
+            scheduler, len(STAGE_2_SIGMAS), self.device, sigmas=list(STAGE_2_SIGMAS)
+        )
+        scheduler.set_begin_index(0)
+        g.sigmas = scheduler.sigmas.to(torch.float32)
+        return scheduler, timesteps
+
+    def _res2s_noise(self, g, which: int):
+        """Lightricks' res_2s noise for the joint rows: video then audio from one of the call's
+        two generators (seeded -1 and 9999 on first use), each standardized by itself."""
+        if g.res2s_noise is None:
+            dev = self.generator_device
+            g.res2s_noise = tuple(torch.Generator(dev).manual_seed(s) for s in _RES2S_SEEDS)
+        gen = g.res2s_noise[which]
+
+        def noise(like: torch.Tensor) -> torch.Tensor:
+            video, audio = g.shapes.split(like)
+            n_v = standardized_noise(video, gen).to(like.device)
+            n_a = standardized_noise(audio, gen).to(like.device)
+            return LTX2Shapes.join(n_v, n_a)
+
+        return noise
+
+    def predict(self, denoiser, latents, t, step_index, cond, g):
+        """Euler: the guided velocity (:class:`LTX2Pipeline`). res_2s: one res_2s step of the
+        guided data prediction ``D = x - sigma v`` (two guided evaluations; a last step to 0 ends
+        at 0.0011 and takes ``D`` there, as Lightricks' loop), returned as the velocity that
+        takes the scheduler's Euler step to the res_2s result."""
+        if self.sampler_of(g) != "res2s":
+            return super().predict(denoiser, latents, t, step_index, cond, g)
+        s = float(g.sigmas[step_index])
+        s_next = float(g.sigmas[step_index + 1])
+        scale = float(t) / s if s > 0 else 1000.0  # timestep per unit sigma (the scheduler's)
+        base = super()
+
+        def denoise(x: torch.Tensor, sigma: float) -> torch.Tensor:
+            if sigma == s:
+                gg, tt, idx = g, t, step_index
+            else:
+                gg = dataclasses.replace(g, sigmas=torch.tensor([sigma], dtype=torch.float32))
+                tt, idx = torch.tensor(sigma * scale, dtype=t.dtype, device=t.device), 0
+            v = base.predict(denoiser, x.to(latents.dtype), tt, idx, cond, gg)
+            return x.to(v.dtype) - float(gg.sigmas[idx]) * v
+
+        opts = dict(LTX2_HQ_RES2S, step_noise=self._res2s_noise(g, 0),
+                    substep_noise=self._res2s_noise(g, 1))  # fmt: skip
+        if s_next == 0.0:
+            x = res2s_step(latents, s, RES2S_TERMINAL_SIGMA, denoise, **opts)
+            x_next = denoise(x, RES2S_TERMINAL_SIGMA).to(latents.dtype)
+        else:
+            x_next = res2s_step(latents, s, s_next, denoise, **opts)
+        return (x_next - latents) / (s_next - s)
+
+    def after_step(self, g, cond, latents, step_index, timesteps, scheduler):
+        """Stage 1 ends without the decode noise (its latents are not decoded)."""
+        if getattr(g, "stage", 0) == 1:
+            return latents
+        return super().after_step(g, cond, latents, step_index, timesteps, scheduler)
