@@ -205,14 +205,16 @@ def test_kohya_flattened_names_load_where_diffusers_drops_them(base, tmp_path):
 
 
 def test_connector_and_text_projection_keys_are_refused_naming_them(base, tmp_path):
-    """A file with LoRA on the text path (``text_embedding_projection.*``, diffusers' LTX-2.3
-    connector LoRA; ``video_embeddings_connector.*`` of the single-file checkpoint) targets
-    modules our DiT does not hold: refused naming the keys, never half loaded."""
+    """A file with LoRA on the text path (``text_embedding_projection.*``, which diffusers' LTX-2
+    loader sends to its ``connectors`` component; ``video_embeddings_connector.*`` of the
+    single-file checkpoint; diffusers' own ``connectors.`` keys) targets modules our DiT does not
+    hold: refused naming the keys, never half loaded."""
     ref, _, _, pairs = base
     a, b = pairs["transformer_blocks.0.attn1.to_q"]
     for extra in (
         "text_embedding_projection.aggregate_embed",
         "diffusion_model.video_embeddings_connector.transformer_1d_blocks.0.attn1.to_q",
+        "connectors.video_connector.transformer_blocks.0.attn1.to_q",  # diffusers' component
     ):
         sd = {
             "diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight": a,
