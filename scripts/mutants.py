@@ -843,6 +843,24 @@ MUTANTS: list[Mutant] = [
         ("test/unit/pipelines/test_ltx2_upsample.py",),
         why="LTX-2's latent upsampler runs on normalized latents (it was trained on raw VAE ones)",
     ),
+    _m(
+        "ltx2-two-stage-renoise-swapped",
+        "pipelines/ltx2_two_stage.py",
+        "video = (s * noise + (1 - s) * video).to(self.device, torch.float32)",
+        "video = ((1 - s) * noise + s * video).to(self.device, torch.float32)",
+        ("test/integration/families/test_ltx2_two_stage.py",),
+        ("-k", "matches_diffusers"),
+        why="stage 2 starts from mostly noise instead of the upsampled stage-1 video",
+    ),
+    _m(
+        "ltx2-res2s-last-step-skips-prediction",
+        "pipelines/ltx2_two_stage.py",
+        "x_next = denoise(x, RES2S_TERMINAL_SIGMA).to(latents.dtype)",
+        "x_next = x.to(latents.dtype)",
+        ("test/integration/families/test_ltx2_two_stage.py",),
+        ("-k", "res2s"),
+        why="the res_2s loop stops at sigma 0.0011 without its final data prediction",
+    ),
     # ------------------------------------------------------------------ the LTX-2 DiT
     _m(
         "ltx2-gate-factor-dropped",
@@ -897,6 +915,43 @@ MUTANTS: list[Mutant] = [
         ("test/integration/families/test_ltx2_transformer_parity.py",),
         ("-k", "original"),
         why="the Lightricks names of the per-block a2v/v2a tables mapped to the wrong stream",
+    ),
+    # ------------------------------------------------------------------ LTX-2 pipeline
+    _m(
+        "ltx2-audio-guidance-takes-video-weight",
+        "pipelines/ltx2.py",
+        "g_a = _effective(p.audio_guidance_scale, p.guidance_scale)",
+        "g_a = p.guidance_scale",
+        ("test/integration/families/test_ltx2_pipeline_parity.py",),
+        ("-k", "default_guidance"),
+        why="the audio stream guided with the video's CFG weight (audio_guidance_scale ignored)",
+    ),
+    _m(
+        "ltx2-modality-guidance-dropped",
+        "pipelines/ltx2.py",
+        "delta_v = delta_v + (mod_v - 1) * (cond_v - m_v)",
+        "delta_v = delta_v + 0 * (cond_v - m_v)",
+        ("test/integration/families/test_ltx2_pipeline_parity.py",),
+        ("-k", "default_guidance"),
+        why="the video's modality-isolation guidance term left out",
+    ),
+    _m(
+        "ltx2-frame-rate-ignores-motion-speed",
+        "pipelines/ltx2.py",
+        "fps=float(p.fps) / float(p.motion_speed),",
+        "fps=float(p.fps),",
+        ("test/integration/families/test_ltx2_pipeline_parity.py",),
+        ("-k", "decode_noise"),
+        why="the DiT's positions conditioned on the playback rate, not fps / motion_speed",
+    ),
+    _m(
+        "ltx2-decode-noise-scale-ignored",
+        "pipelines/ltx2.py",
+        "s = p.decode_noise_scale if p.decode_noise_scale is not None else p.decode_timestep",
+        "s = p.decode_timestep",
+        ("test/integration/families/test_ltx2_pipeline_parity.py",),
+        ("-k", "decode_noise"),
+        why="the decode noise mixed at decode_timestep whatever decode_noise_scale says",
     ),
     # ------------------------------------------------------------------ LTX-2 LoRA files
     _m(
