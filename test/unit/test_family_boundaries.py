@@ -12,6 +12,7 @@ and the modules a family's declaration points at (its ``configs/``, ``pipelines/
 from __future__ import annotations
 
 import ast
+import glob
 import os
 import re
 
@@ -34,7 +35,8 @@ def _family_fields() -> set[str]:
 
 
 def _family_modules() -> set[str]:
-    """Source files a family's declaration points at (its own files)."""
+    """Source files a family's declaration points at, and their siblings named after them
+    (its own files)."""
     paths: set[str] = set()
     for fam in list_families():
         dotted = [fam.pipeline, fam.sampling_params]
@@ -43,6 +45,9 @@ def _family_modules() -> set[str]:
         for path in dotted:
             module = path.partition(":")[0]
             paths.add(os.path.normpath(os.path.join(PKG_ROOT, *module.split("."))) + ".py")
+    # a declared module's siblings named after it (pipelines/ltx2.py -> pipelines/ltx2_*.py)
+    for path in list(paths):
+        paths |= {os.path.normpath(p) for p in glob.glob(path[: -len(".py")] + "_*.py")}
     return paths
 
 

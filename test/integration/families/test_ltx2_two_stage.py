@@ -139,7 +139,7 @@ def test_res2s_sampler_is_res2s_over_the_guided_prediction(ours):
     noise (generators seeded -1 and 9999, video then audio, each standardized)."""
     from sglang.multimodal_gen.pipelines.ltx2 import LTX2Pipeline, LTX2Shapes
     from sglang.multimodal_gen.pipelines.res2s import (
-        LTX2_HQ_RES2S,
+        HQ_RES2S_OPTIONS,
         res2s_sample,
         standardized_noise,
     )
@@ -176,7 +176,7 @@ def test_res2s_sampler_is_res2s_over_the_guided_prediction(ours):
         return fn
 
     ref = res2s_sample(x, sigmas, guided_x0, step_noise=noise(gens[0]),
-                       substep_noise=noise(gens[1]), **LTX2_HQ_RES2S)  # fmt: skip
+                       substep_noise=noise(gens[1]), **HQ_RES2S_OPTIONS)  # fmt: skip
     ref = LTX2Pipeline.after_step(ours, g, cond, ref, len(timesteps) - 1, timesteps, scheduler)
     err = (got - ref).abs().max().item()
     assert err < 1e-4, err

@@ -20,7 +20,7 @@ import mpmath
 import pytest
 import torch
 from sglang.multimodal_gen.pipelines.res2s import (
-    LTX2_HQ_RES2S,
+    HQ_RES2S_OPTIONS,
     RES2S_TERMINAL_SIGMA,
     phi,
     res2s_coefficients,
@@ -290,7 +290,7 @@ def test_hq_step_matches_lightricks_loop_body(sigma, sigma_next):
     n_sub, n_step = (torch.randn(2, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
     ours = res2s_step(
         x, sigma, sigma_next, denoise, substep_noise=lambda _: n_sub, step_noise=lambda _: n_step,
-        **LTX2_HQ_RES2S,
+        **HQ_RES2S_OPTIONS,
     )  # fmt: skip
     ref = _hq_step_ref(x, sigma, sigma_next, denoise, n_sub, n_step)
     # renoising divides by sigma - sigma_next: rounding grows as the step shrinks (both codes)
@@ -333,7 +333,7 @@ def test_standardized_noise_and_hq_sample():
     out = res2s_sample(
         x, [0.909375, 0.725, 0.421875, 0.0], denoise,
         step_noise=lambda t: standardized_noise(t, gs),
-        substep_noise=lambda t: standardized_noise(t, gsub), **LTX2_HQ_RES2S,
+        substep_noise=lambda t: standardized_noise(t, gsub), **HQ_RES2S_OPTIONS,
     )  # fmt: skip
     det = res2s_sample(x, [0.909375, 0.725, 0.421875, 0.0], denoise)
     assert torch.isfinite(out).all() and (out - det).abs().max() > 1e-3

@@ -40,7 +40,7 @@ import torch
 from sglang.multimodal_gen.pipelines.ltx2 import LTX2Generation, LTX2Pipeline, LTX2Shapes
 from sglang.multimodal_gen.pipelines.ltx2_upsample import VideoLatentStats, upsample_video_latents
 from sglang.multimodal_gen.pipelines.res2s import (
-    LTX2_HQ_RES2S,
+    HQ_RES2S_OPTIONS,
     RES2S_TERMINAL_SIGMA,
     res2s_step,
     standardized_noise,
@@ -277,7 +277,7 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
             v = base.predict(denoiser, x.to(latents.dtype), tt, idx, cond, gg)
             return x.to(v.dtype) - float(gg.sigmas[idx]) * v
 
-        opts = dict(LTX2_HQ_RES2S, step_noise=self._res2s_noise(g, 0),
+        opts = dict(HQ_RES2S_OPTIONS, step_noise=self._res2s_noise(g, 0),
                     substep_noise=self._res2s_noise(g, 1))  # fmt: skip
         if s_next == 0.0:
             x = res2s_step(latents, s, RES2S_TERMINAL_SIGMA, denoise, **opts)

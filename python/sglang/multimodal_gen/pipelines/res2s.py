@@ -68,7 +68,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = [
-    "LTX2_HQ_RES2S",
+    "HQ_RES2S_OPTIONS",
     "RES2S_TERMINAL_SIGMA",
     "phi",
     "res2s_coefficients",
@@ -89,7 +89,7 @@ _SERIES_TERMS = 30  # |z| <= 1: the tail after 30 terms is below 1/30!, far unde
 
 # Lightricks' HQ pipelines run the loop with its defaults (ltx_pipelines/utils/samplers.py,
 # res2s_audio_video_denoising_loop): step eta 0.5, substep eta 0.5, bongmath on.
-LTX2_HQ_RES2S = {"eta": 0.5, "substep_eta": 0.5, "bongmath": True}
+HQ_RES2S_OPTIONS = {"eta": 0.5, "substep_eta": 0.5, "bongmath": True}
 
 Denoiser = Callable[[torch.Tensor, float], torch.Tensor]
 Noise = Callable[[torch.Tensor], torch.Tensor]
@@ -221,7 +221,7 @@ def res2s_step(
         denoise: ``(x, sigma) -> x0`` prediction, same shape as ``x``.
         c2: substep position (0.5: the geometric midpoint ``sqrt(sigma sigma_next)``).
         eta, substep_eta: fresh-noise shares after the step and after the substep (0: the
-            deterministic step; Lightricks' HQ: 0.5 and 0.5, :data:`LTX2_HQ_RES2S`).
+            deterministic step; Lightricks' HQ: 0.5 and 0.5, :data:`HQ_RES2S_OPTIONS`).
         step_noise, substep_noise: ``like -> standard normal noise`` of ``like``'s shape, drawn
             when the matching eta is > 0 (e.g. :func:`standardized_noise` with a generator).
         bongmath: re-anchor the step on the substep's injected noise (``h < 0.5``,
