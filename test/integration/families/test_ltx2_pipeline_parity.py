@@ -12,8 +12,10 @@ moved off their defaults. TP 2 (gloo) equals diffusers too; ``sglang generate`` 
 whose AAC track lasts as long as the video at the vocoder's rate, and lossless frames plus
 ``audio.wav`` equal to the engine's.
 
-Measured (fp32, CPU): identical frames and 16-bit waveforms (inf dB) at TP 1 and TP 2; the
-wrong frame rate 14.6 dB (frames) / 5.8 dB (audio), modality guidance off 18.8 / 8.4 dB.
+Measured (fp32, CPU; min over frames / waveform SNR): default guidance inf / 115 dB at TP 1 and
+TP 2; another frame rate (25 fps) 30.2 dB frames; modality guidance off 19.4 dB frames; the audio
+guided with the video's CFG weight 33.7 dB audio. Decode-noise directory: 83.0 / 116 dB; the
+wrong decode noise scale 25.0 dB frames; motion speed ignored (the mutant) 31.2 dB frames.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import pytest
 from fixtures.tiny_ltx2 import audio_snr, frame_psnrs, reference_ltx2, reference_output
 from PIL import Image
 from sglang.cli.main import main as sglang_main
+from sglang.multimodal_gen.errors import InvalidRequestError
+from sglang.multimodal_gen.image_inputs import InputImage
 from sglang.multimodal_gen.models.families.tiny.ltx2 import build_ltx2_dir
 from sglang.multimodal_gen.outputs import Video
 from sglang.multimodal_gen.runtime import DiffusionEngine
@@ -71,6 +75,9 @@ def test_default_guidance_matches_diffusers(model):
     assert (d.modality_scale, d.audio_modality_scale, d.guidance_rescale) == (3.0, 3.0, 0.7)
     assert d.spatio_temporal_guidance_blocks == (28,)
     assert d.use_cross_timestep is True and d.motion_speed == 1.0
+    with pytest.raises(InvalidRequestError) as e:  # text to video only
+        spec.resolve(spec.params(**REQ, image=(InputImage(np.zeros((32, 32, 3), np.uint8)),)))
+    assert e.value.param == "image"
     params = spec.resolve(spec.params(**REQ))
     (video,) = engine.generate(params)
     assert video.frames.shape == (9, 32, 32, 3) and video.fps == 24
@@ -90,7 +97,7 @@ def test_default_guidance_matches_diffusers(model):
 def test_decode_noise_and_other_knobs_match_diffusers(tmp_path):
     """A timestep-conditioned video VAE (decode noise and timestep), the audio's own CFG with
     the video's off, rescale off for the video, STG on two blocks, slow motion, LTX-2.0's
-    timestep (``use_cross_timestep`` false), two videos."""
+    timestep (``use_cross_timestep`` false)."""
     from sglang.multimodal_gen.pipelines.ltx2 import LTX2Pipeline
 
     d = build_ltx2_dir(str(tmp_path / "model"), seed=5, vae_timestep_conditioning=True)
