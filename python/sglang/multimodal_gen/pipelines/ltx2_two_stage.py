@@ -118,8 +118,31 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
     default_sampler = "euler"
 
     def sampler_of(self, g) -> str:
-        """The sampler of the call ``g``."""
-        return getattr(g.params, "sampler", None) or self.default_sampler
+        """The sampler of the call ``g``: ``res2s`` when the request's ``res2s_sampler`` flag is
+        set (where the family declares it), else :attr:`default_sampler`."""
+        flag = getattr(g.params, "res2s_sampler", None)
+        return "res2s" if flag else ("euler" if flag is False else self.default_sampler)
+
+    def runs_two_stage(self, p) -> bool:
+        """Whether the resolved request ``p`` runs in two stages: its ``two_stage`` flag where the
+        family declares one and the request sets it, else whether the directory has a latent
+        upsampler.
+
+        Raises:
+            InvalidRequestError: ``two_stage`` true on a model without a latent upsampler.
+        """
+        flag = getattr(p, "two_stage", None)
+        if flag is None:
+            return self.two_stage
+        if flag and not self.two_stage:
+            from sglang.multimodal_gen.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                "two_stage needs a latent upsampler (a latent_upsampler component in the "
+                "model's model_index.json); this model has none",
+                param="two_stage",
+            )
+        return bool(flag)
 
     @property
     def two_stage(self) -> bool:
@@ -137,16 +160,17 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
                  progress=None, step_callback=None, **fields):  # fmt: skip
         """One request; two stages on a two-stage directory (same arguments and results as
         :meth:`StagedPipeline.__call__`; ``output_type="latent"`` gives stage 2's latents)."""
-        if not self.two_stage:
+        if isinstance(params, str):
+            params = self.spec.params(prompt=params, **fields)
+            fields = {}
+        p = self.spec.resolve(params) if isinstance(params, type(self.spec.defaults)) else None
+        if fields or p is None or not self.runs_two_stage(p):
             return super().__call__(
                 params, generator=generator, lora=lora, batch=batch, output_type=output_type,
                 progress=progress, step_callback=step_callback, **fields,
             )  # fmt: skip
         if batch is not None:
             raise NotImplementedError("LTX-2 two-stage generation runs one request at a time")
-        if isinstance(params, str):
-            params = self.spec.params(prompt=params, **fields)
-        p = self.spec.resolve(params)
         self._check_two_stage_size(p)
         if generator is None:
             generator = torch.Generator(self.generator_device).manual_seed(int(p.seed))
