@@ -35,8 +35,8 @@ def _family_fields() -> set[str]:
 
 
 def _family_modules() -> set[str]:
-    """Source files a family's declaration points at, and their siblings named after them
-    (its own files)."""
+    """Source files a family's declaration points at, and the files named after the family
+    (``<word>.py``, ``<word>_*.py``) next to them (its own files)."""
     paths: set[str] = set()
     for fam in list_families():
         dotted = [fam.pipeline, fam.sampling_params]
@@ -45,9 +45,15 @@ def _family_modules() -> set[str]:
         for path in dotted:
             module = path.partition(":")[0]
             paths.add(os.path.normpath(os.path.join(PKG_ROOT, *module.split("."))) + ".py")
-    # a declared module's siblings named after it (pipelines/ltx2.py -> pipelines/ltx2_*.py)
-    for path in list(paths):
-        paths |= {os.path.normpath(p) for p in glob.glob(path[: -len(".py")] + "_*.py")}
+    # files named after the family next to its declared modules (pipelines/ltx2_two_stage.py
+    # declared: pipelines/ltx2.py and pipelines/ltx2_upsample.py are its files too)
+    for fam in list_families():
+        word = fam.name.split("-")[0].replace("_", "").lower()
+        for d in {os.path.dirname(p) for p in paths}:
+            for f in glob.glob(os.path.join(d, word + "*.py")):
+                stem = os.path.basename(f)[: -len(".py")]
+                if stem == word or stem.startswith(word + "_"):
+                    paths.add(os.path.normpath(f))
     return paths
 
 
