@@ -44,7 +44,7 @@ and one tensor out per row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -242,8 +242,6 @@ class LTX2Pipeline(StagedPipeline):
         )
         self.num_layers = int(cfg.num_layers)
         self.joint = LTX2JointDenoiser(self.transformer)
-        from dataclasses import replace
-
         self.spec = replace(self.spec, frame_step=self.temporal_factor)
 
     def compute_vae_scale_factor(self) -> int:
