@@ -21,12 +21,18 @@ Selected by the model directory: a ``latent_upsampler`` component in ``model_ind
 Without it :class:`LTX2TwoStagePipeline` is :class:`~sglang.multimodal_gen.pipelines.ltx2.
 LTX2Pipeline` unchanged.
 
+The res_2s sampler (``res2s_sampler``; :meth:`LTX2TwoStagePipeline.predict`) runs Lightricks'
+HQ res_2s step (:mod:`~sglang.multimodal_gen.pipelines.res2s`, ``HQ_RES2S_OPTIONS``: renoising at
+eta 0.5 from generators seeded -1 and 9999, bongmath) on the guided data prediction, in either
+stage. Per request (where the family declares the flags): ``two_stage`` (default: the
+directory decides) and ``res2s_sampler``.
+
 Lightricks' recipe (github.com/Lightricks/LTX-2, ``ltx_pipelines/ti2vid_two_stages.py`` and
-``ti2vid_two_stages_hq.py``) differs in what this module does not do yet: the distilled LoRA
+``ti2vid_two_stages_hq.py``) differs in what this module does not do: the distilled LoRA
 (``ltx-2-19b-distilled-lora-384``) at stage 2 (strength 1; HQ: 0.25 at stage 1 and 0.5 at
-stage 2), and in the HQ variant the res_2s sampler
-(:mod:`~sglang.multimodal_gen.pipelines.res2s`) in both stages, and stage 2's audio discarded
-for stage 1's.
+stage 2: :data:`LTX2_HQ_LORA_STRENGTHS`; a request's ``lora`` applies to both stages alike), the HQ stage-1
+settings as defaults (:data:`LTX2_HQ_SETTINGS`), and in HQ stage 2's audio discarded for
+stage 1's (diffusers keeps stage 2's, as here).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from sglang.multimodal_gen.pipelines.res2s import (
 )
 
 __all__ = [
+    "LTX2_HQ_LORA_STRENGTHS",
     "LTX2_HQ_SETTINGS",
     "LTX2TwoStagePipeline",
     "STAGE_2_SIGMAS",
@@ -113,8 +120,8 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
     """
 
     #: the sampler of both stages: "euler" (diffusers' scheduler step) or "res2s" (Lightricks' HQ
-    #: res_2s, :mod:`~sglang.multimodal_gen.pipelines.res2s`); a request's ``sampler`` field, where
-    #: the family declares one, takes precedence
+    #: res_2s, :mod:`~sglang.multimodal_gen.pipelines.res2s`); a request's ``res2s_sampler``
+    #: flag, where the family declares one, takes precedence
     default_sampler = "euler"
 
     def sampler_of(self, g) -> str:
