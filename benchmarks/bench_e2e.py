@@ -1,5 +1,5 @@
 """End-to-end benchmark per family: our pipeline vs diffusers' (``ZImagePipeline`` /
-``FluxPipeline``), same weights.
+``FluxPipeline`` / ``WanPipeline`` / ``QwenImagePipeline`` / ``LTX2Pipeline``), same weights.
 
 Both pipelines share the text encoders, tokenizers, VAE and scheduler config; our DiT is loaded from
 the diffusers DiT's state dict through the same name map and weight loaders as file loading. Runs
@@ -33,8 +33,23 @@ Configs (``--family qwen-image``, true CFG 4.0 with a negative prompt):
         1024x1024, 8 steps, bf16, random weights; a one-layer Qwen2.5-VL of the real width and the
         real Qwen-Image VAE.
 
+Configs (``--family ltx2``, LTX-2.3 layout: gated attention, cross-attention and prompt
+modulation on both streams, perturbable self-attention, caption projections in the connectors;
+the family's default guidance: CFG 3 / audio 7, STG 1 on one block, modality isolation 3,
+rescale 0.7, so a step is a batched cond/uncond call plus an STG and an isolated pass; ours
+decodes the sound track too, as diffusers does):
+    cpu: DiT 4 layers, video 8 heads x 32, audio 4 heads x 32, 128x128, 9 frames, 4 steps, STG
+        on the last block, fp32; a 2-layer Gemma 3 (width 128), reduced video VAE (spatial 16,
+        temporal 4), audio VAE and vocoder (random weights).
+    --gpu: the real LTX-2.3 DiT shapes (diffusers' defaults: 48 layers, video 32 heads x 128,
+        audio 32 heads x 64, plus the 2.3 switches), 512x768, 25 frames, 4 steps, STG on block
+        28, bf16, random weights built on the GPU; a one-layer Gemma 3 of the real width (3840),
+        diffusers' default connectors (2 layers, 128 registers) with LTX-2.3's per-modality
+        projections, the default (LTX-2) video VAE and audio VAE, LTX-2.3's vocoder with
+        bandwidth extension (``LTX2VocoderWithBWE`` defaults).
+
 Usage:
-    python benchmarks/bench_e2e.py [--family zimage|flux|wan|qwen-image] [--gpu] [--repeats 5] [--steps N]
+    python benchmarks/bench_e2e.py [--family zimage|flux|wan|qwen-image|ltx2] [--gpu] [--repeats 5] [--steps N]
         [--size PX] [--compile] [--matmul-precision highest|high|medium]
         [--attention-backend auto|flash|efficient|cudnn|math]
 """
@@ -296,6 +311,142 @@ def build_qwen(cfg):
     return ours, ref
 
 
+# LTX-2.3 DiT switches (as models/families/tiny/ltx2.py builds them): gated attention, the
+# sigma-dependent cross-attention / prompt modulation on both streams, perturbable self-attention
+# (STG), caption projections in the connectors (use_prompt_embeddings off), split RoPE
+LTX23_FLAGS = dict(
+    gated_attn=True, audio_gated_attn=True, cross_attn_mod=True, audio_cross_attn_mod=True,
+    perturbed_attn=True, use_prompt_embeddings=False, rope_type="split",
+)  # fmt: skip
+LTX2_CPU_CFG = dict(
+    transformer=dict(
+        LTX23_FLAGS, in_channels=32, out_channels=32, num_attention_heads=8,
+        attention_head_dim=32, cross_attention_dim=256, vae_scale_factors=(4, 16, 16),
+        audio_in_channels=16, audio_out_channels=16, audio_num_attention_heads=4,
+        audio_attention_head_dim=32, audio_cross_attention_dim=128, num_layers=4,
+        caption_channels=128,
+    ),
+    gemma=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+               max_position_embeddings=2048, sliding_window=64),
+    connectors=dict(
+        video_connector_num_attention_heads=8, video_connector_attention_head_dim=32,
+        video_connector_num_layers=1, video_connector_num_learnable_registers=None,
+        audio_connector_num_attention_heads=4, audio_connector_attention_head_dim=32,
+        audio_connector_num_layers=1, audio_connector_num_learnable_registers=None,
+        connector_rope_base_seq_len=128,
+    ),
+    # spatial factor 16 (patch 4, two spatio-temporal stages), temporal 4
+    vae=dict(
+        in_channels=3, out_channels=3, latent_channels=32, block_out_channels=(32, 64),
+        decoder_block_out_channels=(32, 64), layers_per_block=(1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, True),
+        decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(False, False, False),
+        down_block_types=("LTX2VideoDownBlock3D",) * 2,
+        downsample_type=("spatiotemporal", "spatiotemporal"),
+        upsample_type=("spatiotemporal", "spatiotemporal"), upsample_residual=(False, False),
+        upsample_factor=(1, 1), patch_size=4, patch_size_t=1, decoder_causal=False,
+    ),
+    audio_vae=dict(
+        base_channels=16, output_channels=2, ch_mult=(1, 2), num_res_blocks=1,
+        attn_resolutions=None, in_channels=2, resolution=64, latent_channels=4,
+        mel_bins=16,
+    ),
+    vocoder=dict(in_channels=2 * 16, hidden_channels=64, out_channels=2,
+                 upsample_kernel_sizes=[8, 8, 20], upsample_factors=[4, 4, 10],
+                 resnet_kernel_sizes=[3], resnet_dilations=[[1, 3]],
+                 output_sampling_rate=16000),
+    height=128, width=128, frames=9, steps=4, max_sequence_length=128,
+    dtype=torch.float32, device="cpu",
+)  # fmt: skip
+LTX2_GPU_CFG = dict(
+    # diffusers' LTX2VideoTransformer3DModel defaults are LTX-2's 19B shapes (48 layers, video
+    # 32 heads x 128, audio 32 heads x 64, caption width 3840) plus the LTX-2.3 switches
+    transformer=dict(LTX23_FLAGS, num_layers=48),
+    # Gemma 3 12B's text tower, one layer
+    gemma=dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=1,
+               num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+               max_position_embeddings=131072, sliding_window=1024),
+    # the connectors' defaults (2 layers, 128 registers) with LTX-2.3's per-modality projections
+    # and gates, their widths matching the DiT's (video 32 x 128, audio 32 x 64)
+    connectors=dict(
+        video_connector_num_attention_heads=32, video_connector_attention_head_dim=128,
+        audio_connector_num_attention_heads=32, audio_connector_attention_head_dim=64,
+    ),
+    vae=dict(decoder_causal=False, spatial_compression_ratio=32, temporal_compression_ratio=8),
+    audio_vae=dict(),  # diffusers' defaults (LTX-2's audio VAE: 16 kHz, 64 mel bins, 8 latents)
+    vocoder=None,  # LTX2VocoderWithBWE's defaults (LTX-2.3: 48 kHz output)
+    height=512, width=768, frames=25, steps=4, max_sequence_length=1024,
+    dtype=torch.bfloat16, device="cuda",
+)  # fmt: skip
+
+
+def build_ltx2(cfg):
+    """(ours, reference) LTX-2.3 pipelines sharing everything but the DiT (text encoder,
+    tokenizer, connectors, both VAEs, vocoder and scheduler are the same objects)."""
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
+    from sglang.multimodal_gen.models.families.tiny.common import redraw_constant_params
+    from sglang.multimodal_gen.models.families.tiny.ltx2 import TINY_SIGLIP, build_gemma_tokenizer
+    from sglang.multimodal_gen.models.loader import denoiser_from_module
+    from sglang.multimodal_gen.models.registry import get_family
+    from sglang.multimodal_gen.pipelines.ltx2 import LTX2Pipeline as OurPipeline
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
+    tok = build_gemma_tokenizer()
+    gemma = cfg["gemma"]
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # two 19B DiTs built in fp32 first would not fit
+    try:
+        with torch.device(dev):
+            te = Gemma3ForConditionalGeneration(Gemma3Config(
+                text_config=dict(gemma, vocab_size=len(tok)), vision_config=TINY_SIGLIP,
+                mm_tokens_per_image=4,
+            )).eval()  # fmt: skip
+            t = cfg["transformer"]
+            connectors = LTX2TextConnectors(**dict(
+                dict(caption_channels=gemma["hidden_size"],
+                     text_proj_in_factor=gemma["num_hidden_layers"] + 1, video_gated_attn=True,
+                     audio_gated_attn=True, rope_type="split", per_modality_projections=True),
+                video_hidden_dim=t.get("cross_attention_dim", 4096),
+                audio_hidden_dim=t.get("audio_cross_attention_dim", 2048), **cfg["connectors"],
+            )).eval()  # fmt: skip
+            dit = LTX2VideoTransformer3DModel(**t).eval()
+            vae = AutoencoderKLLTX2Video(**cfg["vae"]).eval()
+            audio_vae = AutoencoderKLLTX2Audio(**cfg["audio_vae"]).eval()
+            vocoder = (LTX2VocoderWithBWE() if cfg["vocoder"] is None
+                       else LTX2Vocoder(**cfg["vocoder"])).eval()  # fmt: skip
+    finally:
+        torch.set_default_dtype(default)
+    if dev.type == "cpu":  # zero/one-initialised parameters (gates, norms) made to count
+        gen = torch.Generator().manual_seed(1)
+        for m in (te, connectors, dit, vae, audio_vae, vocoder):
+            redraw_constant_params(m, gen, 0.1)
+    sched = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+        max_image_seq_len=4096, shift_terminal=0.1,
+    )  # fmt: skip
+    comps = dict(text_encoder=te, tokenizer=tok, connectors=connectors, vae=vae,
+                 audio_vae=audio_vae, vocoder=vocoder, scheduler=sched)  # fmt: skip
+    ref = LTX2Pipeline(transformer=dit, **comps)
+    ref.set_progress_bar_config(disable=True)
+    family = get_family("ltx2")
+    ours_dit = denoiser_from_module(dit, family.denoiser(), dtype=dtype, device=dev)
+    configs = dict(vae=dict(vae.config), audio_vae=dict(audio_vae.config),
+                   vocoder=dict(vocoder.config), scheduler=dict(sched.config))  # fmt: skip
+    ours = OurPipeline(family, dict(comps, transformer=ours_dit), configs, device=dev)
+    return ours, ref
+
+
 def build(cfg):
     """(ours, reference) pipelines sharing everything but the DiT implementation."""
     from diffusers import (
@@ -358,7 +509,9 @@ class StepTimer:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--family", choices=("zimage", "flux", "wan", "qwen-image"), default="zimage")
+    ap.add_argument(
+        "--family", choices=("zimage", "flux", "wan", "qwen-image", "ltx2"), default="zimage"
+    )
     ap.add_argument("--gpu", action="store_true", help="the real model shapes on CUDA, bf16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=None)
@@ -386,6 +539,8 @@ def main(argv=None) -> int:
         cfg = dict(WAN_GPU_CFG if args.gpu else WAN_CPU_CFG)
     elif args.family == "qwen-image":
         cfg = dict(QWEN_GPU_CFG if args.gpu else QWEN_CPU_CFG)
+    elif args.family == "ltx2":
+        cfg = dict(LTX2_GPU_CFG if args.gpu else LTX2_CPU_CFG)
     else:
         cfg = dict(GPU_CFG if args.gpu else CPU_CFG)
     if args.gpu and not torch.cuda.is_available():
@@ -398,7 +553,13 @@ def main(argv=None) -> int:
     cuda = cfg["device"] == "cuda"
 
     t0 = time.perf_counter()
-    builders = {"zimage": build, "flux": build_flux, "wan": build_wan, "qwen-image": build_qwen}
+    builders = {
+        "zimage": build,
+        "flux": build_flux,
+        "wan": build_wan,
+        "qwen-image": build_qwen,
+        "ltx2": build_ltx2,
+    }
     ours, ref = builders[args.family](cfg)
     print(f"built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     from sglang.multimodal_gen.layers.attention import set_attention_backend
@@ -429,6 +590,24 @@ def main(argv=None) -> int:
             num_frames=cfg["frames"], guidance_scale=cfg["guidance"],
             guidance_scale_2=cfg["guidance_2"], max_sequence_length=cfg["max_sequence_length"],
         )  # fmt: skip
+    ref_kw = kw
+    if args.family == "ltx2":
+        # the family's default guidance (CFG 3 / audio 7, STG 1, modality isolation 3, rescale
+        # 0.7), with the STG block inside the DiT (block 28, or the last one of a smaller DiT:
+        # diffusers runs the STG pass even when its blocks are missing, we skip it)
+        num_layers = ours.transformer.cfg.num_layers
+        d = ours.spec.defaults
+        kw = dict(
+            height=args.size or cfg["height"], width=args.size or cfg["width"],
+            num_frames=cfg["frames"], fps=d.fps, num_inference_steps=steps,
+            max_sequence_length=cfg["max_sequence_length"], negative_prompt="blurry, low quality",
+            spatio_temporal_guidance_blocks=[min(28, num_layers - 1)],
+            **{k: getattr(d, k) for k in (
+                "guidance_scale", "audio_guidance_scale", "stg_scale", "audio_stg_scale",
+                "modality_scale", "audio_modality_scale", "guidance_rescale",
+                "audio_guidance_rescale")},
+        )  # fmt: skip
+        ref_kw = {("frame_rate" if k == "fps" else k): v for k, v in kw.items()}
 
     dit_per_step: dict[str, list[float]] = {"ours": [], "diffusers": []}
 
@@ -439,11 +618,14 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         torch.set_float32_matmul_precision(args.matmul_precision if name == "ours" else "highest")
         start = time.perf_counter()
-        if name == "ours":
+        if name == "ours" and args.family == "ltx2":  # frames and the sound track
+            img = ours("a benchmark prompt", generator=g, output_type="media", progress=False,
+                       **kw)[0].frames  # fmt: skip
+        elif name == "ours":
             img = ours("a benchmark prompt", generator=g, output_type="np", progress=False, **kw)[0]
         else:
-            out = ref("a benchmark prompt", generator=g, output_type="np", **kw)
-            img = np.asarray(out.frames if args.family == "wan" else out.images)[0]
+            out = ref("a benchmark prompt", generator=g, output_type="np", **ref_kw)
+            img = np.asarray(out.frames if args.family in ("wan", "ltx2") else out.images)[0]
             img = (img * 255).round().astype("uint8")
         if cuda:
             torch.cuda.synchronize()
@@ -488,11 +670,18 @@ def main(argv=None) -> int:
             f"2 experts x {t['num_layers']} layers, {t['num_attention_heads']} heads x "
             f"{t['attention_head_dim']}, {kw['height']}x{kw['width']}x{kw['num_frames']} frames"
         )
+    elif args.family == "ltx2":
+        v = (t.get("num_attention_heads", 32), t.get("attention_head_dim", 128))
+        a = (t.get("audio_num_attention_heads", 32), t.get("audio_attention_head_dim", 64))
+        shape = (
+            f"LTX-2.3 {t['num_layers']} layers, video {v[0]} heads x {v[1]}, audio {a[0]} heads x "
+            f"{a[1]}, {kw['height']}x{kw['width']}x{kw['num_frames']} frames, CFG+STG+modality"
+        )
     else:
         shape = f"dim {t['dim']}, {t['n_layers']} layers"
     label = (
         f"{args.family} {'GPU' if cuda else 'CPU'} {shape}, "
-        f"{'' if args.family == 'wan' else f'{size}x{size}, '}"
+        f"{'' if args.family in ('wan', 'ltx2') else f'{size}x{size}, '}"
         f"{steps} steps, {str(cfg['dtype']).replace('torch.', '')}"
     )
     if args.compile or args.matmul_precision != "highest" or args.attention_backend != "auto":
@@ -500,7 +689,8 @@ def main(argv=None) -> int:
             f"; ours with compile={args.compile}, fp32 matmul {args.matmul_precision}, "
             f"attention {args.attention_backend}"
         )
-    print(f"\nconfig: {label}; {args.repeats} interleaved runs; image PSNR {psnr:.1f} dB")
+    what = "frames" if args.family in ("wan", "ltx2") else "image"
+    print(f"\nconfig: {label}; {args.repeats} interleaved runs; {what} PSNR {psnr:.1f} dB")
     print("| metric | ours | diffusers | ours/diffusers |")
     print("|---|---|---|---|")
     rows = [
