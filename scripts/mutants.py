@@ -945,6 +945,15 @@ MUTANTS: list[Mutant] = [
         why="the DiT's positions conditioned on the playback rate, not fps / motion_speed",
     ),
     _m(
+        "ltx2-i2v-first-frame-noised",
+        "pipelines/ltx2.py",
+        "per_token[: cond[FIRST_FRAME].shape[1]] = 0",
+        "per_token[: cond[FIRST_FRAME].shape[1]] = 1",
+        ("test/integration/families/test_ltx2_pipeline_parity.py",),
+        ("-k", "image_to_video"),
+        why="image to video: the image's first-frame tokens given the step's timestep, not 0",
+    ),
+    _m(
         "ltx2-decode-noise-scale-ignored",
         "pipelines/ltx2.py",
         "s = p.decode_noise_scale if p.decode_noise_scale is not None else p.decode_timestep",

@@ -53,7 +53,7 @@ def test_family_defaults_are_diffusers_ltx2_defaults():
 
     d = get_family("ltx2").sampling_defaults(LTX2ArchConfig())
     p = d.params
-    assert (d.outputs, d.inputs, d.limits.max_num_frames) == ("video", ("text",), 481)
+    assert (d.outputs, d.inputs, d.limits.max_num_frames) == ("video", ("text", "image"), 481)
     assert (p.height, p.width, p.num_frames, p.fps, p.num_inference_steps) == (
         512,
         768,

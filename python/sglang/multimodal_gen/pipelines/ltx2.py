@@ -56,6 +56,9 @@ from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline
 __all__ = ["LTX2Generation", "LTX2JointDenoiser", "LTX2Pipeline", "LTX2Shapes"]
 
 _LTX2_MODULE = "diffusers.pipelines.ltx2.pipeline_ltx2"
+#: Conditioning keys of an input image: its latents from rank 0, its first-frame tokens.
+IMAGE_LATENTS = "ltx2_image_latents"
+FIRST_FRAME = "ltx2_first_frame"
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,9 @@ class LTX2JointDenoiser(torch.nn.Module):
         encoder_hidden_states, audio_encoder_hidden_states: caption features ``[R, T, D]``,
             ``[R, T, D_a]``.
         encoder_attention_mask: ``[R, T]`` (1 = token).
-        timestep: ``[R]`` (``sigma x 1000``), also the DiT's ``sigma``.
+        timestep: ``[R]`` (``sigma x 1000``), or ``[R, f h w]`` per video token (image to video:
+            0 on the first frame's tokens).
+        audio_timestep: ``[R]`` (default ``timestep``); the DiT's ``sigma`` is the ``[R]`` one.
         shapes: the request's :class:`LTX2Shapes`; fps: the frame rate of the positions;
         isolate_modalities, spatio_temporal_guidance_blocks, use_cross_timestep: as the DiT.
 
@@ -141,6 +146,7 @@ class LTX2JointDenoiser(torch.nn.Module):
         audio_encoder_hidden_states: torch.Tensor,
         encoder_attention_mask: torch.Tensor,
         timestep: torch.Tensor,
+        audio_timestep: torch.Tensor | None = None,
         *,
         shapes: LTX2Shapes,
         fps: float,
@@ -156,7 +162,8 @@ class LTX2JointDenoiser(torch.nn.Module):
             encoder_hidden_states=encoder_hidden_states,
             audio_encoder_hidden_states=audio_encoder_hidden_states,
             timestep=timestep,
-            sigma=timestep,
+            audio_timestep=audio_timestep,
+            sigma=timestep if audio_timestep is None else audio_timestep,
             encoder_attention_mask=encoder_attention_mask,
             audio_encoder_attention_mask=encoder_attention_mask,
             num_frames=shapes.frames,
@@ -299,9 +306,43 @@ class LTX2Pipeline(StagedPipeline):
         }
 
     def prepare_conditioning(self, g, cond):
-        """Rows ``[pos x n, neg x n]`` (branch-major, as ``run_branches`` stacks them)."""
+        """Rows ``[pos x n, neg x n]`` (branch-major, as ``run_branches`` stacks them); with an
+        input image, ``first_frame``: its latents as the first latent frame's tokens
+        ``[n, h w, C]`` fp32."""
         n = g.num_outputs
-        return {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
+        z = cond.pop(IMAGE_LATENTS, None)
+        cond = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
+        if z is not None:
+            z = z.to(self.device, torch.float32)[:, :, 0]  # [1, C, h, w]
+            cond[FIRST_FRAME] = z.permute(0, 2, 3, 1).flatten(1, 2).repeat(n, 1, 1)
+        return cond
+
+    # ------------------------------------------------------------------ input image
+    @torch.no_grad()
+    def encode_images(self, g):
+        """``{IMAGE_LATENTS: [1, C, 1, h, w]}`` fp32: the request's image as diffusers'
+        ``LTX2ImageToVideoPipeline`` conditions on it: re-compressed as one H.264 frame at the
+        text encoder generation's CRF (33 for Gemma 3), resized (bilinear) by ``VideoProcessor``, encoded
+        by the video VAE (its posterior's mode: nothing drawn) and normalised with the VAE's
+        latent statistics."""
+        from diffusers.pipelines.ltx2.utils import (
+            apply_image_conditioning_crf,
+            resolve_default_image_crf,
+        )
+        from diffusers.video_processor import VideoProcessor
+        from PIL import Image
+
+        p = g.params
+        rgb = np.asarray(p.image[0].to_pil().convert("RGB"))
+        crf = resolve_default_image_crf(self.components["text_encoder"])
+        pil = Image.fromarray(apply_image_conditioning_crf(rgb, crf))
+        proc = VideoProcessor(vae_scale_factor=self.vae_scale_factor, resample="bilinear")
+        image = proc.preprocess(pil, height=p.height, width=p.width)
+        vae = self.vae
+        z = vae.encode(image.to(vae.device, vae.dtype).unsqueeze(2)).latent_dist.mode().float()
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(z.device, z.dtype)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(z.device, z.dtype)
+        return {IMAGE_LATENTS: (z - mean) / std}
 
     # ------------------------------------------------------------------ latents / schedule
     def shapes_of(self, g: Generation) -> LTX2Shapes:
@@ -332,6 +373,8 @@ class LTX2Pipeline(StagedPipeline):
             generator=g.generator, device=self.device, dtype=torch.float32,
         )  # fmt: skip
         video = video.permute(0, 2, 3, 4, 1).reshape(n, sh.video_tokens, sh.channels)
+        if FIRST_FRAME in cond:  # the image's latents replace the first frame's noise
+            video = self._with_first_frame(video, cond)
         mel = self.audio_mel_bins // self.audio_mel_factor
         audio = randn_tensor(
             (n, self.audio_latent_channels, sh.audio_frames, mel),
@@ -361,19 +404,30 @@ class LTX2Pipeline(StagedPipeline):
         g.sigmas = scheduler.sigmas.to(torch.float32)
         return scheduler, timesteps
 
+    @staticmethod
+    def _with_first_frame(video: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        """Packed video ``[n, f h w, C]`` with the first latent frame's tokens the image's."""
+        first = cond[FIRST_FRAME]
+        return torch.cat([first.to(video.dtype), video[:, first.shape[1] :]], dim=1)
+
     # ------------------------------------------------------------------ denoise
     def _call(self, g, rows, x, t, cond, sel, **flags) -> torch.Tensor:
         """One DiT call on ``rows`` branches of the joint rows ``x`` (``sel`` picks the caption
         rows of ``cond``)."""
         p = g.params
         self.joint.sync_lora_context()
+        r = x.shape[0] * rows
         args = dict(
             hidden_states=x.repeat(rows, 1) if rows > 1 else x,
             encoder_hidden_states=cond["video"][sel],
             audio_encoder_hidden_states=cond["audio"][sel],
             encoder_attention_mask=cond["mask"][sel],
-            timestep=t.expand(x.shape[0] * rows),
+            timestep=t.expand(r),
         )
+        if FIRST_FRAME in cond:  # image to video: timestep 0 on the first frame's tokens
+            per_token = torch.ones(g.shapes.video_tokens, device=x.device)
+            per_token[: cond[FIRST_FRAME].shape[1]] = 0
+            args.update(timestep=t * per_token.expand(r, -1), audio_timestep=t.expand(r))
         batched = tuple(args)
         args.update(
             shapes=g.shapes,
@@ -434,9 +488,12 @@ class LTX2Pipeline(StagedPipeline):
         """After the last step: the audio latents are kept for :meth:`to_media`; with a
         timestep-conditioned video VAE, the decode noise (``decode_noise_scale``, drawn now from
         the request's generator, as diffusers draws it after the loop) enters the video part."""
+        sh = g.shapes
+        if FIRST_FRAME in cond:  # image to video: the first frame stays the image's
+            video, audio = sh.split(latents)
+            latents = LTX2Shapes.join(self._with_first_frame(video, cond), audio)
         if step_index != len(timesteps) - 1:
             return latents
-        sh = g.shapes
         video, audio = sh.split(latents)
         g.audio_latents = audio.clone()
         if not self.vae_timestep_conditioning:

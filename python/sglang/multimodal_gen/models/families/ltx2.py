@@ -1,8 +1,8 @@
 """LTX-2 / LTX-2.3 (Lightricks): ``LTX2Pipeline`` directories, joint video and audio generation.
 
 One DiT denoises a video stream and an audio stream together; the output is a video with a
-sound track (the vocoder's sample rate). Text-to-video only: an input image is refused naming
-``image`` (``LTX2ImageToVideoPipeline`` is not served). Files of the family:
+sound track (the vocoder's sample rate). Text to video, or image to video with the request's
+image as the first frame (diffusers' ``LTX2ImageToVideoPipeline``; either directory class). Files of the family:
 ``configs/ltx2.py`` (the DiT's config), ``configs/ltx2_sampling.py`` (the request fields),
 ``models/dits/ltx2*.py`` (the DiT and its name map), ``pipelines/ltx2.py``,
 ``models/families/tiny/ltx2.py`` and this declaration.
@@ -40,7 +40,8 @@ def _defaults(cfg) -> SamplingDefaults:
         decode_timestep=0.0, decode_noise_scale=None, motion_speed=1.0,
     )  # fmt: skip
     limits = RequestLimits(max_sequence_length=1024, max_num_frames=MAX_FRAMES)
-    return SamplingDefaults(params=params, limits=limits, outputs="video")
+    # an input image is optional: the first frame (LTX2ImageToVideoPipeline on the same weights)
+    return SamplingDefaults(params=params, limits=limits, outputs="video", inputs=("text", "image"))
 
 
 def _tp_divisors(cfg) -> dict[str, int]:
@@ -53,7 +54,7 @@ LTX2 = register_family(
     ModelFamily(
         name="ltx2",
         display_name="LTX-2",
-        pipeline_classes=("LTX2Pipeline",),
+        pipeline_classes=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
         pipeline=f"{_PKG}.pipelines.ltx2:LTX2Pipeline",
         denoisers=(
             DenoiserSpec(
