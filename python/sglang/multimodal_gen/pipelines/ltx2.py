@@ -1,4 +1,4 @@
-"""LTX-2 / LTX-2.3 text-to-video with sound: the stages.
+"""LTX-2 / LTX-2.3 text- and image-to-video with sound: the stages.
 
 Follows diffusers' ``LTX2Pipeline.__call__`` (diffusers 0.42.1, ``pipelines/ltx2/pipeline_ltx2.py``)
 so that the same weights and seed give the same frames and waveform:
@@ -36,6 +36,11 @@ so that the same weights and seed give the same frames and waveform:
   a mel spectrogram and turned into a waveform by the vocoder, at the vocoder's
   ``output_sampling_rate``: the :class:`~sglang.multimodal_gen.outputs.Audio` track of each
   :class:`~sglang.multimodal_gen.outputs.Video`.
+
+An input image (the request's ``image``) follows diffusers' ``LTX2ImageToVideoPipeline``
+(``pipelines/ltx2/pipeline_ltx2_image2video.py``): :meth:`LTX2Pipeline.encode_images` (rank 0),
+its latents in place of the first latent frame's noise, timestep 0 on those tokens in every DiT
+pass, and the first frame put back after every step (diffusers steps only the later frames).
 
 The DiT returns a ``(video, audio)`` tuple; :class:`LTX2JointDenoiser` wraps it so that the base
 plumbing (``run_branches``, request batching, CFG parallelism, per-row LoRA) sees one tensor in
@@ -485,7 +490,8 @@ class LTX2Pipeline(StagedPipeline):
         return (latents - LTX2Shapes.join(guided_v, guided_a)) / sigma
 
     def after_step(self, g, cond, latents, step_index, timesteps, scheduler):
-        """After the last step: the audio latents are kept for :meth:`to_media`; with a
+        """After every step, with an input image: the first latent frame is the image's again.
+        After the last step: the audio latents are kept for :meth:`to_media`; with a
         timestep-conditioned video VAE, the decode noise (``decode_noise_scale``, drawn now from
         the request's generator, as diffusers draws it after the loop) enters the video part."""
         sh = g.shapes
