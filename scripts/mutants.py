@@ -990,6 +990,15 @@ MUTANTS: list[Mutant] = [
         ("-k", "mixed"),
         why="LTX-2's joint DiT call runs without the DiT's LoRA context: per-request adapters lost",
     ),
+    _m(
+        "mp4-without-its-audio-track",
+        "outputs.py",
+        "            if audio is not None:\n                astream = container.add_stream",
+        "            if False:\n                astream = container.add_stream",
+        ("test/integration/server/test_ltx2_videos_api.py",),
+        ("-k", "openai"),
+        why="a video with sound is written as an MP4 without its AAC track (/v1/videos, CLI)",
+    ),
 ]
 
 
