@@ -71,10 +71,13 @@ LTX2 = register_family(
         build_tiny=f"{_PKG}.models.families.tiny.ltx2:build_ltx2_dir",
         default_model_name="sglang-default-ltx2-tiny",
         # diffusers' names of the audio stream and the audio-video cross-attention (no other
-        # family has them); the original checkpoint's are the same
+        # family has them); a video-only adapter: top-level blocks with attn1 / attn2 (the
+        # original checkpoint's names are the same)
         lora_signature=(
             r"(^|[._])transformer_blocks[._]\d+[._](audio_attn\d|audio_to_video_attn|"
             r"video_to_audio_attn|audio_ff)",
+            r"^(?:base_model\.model\.|diffusion_model\.|transformer\.|lora_unet_)?"
+            r"transformer_blocks[._]\d+[._]attn[12][._]",
         ),
         lora_architecture="LTX-2",
     )
