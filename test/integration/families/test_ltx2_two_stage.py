@@ -183,3 +183,22 @@ def test_res2s_sampler_is_res2s_over_the_guided_prediction(ours):
     ours.default_sampler = "euler"
     euler = ours(params, output_type="latent", progress=False)
     assert (euler - ref).abs().max().item() > 0.1  # the sampler changes the result
+
+
+def test_request_flags_select_stages_and_sampler(model_dir, ours):
+    """The family's pipeline is the two-stage one; two_stage=false runs one stage, true on a
+    model without an upsampler is a 400 naming it, res2s_sampler=true runs res_2s."""
+    from sglang.multimodal_gen.errors import InvalidRequestError
+    from sglang.multimodal_gen.models.registry import get_family
+
+    assert get_family("ltx2").pipeline.endswith("ltx2_two_stage:LTX2TwoStagePipeline")
+    req = {**REQ, "height": 32, "width": 32}
+    one = ours.spec.resolve(ours.spec.params(**req, two_stage=False))
+    assert ours(one, output_type="latent").shape[0] == 1  # one stage at 32x32: no size error
+    bare = copy.copy(ours)
+    bare.components = {k: v for k, v in ours.components.items() if k != "latent_upsampler"}
+    with pytest.raises(InvalidRequestError, match="two_stage needs a latent upsampler"):
+        bare(bare.spec.params(**req, two_stage=True), output_type="latent")
+    euler = bare(bare.spec.params(**req), output_type="latent")
+    res2s = bare(bare.spec.params(**req, res2s_sampler=True), output_type="latent")
+    assert (euler - res2s).abs().max().item() > 0.1

@@ -79,6 +79,16 @@ class LTX2SamplingParams(VideoSamplingParams):
         "fps / motion_speed (below 1: slow motion); > 0",
     )
 
+    two_stage: bool | None = param(
+        "flag",
+        "generate in two stages: half the size, the latent upsampler (x2), then three distilled "
+        "steps at full size (default: when the model has a latent upsampler)",
+    )
+    res2s_sampler: bool | None = param(
+        "flag",
+        "the res_2s second-order sampler (two model evaluations per step) instead of Euler",
+    )
+
     def __post_init__(self):
         blocks = self.spatio_temporal_guidance_blocks
         if isinstance(blocks, list):  # JSON arrays arrive as lists; requests stay hashable

@@ -55,7 +55,7 @@ LTX2 = register_family(
         name="ltx2",
         display_name="LTX-2",
         pipeline_classes=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
-        pipeline=f"{_PKG}.pipelines.ltx2:LTX2Pipeline",
+        pipeline=f"{_PKG}.pipelines.ltx2_two_stage:LTX2TwoStagePipeline",
         denoisers=(
             DenoiserSpec(
                 component="transformer",
