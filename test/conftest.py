@@ -52,6 +52,10 @@ EXTENDED = {
     "integration/engine/test_kernels.py::test_float32_matmul_precision_is_set_in_every_engine_process",
     # Qwen-Image-Edit-2511 at TP 2 (the Edit family at TP 2 with a LoRA: test_qwen_image_edit)
     "integration/families/test_qwen_image_edit_2511.py::test_tp2_gives_the_single_process_pixels",
+    # LTX-2 at TP 2 without a LoRA, frames and sound (the same at TP 2 with a LoRA, merged and
+    # dynamic: test_ltx2_lora's TP 2 test)
+    "integration/families/test_ltx2_pipeline_parity.py::test_tp2_matches_diffusers",
+    "integration/families/test_family_conformance.py::test_tp2_equals_one_process[ltx2]",
 }
 
 

@@ -1,14 +1,15 @@
 """A video with sound end to end: LTX-2.3 (the tiny random-weight directory of its family) through
-``/v1/videos`` with the official ``openai`` client, and through ``sglang generate``.
+``/v1/videos`` with the official ``openai`` client.
 
 - ``/v1/videos``: the MP4 has an H.264 video stream and an AAC audio stream; PyAV decodes the
   audio at the vocoder's sample rate, its duration is the video's (``num_frames / fps``, within
   the AAC encoder's priming / last-frame padding), and its samples follow the engine's own
   waveform: decoded, it equals the engine's waveform through our (deterministic) AAC encoder,
   and it is within the codec's loss of the waveform itself.
-- ``sglang generate --output-path DIR/``: ``DIR/video_000/frame_NNNNN.png`` and
-  ``DIR/video_000/audio.wav`` (16-bit PCM at the vocoder's rate) are the engine's frames and
-  waveform exactly (lossless), and ``--output-path x.mp4`` writes a video with an audio track.
+
+``sglang generate`` with sound (``--output-path DIR/``: lossless frames and ``audio.wav``; an MP4
+with its AAC track) is tested with the family's pipeline parity
+(``test/integration/families/test_ltx2_pipeline_parity.py``).
 
 A nearby wrong case is asserted apart: another seed's track, encoded the same way, differs.
 """
@@ -16,16 +17,12 @@ A nearby wrong case is asserted apart: another seed's track, encoded the same wa
 from __future__ import annotations
 
 import io
-import os
 import time
 import warnings
-import wave
 
 import numpy as np
 import pytest
 from fixtures.server import running_server
-from PIL import Image
-from sglang.cli.main import main as sglang_main
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.models.families.tiny.ltx2 import build_ltx2_dir
 from sglang.multimodal_gen.outputs import encode_video
@@ -101,25 +98,3 @@ def test_v1_videos_with_the_openai_client_returns_an_mp4_with_sound(served):
     # another seed's track, encoded the same way, is not the job's (measured: 0.04 rms apart)
     _, other_audio, _, _ = _streams(encode_video(_direct(engine, seed=6)))
     assert float(np.abs(other_audio - audio).max()) > 1e-2
-
-
-def test_generate_writes_lossless_frames_and_wav_and_an_mp4_with_sound(served, ltx2_dir, tmp_path):
-    args = ["generate", "--model-path", ltx2_dir, "--prompt", PROMPT, "--height", "32",
-            "--width", "32", "--num-frames", "9", "--fps", "8", "--num-inference-steps", "2",
-            "--seed", "5", "--no-progress"]  # fmt: skip
-    out_dir = tmp_path / "out"
-    assert sglang_main([*args, "--output-path", f"{out_dir}/"]) == 0
-    direct = _direct(served[1])
-    names = sorted(os.listdir(out_dir / "video_000"))
-    assert names == ["audio.wav"] + [f"frame_{i:05d}.png" for i in range(9)]
-    frames = np.stack([np.asarray(Image.open(out_dir / "video_000" / n)) for n in names[1:]])
-    np.testing.assert_array_equal(frames, direct.frames)
-    with wave.open(str(out_dir / "video_000" / "audio.wav")) as w:
-        assert w.getsampwidth() == 2 and w.getframerate() == direct.audio.sample_rate
-        assert w.getnchannels() == direct.audio.channels
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
-    np.testing.assert_array_equal(pcm.reshape(-1, direct.audio.channels), direct.audio.pcm16())
-    mp4 = tmp_path / "clip.mp4"
-    assert sglang_main([*args, "--output-path", str(mp4)]) == 0
-    _, _, rate, seconds = _streams(mp4.read_bytes())
-    assert rate == direct.audio.sample_rate and abs(seconds - 9 / 8) < 0.2
