@@ -16,8 +16,9 @@
 #
 # A GPU machine that lacks packages (diffusers, for one) installs them from wheels in .whl/ when
 # that folder exists: `bash scripts/gpu_check.sh fetch-wheels` downloads them on a machine with
-# internet access (for CPython 3.12 on x86-64 Linux; PY_VERSION overrides), and the folder travels
-# with the repository to the GPU machine.
+# internet access (for CPython 3.12 on x86-64 Linux; PY_VERSION overrides; huggingface-hub 2.x
+# also needs httpx2, httpcore2 and truststore), and the folder travels with the repository to the
+# GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,7 +28,8 @@ if [ "${1:-}" = "fetch-wheels" ]; then
   "$PY" -m pip download --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "diffusers==0.42.1" "peft==0.21.2" "transformers==5.24.0" \
-    "huggingface-hub==2.4.0" "tokenizers==0.23.3"
+    "huggingface-hub==2.4.0" "tokenizers==0.23.3" "httpx2==2.16.2" \
+    "httpcore2==2.16.2" "truststore==0.10.5"
   exit $?
 fi
 
