@@ -861,6 +861,15 @@ MUTANTS: list[Mutant] = [
         ("-k", "res2s"),
         why="the res_2s loop stops at sigma 0.0011 without its final data prediction",
     ),
+    _m(
+        "ltx2-stage-2-lora-ignored",
+        "pipelines/ltx2_two_stage.py",
+        "output_type=output_type, lora=stage_2_lora, **common)",
+        "output_type=output_type, lora=lora, **common)",
+        ("test/integration/families/test_ltx2_two_stage.py",),
+        ("-k", "stage_2_lora"),
+        why="stage 2 runs with the request's lora, not its stage_2_lora",
+    ),
     # ------------------------------------------------------------------ the LTX-2 DiT
     _m(
         "ltx2-gate-factor-dropped",

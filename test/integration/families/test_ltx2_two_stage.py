@@ -29,7 +29,7 @@ REQ = dict(prompt="a lighthouse at dusk", negative_prompt="blurry", height=64, w
            num_frames=1, num_inference_steps=2, max_sequence_length=32, seed=7,
            spatio_temporal_guidance_blocks=[1])  # fmt: skip
 _RENAMED = {"fps": "frame_rate", "num_outputs_per_prompt": "num_videos_per_prompt"}
-_NOT_PASSED = ("seed", "lora", "image", "mask_image", "strength")
+_NOT_PASSED = ("seed", "lora", "stage_2_lora", "image", "mask_image", "strength")
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +79,17 @@ def ours(model_dir):
     return LTX2TwoStagePipeline.from_pretrained(model_dir)
 
 
-def _reference(pipe, model_dir, params, noise_scale):
+def _reference(pipe, model_dir, params, noise_scale, stage_2_lora=None):
+    """diffusers' documented two-stage composition; ``stage_2_lora``: ``(name, strength)`` of a
+    LoRA adapter loaded in ``pipe``, active in stage 2 only (stage 1 without adapter)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.ltx2 import LTX2LatentUpsamplePipeline
     from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
     from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
 
     stage1_scheduler = pipe.scheduler
+    if stage_2_lora is not None:
+        pipe.set_adapters([stage_2_lora[0]], [0.0])
     gen = torch.Generator().manual_seed(params.seed)
     h, w = params.height, params.width
     video, audio = pipe(generator=gen, output_type="latent", return_dict=False,
@@ -93,6 +97,8 @@ def _reference(pipe, model_dir, params, noise_scale):
     up = LTX2LatentUpsamplerModel.from_pretrained(os.path.join(model_dir, "latent_upsampler"))
     upsample = LTX2LatentUpsamplePipeline(vae=pipe.vae, latent_upsampler=up)
     video = upsample(latents=video, output_type="latent", return_dict=False)[0]
+    if stage_2_lora is not None:
+        pipe.set_adapters([stage_2_lora[0]], [stage_2_lora[1]])
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
         pipe.scheduler.config, use_dynamic_shifting=False, shift_terminal=None
     )
@@ -202,3 +208,55 @@ def test_request_flags_select_stages_and_sampler(model_dir, ours):
     euler = bare(bare.spec.params(**req), output_type="latent")
     res2s = bare(bare.spec.params(**req, res2s_sampler=True), output_type="latent")
     assert (euler - res2s).abs().max().item() > 0.1
+
+
+# stage 1 with one model pass a step (the LoRA test: speed)
+_NO_GUIDANCE = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0,
+                    audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0)  # fmt: skip
+
+
+def test_stage_2_lora_composes_the_stages(model_dir, reference_pipe, tmp_path):
+    """``stage_2_lora`` (runner -> LTX2TwoStagePipeline): lora=[] with stage_2_lora=[A] equals
+    diffusers' two-stage composition with A loaded for stage 2 only (diffusers' documented
+    recipe with the distilled LoRA) and is far from lora=[A] (both stages); an unknown or
+    malformed adapter, or the field on a one-stage request, is refused naming stage_2_lora."""
+    from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
+    from fixtures.tiny_models import random_peft_lora
+    from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError
+    from sglang.multimodal_gen.runtime.runner import ModelRunner
+
+    STRENGTH = 4.0  # the adapter in stage 1 moves the frames ~46 dB at 1.0 (stage 2 re-noises)
+    path = random_peft_lora(model_dir, str(tmp_path / "a"), seed=3)
+    runner = ModelRunner(model_dir)
+    runner.lora_manager.load_adapter("a", path)
+
+    def run(**fields):
+        params = runner.spec.resolve(runner.spec.params(**{**REQ, **_NO_GUIDANCE, **fields}))
+        (video,) = runner.cmd_generate(**runner.prepare("generate", {"params": params}))
+        return params, np.asarray(video.frames)[None], video.audio.samples[None]
+
+    a = [("a", STRENGTH)]
+    params, frames, audio = run(lora=[], stage_2_lora=a)
+    _, both, _ = run(lora=a)
+    _, first, _ = run(lora=a, stage_2_lora=[])  # stage 1 only
+    reference_pipe.load_lora_weights(path, adapter_name="a")
+    try:
+        ref_frames, ref_audio = _reference(reference_pipe, model_dir, params,
+                                           STAGE_2_DISTILLED_SIGMA_VALUES[0], stage_2_lora=("a", STRENGTH))  # fmt: skip
+    finally:
+        reference_pipe.unload_lora_weights()
+    psnrs = frame_psnrs(frames, ref_frames)
+    snr = audio_snr(audio, ref_audio)
+    assert min(psnrs) >= 45 and snr >= 40, (psnrs, snr)
+    far = [max(frame_psnrs(other, ref_frames)) for other in (both, first)]
+    assert max(far) < 35, far  # the adapter in stage 1 too, or in stage 1 only
+
+    with pytest.raises(NotFoundError) as e:  # as an unknown adapter in lora
+        run(stage_2_lora=[("nope", 1.0)])
+    assert e.value.param == "stage_2_lora"
+    with pytest.raises(InvalidRequestError) as e:
+        run(stage_2_lora=[("", 1.0)])
+    assert e.value.param == "stage_2_lora" and e.value.status_code == 400
+    with pytest.raises(InvalidRequestError) as e:
+        run(stage_2_lora=[("a", 1.0)], two_stage=False, height=32, width=32)
+    assert e.value.param == "stage_2_lora" and e.value.status_code == 400

@@ -380,3 +380,22 @@ def test_an_edit_without_size_takes_the_models_own_size_rule():
     assert (job.params.width, job.params.height) == (64, 64)  # the model's default
     job = image_job(ImageEditRequest(prompt="p", size="32x16"), edit, (48, 32), image=image)
     assert (job.params.width, job.params.height) == (32, 16)  # a given size is kept
+
+
+def test_family_adapter_field_takes_the_lora_json_form():
+    """A family's own field of kind ``lora`` (LTX-2's ``stage_2_lora``) reads ``{name,
+    strength}`` entries over HTTP as ``lora`` does (the strength kept, ``[]`` kept)."""
+    from sglang.multimodal_gen.configs.ltx2_sampling import LTX2SamplingParams
+    from sglang.multimodal_gen.entrypoints.protocol import ImageGenerationRequest, sampling_params
+
+    defaults = LTX2SamplingParams(height=64, width=64, num_inference_steps=2,
+                                  guidance_scale=1.0, max_sequence_length=32)  # fmt: skip
+    spec = RequestSpec("ltx2", "LTX-2", LTX2SamplingParams, defaults,
+                       RequestLimits(max_image_size=4096, max_sequence_length=1024),
+                       spatial_factor=32)  # fmt: skip
+    body = ImageGenerationRequest(prompt="p", lora={"name": "d", "strength": 0.25},
+                                  stage_2_lora=[{"name": "d", "strength": 0.5}])  # fmt: skip
+    p = sampling_params(body, spec, None)
+    assert p.lora == (("d", 0.25),) and p.stage_2_lora == (("d", 0.5),)
+    body = ImageGenerationRequest(prompt="p", stage_2_lora=[])
+    assert sampling_params(body, spec, None).stage_2_lora == ()

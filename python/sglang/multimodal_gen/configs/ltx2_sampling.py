@@ -24,6 +24,10 @@ class LTX2SamplingParams(VideoSamplingParams):
     modality, spatio-temporal guidance (STG), modality-isolation guidance, the decode noise and
     the motion speed.
 
+    ``stage_2_lora`` is a composition like ``lora`` (same format and checks); the runner selects
+    its adapters (an unknown one is refused naming the field) and the two-stage pipeline runs its
+    second stage with them (``pipelines/ltx2_two_stage.py``).
+
     Raises (:meth:`check`, via ``validate``):
         InvalidRequestError: ``motion_speed`` 0; STG on (``stg_scale`` or ``audio_stg_scale``
             > 0) with no ``spatio_temporal_guidance_blocks``; a block index that is not an
@@ -87,6 +91,12 @@ class LTX2SamplingParams(VideoSamplingParams):
     res2s_sampler: bool | None = param(
         "flag",
         "the res_2s second-order sampler (two model evaluations per step) instead of Euler",
+    )
+    stage_2_lora: tuple[tuple[str, float], ...] | None = param(
+        "lora",
+        "adapters of the second stage of a two-stage request: [{name, strength}] of loaded "
+        "adapters ([]: none); null: the request's lora (the first stage always runs with lora)",
+        cli=False,
     )
 
     def __post_init__(self):

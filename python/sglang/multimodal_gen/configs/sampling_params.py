@@ -675,8 +675,10 @@ class RequestSpec:
             changes.update(conformed)
         if params.seed is None:
             changes["seed"] = secrets.randbits(63)
-        if params.lora is not None:
-            changes["lora"] = tuple(validate_composition(params.lora, "lora"))
+        for f in fields(params):  # ``lora`` and a family's own adapter fields (kind ``lora``)
+            value = getattr(params, f.name)
+            if f.metadata.get("kind") == "lora" and value is not None:
+                changes[f.name] = tuple(validate_composition(value, f.name))
         params = dataclasses.replace(params, **changes)  # a new object, never the caller's
         object.__setattr__(params, "_resolved_for", (self.key, self.limits))
         return params

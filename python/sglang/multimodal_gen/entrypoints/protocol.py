@@ -361,7 +361,7 @@ def sampling_params(
         value = getattr(body, name)
         if value is None:
             continue
-        if name == "lora":
+        if _GENERATION_FIELDS[name].metadata.get("kind") == "lora":  # lora, stage_2_lora
             items = value if isinstance(value, list) else [value]
             value = [item.as_pair() for item in items]
         values[name] = float(value) if isinstance(value, int) and _is_scale(name) else value

@@ -151,7 +151,7 @@ class AdapterStore:
             hint = (
                 "load it first with POST /v1/set_lora (engine.set_lora; a strength of 0 "
                 "loads it without using it globally)"
-                if param == "lora"
+                if param != "lora_nickname"
                 else "pass lora_path to load it"
             )
             raise NotFoundError(

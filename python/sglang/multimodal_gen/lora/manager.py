@@ -198,7 +198,9 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ per request
     def selection(
-        self, composition: Sequence[tuple[str, float]] | Sequence[Mapping[str, Any]] | None
+        self,
+        composition: Sequence[tuple[str, float]] | Sequence[Mapping[str, Any]] | None,
+        field: str = "lora",
     ) -> LoRASelection:
         """A request's adapters as one :class:`~sglang.multimodal_gen.layers.lora.Composition`
         per target; nothing changes on any layer.
@@ -210,16 +212,18 @@ class LoRAManager:
                 ``{"name", "strength"}`` mappings (:func:`~sglang.multimodal_gen.lora.requests.validate_composition`);
                 ``[]`` is no LoRA. A target's composition lists only the adapters that have
                 modules in it. The named adapters are touched in the LRU.
+            field: the request field the composition came from (``lora``, or a family's own
+                field of kind ``lora`` such as LTX-2's ``stage_2_lora``), named by the errors.
 
         Raises:
-            NotFoundError: an unknown nickname (``param="lora"``).
+            NotFoundError: an unknown nickname (``param=field``).
             InvalidRequestError: a bad entry, a duplicate, more than
                 :data:`~sglang.multimodal_gen.lora.requests.MAX_ADAPTERS_PER_CALL` entries, a
-                strength that overflows where it is used (``param="lora"``).
+                strength that overflows where it is used (``param=field``).
             LoRAStateError: the LoRA state was lost earlier.
         """
         self.savepoints.check_usable()
-        return select(self.store, self.composer, composition)
+        return select(self.store, self.composer, composition, field)
 
     def selection_is_current(self, selection: LoRASelection) -> bool:
         """Whether every slot ``selection`` names still holds the adapter it named (no adapter

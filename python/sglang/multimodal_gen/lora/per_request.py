@@ -63,18 +63,20 @@ def select(
     store: AdapterStore,
     composer: Composer,
     composition: Sequence[tuple[str, float]] | Sequence[Mapping[str, Any]] | None,
+    field: str = "lora",
 ) -> LoRASelection:
     """The :class:`LoRASelection` of a request's ``composition`` (see
-    ``LoRAManager.selection``): ``None`` gives the compositions the targets' layers hold now."""
+    ``LoRAManager.selection``): ``None`` gives the compositions the targets' layers hold now.
+    ``field``: the request field it came from, named by the errors."""
     targets = composer.target_names
     if composition is None:
         comps = tuple((t, composer.state(t).applied) for t in targets)
         return LoRASelection(comps, store.slot_epoch)
-    comp = validate_composition(composition, "lora")
+    comp = validate_composition(composition, field)
     for name, _ in comp:
-        store.require(name, param="lora")
+        store.require(name, param=field)
     per_target = {t: [(n, s) for n, s in comp if t in store[n].modules] for t in targets}
-    composer.check_strengths(per_target, store.__getitem__, "lora")
+    composer.check_strengths(per_target, store.__getitem__, field)
     for name, _ in comp:
         store.touch(name)
     comps = tuple((t, composer.slot_composition(t, per_target[t])) for t in targets)

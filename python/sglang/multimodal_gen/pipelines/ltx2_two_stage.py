@@ -28,10 +28,12 @@ stage. Per request (where the family declares the flags): ``two_stage`` (default
 directory decides) and ``res2s_sampler``.
 
 Lightricks' recipe (github.com/Lightricks/LTX-2, ``ltx_pipelines/ti2vid_two_stages.py`` and
-``ti2vid_two_stages_hq.py``) differs in what this module does not do: the distilled LoRA
-(``ltx-2-19b-distilled-lora-384``) at stage 2 (strength 1; HQ: 0.25 at stage 1 and 0.5 at
-stage 2: :data:`LTX2_HQ_LORA_STRENGTHS`; a request's ``lora`` applies to both stages alike), the HQ stage-1
-settings as defaults (:data:`LTX2_HQ_SETTINGS`), and in HQ stage 2's audio discarded for
+``ti2vid_two_stages_hq.py``) runs the distilled LoRA (``ltx-2-19b-distilled-lora-384``) at
+stage 2 (strength 1; HQ: 0.25 at stage 1 and 0.5 at stage 2: :data:`LTX2_HQ_LORA_STRENGTHS`).
+A request composes that itself: stage 1 runs with its ``lora``, stage 2 with its
+``stage_2_lora`` when given (``[]``: no adapter), else with ``lora``; the runner selects both
+(``stage_2_lora``'s selection arrives as ``lora_fields["stage_2_lora"]``). Not done here: the HQ
+stage-1 settings as defaults (:data:`LTX2_HQ_SETTINGS`), and HQ's stage-2 audio discarded for
 stage 1's (diffusers keeps stage 2's, as here).
 """
 
@@ -164,38 +166,77 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
 
     @torch.no_grad()
     def __call__(self, params, *, generator=None, lora=None, batch=None, output_type="pil",
-                 progress=None, step_callback=None, **fields):  # fmt: skip
+                 progress=None, step_callback=None, lora_fields=None, **fields):  # fmt: skip
         """One request; two stages on a two-stage directory (same arguments and results as
-        :meth:`StagedPipeline.__call__`; ``output_type="latent"`` gives stage 2's latents)."""
+        :meth:`StagedPipeline.__call__`; ``output_type="latent"`` gives stage 2's latents).
+
+        Args:
+            lora: the adapters of stage 1 (and of stage 2 without ``stage_2_lora``).
+            lora_fields: ``{"stage_2_lora": selection}``: the LoRA manager's selection of the
+                request's ``stage_2_lora`` (the runner's ``field_selections``); needed when the
+                request sets it.
+
+        Raises:
+            InvalidRequestError: ``stage_2_lora`` on a request that runs one stage
+                (``param="stage_2_lora"``); see the class.
+            ValueError: ``stage_2_lora`` set without its selection in ``lora_fields``.
+        """
         if isinstance(params, str):
             params = self.spec.params(prompt=params, **fields)
             fields = {}
         p = self.spec.resolve(params) if isinstance(params, type(self.spec.defaults)) else None
-        if fields or p is None or not self.runs_two_stage(p):
+        two_stage = p is not None and self.runs_two_stage(p)
+        if getattr(p, "stage_2_lora", None) is not None and not two_stage:
+            from sglang.multimodal_gen.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                "stage_2_lora applies to two-stage generation only; this request runs one stage "
+                "(two_stage false, or a model without a latent upsampler)",
+                param="stage_2_lora",
+            )
+        if fields or not two_stage:
             return super().__call__(
                 params, generator=generator, lora=lora, batch=batch, output_type=output_type,
                 progress=progress, step_callback=step_callback, **fields,
             )  # fmt: skip
         if batch is not None:
             raise NotImplementedError("LTX-2 two-stage generation runs one request at a time")
+        stage_2_lora = self._stage_2_selection(p, lora, lora_fields)
         self._check_two_stage_size(p)
         if generator is None:
             generator = torch.Generator(self.generator_device).manual_seed(int(p.seed))
-        common = dict(generator=generator, lora=lora, progress=progress,
+        common = dict(generator=generator, progress=progress,
                       step_callback=step_callback)  # fmt: skip
         token = _STAGE.set((1, None))
         try:
             p1 = dataclasses.replace(p, height=p.height // 2, width=p.width // 2)
-            joint = super().__call__(p1, output_type="latent", **common)
+            joint = super().__call__(p1, output_type="latent", lora=lora, **common)
         finally:
             _STAGE.reset(token)
         start = self._upsample(joint, LTX2Generation(params=p1, generator=generator))
         p2 = dataclasses.replace(p, **{k: v for k, v in _STAGE_2_FIELDS.items() if hasattr(p, k)})
         token = _STAGE.set((2, start))
         try:
-            return super().__call__(p2, output_type=output_type, **common)
+            return super().__call__(p2, output_type=output_type, lora=stage_2_lora, **common)
         finally:
             _STAGE.reset(token)
+
+    @staticmethod
+    def _stage_2_selection(p, lora, lora_fields):
+        """The adapters of stage 2 of the resolved two-stage request ``p``: the selection of its
+        ``stage_2_lora`` when set, else ``lora`` (stage 1's).
+
+        Raises:
+            ValueError: ``stage_2_lora`` set and ``lora_fields`` without its selection.
+        """
+        if getattr(p, "stage_2_lora", None) is None:
+            return lora
+        if not lora_fields or "stage_2_lora" not in lora_fields:
+            raise ValueError(
+                "stage_2_lora is set but lora_fields has no selection of it (the runner makes it: "
+                "runtime/runner_lora.py field_selections)"
+            )
+        return lora_fields["stage_2_lora"]
 
     def _check_two_stage_size(self, p) -> None:
         from sglang.multimodal_gen.errors import InvalidRequestError

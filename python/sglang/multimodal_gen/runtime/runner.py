@@ -39,7 +39,11 @@ from sglang.multimodal_gen.runtime.placement import (
     compile_blocks,
     resolve_dtype,
 )
-from sglang.multimodal_gen.runtime.runner_lora import blame_lora, build_lora_manager
+from sglang.multimodal_gen.runtime.runner_lora import (
+    blame_lora,
+    build_lora_manager,
+    field_selections,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -231,16 +235,22 @@ class ModelRunner:
         carries the contents (``sources``) instead of the ``trusted`` flag, so every rank converts
         and applies the same tensors; a path whose loaded adapter's files are unchanged is not
         read (it is sent as ``"unchanged"``). ``generate`` / ``generate_batch``: the requests'
-        adapters are selected here (``selection`` / ``selections``), so every rank runs the same
-        rows with the same slots and a refused composition is answered before any rank starts.
+        adapters are selected here (``selection`` / ``selections``; ``generate`` also those of a
+        family's own adapter fields, ``lora_fields``: :func:`field_selections`), so every rank
+        runs the same rows with the same slots and a refused composition is answered before any
+        rank starts.
         Other commands are returned unchanged.
 
         Raises:
             InvalidRequestError / LoRAFormatError: a path that cannot be read (``lora_path``).
-            NotFoundError / InvalidRequestError: a request's adapters (``lora``).
+            NotFoundError / InvalidRequestError: a request's adapters (``lora``, or the family's
+                adapter field that names them).
         """
         if op == "generate" and "selection" not in kwargs:
-            return dict(kwargs, selection=self.lora_manager.selection(kwargs["params"].lora))
+            params = kwargs["params"]
+            selection = self.lora_manager.selection(params.lora)
+            lora_fields = field_selections(self.lora_manager, params)
+            return dict(kwargs, selection=selection, lora_fields=lora_fields)
         if op == "generate_batch" and "selections" not in kwargs:
             return dict(kwargs, selections=self._selections(kwargs["reqs"]))
         if op != "set_lora" or "sources" in kwargs:
@@ -346,7 +356,11 @@ class ModelRunner:
         return out
 
     def cmd_generate(
-        self, params: SamplingParams, progress: bool | None = None, selection: Any = None
+        self,
+        params: SamplingParams,
+        progress: bool | None = None,
+        selection: Any = None,
+        lora_fields: dict | None = None,
     ):
         """One request: its outputs (PIL images or ``Video`` objects) on the rank that decodes,
         ``None`` on the others. The request's adapters (``params.lora``; ``None``: the active
@@ -355,13 +369,19 @@ class ModelRunner:
 
         Args:
             selection: the selection rank 0 made (:meth:`prepare`); ``None``: made here.
+            lora_fields: the selections of the family's own adapter fields rank 0 made
+                (:func:`field_selections`); ``None``: made here. Handed to the pipeline as
+                ``lora_fields`` when there are any.
 
         Raises:
             InvalidRequestError / NotFoundError: a bad field or an adapter that is not loaded.
         """
         lora = selection if selection is not None else self.lora_manager.selection(params.lora)
+        if lora_fields is None:
+            lora_fields = field_selections(self.lora_manager, params)
+        extra = {"lora_fields": lora_fields} if lora_fields else {}
         with blame_lora(params.lora):
-            return self.pipeline(params, lora=lora, **self._call_kwargs(progress))
+            return self.pipeline(params, lora=lora, **extra, **self._call_kwargs(progress))
 
     def _selections(self, reqs: list[SamplingParams]) -> list:
         """Each request's selection, or ``(False, packed error)`` for one that is refused."""

@@ -4,16 +4,18 @@ adapter as the cause of NaN/Inf output."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from sglang.multimodal_gen.errors import NonFiniteOutputError
 from sglang.multimodal_gen.lora.manager import LoRAManager
+from sglang.multimodal_gen.lora.per_request import LoRASelection
 from sglang.multimodal_gen.models.registry import ModelFamily, resolve_object
 from sglang.multimodal_gen.runtime.placement import merge_cache_device
 
-__all__ = ["LARGE_LORA_SCALE", "blame_lora", "build_lora_manager"]
+__all__ = ["LARGE_LORA_SCALE", "blame_lora", "build_lora_manager", "field_selections"]
 
 
 def build_lora_manager(
@@ -60,6 +62,23 @@ def build_lora_manager(
         allow_hub_download=allow_hub_download,
         **kw,
     )
+
+
+def field_selections(manager: LoRAManager, params) -> dict[str, LoRASelection]:
+    """``{field: selection}`` of the request's adapter fields other than ``lora`` (fields of
+    kind ``lora`` a family declares, e.g. LTX-2's ``stage_2_lora``) that are set; ``{}`` when
+    none is. The family's pipeline takes them as ``lora_fields``.
+
+    Raises:
+        NotFoundError / InvalidRequestError: an unknown adapter or a bad entry (``param``
+            names the field; :meth:`LoRAManager.selection`).
+    """
+    out = {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if f.name != "lora" and f.metadata.get("kind") == "lora" and value is not None:
+            out[f.name] = manager.selection(value, f.name)
+    return out
 
 
 #: A per-request adapter scale this large is named as the likely cause of NaN/Inf output.
