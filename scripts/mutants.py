@@ -1008,6 +1008,16 @@ MUTANTS: list[Mutant] = [
         ("-k", "openai"),
         why="a video with sound is written as an MP4 without its AAC track (/v1/videos, CLI)",
     ),
+    _m(
+        "ltx2-two-stage-requests-share-a-batch",
+        "configs/ltx2_sampling.py",
+        "        return (*key, id(self)) if self.two_stage else key\n",
+        "        return key\n",
+        ("test/integration/families/test_ltx2_two_stage.py",),
+        ("-k", "flags"),
+        why="two two-stage LTX-2 requests get one batch key: the server batches them and the "
+        "pipeline refuses the batch",
+    ),
 ]
 
 

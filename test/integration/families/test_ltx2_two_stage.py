@@ -15,6 +15,7 @@ Euler instead: 0.88.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -193,7 +194,9 @@ def test_res2s_sampler_is_res2s_over_the_guided_prediction(ours):
 
 def test_request_flags_select_stages_and_sampler(model_dir, ours):
     """The family's pipeline is the two-stage one; two_stage=false runs one stage, true on a
-    model without an upsampler is a 400 naming it, res2s_sampler=true runs res_2s."""
+    model without an upsampler is a 400 naming it, res2s_sampler=true runs res_2s; the model's
+    default of two_stage is whether it has an upsampler, and a two-stage request's batch key is
+    its own (the server never puts two of them in one loop)."""
     from sglang.multimodal_gen.errors import InvalidRequestError
     from sglang.multimodal_gen.models.registry import get_family
 
@@ -201,8 +204,19 @@ def test_request_flags_select_stages_and_sampler(model_dir, ours):
     req = {**REQ, "height": 32, "width": 32}
     one = ours.spec.resolve(ours.spec.params(**req, two_stage=False))
     assert ours(one, output_type="latent").shape[0] == 1  # one stage at 32x32: no size error
+    # the model's default says how a request runs; two-stage requests never share a batch key
+    assert ours.spec.defaults.two_stage is True
+    two = [ours.spec.resolve(ours.spec.params(**{**req, "seed": s})) for s in (1, 2)]
+    assert two[0].two_stage and two[0].batch_key() != two[1].batch_key()
+    ones = [
+        ours.spec.resolve(ours.spec.params(**{**req, "seed": s}, two_stage=False)) for s in (1, 2)
+    ]
+    assert ones[0].batch_key() == ones[1].batch_key()  # one-stage requests still batch
     bare = copy.copy(ours)
     bare.components = {k: v for k, v in ours.components.items() if k != "latent_upsampler"}
+    bare.spec = dataclasses.replace(  # as a directory without an upsampler is served
+        ours.spec, defaults=ours.spec.defaults.replace(two_stage=False)
+    )
     with pytest.raises(InvalidRequestError, match="two_stage needs a latent upsampler"):
         bare(bare.spec.params(**req, two_stage=True), output_type="latent")
     euler = bare(bare.spec.params(**req), output_type="latent")

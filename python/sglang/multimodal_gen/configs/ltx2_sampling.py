@@ -104,6 +104,13 @@ class LTX2SamplingParams(VideoSamplingParams):
         if isinstance(blocks, list):  # JSON arrays arrive as lists; requests stay hashable
             object.__setattr__(self, "spatio_temporal_guidance_blocks", tuple(blocks))
 
+    def batch_key(self) -> tuple:
+        """The common key; a two-stage request's is its own, so it never shares a denoising loop
+        (its two loops at two sizes cannot join a batch; the serving model sets ``two_stage`` in
+        its defaults, so a resolved request says how it runs)."""
+        key = super().batch_key()
+        return (*key, id(self)) if self.two_stage else key
+
     def check(self, spec: RequestSpec) -> None:
         super().check(spec)
         if self.motion_speed is not None and self.motion_speed <= 0:

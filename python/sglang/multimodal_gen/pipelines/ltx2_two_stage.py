@@ -126,6 +126,14 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
     #: flag, where the family declares one, takes precedence
     default_sampler = "euler"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the model's default of two_stage is whether it has an upsampler: a resolved request
+        # then says how it runs (the server keeps two-stage requests out of batches by it)
+        if "two_stage" in self.spec.params_class.field_names():
+            defaults = self.spec.defaults.replace(two_stage=self.two_stage)
+            self.spec = dataclasses.replace(self.spec, defaults=defaults)
+
     def sampler_of(self, g) -> str:
         """The sampler of the call ``g``: ``res2s`` when the request's ``res2s_sampler`` flag is
         set (where the family declares it), else :attr:`default_sampler`."""
