@@ -56,6 +56,22 @@ EXTENDED = {
     # dynamic: test_ltx2_lora's TP 2 test)
     "integration/families/test_ltx2_pipeline_parity.py::test_tp2_matches_diffusers",
     "integration/families/test_family_conformance.py::test_tp2_equals_one_process[ltx2]",
+    # the conformance suite's TP 2 of a family that has its own TP 2 engine test in the default
+    # tier (Flux: test_flux_engine's TP 2 with a kohya LoRA; Kontext: the Flux DiT, its
+    # reference tokens sharded like the noise; Wan: test_wan_engine's TP 2 with a LoRA on both
+    # experts; Z-Image: test_zimage_tp; Qwen-Image: test_qwen_image_engine's TP 2, merged and
+    # dynamic). A family without one keeps its conformance TP 2 in the default tier.
+    "integration/families/test_family_conformance.py::test_tp2_equals_one_process[flux]",
+    "integration/families/test_family_conformance.py::test_tp2_equals_one_process[flux_kontext]",
+    "integration/families/test_family_conformance.py::test_tp2_equals_one_process[wan]",
+    "integration/families/test_family_conformance.py::test_tp2_equals_one_process[zimage]",
+    "integration/families/test_family_conformance.py::test_tp2_equals_one_process[qwen-image]",
+    # ring attention at engine level (ring at DiT level: test_sequence_parallel_dits[ring2]; the
+    # engine's sequence-parallel plumbing: test_sequence_parallel_engine's ulysses2 and cfg2)
+    "integration/parallel/test_sequence_parallel_engine.py::test_layout_equals_one_process[ring2]",
+    # a TP size that does not divide the heads, refused by a launched engine (the same check:
+    # test_zimage_engine_api's test_bad_model_path_and_tp_errors)
+    "integration/families/test_flux_engine.py::test_tp3_refused_naming_the_heads",
 }
 
 
