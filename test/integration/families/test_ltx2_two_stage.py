@@ -30,7 +30,8 @@ REQ = dict(prompt="a lighthouse at dusk", negative_prompt="blurry", height=64, w
            num_frames=1, num_inference_steps=2, max_sequence_length=32, seed=7,
            spatio_temporal_guidance_blocks=[1])  # fmt: skip
 _RENAMED = {"fps": "frame_rate", "num_outputs_per_prompt": "num_videos_per_prompt"}
-_NOT_PASSED = ("seed", "lora", "stage_2_lora", "image", "mask_image", "strength")
+_NOT_PASSED = ("seed", "lora", "stage_2_lora", "image", "mask_image", "strength", "two_stage",
+               "res2s_sampler")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +117,15 @@ def _reference(pipe, model_dir, params, noise_scale, stage_2_lora=None):
     return frames, out.audio.float().numpy()
 
 
+def _without_upsampler(pipe):
+    """``pipe`` on the same modules as a directory without a latent upsampler is served (its
+    default ``two_stage`` false)."""
+    bare = copy.copy(pipe)
+    bare.components = {k: v for k, v in pipe.components.items() if k != "latent_upsampler"}
+    bare.spec = dataclasses.replace(pipe.spec, defaults=pipe.spec.defaults.replace(two_stage=False))
+    return bare
+
+
 def test_two_stage_matches_diffusers_composition(model_dir, reference_pipe, ours):
     from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
 
@@ -151,8 +161,7 @@ def test_res2s_sampler_is_res2s_over_the_guided_prediction(ours):
         standardized_noise,
     )
 
-    ours = copy.copy(ours)  # the same modules, one stage (no upsampler), res_2s
-    ours.components = {k: v for k, v in ours.components.items() if k != "latent_upsampler"}
+    ours = _without_upsampler(ours)  # the same modules, one stage, res_2s
     ours.default_sampler = "res2s"
     req = {**REQ, "height": 32, "width": 32, "num_inference_steps": 2}
     params = ours.spec.resolve(ours.spec.params(**req))
@@ -212,11 +221,7 @@ def test_request_flags_select_stages_and_sampler(model_dir, ours):
         ours.spec.resolve(ours.spec.params(**{**req, "seed": s}, two_stage=False)) for s in (1, 2)
     ]
     assert ones[0].batch_key() == ones[1].batch_key()  # one-stage requests still batch
-    bare = copy.copy(ours)
-    bare.components = {k: v for k, v in ours.components.items() if k != "latent_upsampler"}
-    bare.spec = dataclasses.replace(  # as a directory without an upsampler is served
-        ours.spec, defaults=ours.spec.defaults.replace(two_stage=False)
-    )
+    bare = _without_upsampler(ours)
     with pytest.raises(InvalidRequestError, match="two_stage needs a latent upsampler"):
         bare(bare.spec.params(**req, two_stage=True), output_type="latent")
     euler = bare(bare.spec.params(**req), output_type="latent")
