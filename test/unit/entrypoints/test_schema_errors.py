@@ -89,6 +89,9 @@ def test_family_fields_schema_errors_name_the_field(field, value, expected):
         ("fps", "16", "fps must be an integer, got the string '16'"),
         ("num_frames", 8.5, "num_frames must be an integer, got a number"),
         ("guidance_scale_2", True, "guidance_scale_2 must be a number, got true"),
+        # a family's own adapter field (LTX-2) is worded as lora is
+        ("stage_2_lora", 3, 'stage_2_lora must be an object {"name": string, "strength": number}'),
+        ("stage_2_lora", [3], 'stage_2_lora.0 must be an object {"name": string, "strength": '),
     ],
 )
 def test_video_schema_errors_name_the_field(field, value, expected):

@@ -53,10 +53,21 @@ _FIELD_NAMES = frozenset(_EXPECTED)
 _BY_TYPE = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
+def _holds_adapters(model: Any, name: str) -> bool:
+    """Whether field ``name`` of ``model`` takes adapter objects as ``lora`` does (a family's
+    own adapter field, e.g. LTX-2's ``stage_2_lora``): its annotation holds a model with
+    ``name`` and ``strength`` fields."""
+    field = getattr(model, "model_fields", {}).get(name)
+    args = _type_args(field.annotation) if field else []
+    return any({"name", "strength"} <= set(getattr(a, "model_fields", {})) for a in args)
+
+
 def _expected(model: Any, name: str) -> str:
     """What field ``name`` takes: the table's words, else its annotation's type in JSON terms."""
     if name in _EXPECTED:
         return _EXPECTED[name]
+    if _holds_adapters(model, name):
+        return _EXPECTED["lora"]
     field = getattr(model, "model_fields", {}).get(name)
     args = [a for a in _type_args(field.annotation) if a is not type(None)] if field else []
     kinds = {_BY_TYPE.get(a) for a in args} - {None}
@@ -140,7 +151,10 @@ def schema_error_message(errors: list[dict], model: Any = None) -> tuple[str, st
                 leaf = path[-1]
                 if isinstance(leaf, int):
                     parent = next((p for p in reversed(path) if isinstance(p, str)), top)
-                    expected = _ELEMENT.get(parent, "a value of another type")
+                    adapters = _holds_adapters(model, parent)
+                    expected = _ELEMENT.get(
+                        "lora" if adapters else parent, "a value of another type"
+                    )
                 else:
                     expected = _expected(model, leaf)
                 sentence = f"{where} must be {expected}, got {_json_kind(err.get('input'))}"
