@@ -37,8 +37,8 @@ from fixtures.tiny_models import rel_err
 from fixtures.tiny_wan import DIT_LAYOUTS, DIT_VIDEO, dit_inputs, reference_dit
 from sglang.multimodal_gen.configs.wan import WAN_TRANSFORMER_CLASS, WanArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size, launch_processes
+from sglang.multimodal_gen.layers.norm import RMSNormAcrossHeads
 from sglang.multimodal_gen.models.dits.wan import (
-    WanRMSNormAcrossHeads,
     WanTransformer,
     wan_from_diffusers_module,
 )
@@ -266,7 +266,7 @@ def test_rms_norm_across_heads_sums_squares_over_ranks(n):
     x = torch.randn(2, 5, d, generator=g) * torch.linspace(0.2, 3.0, d)  # uneven per head
     w = 1 + 0.1 * torch.randn(d, generator=g)
     full = F.rms_norm(x, (d,), w, eps)
-    norms = [WanRMSNormAcrossHeads(d, eps, tp_rank=r, tp_size=n) for r in range(n)]
+    norms = [RMSNormAcrossHeads(d, eps, tp_rank=r, tp_size=n) for r in range(n)]
     parts = [x[..., r * d // n : (r + 1) * d // n] for r in range(n)]
     for norm in norms:
         norm.weight_loader(norm.weight, w)

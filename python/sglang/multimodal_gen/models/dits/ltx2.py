@@ -27,7 +27,7 @@ shard ids ``0 | 1``); all other module names equal diffusers' (see ``ltx2_names.
 Tensor parallelism: the heads of all six attentions are split over the TP ranks (q/k/v and the
 gate logits column-parallel, ``to_out.0`` row-parallel), the FFN hidden units too; the q/k RMSNorm
 over all heads adds the ranks' sums of squares (:class:`~sglang.multimodal_gen.models.dits.
-wan_layers.WanRMSNormAcrossHeads`, one all-reduce per attention for q and k together). RoPE tables
+layers.norm.RMSNormAcrossHeads`, one all-reduce per attention for q and k together). RoPE tables
 are sliced to the rank's channels. Embedders, adaLN linears, caption projections, ``proj_in`` /
 ``proj_out`` and the modulation tables are replicated. ``num_attention_heads`` and
 ``audio_num_attention_heads`` must divide by the TP size.

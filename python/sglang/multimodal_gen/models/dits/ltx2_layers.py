@@ -28,8 +28,8 @@ from sglang.multimodal_gen.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from sglang.multimodal_gen.layers.norm import RMSNormAcrossHeads, rms_norm_qk
 from sglang.multimodal_gen.models.dits.common import tp_kwargs
-from sglang.multimodal_gen.models.dits.wan_layers import WanRMSNormAcrossHeads, rms_norm_qk
 
 __all__ = [
     "LTX2AdaLayerNormSingle",
@@ -255,7 +255,7 @@ class LTX2Attention(nn.Module):
     ``2 * sigmoid(to_gate_logits(x))`` (LTX-2.3 ``gated_attn``), ``to_out.0``.
 
     Tensor parallel: heads split over TP (q/k/v and the gate logits column-parallel, ``to_out.0``
-    row-parallel); the q/k norm sums its squares over the ranks (:class:`WanRMSNormAcrossHeads`).
+    row-parallel); the q/k norm sums its squares over the ranks (:class:`RMSNormAcrossHeads`).
 
     Args:
         query_dim: width of ``x``; kv_dim: width of the context (``None``: self-attention).
@@ -300,8 +300,8 @@ class LTX2Attention(nn.Module):
             )
             self.split_sizes = list(self.to_kv.output_partition_sizes)
         eps = self.NORM_EPS
-        self.norm_q = WanRMSNormAcrossHeads(inner, eps, tp_rank, tp_size, f"{prefix}.norm_q", dtype)
-        self.norm_k = WanRMSNormAcrossHeads(inner, eps, tp_rank, tp_size, f"{prefix}.norm_k", dtype)
+        self.norm_q = RMSNormAcrossHeads(inner, eps, tp_rank, tp_size, f"{prefix}.norm_q", dtype)
+        self.norm_k = RMSNormAcrossHeads(inner, eps, tp_rank, tp_size, f"{prefix}.norm_k", dtype)
         self.to_gate_logits = (
             ColumnParallelLinear(query_dim, heads, bias=True, **kw("to_gate_logits"))
             if gated

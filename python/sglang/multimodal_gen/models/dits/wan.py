@@ -31,7 +31,7 @@ Tensor parallelism (``D = inner_dim``, ``n = tp_size``): attention heads are spl
 ``ffn.net.2`` row). The q/k RMSNorms normalise over all ``D`` channels, i.e. over heads that live
 on other ranks: each rank sums the squares of its ``D / n`` channels in fp32, one all-reduce adds
 the sums of q and k together (one collective per attention, not two), and each rank divides by
-the full ``D`` (see :class:`WanRMSNormAcrossHeads`). Per block: two all-reduces of ``[B, S, 1]``
+the full ``D`` (see :class:`RMSNormAcrossHeads`). Per block: two all-reduces of ``[B, S, 1]``
 / ``[B, L, 1]`` sums and three of ``[B, S, D]`` (the row-parallel outputs). The patch embedding,
 condition embedder, ``scale_shift_table``s, norms and the head are replicated.
 
@@ -58,19 +58,19 @@ from sglang.multimodal_gen.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from sglang.multimodal_gen.layers.norm import FP32LayerNorm, LayerNormNoAffine, modulate
-from sglang.multimodal_gen.layers.rotary import apply_rope_real
-from sglang.multimodal_gen.models.dits.common import tp_kwargs
-from sglang.multimodal_gen.models.dits.wan_layers import (
-    WanConditionEmbedder,
-    WanRMSNormAcrossHeads,
-    WanRotaryEmbed,
+from sglang.multimodal_gen.layers.norm import (
+    FP32LayerNorm,
+    LayerNormNoAffine,
+    RMSNormAcrossHeads,
+    modulate,
     rms_norm_qk,
 )
+from sglang.multimodal_gen.layers.rotary import apply_rope_real
+from sglang.multimodal_gen.models.dits.common import tp_kwargs
+from sglang.multimodal_gen.models.dits.wan_layers import WanConditionEmbedder, WanRotaryEmbed
 from sglang.multimodal_gen.models.registry import get_family
 
 __all__ = [
-    "WanRMSNormAcrossHeads",
     "WanRotaryEmbed",
     "WanTransformer",
     "wan_from_diffusers_module",
@@ -100,8 +100,8 @@ class WanSelfAttention(nn.Module):
         )
         # local widths [D/n, D/n, D/n], fixed here so a LoRA wrapper replacing the layer is fine
         self.split_sizes = list(self.to_qkv.output_partition_sizes)
-        self.norm_q = WanRMSNormAcrossHeads(d, cfg.eps, tp_rank, tp_size, f"{prefix}.norm_q", dtype)
-        self.norm_k = WanRMSNormAcrossHeads(d, cfg.eps, tp_rank, tp_size, f"{prefix}.norm_k", dtype)
+        self.norm_q = RMSNormAcrossHeads(d, cfg.eps, tp_rank, tp_size, f"{prefix}.norm_q", dtype)
+        self.norm_k = RMSNormAcrossHeads(d, cfg.eps, tp_rank, tp_size, f"{prefix}.norm_k", dtype)
         self.to_out = nn.ModuleList(
             [
                 RowParallelLinear(
@@ -143,8 +143,8 @@ class WanCrossAttention(nn.Module):
             d, [d, d], bias=True, **tp_kwargs(f"{prefix}.to_kv", tp_rank, tp_size, dtype)
         )
         self.kv_split_sizes = list(self.to_kv.output_partition_sizes)
-        self.norm_q = WanRMSNormAcrossHeads(d, cfg.eps, tp_rank, tp_size, f"{prefix}.norm_q", dtype)
-        self.norm_k = WanRMSNormAcrossHeads(d, cfg.eps, tp_rank, tp_size, f"{prefix}.norm_k", dtype)
+        self.norm_q = RMSNormAcrossHeads(d, cfg.eps, tp_rank, tp_size, f"{prefix}.norm_q", dtype)
+        self.norm_k = RMSNormAcrossHeads(d, cfg.eps, tp_rank, tp_size, f"{prefix}.norm_k", dtype)
         self.to_out = nn.ModuleList(
             [
                 RowParallelLinear(
