@@ -1018,6 +1018,16 @@ MUTANTS: list[Mutant] = [
         why="two two-stage LTX-2 requests get one batch key: the server batches them and the "
         "pipeline refuses the batch",
     ),
+    _m(
+        "rendezvous-leader-leaves-before-the-verdict-is-read",
+        "distributed/multinode.py",
+        "        if verdict:\n            # rank 0 hosts the store",
+        "        if False:\n            # rank 0 hosts the store",
+        ("test/integration/parallel/test_multinode_rendezvous.py",),
+        ("-k", "other_settings"),
+        why="node 0 exits as soon as it posts a refusal: the other nodes lose the store and "
+        "report a connection reset instead of the refusal",
+    ),
 ]
 
 

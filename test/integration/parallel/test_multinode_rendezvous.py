@@ -96,7 +96,8 @@ def _join(members):
             stores.append(checked_rendezvous(plan, rank, fp))
             out[rank] = ("ok", time.monotonic() - t0)
         except Exception as e:
-            out[rank] = (e, time.monotonic() - t0)
+            # as a process that exits: a rank that fails drops its store (rank 0's is the server)
+            out[rank] = (e.with_traceback(None), time.monotonic() - t0)
 
     threads = [threading.Thread(target=run, args=m, daemon=True) for m in members]
     for t in threads:

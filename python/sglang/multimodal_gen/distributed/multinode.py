@@ -80,6 +80,10 @@ def checked_rendezvous(plan: LaunchPlan, rank: int, fp: Mapping):
     if rank == 0:
         verdict = _leader_verdict(store, plan, dict(fp), deadline, where)
         store.set("verdict", verdict)
+        if verdict:
+            # rank 0 hosts the store: leaving at once would reset the connections of the ranks
+            # still reading the verdict, and they would report that instead of the verdict
+            _wait_read(store, plan)
         _raise_verdict(verdict)
         return store
     try:
@@ -91,8 +95,19 @@ def checked_rendezvous(plan: LaunchPlan, rank: int, fp: Mapping):
             f"multi-node start-up: node 0 did not finish the rendezvous at {where} within "
             f"{plan.timeout_s:g} s (rank {rank} waited); are all nodes started?"
         ) from None
-    _raise_verdict(store.get("verdict").decode())
+    verdict = store.get("verdict").decode()
+    if verdict:
+        store.add("verdict_read", 1)
+    _raise_verdict(verdict)
     return store
+
+
+def _wait_read(store, plan: LaunchPlan) -> None:
+    """Rank 0: wait (``VERDICT_GRACE_S`` at most) until every rank that joined read the verdict."""
+    joined = sum(store.check([f"fp/{r}"]) for r in range(1, plan.world_size))
+    until = time.monotonic() + VERDICT_GRACE_S
+    while store.add("verdict_read", 0) < joined and time.monotonic() < until:
+        time.sleep(0.02)
 
 
 def _wait_listening(host: str, port: int, deadline: float) -> None:
