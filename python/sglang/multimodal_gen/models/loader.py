@@ -47,6 +47,15 @@ def _expected_shards(module: nn.Module, leaf: str) -> tuple:
     return ids
 
 
+def _reorder_rows(loaded: Any, order: tuple[int, ...]) -> torch.Tensor:
+    """Rows of ``loaded`` (a tensor or lazy slice) in our chunk order: chunk ``i`` of the result
+    is chunk ``order[i]`` of the source (``NameRule.row_order``; e.g. BFL / Tencent final-layer
+    modulations stored as ``(shift, scale)`` where ours is ``(scale, shift)``)."""
+    t = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    chunks = t.chunk(len(order), dim=0)
+    return torch.cat([chunks[i] for i in order], dim=0)
+
+
 def _iter_safetensors(files: list[str]):
     """``(source, name, lazy_slice)`` for every tensor of ``files`` (one file open at a time)."""
     for path in files:
@@ -97,6 +106,9 @@ def load_tensors_into(
                 )
             continue
         loader = getattr(param, "weight_loader", None)
+        order = name_map.row_order(key.rpartition(".")[0]) if name_map else None
+        if order is not None:  # the source stores the output rows in another chunk order
+            tensor = _reorder_rows(tensor, order)
         try:
             if loader is not None:
                 loader(param, tensor, shard_id)
