@@ -1,0 +1,142 @@
+"""HunyuanVideo 1.5 name map: original (Tencent) names <-> diffusers names <-> our fused modules.
+
+The one place that says how HunyuanVideo 1.5 checkpoints and LoRA files name the DiT's modules;
+used by the weight loader and by the LoRA format adapter alike.
+
+Our modules (``models/dits/hunyuan_video15.py``) carry diffusers' names except the fused
+projections:
+
+=========================================================  =======================================
+ours                                                       diffusers (shard id) / Tencent
+=========================================================  =======================================
+``transformer_blocks.N.attn.to_qkv``                       ``attn.to_q|to_k|to_v`` (``"q"|"k"|"v"``)
+                                                           / ``double_blocks.N.img_attn_q|k|v``
+``transformer_blocks.N.attn.to_added_qkv``                 ``attn.add_q_proj|add_k_proj|
+                                                           add_v_proj`` / ``txt_attn_q|k|v``
+``context_embedder.token_refiner.refiner_blocks.N.attn.``  ``attn.to_q|to_k|to_v`` / Tencent's
+``to_qkv``                                                 fused ``self_attn_qkv`` (whole layer)
+=========================================================  =======================================
+
+The Tencent -> diffusers renames (source: diffusers' ``scripts/convert_hunyuan_video1_5_to_
+diffusers.py``, ``convert_hyvideo15_transformer_to_diffusers``):
+
+* top level: ``img_in`` -> ``x_embedder``, ``time_in.mlp.0|2`` ->
+  ``time_embed.timestep_embedder.linear_1|2``, ``cond_type_embedding`` -> ``cond_type_embed``,
+  ``byt5_in.layernorm|fc1|fc2|fc3`` -> ``context_embedder_2.norm|linear_1|linear_2|linear_3``,
+  ``vision_in.proj.0|1|3|4`` -> ``image_embedder.norm_in|linear_1|linear_2|norm_out``,
+  ``final_layer.linear`` -> ``proj_out``, ``final_layer.adaLN_modulation.1`` -> ``norm_out.linear``
+  (Tencent stores its rows as ``(shift, scale)``, diffusers as ``(scale, shift)``: the rule carries
+  ``row_order=(1, 0)``, which the weight loader and the LoRA adapter apply);
+* the text refiner ``txt_in`` -> ``context_embedder``: ``t_embedder.mlp.0|2`` ->
+  ``time_text_embed.timestep_embedder.linear_1|2``, ``c_embedder.linear_1|2`` ->
+  ``time_text_embed.text_embedder.linear_1|2``, ``input_embedder`` -> ``proj_in``,
+  ``individual_token_refiner.blocks.N`` -> ``token_refiner.refiner_blocks.N`` with
+  ``self_attn_qkv`` -> ``attn.to_qkv`` (already fused), ``self_attn_proj`` -> ``attn.to_out.0``,
+  ``mlp.fc1|fc2`` -> ``ff.net.0.proj|ff.net.2``, ``adaLN_modulation.1`` -> ``norm_out.linear``
+  (``norm1``/``norm2`` keep their names);
+* ``double_blocks.N`` -> ``transformer_blocks.N`` with ``img_mod.linear|txt_mod.linear`` ->
+  ``norm1.linear|norm1_context.linear``, ``img_attn_q|k|v`` / ``txt_attn_q|k|v`` -> the fused
+  layers above, ``img_attn_q_norm|k_norm`` -> ``attn.norm_q|norm_k``, ``txt_attn_q_norm|k_norm``
+  -> ``attn.norm_added_q|norm_added_k``, ``img_attn_proj`` -> ``attn.to_out.0``,
+  ``txt_attn_proj`` -> ``attn.to_add_out``, ``img_mlp.fc1|fc2`` -> ``ff.net.0.proj|ff.net.2``,
+  ``txt_mlp.fc1|fc2`` -> ``ff_context.net.0.proj|ff_context.net.2``;
+* wrappers ``model.diffusion_model.`` / ``diffusion_model.`` (ComfyUI single files and most LoRA
+  files) are stripped.
+
+Not mapped: the MeanFlow reference-timestep embedder of a ``use_meanflow`` model has no Tencent
+name in diffusers' converter (diffusers-layout checkpoints of it load through the identity).
+
+Rules are applied in order: first the block-family and top-level prefixes, then the rules scoped
+to one block family (:class:`BlockRule`), so e.g. the dual-stream blocks' ``attn.to_q`` and the
+refiner blocks' ``attn.to_q`` each reach their own fused layer.
+"""
+
+from __future__ import annotations
+
+from sglang.multimodal_gen.models.name_map import BlockRule, NameMap, NameRule, ShardId
+
+__all__ = ["HUNYUAN_VIDEO15_NAME_MAP", "HV15_BLOCKS", "HV15_REFINER_BLOCKS"]
+
+HV15_BLOCKS = "transformer_blocks"
+HV15_REFINER_BLOCKS = "context_embedder.token_refiner.refiner_blocks"
+
+
+def _block(source: str, target: str, shard_id: ShardId = None) -> BlockRule:
+    return BlockRule(source, target, shard_id, blocks=HV15_BLOCKS)
+
+
+def _refiner(source: str, target: str, shard_id: ShardId = None) -> BlockRule:
+    return BlockRule(source, target, shard_id, blocks=HV15_REFINER_BLOCKS)
+
+
+def _top(source: str, target: str, row_order: tuple[int, ...] | None = None) -> NameRule:
+    return NameRule(source, target, prefix_only=True, row_order=row_order)
+
+
+HUNYUAN_VIDEO15_NAME_MAP = NameMap(
+    rules=(
+        # ---- Tencent layout -> diffusers layout: block families and top-level modules
+        _top("double_blocks", HV15_BLOCKS),
+        _top("txt_in.individual_token_refiner.blocks", HV15_REFINER_BLOCKS),
+        _top(
+            "txt_in.t_embedder.mlp.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"
+        ),
+        _top(
+            "txt_in.t_embedder.mlp.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"
+        ),
+        _top("txt_in.c_embedder", "context_embedder.time_text_embed.text_embedder"),
+        _top("txt_in.input_embedder", "context_embedder.proj_in"),
+        _top("time_in.mlp.0", "time_embed.timestep_embedder.linear_1"),
+        _top("time_in.mlp.2", "time_embed.timestep_embedder.linear_2"),
+        _top("img_in", "x_embedder"),
+        _top("cond_type_embedding", "cond_type_embed"),
+        _top("byt5_in.layernorm", "context_embedder_2.norm"),
+        _top("byt5_in.fc1", "context_embedder_2.linear_1"),
+        _top("byt5_in.fc2", "context_embedder_2.linear_2"),
+        _top("byt5_in.fc3", "context_embedder_2.linear_3"),
+        _top("vision_in.proj.0", "image_embedder.norm_in"),
+        _top("vision_in.proj.1", "image_embedder.linear_1"),
+        _top("vision_in.proj.3", "image_embedder.linear_2"),
+        _top("vision_in.proj.4", "image_embedder.norm_out"),
+        _top("final_layer.linear", "proj_out"),
+        # Tencent rows are (shift, scale), diffusers' (scale, shift): output rows swapped in halves
+        _top("final_layer.adaLN_modulation.1", "norm_out.linear", row_order=(1, 0)),
+        # ---- dual-stream blocks, Tencent -> ours
+        _block("img_mod.linear", "norm1.linear"),
+        _block("txt_mod.linear", "norm1_context.linear"),
+        _block("img_attn_q", "attn.to_qkv", "q"),
+        _block("img_attn_k", "attn.to_qkv", "k"),
+        _block("img_attn_v", "attn.to_qkv", "v"),
+        _block("img_attn_q_norm", "attn.norm_q"),
+        _block("img_attn_k_norm", "attn.norm_k"),
+        _block("img_attn_proj", "attn.to_out.0"),
+        _block("txt_attn_q", "attn.to_added_qkv", "q"),
+        _block("txt_attn_k", "attn.to_added_qkv", "k"),
+        _block("txt_attn_v", "attn.to_added_qkv", "v"),
+        _block("txt_attn_q_norm", "attn.norm_added_q"),
+        _block("txt_attn_k_norm", "attn.norm_added_k"),
+        _block("txt_attn_proj", "attn.to_add_out"),
+        _block("img_mlp.fc1", "ff.net.0.proj"),
+        _block("img_mlp.fc2", "ff.net.2"),
+        _block("txt_mlp.fc1", "ff_context.net.0.proj"),
+        _block("txt_mlp.fc2", "ff_context.net.2"),
+        # ---- dual-stream blocks, diffusers split projections -> our fused layers
+        _block("attn.to_q", "attn.to_qkv", "q"),
+        _block("attn.to_k", "attn.to_qkv", "k"),
+        _block("attn.to_v", "attn.to_qkv", "v"),
+        _block("attn.add_q_proj", "attn.to_added_qkv", "q"),
+        _block("attn.add_k_proj", "attn.to_added_qkv", "k"),
+        _block("attn.add_v_proj", "attn.to_added_qkv", "v"),
+        # ---- refiner blocks, Tencent -> ours (the fused qkv stays whole: shard None)
+        _refiner("self_attn_qkv", "attn.to_qkv"),
+        _refiner("self_attn_proj", "attn.to_out.0"),
+        _refiner("mlp.fc1", "ff.net.0.proj"),
+        _refiner("mlp.fc2", "ff.net.2"),
+        _refiner("adaLN_modulation.1", "norm_out.linear"),
+        # ---- refiner blocks, diffusers split projections -> our fused layer
+        _refiner("attn.to_q", "attn.to_qkv", "q"),
+        _refiner("attn.to_k", "attn.to_qkv", "k"),
+        _refiner("attn.to_v", "attn.to_qkv", "v"),
+    ),
+    strip_prefixes=("model.diffusion_model.", "diffusion_model."),
+)
