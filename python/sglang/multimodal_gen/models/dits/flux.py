@@ -26,53 +26,34 @@ local ``[attn_r | gelu(mlp_r)]`` to ``proj_out``, a ``RowParallelLinear`` with
 ``input_sizes=[D, mlp_hidden]`` (two input sections each split over the ranks). One all-reduce per
 row-parallel layer: four per double block, one per single block. The embedders, adaLN
 modulations, ``norm_out`` and the final ``proj_out`` are replicated.
+
+The two block kinds are the shared ``layers.mmdit`` blocks (also HunyuanVideo's) with Flux's
+choices: joint order ``[text, image]``, RoPE on every token, ``torch.nn.RMSNorm`` q/k norms, fp16
+clipping, no attention mask (:func:`flux_double_block`, :func:`flux_single_block`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglang.multimodal_gen.configs.flux import FluxArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
-from sglang.multimodal_gen.layers.attention import attention
 from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding, timestep_sinusoid
-from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
-from sglang.multimodal_gen.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-)
-from sglang.multimodal_gen.layers.norm import (
-    AdaLayerNormContinuous,
-    AdaLayerNormZero,
-    LayerNormNoAffine,
-    modulate,
-)
-from sglang.multimodal_gen.layers.rotary import MultiAxisRopeReal, apply_rope_real
-from sglang.multimodal_gen.models.dits.common import tp_kwargs
+from sglang.multimodal_gen.layers.linear import ReplicatedLinear
+from sglang.multimodal_gen.layers.mmdit import DualStreamBlock, SingleStreamBlock
+from sglang.multimodal_gen.layers.norm import AdaLayerNormContinuous
+from sglang.multimodal_gen.layers.rotary import MultiAxisRopeReal
 from sglang.multimodal_gen.models.registry import get_family
 
-__all__ = ["FluxTimeTextEmbed", "FluxTransformer", "flux_from_diffusers_module"]
-
-FP16_MAX = 65504.0
-
-
-def _qk_norm(head_dim: int, eps: float) -> nn.RMSNorm:
-    """Per-head RMSNorm over ``head_dim``. The reference uses ``torch.nn.RMSNorm`` here (not
-    diffusers' own RMSNorm), whose fused kernel multiplies by the weight before the single
-    rounding to a half-precision input dtype; using the same module keeps bf16 outputs identical."""
-    return nn.RMSNorm(head_dim, eps=eps, elementwise_affine=True)
-
-
-def _attend(q, k, v, cos, sin) -> torch.Tensor:
-    """RoPE on ``q``/``k`` then SDPA: ``[B, S, H, hd]`` each -> ``[B, S, H * hd]`` in ``q.dtype``."""
-    q = apply_rope_real(q, cos, sin)
-    k = apply_rope_real(k, cos, sin)
-    return attention(q, k, v).to(q.dtype)
+__all__ = [
+    "FluxTimeTextEmbed",
+    "FluxTransformer",
+    "flux_double_block",
+    "flux_from_diffusers_module",
+    "flux_single_block",
+]
 
 
 # ------------------------------------------------------------------------------ conditioning
@@ -109,192 +90,44 @@ class FluxTimeTextEmbed(nn.Module):
         return emb + self.text_embedder(pooled)
 
 
-# ------------------------------------------------------------------------------- double block
-class FluxJointAttention(nn.Module):
-    """Joint attention of a double block: image and text tokens have their own fused QKV
-    projections, per-head RMSNorms and output projections, and attend together over
-    ``[text, image]`` (diffusers' ``FluxAttention`` with ``added_kv_proj_dim`` +
-    ``FluxAttnProcessor``). Heads are split over TP.
-
-    Shapes: ``x [B, S_img, D]``, ``ctx [B, S_txt, D]``, ``cos``/``sin`` ``[S_txt + S_img, hd / 2]``
-    -> ``(x_out [B, S_img, D], ctx_out [B, S_txt, D])`` (all-reduced over TP).
-    """
-
-    def __init__(self, cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype):
-        super().__init__()
-        d, hd, heads = cfg.inner_dim, cfg.attention_head_dim, cfg.num_attention_heads
-        self.head_dim = hd
-        eps = cfg.NORM_EPS
-        self.to_qkv = QKVParallelLinear(
-            d,
-            hd,
-            heads,
-            heads,
-            bias=True,
-            **tp_kwargs(f"{prefix}.to_qkv", tp_rank, tp_size, dtype),
-        )
-        self.to_added_qkv = QKVParallelLinear(
-            d,
-            hd,
-            heads,
-            heads,
-            bias=True,
-            **tp_kwargs(f"{prefix}.to_added_qkv", tp_rank, tp_size, dtype),
-        )
-        self.num_heads = self.to_qkv.num_heads
-        self.norm_q = _qk_norm(hd, eps)
-        self.norm_k = _qk_norm(hd, eps)
-        self.norm_added_q = _qk_norm(hd, eps)
-        self.norm_added_k = _qk_norm(hd, eps)
-        self.to_out = nn.ModuleList(
-            [
-                RowParallelLinear(
-                    d,
-                    d,
-                    bias=True,
-                    input_is_parallel=True,
-                    **tp_kwargs(f"{prefix}.to_out.0", tp_rank, tp_size, dtype),
-                )
-            ]
-        )
-        self.to_add_out = RowParallelLinear(
-            d,
-            d,
-            bias=True,
-            input_is_parallel=True,
-            **tp_kwargs(f"{prefix}.to_add_out", tp_rank, tp_size, dtype),
-        )
-
-    def _heads(self, layer: nn.Module, x: torch.Tensor):
-        """Fused projection -> ``q, k, v`` each ``[B, S, heads_local, hd]``."""
-        qkv = layer(x)[0].unflatten(-1, (3, self.num_heads, self.head_dim))
-        return qkv.unbind(-3)
-
-    def forward(self, x, ctx, cos, sin):
-        q, k, v = self._heads(self.to_qkv, x)
-        cq, ck, cv = self._heads(self.to_added_qkv, ctx)
-        q = torch.cat([self.norm_added_q(cq), self.norm_q(q)], dim=1)
-        k = torch.cat([self.norm_added_k(ck), self.norm_k(k)], dim=1)
-        v = torch.cat([cv, v], dim=1)
-        out = _attend(q, k, v, cos, sin)
-        n_txt = ctx.shape[1]
-        ctx_out, x_out = out[:, :n_txt], out[:, n_txt:]
-        return self.to_out[0](x_out.contiguous())[0], self.to_add_out(ctx_out.contiguous())[0]
+# ------------------------------------------------------------------------------- the blocks
+def flux_double_block(cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype) -> DualStreamBlock:
+    """Diffusers' ``FluxTransformerBlock``: the shared dual-stream block with Flux's choices
+    (joint order ``[text, image]``, RoPE on every token, ``torch.nn.RMSNorm`` q/k norms, the text
+    stream clipped to the fp16 range)."""
+    return DualStreamBlock(
+        cfg.inner_dim,
+        cfg.attention_head_dim,
+        cfg.num_attention_heads,
+        cfg.mlp_hidden,
+        cfg.NORM_EPS,
+        qk_norm="torch",
+        text_first=True,
+        clip_fp16=True,
+        prefix=prefix,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dtype=dtype,
+    )
 
 
-class FluxDoubleBlock(nn.Module):
-    """Double-stream (MMDiT) block; diffusers' ``FluxTransformerBlock``.
-
-    For each stream ``s`` in (image ``x``, text ``ctx``), with ``m_s = norm1[_context].linear(
-    silu(temb))`` split into ``shift_a, scale_a, gate_a, shift_f, scale_f, gate_f``::
-
-        attn_x, attn_ctx = joint_attention(LN(x) * (1 + scale_a) + shift_a, same for ctx)
-        s = s + gate_a * attn_s
-        s = s + gate_f * ff_s(LN(s) * (1 + scale_f) + shift_f)
-
-    Shapes: ``x [B, S_img, D]``, ``ctx [B, S_txt, D]``, ``temb [B, D]``,
-    ``cos``/``sin`` ``[S_txt + S_img, hd / 2]`` -> ``(ctx, x)`` (the reference's order).
-    """
-
-    def __init__(self, cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype):
-        super().__init__()
-        d, eps = cfg.inner_dim, cfg.NORM_EPS
-        kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
-        self.norm1 = AdaLayerNormZero(d, 6, eps, f"{prefix}.norm1", **kw)
-        self.norm1_context = AdaLayerNormZero(d, 6, eps, f"{prefix}.norm1_context", **kw)
-        self.attn = FluxJointAttention(cfg, f"{prefix}.attn", tp_rank, tp_size, dtype)
-        self.norm2 = LayerNormNoAffine(d, eps=eps)
-        self.ff = GeluTanhFeedForward(
-            cfg.inner_dim, cfg.mlp_hidden, f"{prefix}.ff", tp_rank, tp_size, dtype
-        )
-        self.norm2_context = LayerNormNoAffine(d, eps=eps)
-        self.ff_context = GeluTanhFeedForward(
-            cfg.inner_dim, cfg.mlp_hidden, f"{prefix}.ff_context", tp_rank, tp_size, dtype
-        )
-
-    def forward(self, x, ctx, temb, cos, sin):
-        nx, gate_a, shift_f, scale_f, gate_f = self.norm1(x, temb)
-        nc, c_gate_a, c_shift_f, c_scale_f, c_gate_f = self.norm1_context(ctx, temb)
-        attn_x, attn_c = self.attn(nx, nc, cos, sin)
-
-        x = x + gate_a.unsqueeze(1) * attn_x
-        h = modulate(self.norm2(x), shift_f[:, None], scale_f[:, None])
-        x = x + gate_f.unsqueeze(1) * self.ff(h)
-
-        ctx = ctx + c_gate_a.unsqueeze(1) * attn_c
-        h = modulate(self.norm2_context(ctx), c_shift_f[:, None], c_scale_f[:, None])
-        ctx = ctx + c_gate_f.unsqueeze(1) * self.ff_context(h)
-        if ctx.dtype == torch.float16:
-            ctx = ctx.clip(-FP16_MAX, FP16_MAX)
-        return ctx, x
-
-
-# ------------------------------------------------------------------------------- single block
-class FluxSingleAttention(nn.Module):
-    """The attention core of a single block: per-head q/k RMSNorm, RoPE, SDPA over local heads.
-
-    Its projections live in the block's fused ``to_qkv_mlp``; only ``norm_q``/``norm_k`` are
-    parameters here (diffusers' ``attn.norm_q``/``attn.norm_k`` of a ``pre_only`` FluxAttention).
-
-    Shapes: ``q, k, v [B, S, heads_local, hd]`` -> ``[B, S, heads_local * hd]``.
-    """
-
-    def __init__(self, cfg: FluxArchConfig):
-        super().__init__()
-        self.norm_q = _qk_norm(cfg.attention_head_dim, cfg.NORM_EPS)
-        self.norm_k = _qk_norm(cfg.attention_head_dim, cfg.NORM_EPS)
-
-    def forward(self, q, k, v, cos, sin):
-        return _attend(self.norm_q(q), self.norm_k(k), v, cos, sin)
-
-
-class FluxSingleBlock(nn.Module):
-    """Single-stream block with parallel attention and MLP; diffusers' ``FluxSingleTransformerBlock``.
-
-    With ``shift, scale, gate = norm.linear(silu(temb))`` and ``h = LN(x) * (1 + scale) + shift``::
-
-        q | k | v | m = to_qkv_mlp(h)                        # [D, D, D, mlp_hidden] (local parts)
-        x = x + gate * proj_out([attention(q, k, v) | gelu_tanh(m)])
-
-    Shapes: ``x [B, S_txt + S_img, D]`` (text first), ``temb [B, D]``, ``cos``/``sin``
-    ``[S, hd / 2]`` -> ``[B, S, D]``.
-    """
-
-    def __init__(self, cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype):
-        super().__init__()
-        d, h, hd = cfg.inner_dim, cfg.mlp_hidden, cfg.attention_head_dim
-        self.head_dim = hd
-        kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
-        self.norm = AdaLayerNormZero(d, 3, cfg.NORM_EPS, f"{prefix}.norm", **kw)
-        self.to_qkv_mlp = MergedColumnParallelLinear(
-            d,
-            [d, d, d, h],
-            bias=True,
-            **tp_kwargs(f"{prefix}.to_qkv_mlp", tp_rank, tp_size, dtype),
-        )
-        # local section widths [D/n, D/n, D/n, mlp_hidden/n], fixed at construction so a LoRA
-        # wrapper that replaces the module later does not matter
-        self.split_sizes = list(self.to_qkv_mlp.output_partition_sizes)
-        self.attn = FluxSingleAttention(cfg)
-        self.proj_out = RowParallelLinear(
-            d + h,
-            d,
-            bias=True,
-            input_is_parallel=True,
-            input_sizes=[d, h],
-            **tp_kwargs(f"{prefix}.proj_out", tp_rank, tp_size, dtype),
-        )
-
-    def forward(self, x, temb, cos, sin):
-        hx, gate = self.norm(x, temb)
-        q, k, v, m = self.to_qkv_mlp(hx)[0].split(self.split_sizes, dim=-1)
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
-        attn = self.attn(q, k, v, cos, sin)
-        mlp = F.gelu(m, approximate="tanh")
-        x = x + gate.unsqueeze(1) * self.proj_out(torch.cat([attn, mlp], dim=2))[0]
-        if x.dtype == torch.float16:
-            x = x.clip(-FP16_MAX, FP16_MAX)
-        return x
+def flux_single_block(
+    cfg: FluxArchConfig, prefix: str, tp_rank, tp_size, dtype
+) -> SingleStreamBlock:
+    """Diffusers' ``FluxSingleTransformerBlock``: the shared single-stream block over ``[text,
+    image]`` with RoPE on every token, ``torch.nn.RMSNorm`` q/k norms and fp16 clipping."""
+    return SingleStreamBlock(
+        cfg.inner_dim,
+        cfg.attention_head_dim,
+        cfg.mlp_hidden,
+        cfg.NORM_EPS,
+        qk_norm="torch",
+        clip_fp16=True,
+        prefix=prefix,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dtype=dtype,
+    )
 
 
 # ---------------------------------------------------------------------------------- the model
@@ -340,11 +173,11 @@ class FluxTransformer(nn.Module):
             )
             self.x_embedder = ReplicatedLinear(cfg.in_channels, d, prefix="x_embedder", **kw)
             self.transformer_blocks = nn.ModuleList(
-                FluxDoubleBlock(cfg, f"transformer_blocks.{i}", tp_rank, tp_size, dtype)
+                flux_double_block(cfg, f"transformer_blocks.{i}", tp_rank, tp_size, dtype)
                 for i in range(cfg.num_layers)
             )
             self.single_transformer_blocks = nn.ModuleList(
-                FluxSingleBlock(cfg, f"single_transformer_blocks.{i}", tp_rank, tp_size, dtype)
+                flux_single_block(cfg, f"single_transformer_blocks.{i}", tp_rank, tp_size, dtype)
                 for i in range(cfg.num_single_layers)
             )
             self.norm_out = AdaLayerNormContinuous(d, cfg.NORM_EPS, "norm_out", **kw)
@@ -434,12 +267,12 @@ class FluxTransformer(nn.Module):
 
         with sequence_split(ts + xs):
             for block in self.transformer_blocks:
-                ctx, x = block(x, ctx, temb, cos, sin)
+                x, ctx = block(x, ctx, temb, (cos, sin))
             # the reference concatenates and splits [text, image] in every single block; doing
             # it once around all of them is the same arithmetic
             h = torch.cat([ctx, x], dim=1)
             for block in self.single_transformer_blocks:
-                h = block(h, temb, cos, sin)
+                h = block(h, temb, (cos, sin))
         x = h[:, ctx.shape[1] :]
         return xs.gather(self.proj_out(self.norm_out(x, temb))[0])
 
