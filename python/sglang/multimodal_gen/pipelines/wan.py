@@ -36,6 +36,11 @@ posterior's mode, no draw from the generator), normalised as ``(z - mean) / std`
   (the others ``t``); the final latents get the image's latent frame back before decoding.
 
 The image's latents are computed on rank 0 and broadcast with the prompt conditioning.
+
+A directory whose ``model_index.json`` ``_class_name`` is ``WanDMDPipeline`` (FastVideo's
+DMD-distilled FastWan2.1 / FastWan2.2-TI2V-5B) loads as :class:`WanDMDPipeline`: the same stages
+with the DMD sampler (:mod:`~sglang.multimodal_gen.pipelines.dmd`: predict ``x0``, re-noise it
+with fresh noise to the next of the fixed timesteps 1000, 757, 522; no CFG).
 """
 
 from __future__ import annotations
@@ -46,10 +51,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang.multimodal_gen.models.families.wan import takes_image_condition
+from sglang.multimodal_gen.models.families.wan import DMD_PIPELINE_CLASS, takes_image_condition
+from sglang.multimodal_gen.models.model_dir import read_model_index
 from sglang.multimodal_gen.pipelines.base import Generation, StagedPipeline
+from sglang.multimodal_gen.pipelines.dmd import (
+    DMDScheduler,
+    dmd_request_spec,
+    dmd_timesteps,
+    refuse_guidance,
+)
 
-__all__ = ["WanPipeline"]
+__all__ = ["WanDMDPipeline", "WanPipeline"]
 
 
 class WanPipeline(StagedPipeline):
@@ -97,6 +109,14 @@ class WanPipeline(StagedPipeline):
             self.spec, defaults=defaults, limits=limits, frame_step=self.temporal_factor,
             inputs=inputs,
         )  # fmt: skip
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, *args, **kwargs):
+        """As :meth:`StagedPipeline.from_pretrained`; a ``WanDMDPipeline`` directory (its
+        ``model_index.json`` ``_class_name``) loads as :class:`WanDMDPipeline`."""
+        if cls is WanPipeline and read_model_index(model_path).pipeline_class == DMD_PIPELINE_CLASS:
+            return WanDMDPipeline.from_pretrained(model_path, *args, **kwargs)
+        return super().from_pretrained(model_path, *args, **kwargs)
 
     def compute_vae_scale_factor(self) -> int:
         return int(self.configs.get("vae", {}).get("scale_factor_spatial") or 8)
@@ -299,3 +319,43 @@ class WanPipeline(StagedPipeline):
             video, output_type="np"
         )
         return (np.asarray(frames) * 255).round().astype("uint8")
+
+
+class WanDMDPipeline(WanPipeline):
+    """Wan with the DMD sampler (FastVideo's ``WanDMDPipeline``: FastWan2.1-T2V, FastWan2.2-TI2V-5B).
+
+    The stages of :class:`WanPipeline` with :class:`~sglang.multimodal_gen.pipelines.dmd.
+    DMDScheduler` as the scheduler: the timesteps of the directory (``model_index.json``
+    ``dmd_denoising_steps``) or the published 1000, 757, 522; ``num_inference_steps`` defaults
+    to their number (fewer run the first ones, more are refused); ``guidance_scale`` defaults
+    to 1 and a value above 1 is refused (``param="guidance_scale"``); the other defaults are the
+    variant's (TI2V-5B: 704x1280, 121 frames, 24 fps). With an input image (TI2V) the first
+    latent frame is the image's after every step, so the re-noise never reaches it (its tokens
+    get timestep 0 as in :class:`WanPipeline`); the noise is drawn for the whole latent all the
+    same, so a request's noise does not depend on whether it gives an image.
+
+    Raises:
+        ModelLoadError: a malformed ``dmd_denoising_steps``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dmd_timesteps = dmd_timesteps(self.pipeline_config)
+        self.spec = dmd_request_spec(self.spec, len(self.dmd_timesteps))
+
+    def new_generation(self, params, generator=None, lora=None, batch=None):
+        g = super().new_generation(params, generator, lora, batch)
+        refuse_guidance(g.params)
+        return g
+
+    def prepare_timesteps(self, g, latents):
+        sched = DMDScheduler.for_request(
+            self.dmd_timesteps, g.params.num_inference_steps, g.generator, self.device
+        )
+        return sched, sched.timesteps
+
+    def after_step(self, g, cond, latents, step_index, timesteps, scheduler):
+        """With an input image (TI2V): the image's latent frame back after every step."""
+        if "first_frame" in cond:
+            return self._with_first_frame(latents, cond)
+        return latents

@@ -6,7 +6,10 @@ experts, whose input is the noise concatenated with the image's condition latent
 mask: ``in_channels = 2 * out_channels + 4``; an image is required), Wan2.2 TI2V-5B (one expert,
 48 latent channels, the Wan2.2 VAE, per-token timesteps via ``expand_timesteps``; text-to-video,
 or image-to-video with the image as the first frame) and Wan2.1 (one expert, text only; the
-CLIP image branch of Wan2.1 I2V is not implemented, see ``configs/wan.py``). Files of the family: ``configs/wan.py``, ``models/dits/wan.py`` (+
+CLIP image branch of Wan2.1 I2V is not implemented, see ``configs/wan.py``). A
+``WanDMDPipeline`` directory (FastVideo's DMD-distilled FastWan2.1 / FastWan2.2-TI2V-5B, the same
+layouts) is served with the DMD few-step sampler (``pipelines/dmd.py``, ``pipelines/wan.py``
+``WanDMDPipeline``). Files of the family: ``configs/wan.py``, ``models/dits/wan.py`` (+
 ``wan_layers.py``), ``models/dits/wan_names.py``, ``pipelines/wan.py``, ``models/families/tiny/wan.py`` and this
 declaration.
 """
@@ -23,6 +26,10 @@ from sglang.multimodal_gen.models.registry import (
 )
 
 _PKG = "sglang.multimodal_gen"
+
+#: ``model_index.json`` ``_class_name`` of FastVideo's DMD-distilled Wan directories
+#: (FastWan2.1-T2V, FastWan2.2-TI2V-5B): served with the DMD sampler.
+DMD_PIPELINE_CLASS = "WanDMDPipeline"
 
 
 def _max_frames(cfg) -> int:
@@ -89,7 +96,7 @@ WAN = register_family(
     ModelFamily(
         name="wan",
         display_name="Wan2.x",
-        pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
+        pipeline_classes=("WanPipeline", "WanImageToVideoPipeline", DMD_PIPELINE_CLASS),
         pipeline=f"{_PKG}.pipelines.wan:WanPipeline",
         denoisers=(_expert("transformer"), _expert("transformer_2")),
         defaults=_defaults,

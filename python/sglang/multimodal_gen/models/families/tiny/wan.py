@@ -132,3 +132,29 @@ def build_wan_dir(
 
 
 build_wan_dir.version = TINY_VERSION  # cache key of an embedded default model
+
+
+def mark_wan_dmd_dir(path: str | os.PathLike) -> str:
+    """Set the ``model_index.json`` ``_class_name`` of the Wan directory at ``path`` to
+    ``WanDMDPipeline``, as FastVideo publishes its DMD-distilled directories (FastWan2.1,
+    FastWan2.2-TI2V-5B; the other entries, the scheduler's included, stay the base model's: the
+    DMD sampler does not read the scheduler). Returns ``str(path)``."""
+    import json
+
+    from sglang.multimodal_gen.models.families.wan import DMD_PIPELINE_CLASS
+
+    path = os.fspath(path)
+    index_file = os.path.join(path, "model_index.json")
+    with open(index_file, encoding="utf-8") as f:
+        index = json.load(f)
+    index["_class_name"] = DMD_PIPELINE_CLASS
+    with open(index_file, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    return path
+
+
+def build_wan_dmd_dir(path: str | os.PathLike, *, seed: int = DEFAULT_SEED) -> str:
+    """Write a tiny FastWan2.2-TI2V-5B-like directory at ``path``: the ``"ti2v"`` layout
+    (:func:`build_wan_dir`) marked ``WanDMDPipeline`` (:func:`mark_wan_dmd_dir`). Returns
+    ``str(path)``."""
+    return mark_wan_dmd_dir(build_wan_dir(path, layout="ti2v", seed=seed))
