@@ -1,0 +1,75 @@
+"""HunyuanVideo 1.5 (Tencent): ``HunyuanVideo15Pipeline`` text-to-video directories.
+
+One DiT (``HunyuanVideo15Transformer3DModel``) denoises 32-channel video latents of the
+HunyuanVideo 1.5 VAE (16x spatial, 4x temporal compression) conditioned on Qwen2.5-VL text
+features and ByT5 features of the quoted (glyph) text of the prompt; classifier-free guidance as
+the directory's ``ClassifierFreeGuidance`` guider configures it. Image-to-video
+(``HunyuanVideo15ImageToVideoPipeline``: SigLIP image features and the first frame's latents) is
+not served: a request with an image is refused (400 naming ``image``). Files of the family:
+``configs/hunyuan_video15.py`` (the DiT's config), ``models/dits/hunyuan_video15*.py`` (the DiT
+and its name map), ``pipelines/hunyuan_video15.py``, ``models/families/tiny/hunyuan_video15.py``
+and this declaration.
+"""
+
+from __future__ import annotations
+
+from sglang.multimodal_gen.configs.sampling_params import RequestLimits, VideoSamplingParams
+from sglang.multimodal_gen.models.registry import (
+    DenoiserSpec,
+    ModelFamily,
+    SamplingDefaults,
+    register_family,
+)
+
+_PKG = "sglang.multimodal_gen"
+
+#: Text tokens the Qwen2.5-VL encoder keeps after the template's prefix (diffusers'
+#: ``tokenizer_max_length``).
+MAX_SEQUENCE_LENGTH = 1000
+#: Longest video: 10 s at 24 fps as 4 k + 1 frames (twice the released models' 121 frames; the
+#: DiT's rotary tables are computed per call and bound nothing).
+MAX_FRAMES = 241
+
+
+def _defaults(cfg) -> SamplingDefaults:
+    """diffusers' ``HunyuanVideo15Pipeline.__call__`` defaults: 121 frames, 50 steps, the size of
+    the 16:9 bucket of the DiT's ``target_size`` (480 x 848 at 640, 720 x 1280 at 960; the
+    pipeline recomputes it with the directory's VAE factor); 24 fps (the released models'
+    rate); the guidance weight is the guider's (6.0 in the released directories; the pipeline
+    reads the directory's ``guider`` config)."""
+    params = VideoSamplingParams(
+        num_inference_steps=50, guidance_scale=6.0, height=480, width=848,
+        max_sequence_length=MAX_SEQUENCE_LENGTH, num_frames=121, fps=24,
+    )  # fmt: skip
+    limits = RequestLimits(max_sequence_length=MAX_SEQUENCE_LENGTH, max_num_frames=MAX_FRAMES)
+    return SamplingDefaults(params=params, limits=limits, outputs="video", inputs=("text",))
+
+
+def _tp_divisors(cfg) -> dict[str, int]:
+    from sglang.multimodal_gen.configs.hunyuan_video15 import hunyuan_video15_tp_divisors
+
+    return hunyuan_video15_tp_divisors(cfg)
+
+
+HUNYUAN_VIDEO15 = register_family(
+    ModelFamily(
+        name="hunyuan-video-1.5",
+        display_name="HunyuanVideo 1.5",
+        pipeline_classes=("HunyuanVideo15Pipeline",),
+        pipeline=f"{_PKG}.pipelines.hunyuan_video15:HunyuanVideo15Pipeline",
+        denoisers=(
+            DenoiserSpec(
+                component="transformer",
+                diffusers_classes=("HunyuanVideo15Transformer3DModel",),
+                config_class=f"{_PKG}.configs.hunyuan_video15:HunyuanVideo15ArchConfig",
+                model_class=f"{_PKG}.models.dits.hunyuan_video15:HunyuanVideo15Transformer",
+                name_map=f"{_PKG}.models.dits.hunyuan_video15_names:HUNYUAN_VIDEO15_NAME_MAP",
+            ),
+        ),
+        defaults=_defaults,
+        sampling_params=f"{_PKG}.configs.sampling_params:VideoSamplingParams",
+        tp_divisors=_tp_divisors,
+        build_tiny=f"{_PKG}.models.families.tiny.hunyuan_video15:build_hunyuan_video15_dir",
+        default_model_name="sglang-default-hunyuan-video-1.5-tiny",
+    )
+)
