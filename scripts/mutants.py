@@ -1028,6 +1028,66 @@ MUTANTS: list[Mutant] = [
         why="node 0 exits as soon as it posts a refusal: the other nodes lose the store and "
         "report a connection reset instead of the refusal",
     ),
+    _m(
+        "dmd-renoise-reuses-one-noise",
+        "pipelines/dmd.py",
+        "        noise = None if last else self.noise(sample.shape)\n",
+        "        noise = None if last else self.__dict__.setdefault('_eps', self.noise(sample.shape))\n",
+        ("test/unit/pipelines/test_dmd.py",),
+        why="every DMD re-noise uses the first step's noise instead of fresh noise",
+    ),
+    _m(
+        "dmd-last-step-returns-x_t",
+        "pipelines/dmd.py",
+        "    if sigma_next is None:\n        return x0\n",
+        "    if sigma_next is None:\n        return sample.float()\n",
+        ("test/unit/pipelines/test_dmd.py",),
+        why="the last DMD step returns its noisy input instead of the x0 prediction",
+    ),
+    _m(
+        "dmd-sigma-is-t-over-1000",
+        "pipelines/dmd.py",
+        "        out.append(float(sigmas[k]))\n",
+        "        out.append(float(t) / n)\n",
+        ("test/unit/pipelines/test_dmd.py",),
+        why="DMD sigmas t / 1000 instead of the shift-8 table's entries (757 -> 0.757, not 28/37)",
+    ),
+    _m(
+        "dmd-noise-drawn-bcthw",
+        "pipelines/dmd.py",
+        "    if len(shape) == 5:\n        b, c, t, h, w = shape",
+        "    if False:\n        b, c, t, h, w = shape",
+        ("test/unit/pipelines/test_dmd.py",),
+        why="the DMD re-noise is drawn [B, C, T, H, W]: other noise than FastVideo's for a seed",
+    ),
+    _m(
+        "dmd-guidance-not-refused",
+        "pipelines/dmd.py",
+        "    if w is not None and w > 1.0:\n",
+        "    if False:\n",
+        ("test/unit/pipelines/test_dmd.py",),
+        ("-k", "guidance"),
+        why="guidance_scale > 1 to a DMD model is accepted (and the pipeline then runs CFG)",
+    ),
+    _m(
+        "fastwan-directory-runs-the-euler-scheduler",
+        "pipelines/wan.py",
+        "        if cls is WanPipeline and read_model_index(model_path).pipeline_class == DMD",
+        "        if False and read_model_index(model_path).pipeline_class == DMD",
+        ("test/integration/families/test_fastwan_dmd.py",),
+        ("-k", "text_to_video"),
+        why="a WanDMDPipeline directory loads as a plain WanPipeline: UniPC over 3 steps, not DMD",
+    ),
+    _m(
+        "fastwan-ti2v-image-frame-dropped",
+        "pipelines/wan.py",
+        '        if "first_frame" in cond:\n            return self._with_first_frame(latents, cond)\n',
+        "        if False:\n            return self._with_first_frame(latents, cond)\n",
+        ("test/integration/families/test_fastwan_dmd.py",),
+        ("-k", "image_to_video"),
+        why="DMD TI2V: the image's latent frame is not put back after the steps (the re-noised "
+        "x0 of the first frame is decoded instead of the image)",
+    ),
 ]
 
 
