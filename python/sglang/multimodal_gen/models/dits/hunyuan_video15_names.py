@@ -43,6 +43,13 @@ diffusers.py``, ``convert_hyvideo15_transformer_to_diffusers``):
 * wrappers ``model.diffusion_model.`` / ``diffusion_model.`` (ComfyUI single files and most LoRA
   files) are stripped.
 
+ComfyUI's own module names (``comfy/ldm/hunyuan_video/model.py`` builds both versions on Flux's
+block classes), which LoRA files saved by ComfyUI use, are mapped too: ``double_blocks.N.
+img_attn.qkv`` / ``txt_attn.qkv`` (fused, whole layer), ``img_attn.proj``, ``img_mod.lin``,
+``img_mlp.0|2`` (and ``txt_*``), the refiner's ``self_attn.qkv`` / ``self_attn.proj`` /
+``mlp.0|2``, ``MLPEmbedder``'s ``in_layer`` / ``out_layer`` for ``time_in``, ``txt_in.t_embedder``
+and ``txt_in.c_embedder``.
+
 Not mapped: the MeanFlow reference-timestep embedder of a ``use_meanflow`` model has no Tencent
 name in diffusers' converter (diffusers-layout checkpoints of it load through the identity).
 
@@ -137,6 +144,41 @@ HUNYUAN_VIDEO15_NAME_MAP = NameMap(
         _refiner("attn.to_q", "attn.to_qkv", "q"),
         _refiner("attn.to_k", "attn.to_qkv", "k"),
         _refiner("attn.to_v", "attn.to_qkv", "v"),
+        # ---- ComfyUI's own names (``comfy/ldm/hunyuan_video/model.py``, Flux's block classes:
+        # fused ``img_attn.qkv``, ``*_mod.lin``, ``*_mlp.0|2``, ``MLPEmbedder`` ``in_layer`` /
+        # ``out_layer``), as LoRA files saved by ComfyUI spell them; after the renames above
+        _block("img_mod.lin", "norm1.linear"),
+        _block("txt_mod.lin", "norm1_context.linear"),
+        _block("img_attn.qkv", "attn.to_qkv"),
+        _block("txt_attn.qkv", "attn.to_added_qkv"),
+        _block("img_attn.proj", "attn.to_out.0"),
+        _block("txt_attn.proj", "attn.to_add_out"),
+        _block("img_mlp.0", "ff.net.0.proj"),
+        _block("img_mlp.2", "ff.net.2"),
+        _block("txt_mlp.0", "ff_context.net.0.proj"),
+        _block("txt_mlp.2", "ff_context.net.2"),
+        _refiner("self_attn.qkv", "attn.to_qkv"),
+        _refiner("self_attn.proj", "attn.to_out.0"),
+        _refiner("mlp.0", "ff.net.0.proj"),
+        _refiner("mlp.2", "ff.net.2"),
+        _top("time_in.in_layer", "time_embed.timestep_embedder.linear_1"),
+        _top("time_in.out_layer", "time_embed.timestep_embedder.linear_2"),
+        _top(
+            "txt_in.t_embedder.in_layer",
+            "context_embedder.time_text_embed.timestep_embedder.linear_1",
+        ),
+        _top(
+            "txt_in.t_embedder.out_layer",
+            "context_embedder.time_text_embed.timestep_embedder.linear_2",
+        ),
+        _top(
+            "context_embedder.time_text_embed.text_embedder.in_layer",
+            "context_embedder.time_text_embed.text_embedder.linear_1",
+        ),
+        _top(
+            "context_embedder.time_text_embed.text_embedder.out_layer",
+            "context_embedder.time_text_embed.text_embedder.linear_2",
+        ),
     ),
     strip_prefixes=("model.diffusion_model.", "diffusion_model."),
 )
