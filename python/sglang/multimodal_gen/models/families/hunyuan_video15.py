@@ -71,5 +71,24 @@ HUNYUAN_VIDEO15 = register_family(
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.tiny.hunyuan_video15:build_hunyuan_video15_dir",
         default_model_name="sglang-default-hunyuan-video-1.5-tiny",
+        # the LoRA-family guess (lora.key_grammar.best_architecture): any double-block key counts
+        # (a shorter piece than Flux's pattern, so a file with no 1.5-only name stays Flux's); the
+        # names only 1.5 has win the tie on the longer piece: Tencent's split img_attn_q|k|v (to
+        # the key's end, longer than what 1.0 shares), the ByT5 / SigLIP / cond-type / time
+        # embedders, a double block past 1.0's 20; Tencent's modulation / MLP names, the token
+        # refiner and txt_in / context_embedder are HunyuanVideo's (1.0 lists them too)
+        lora_signature=(
+            r"double_block(?=s[._]\d)",
+            r"double_blocks[._]\d+[._](img|txt)_(mod[._]linear|mlp[._]fc[12])",
+            r"double_blocks[._]\d+[._](img|txt)_attn_[qkv](?=[._]|$).*",
+            r"double_blocks\.\d+\.(img|txt)_attn_proj\b",
+            r"individual_token_refiner|token_refiner[._]refiner_blocks|"
+            r"txt_in[._](input_embedder|[tc]_embedder)|context_embedder[._](proj_in|time_text_embed)",
+            r"(^|[._])(byt5_in|vision_in|context_embedder_2|cond_type_embed)[._]",
+            r"(^|[._])image_embedder[._]linear_[12]",  # (Wan I2V's is image_embedder.ff / norm)
+            r"(^|[._])time_embed[._]timestep_embedder",
+            r"double_blocks[._]([2-4]\d|5[0-3])[._].*",
+        ),
+        lora_architecture="HunyuanVideo 1.5",
     )
 )
