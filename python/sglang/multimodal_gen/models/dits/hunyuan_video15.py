@@ -17,8 +17,10 @@ the reference zeroes the ByT5/text padding). A text-to-video item's image tokens
 pooled-text embedding at model level); RoPE over (frame, row, column) rotates the video tokens.
 The output is ``norm_out`` (adaLN-continuous), ``proj_out`` and unpatchify.
 
-Module names equal diffusers' except the fused projections (``attn.to_qkv``, ``attn.to_added_qkv``,
-the refiner's ``attn.to_qkv``), see ``hunyuan_video15_names.py``.
+The dual-stream blocks are the shared ``layers.mmdit.DualStreamBlock`` (``[video, text]`` order,
+diffusers' RMSNorm on q/k, RoPE on the video prefix, a key mask, no fp16 clipping). Module names
+equal diffusers' except the fused projections (``attn.to_qkv``, ``attn.to_added_qkv``, the
+refiner's ``attn.to_qkv``), see ``hunyuan_video15_names.py``.
 
 Padding is trimmed: the token positions that are padding for every item of the batch (after the
 valid-first ordering, the tail) are dropped before the blocks, so a text-to-video batch attends
@@ -43,10 +45,10 @@ from sglang.multimodal_gen.configs.hunyuan_video15 import (
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
+from sglang.multimodal_gen.layers.mmdit import DualStreamBlock
 from sglang.multimodal_gen.layers.norm import AdaLayerNormContinuous
 from sglang.multimodal_gen.layers.rotary import MultiAxisRopeReal
 from sglang.multimodal_gen.models.dits.hunyuan_video15_layers import (
-    HunyuanVideo15Block,
     HunyuanVideo15ByT5Projection,
     HunyuanVideo15ImageProjection,
     HunyuanVideo15TimeEmbedding,
@@ -117,12 +119,28 @@ class HunyuanVideo15Transformer(nn.Module):
             self.time_embed = HunyuanVideo15TimeEmbedding(cfg, "time_embed", **kw)
             self.cond_type_embed = nn.Embedding(cfg.NUM_COND_TYPES, d, dtype=dtype)
             self.rope = MultiAxisRopeReal(cfg.rope_theta, cfg.rope_axes_dim)
+            # diffusers' HunyuanVideo15TransformerBlock: the shared MM-DiT block with the
+            # [video, text] order, diffusers' RMSNorm on q/k, RoPE on the video prefix, a key mask
             self.transformer_blocks = nn.ModuleList(
-                HunyuanVideo15Block(cfg, f"transformer_blocks.{i}", tp_rank, tp_size, dtype)
+                DualStreamBlock(
+                    d,
+                    cfg.attention_head_dim,
+                    cfg.num_attention_heads,
+                    cfg.mlp_hidden,
+                    cfg.NORM_EPS,
+                    qk_norm="diffusers",
+                    text_first=False,
+                    clip_fp16=False,
+                    prefix=f"transformer_blocks.{i}",
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    dtype=dtype,
+                )
                 for i in range(cfg.num_layers)
             )
             self.norm_out = AdaLayerNormContinuous(d, cfg.NORM_EPS, "norm_out", **kw)
             self.proj_out = ReplicatedLinear(d, cfg.out_features, prefix="proj_out", **kw)
+        self.to(dtype)  # the blocks' q/k norms are created in the default dtype
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -302,7 +320,7 @@ class HunyuanVideo15Transformer(nn.Module):
 
         with sequence_split(xs + ts):
             for block in self.transformer_blocks:
-                x, ctx = block(x, ctx, temb, cos, sin, key_mask)
+                x, ctx = block(x, ctx, temb, (cos, sin), key_mask)
 
         x = xs.gather(self.proj_out(self.norm_out(x, temb))[0])  # [B, S, C_out * p_t * p * p]
         x = x.reshape(b, ppf, pph, ppw, -1, p_t, p, p)

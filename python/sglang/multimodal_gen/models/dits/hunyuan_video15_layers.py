@@ -12,12 +12,11 @@ diffusers', except the fused q/k/v projections, see ``hunyuan_video15_names.py``
   GELU between them) on the ByT5 glyph features;
 * :class:`HunyuanVideo15ImageProjection`: ``image_embedder`` (LayerNorm, linear, GELU, linear,
   LayerNorm) on the SigLIP image features;
-* :class:`HunyuanVideo15Block`: one dual-stream (MM-DiT) block: adaLN-Zero per stream, one joint
-  attention over ``[video, text]`` with per-head q/k RMSNorm, RoPE on the video tokens only and a
-  key mask for the text padding, GELU(tanh) feed-forwards per stream.
 
-Tensor parallelism: attention heads (q/k/v column-parallel, output row-parallel) and feed-forward
-hidden units are split over the ranks, in the refiner and in the blocks; the embedders of the
+The dual-stream blocks are the shared ``layers.mmdit.DualStreamBlock`` (see ``hunyuan_video15.py``).
+
+Tensor parallelism: the refiner's attention heads (q/k/v column-parallel, output row-parallel) and
+feed-forward hidden units are split over the ranks; the embedders of the
 conditioning vectors, the ByT5 / image projections and the adaLN linears are replicated.
 """
 
@@ -28,21 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.multimodal_gen.configs.hunyuan_video15 import HunyuanVideo15ArchConfig
-from sglang.multimodal_gen.layers.attention import attention, sdpa_bshd
+from sglang.multimodal_gen.layers.attention import sdpa_bshd
 from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding, timestep_sinusoid
-from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
-from sglang.multimodal_gen.layers.norm import AdaLayerNormZero, LayerNormNoAffine, RMSNorm, modulate
-from sglang.multimodal_gen.layers.rotary import apply_rope_real
 from sglang.multimodal_gen.models.dits.common import tp_kwargs
 
 __all__ = [
-    "HunyuanVideo15Block",
     "HunyuanVideo15ByT5Projection",
     "HunyuanVideo15ImageProjection",
     "HunyuanVideo15TimeEmbedding",
@@ -263,117 +258,3 @@ class HunyuanVideo15ImageProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.linear_1(self.norm_in(x))[0])
         return self.norm_out(self.linear_2(h)[0])
-
-
-# ------------------------------------------------------------------------- dual-stream block
-class _JointAttention(nn.Module):
-    """Joint attention of a dual-stream block (diffusers' ``Attention`` with ``added_kv_proj_dim``
-    and ``HunyuanVideo15AttnProcessor2_0``): video and text have their own fused q/k/v, per-head
-    RMSNorms (eps 1e-6) and output projections; RoPE rotates the video q/k only; the joint
-    sequence is ``[video, text]``; the text's padded tokens are masked as keys.
-
-    Shapes: ``x [B, S, D]``, ``ctx [B, L, D]``, ``cos``/``sin`` ``[S, head_dim / 2]``, ``key_mask
-    [B, S + L] bool | None`` -> ``(x_out [B, S, D], ctx_out [B, L, D])`` (all-reduced over TP).
-    Under sequence parallelism ``S``/``L`` are this rank's chunks (see ``layers.attention``).
-    """
-
-    def __init__(self, cfg: HunyuanVideo15ArchConfig, prefix: str, tp_rank, tp_size, dtype):
-        super().__init__()
-        d, hd, heads, eps = (
-            cfg.inner_dim,
-            cfg.attention_head_dim,
-            cfg.num_attention_heads,
-            cfg.NORM_EPS,
-        )
-        self.head_dim = hd
-        self.to_qkv = QKVParallelLinear(
-            d, hd, heads, heads, bias=True, **tp_kwargs(f"{prefix}.to_qkv", tp_rank, tp_size, dtype)
-        )
-        self.to_added_qkv = QKVParallelLinear(
-            d,
-            hd,
-            heads,
-            heads,
-            bias=True,
-            **tp_kwargs(f"{prefix}.to_added_qkv", tp_rank, tp_size, dtype),
-        )
-        self.split_sizes = list(self.to_qkv.output_partition_sizes)
-        self.norm_q = RMSNorm(hd, eps=eps).to(dtype)
-        self.norm_k = RMSNorm(hd, eps=eps).to(dtype)
-        self.norm_added_q = RMSNorm(hd, eps=eps).to(dtype)
-        self.norm_added_k = RMSNorm(hd, eps=eps).to(dtype)
-        self.to_out = nn.ModuleList(
-            [
-                RowParallelLinear(
-                    d,
-                    d,
-                    bias=True,
-                    input_is_parallel=True,
-                    **tp_kwargs(f"{prefix}.to_out.0", tp_rank, tp_size, dtype),
-                )
-            ]
-        )
-        self.to_add_out = RowParallelLinear(
-            d,
-            d,
-            bias=True,
-            input_is_parallel=True,
-            **tp_kwargs(f"{prefix}.to_add_out", tp_rank, tp_size, dtype),
-        )
-
-    def _heads(self, layer, x):
-        q, k, v = layer(x)[0].split(self.split_sizes, dim=-1)
-        return (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
-
-    def forward(self, x, ctx, cos, sin, key_mask):
-        q, k, v = self._heads(self.to_qkv, x)
-        cq, ck, cv = self._heads(self.to_added_qkv, ctx)
-        q = apply_rope_real(self.norm_q(q), cos, sin)
-        k = apply_rope_real(self.norm_k(k), cos, sin)
-        q = torch.cat([q, self.norm_added_q(cq)], dim=1)
-        k = torch.cat([k, self.norm_added_k(ck)], dim=1)
-        v = torch.cat([v, cv], dim=1)
-        out = attention(q, k, v, key_mask).to(x.dtype)
-        s = x.shape[1]
-        x_out, ctx_out = out[:, :s].contiguous(), out[:, s:].contiguous()
-        return self.to_out[0](x_out)[0], self.to_add_out(ctx_out)[0]
-
-
-class HunyuanVideo15Block(nn.Module):
-    """Dual-stream block (diffusers' ``HunyuanVideo15TransformerBlock``). For each stream ``s``
-    (video ``x``, text ``ctx``) with ``norm1[_context]`` giving ``shift_a, scale_a, gate_a,
-    shift_f, scale_f, gate_f`` from ``temb``::
-
-        a_x, a_ctx = joint_attention(LN(x) * (1 + scale_a) + shift_a, same for ctx)
-        s = s + a_s * gate_a
-        s = s + gate_f * ff_s(LN(s) * (1 + scale_f) + shift_f)
-
-    Shapes: ``x [B, S, D]``, ``ctx [B, L, D]``, ``temb [B, D]``, ``cos``/``sin`` ``[S, hd / 2]``,
-    ``key_mask [B, S + L] | None`` -> ``(x, ctx)``.
-    """
-
-    def __init__(self, cfg: HunyuanVideo15ArchConfig, prefix: str, tp_rank, tp_size, dtype):
-        super().__init__()
-        d, eps = cfg.inner_dim, cfg.NORM_EPS
-        kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
-        self.norm1 = AdaLayerNormZero(d, 6, eps, f"{prefix}.norm1", **kw)
-        self.norm1_context = AdaLayerNormZero(d, 6, eps, f"{prefix}.norm1_context", **kw)
-        self.attn = _JointAttention(cfg, f"{prefix}.attn", tp_rank, tp_size, dtype)
-        self.norm2 = LayerNormNoAffine(d, eps=eps)
-        self.ff = GeluTanhFeedForward(d, cfg.mlp_hidden, f"{prefix}.ff", tp_rank, tp_size, dtype)
-        self.norm2_context = LayerNormNoAffine(d, eps=eps)
-        self.ff_context = GeluTanhFeedForward(
-            d, cfg.mlp_hidden, f"{prefix}.ff_context", tp_rank, tp_size, dtype
-        )
-
-    def forward(self, x, ctx, temb, cos, sin, key_mask):
-        nx, gate_a, shift_f, scale_f, gate_f = self.norm1(x, temb)
-        nc, c_gate_a, c_shift_f, c_scale_f, c_gate_f = self.norm1_context(ctx, temb)
-        a_x, a_c = self.attn(nx, nc, cos, sin, key_mask)
-        x = x + a_x * gate_a.unsqueeze(1)
-        ctx = ctx + a_c * c_gate_a.unsqueeze(1)
-        h = modulate(self.norm2(x), shift_f[:, None], scale_f[:, None])
-        hc = modulate(self.norm2_context(ctx), c_shift_f[:, None], c_scale_f[:, None])
-        x = x + gate_f.unsqueeze(1) * self.ff(h)
-        ctx = ctx + c_gate_f.unsqueeze(1) * self.ff_context(hc)
-        return x, ctx
