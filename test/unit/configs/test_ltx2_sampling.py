@@ -71,3 +71,63 @@ def test_family_defaults_are_diffusers_ltx2_defaults():
     assert (p.audio_guidance_rescale, p.spatio_temporal_guidance_blocks) == (0.7, (28,))
     assert (p.use_cross_timestep, p.decode_timestep, p.decode_noise_scale) == (True, 0.0, None)
     assert (p.motion_speed, p.max_sequence_length) == (1.0, 1024)
+
+
+# Lightricks' HQ two-stage recipe as published (github.com/Lightricks/LTX-2, commit 400fd31):
+# ltx_pipelines/utils/constants.py LTX_2_3_HQ_PARAMS (15 steps, stage 1 at 1088 // 2 x 1920 // 2,
+# video cfg 3 / stg 0 / rescale 0.45 / modality 3, audio cfg 7 / stg 0 / rescale 1 / modality 3),
+# utils/args.py hq_2_stage_arg_parser (distilled LoRA 0.25 in stage 1, 0.5 in stage 2),
+# ti2vid_two_stages_hq.py (res2s_audio_video_denoising_loop in both stages); written out here
+PUBLISHED_HQ = dict(
+    two_stage=True, res2s_sampler=True, height=1088, width=1920, num_inference_steps=15,
+    guidance_scale=3.0, stg_scale=0.0, guidance_rescale=0.45, modality_scale=3.0,
+    audio_guidance_scale=7.0, audio_stg_scale=0.0, audio_guidance_rescale=1.0,
+    audio_modality_scale=3.0, lora=(("distilled", 0.25),), stage_2_lora=(("distilled", 0.5),),
+)  # fmt: skip
+
+
+def _family_spec() -> RequestSpec:
+    from sglang.multimodal_gen.configs.ltx2 import LTX2ArchConfig
+
+    d = get_family("ltx2").sampling_defaults(LTX2ArchConfig())
+    return RequestSpec("ltx2", "LTX-2", LTX2SamplingParams, d.params, d.limits, spatial_factor=32)
+
+
+def test_hq_preset_resolves_to_the_published_settings():
+    spec = _family_spec()
+    hq = spec.resolve(spec.params(prompt="x", two_stage_preset="hq"))
+    assert {k: getattr(hq, k) for k in PUBLISHED_HQ} == PUBLISHED_HQ
+    # what the recipe does not set keeps the model's defaults (diffusers' LTX2Pipeline)
+    plain = spec.resolve(spec.params(prompt="x", seed=hq.seed))
+    rest = [n for n in LTX2SamplingParams.field_names() if n not in PUBLISHED_HQ]
+    assert all(getattr(hq, n) == getattr(plain, n) for n in rest if n != "two_stage_preset")
+    assert hq.num_frames == 121 and hq.fps == 24  # Lightricks' defaults too
+    # "default" is the request as given
+    default = spec.resolve(spec.params(prompt="x", seed=hq.seed, two_stage_preset="default"))
+    assert default.replace(two_stage_preset=None) == plain.replace()
+
+
+def test_hq_preset_explicit_fields_win():
+    spec = _family_spec()
+    mine = dict(height=256, width=384, num_inference_steps=8, guidance_scale=5.0, lora=[],
+                stage_2_lora=[("distilled", 1.0)], res2s_sampler=False, stg_scale=1.0)  # fmt: skip
+    p = spec.resolve(spec.params(prompt="x", two_stage_preset="hq", **mine))
+    mine.update(lora=(), stage_2_lora=(("distilled", 1.0),))
+    assert {k: getattr(p, k) for k in mine} == mine
+    others = {k: v for k, v in PUBLISHED_HQ.items() if k not in mine}
+    assert {k: getattr(p, k) for k in others} == others
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(two_stage_preset="HQ"),
+        dict(two_stage_preset="fast"),
+        dict(two_stage_preset=1),
+        dict(two_stage_preset="hq", two_stage=False),
+    ],
+)
+def test_bad_preset_names_the_field(fields):
+    with pytest.raises(InvalidRequestError) as e:
+        _family_spec().resolve(LTX2SamplingParams(prompt="x", **fields))
+    assert e.value.param == "two_stage_preset" and e.value.status_code == 400

@@ -6,16 +6,54 @@ The knobs of diffusers' ``LTX2Pipeline.__call__`` (diffusers 0.42.1,
 ``frame_rate``). Guidance is per modality: a video weight (``guidance_scale``, ``stg_scale``,
 ``modality_scale``, ``guidance_rescale``) and its audio twin (``audio_...``); as in diffusers, an
 audio weight of 0 falls back to the video one.
+
+``two_stage_preset`` selects a whole two-stage recipe: ``"hq"`` is Lightricks' HQ pipeline
+(github.com/Lightricks/LTX-2 ``ltx_pipelines/ti2vid_two_stages_hq.py`` with
+``utils/constants.py`` ``LTX_2_3_HQ_PARAMS`` and ``utils/args.py`` ``hq_2_stage_arg_parser``):
+:data:`LTX2_HQ_PRESET` fills every field the request leaves unset (explicit fields win), and the
+two-stage pipeline keeps stage 1's audio (``pipelines/ltx2_two_stage.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from sglang.multimodal_gen.configs.sampling_params import RequestSpec, VideoSamplingParams, param
 from sglang.multimodal_gen.errors import InvalidRequestError
 
-__all__ = ["LTX2SamplingParams"]
+__all__ = [
+    "LTX2_DISTILLED_ADAPTER",
+    "LTX2_HQ_PRESET",
+    "LTX2SamplingParams",
+    "TWO_STAGE_PRESETS",
+]
+
+#: The values of ``two_stage_preset``: ``"default"`` (the fields as given, the model's defaults
+#: for the rest; diffusers' documented two-stage composition) and ``"hq"`` (Lightricks' HQ one).
+TWO_STAGE_PRESETS = ("default", "hq")
+
+#: The adapter nickname the ``"hq"`` preset composes: Lightricks' distilled LoRA
+#: (``ltx-2.3-22b-distilled-lora-384-1.1.safetensors`` for LTX-2.3), loaded under this name
+#: (``sglang serve --lora-path distilled=...`` or ``/v1/set_lora``).
+LTX2_DISTILLED_ADAPTER = "distilled"
+
+#: The ``"hq"`` preset: the request fields Lightricks' HQ two-stage pipeline sets
+#: (``ltx_pipelines/utils/constants.py`` ``LTX_2_3_HQ_PARAMS``: 15 steps, stage 1 at
+#: 1088 x 1920 / 2, video CFG 3 / STG 0 / rescale 0.45 / modality 3, audio CFG 7 / STG 0 /
+#: rescale 1 / modality 3; ``utils/args.py`` ``hq_2_stage_arg_parser``: the distilled LoRA at
+#: 0.25 in stage 1 and 0.5 in stage 2; ``ti2vid_two_stages_hq.py``: the res_2s loop in both
+#: stages). ``height`` / ``width`` are the output size (stage 1 runs at half of each). Lightricks'
+#: empty STG block list is not set: with both STG weights 0 the blocks do nothing.
+LTX2_HQ_PRESET = MappingProxyType(
+    dict(
+        two_stage=True, res2s_sampler=True, height=1088, width=1920, num_inference_steps=15,
+        guidance_scale=3.0, stg_scale=0.0, guidance_rescale=0.45, modality_scale=3.0,
+        audio_guidance_scale=7.0, audio_stg_scale=0.0, audio_guidance_rescale=1.0,
+        audio_modality_scale=3.0, lora=((LTX2_DISTILLED_ADAPTER, 0.25),),
+        stage_2_lora=((LTX2_DISTILLED_ADAPTER, 0.5),),
+    )
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -28,8 +66,13 @@ class LTX2SamplingParams(VideoSamplingParams):
     its adapters (an unknown one is refused naming the field) and the two-stage pipeline runs its
     second stage with them (``pipelines/ltx2_two_stage.py``).
 
+    ``two_stage_preset="hq"`` fills the fields the request leaves unset with
+    :data:`LTX2_HQ_PRESET` when the request is built (before the model's defaults fill the rest),
+    so the resolved request shows every value it runs with.
+
     Raises (:meth:`check`, via ``validate``):
-        InvalidRequestError: ``motion_speed`` 0; STG on (``stg_scale`` or ``audio_stg_scale``
+        InvalidRequestError: ``two_stage_preset`` not one of :data:`TWO_STAGE_PRESETS`, or
+            ``"hq"`` with ``two_stage`` false; ``motion_speed`` 0; STG on (``stg_scale`` or ``audio_stg_scale``
             > 0) with no ``spatio_temporal_guidance_blocks``; a block index that is not an
             integer >= 0. Each names the field.
     """
@@ -98,11 +141,21 @@ class LTX2SamplingParams(VideoSamplingParams):
         "adapters ([]: none); null: the request's lora (the first stage always runs with lora)",
         cli=False,
     )
+    two_stage_preset: str | None = param(
+        "text",
+        'two-stage recipe: "default" or "hq" (Lightricks\' HQ pipeline: res_2s in both stages, '
+        "15 steps, 1088x1920, its guidance, the adapter 'distilled' at 0.25 in stage 1 and 0.5 in "
+        "stage 2, stage 1's audio kept); fields the request sets explicitly win over the preset",
+    )
 
     def __post_init__(self):
         blocks = self.spatio_temporal_guidance_blocks
         if isinstance(blocks, list):  # JSON arrays arrive as lists; requests stay hashable
             object.__setattr__(self, "spatio_temporal_guidance_blocks", tuple(blocks))
+        if self.two_stage_preset == "hq":  # explicit fields win; an unknown preset: check()
+            for name, value in LTX2_HQ_PRESET.items():
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, value)
 
     def batch_key(self) -> tuple:
         """The common key; a two-stage request's is its own, so it never shares a denoising loop
@@ -113,6 +166,18 @@ class LTX2SamplingParams(VideoSamplingParams):
 
     def check(self, spec: RequestSpec) -> None:
         super().check(spec)
+        preset = self.two_stage_preset
+        if preset is not None and preset not in TWO_STAGE_PRESETS:
+            raise InvalidRequestError(
+                f"two_stage_preset must be one of {', '.join(map(repr, TWO_STAGE_PRESETS))}, "
+                f"got {preset!r}",
+                param="two_stage_preset",
+            )
+        if preset == "hq" and self.two_stage is False:
+            raise InvalidRequestError(
+                "two_stage_preset 'hq' is a two-stage recipe; it cannot run with two_stage false",
+                param="two_stage_preset",
+            )
         if self.motion_speed is not None and self.motion_speed <= 0:
             raise InvalidRequestError(
                 f"motion_speed must be > 0, got {self.motion_speed!r}", param="motion_speed"

@@ -27,14 +27,22 @@ eta 0.5 from generators seeded -1 and 9999, bongmath) on the guided data predict
 stage. Per request (where the family declares the flags): ``two_stage`` (default: the
 directory decides) and ``res2s_sampler``.
 
-Lightricks' recipe (github.com/Lightricks/LTX-2, ``ltx_pipelines/ti2vid_two_stages.py`` and
-``ti2vid_two_stages_hq.py``) runs the distilled LoRA (``ltx-2-19b-distilled-lora-384``) at
-stage 2 (strength 1; HQ: 0.25 at stage 1 and 0.5 at stage 2: :data:`LTX2_HQ_LORA_STRENGTHS`).
-A request composes that itself: stage 1 runs with its ``lora``, stage 2 with its
+Lightricks' recipes (github.com/Lightricks/LTX-2, ``ltx_pipelines/ti2vid_two_stages.py`` and
+``ti2vid_two_stages_hq.py``) run the distilled LoRA (``ltx-2-19b-distilled-lora-384``; LTX-2.3:
+``ltx-2.3-22b-distilled-lora-384-1.1``) at stage 2 (strength 1; HQ: 0.25 at stage 1 and 0.5 at
+stage 2). A request composes that itself: stage 1 runs with its ``lora``, stage 2 with its
 ``stage_2_lora`` when given (``[]``: no adapter), else with ``lora``; the runner selects both
-(``stage_2_lora``'s selection arrives as ``lora_fields["stage_2_lora"]``). Not done here: the HQ
-stage-1 settings as defaults (:data:`LTX2_HQ_SETTINGS`), and HQ's stage-2 audio discarded for
-stage 1's (diffusers keeps stage 2's, as here).
+(``stage_2_lora``'s selection arrives as ``lora_fields["stage_2_lora"]``).
+
+``two_stage_preset="hq"`` (``configs/ltx2_sampling.py`` ``LTX2_HQ_PRESET``) is Lightricks' HQ
+pipeline: the request's unset fields take its values (res_2s in both stages, 15 steps,
+1088 x 1920, its guidance, the adapter ``distilled`` at 0.25 / 0.5), and the output keeps stage
+1's audio: stage 2 still re-noises and denoises the audio with the video (the video attends to
+it), but its audio result is dropped and stage 1's normalized audio latents are decoded
+(``ti2vid_two_stages_hq.py``: ``video_state, _ = self.stage_2(...)``, then
+``audio_decoder(audio_state.latent)`` of stage 1). Without the preset the output keeps stage 2's
+audio, as diffusers' documented composition does. (Lightricks' non-HQ two-stage pipeline keeps
+stage 1's audio too since its 2026-07-07 release; the default here follows diffusers.)
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang.multimodal_gen.configs.ltx2_sampling import LTX2_HQ_PRESET
+from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.pipelines.ltx2 import LTX2Generation, LTX2Pipeline, LTX2Shapes
 from sglang.multimodal_gen.pipelines.ltx2_upsample import VideoLatentStats, upsample_video_latents
 from sglang.multimodal_gen.pipelines.res2s import (
@@ -67,15 +77,10 @@ UPSAMPLER_COMPONENT = "latent_upsampler"
 # STAGE_2_DISTILLED_SIGMA_VALUES without its terminal 0, which the scheduler appends)
 STAGE_2_SIGMAS = (0.909375, 0.725, 0.421875)
 
-# Lightricks' HQ preset (ltx_pipelines/utils/constants.py LTX_2_3_HQ_PARAMS, ti2vid_two_stages_hq.py):
-# stage 1 at 1088x1920 / 2, 15 res_2s steps, video CFG 3 / rescale 0.45 / modality 3, audio CFG 7
-# / rescale 1 / modality 3, STG off; the distilled LoRA at 0.25 (stage 1) and 0.5 (stage 2)
-LTX2_HQ_SETTINGS = dict(
-    num_inference_steps=15, guidance_scale=3.0, guidance_rescale=0.45, modality_scale=3.0,
-    audio_guidance_scale=7.0, audio_guidance_rescale=1.0, audio_modality_scale=3.0,
-    stg_scale=0.0, audio_stg_scale=0.0, height=1088, width=1920,
-)  # fmt: skip
-LTX2_HQ_LORA_STRENGTHS = (0.25, 0.5)
+# Lightricks' HQ preset as request fields (configs/ltx2_sampling.py, where it is documented)
+LTX2_HQ_SETTINGS = LTX2_HQ_PRESET
+# the distilled LoRA's strengths of the HQ preset: (stage 1 = lora, stage 2 = stage_2_lora)
+LTX2_HQ_LORA_STRENGTHS = (LTX2_HQ_PRESET["lora"][0][1], LTX2_HQ_PRESET["stage_2_lora"][0][1])
 # the seeds of Lightricks' res_2s noise generators (noise_seed=-1, substep seed + 10000)
 _RES2S_SEEDS = (-1, 9999)
 
@@ -90,10 +95,14 @@ _STAGE_2_FIELDS = dict(
 @dataclass
 class _Stage2Start:
     """What stage 2 starts from: raw upsampled video latents ``[n, C, F, 2h, 2w]`` and stage 1's
-    normalized packed audio latents ``[n, L, C_a M]``."""
+    normalized packed audio latents ``[n, L, C_a M]`` (after diffusers' de-normalize /
+    normalize round trip); ``kept_audio``: stage 1's audio latents as stage 1 ended (same
+    layout), which replace stage 2's at its end (the HQ preset), or ``None`` (stage 2's are
+    kept)."""
 
     video: torch.Tensor
     audio: torch.Tensor
+    kept_audio: torch.Tensor | None = None
 
 
 # the stage of the call being built (set around each stage's call; read by new_generation)
@@ -118,7 +127,8 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
 
     Raises (per call, two-stage directories):
         InvalidRequestError: ``height`` / ``width`` not a multiple of twice the spatial factor
-            (stage 1 runs at half of each).
+            (stage 1 runs at half of each); ``two_stage_preset="hq"`` on a model without a
+            latent upsampler (``param="two_stage_preset"``).
     """
 
     #: the sampler of both stages: "euler" (diffusers' scheduler step) or "res2s" (Lightricks' HQ
@@ -146,14 +156,20 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
         upsampler.
 
         Raises:
-            InvalidRequestError: ``two_stage`` true on a model without a latent upsampler.
+            InvalidRequestError: ``two_stage`` true, or ``two_stage_preset`` ``"hq"``, on a
+                model without a latent upsampler (naming the field).
         """
+        if getattr(p, "two_stage_preset", None) == "hq" and not self.two_stage:
+            raise InvalidRequestError(
+                "two_stage_preset 'hq' needs a latent upsampler (a latent_upsampler component "
+                "in the model's model_index.json) and the distilled LoRA loaded as adapter "
+                "'distilled'; this model has no latent upsampler",
+                param="two_stage_preset",
+            )
         flag = getattr(p, "two_stage", None)
         if flag is None:
             return self.two_stage
         if flag and not self.two_stage:
-            from sglang.multimodal_gen.errors import InvalidRequestError
-
             raise InvalidRequestError(
                 "two_stage needs a latent upsampler (a latent_upsampler component in the "
                 "model's model_index.json); this model has none",
@@ -195,8 +211,6 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
         p = self.spec.resolve(params) if isinstance(params, type(self.spec.defaults)) else None
         two_stage = p is not None and self.runs_two_stage(p)
         if getattr(p, "stage_2_lora", None) is not None and not two_stage:
-            from sglang.multimodal_gen.errors import InvalidRequestError
-
             raise InvalidRequestError(
                 "stage_2_lora applies to two-stage generation only; this request runs one stage "
                 "(two_stage false, or a model without a latent upsampler)",
@@ -221,7 +235,8 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
             joint = super().__call__(p1, output_type="latent", lora=lora, **common)
         finally:
             _STAGE.reset(token)
-        start = self._upsample(joint, LTX2Generation(params=p1, generator=generator))
+        start = self._upsample(joint, LTX2Generation(params=p1, generator=generator),
+                               keep_audio=self.keeps_stage_1_audio(p))  # fmt: skip
         p2 = dataclasses.replace(p, **{k: v for k, v in _STAGE_2_FIELDS.items() if hasattr(p, k)})
         token = _STAGE.set((2, start))
         try:
@@ -246,9 +261,13 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
             )
         return lora_fields["stage_2_lora"]
 
-    def _check_two_stage_size(self, p) -> None:
-        from sglang.multimodal_gen.errors import InvalidRequestError
+    @staticmethod
+    def keeps_stage_1_audio(p) -> bool:
+        """Whether the two-stage request ``p`` outputs stage 1's audio (the ``"hq"`` preset, as
+        Lightricks' HQ pipeline) rather than stage 2's (diffusers' composition)."""
+        return getattr(p, "two_stage_preset", None) == "hq"
 
+    def _check_two_stage_size(self, p) -> None:
         step = 2 * self.spatial_factor
         for name in ("height", "width"):
             value = getattr(p, name)
@@ -259,8 +278,10 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
                     param=name,
                 )
 
-    def _upsample(self, joint: torch.Tensor, g1: LTX2Generation) -> _Stage2Start:
-        """Stage 1's joint rows -> stage 2's start (the upsampler on the raw video latents)."""
+    def _upsample(self, joint: torch.Tensor, g1: LTX2Generation, keep_audio: bool = False
+                  ) -> _Stage2Start:  # fmt: skip
+        """Stage 1's joint rows -> stage 2's start (the upsampler on the raw video latents);
+        ``keep_audio``: stage 1's audio latents are kept for the output."""
         sh = self.shapes_of(g1)
         video, audio = sh.split(joint)
         up = upsample_video_latents(
@@ -270,8 +291,9 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
         # diffusers hands stage 2 the de-normalized audio, which it normalizes again
         avae = self.components["audio_vae"]
         mean, std = avae.latents_mean.to(audio), avae.latents_std.to(audio)
+        kept = audio.clone() if keep_audio else None
         audio = ((audio * std + mean) - mean) / std
-        return _Stage2Start(video=up, audio=audio)
+        return _Stage2Start(video=up, audio=audio, kept_audio=kept)
 
     # ------------------------------------------------------------------ stages
     def prepare_latents(self, g, cond):
@@ -367,7 +389,17 @@ class LTX2TwoStagePipeline(LTX2Pipeline):
         return (x_next - latents) / (s_next - s)
 
     def after_step(self, g, cond, latents, step_index, timesteps, scheduler):
-        """Stage 1 ends without the decode noise (its latents are not decoded)."""
-        if getattr(g, "stage", 0) == 1:
+        """Stage 1 ends without the decode noise (its latents are not decoded). Stage 2 of a
+        request that keeps stage 1's audio (:meth:`keeps_stage_1_audio`) ends with stage 1's
+        audio latents in place of its own (the decoded audio and ``output_type="latent"``)."""
+        stage = getattr(g, "stage", 0)
+        if stage == 1:
             return latents
-        return super().after_step(g, cond, latents, step_index, timesteps, scheduler)
+        latents = super().after_step(g, cond, latents, step_index, timesteps, scheduler)
+        kept = g.start.kept_audio if stage == 2 else None
+        if kept is None or step_index != len(timesteps) - 1:
+            return latents
+        video, _ = g.shapes.split(latents)
+        audio = kept.to(latents.device, latents.dtype)
+        g.audio_latents = audio.clone()
+        return LTX2Shapes.join(video, audio)
