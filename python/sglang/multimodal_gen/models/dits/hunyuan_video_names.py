@@ -53,6 +53,15 @@ The Tencent -> diffusers renames (source: diffusers 0.42.1
 * wrappers ``model.diffusion_model.`` / ``diffusion_model.`` (ComfyUI single files, many LoRA
   files) are stripped.
 
+ComfyUI's own module names (``comfy/ldm/hunyuan_video/model.py`` builds the model on Flux's
+block classes), which LoRA files saved by ComfyUI use, are mapped too: ``double_blocks.N.
+img_attn.qkv`` / ``txt_attn.qkv`` (fused, whole layer), ``img_attn.proj``, ``img_mod.lin``,
+``img_mlp.0|2`` (and ``txt_*``), ``single_blocks.N.modulation.lin``, the refiner's
+``self_attn.qkv`` / ``self_attn.proj`` / ``mlp.0|2``, ``MLPEmbedder``'s ``in_layer`` /
+``out_layer`` for ``time_in``, ``guidance_in``, ``txt_in.t_embedder`` and ``txt_in.c_embedder``.
+These are Flux's BFL names as well: a block-only Flux file fits this model's names (and, at the
+real sizes, its shapes).
+
 Rules are applied in order: first the block-family and top-level prefixes, then the rules scoped
 to one block family (:class:`BlockRule`), so the dual-stream, single-stream and refiner blocks'
 ``attn.to_q`` each reach their own fused layer.
@@ -157,6 +166,45 @@ HUNYUAN_VIDEO_NAME_MAP = NameMap(
         _refiner("attn.to_q", "attn.to_qkv", "q"),
         _refiner("attn.to_k", "attn.to_qkv", "k"),
         _refiner("attn.to_v", "attn.to_qkv", "v"),
+        # ---- ComfyUI's own names (``comfy/ldm/hunyuan_video/model.py``, Flux's block classes:
+        # fused ``img_attn.qkv``, ``*_mod.lin``, ``*_mlp.0|2``, ``modulation.lin``,
+        # ``MLPEmbedder`` ``in_layer`` / ``out_layer``), as LoRA files saved by ComfyUI spell
+        # them; after the renames above
+        _double("img_mod.lin", "norm1.linear"),
+        _double("txt_mod.lin", "norm1_context.linear"),
+        _double("img_attn.qkv", "attn.to_qkv"),
+        _double("txt_attn.qkv", "attn.to_added_qkv"),
+        _double("img_attn.proj", "attn.to_out.0"),
+        _double("txt_attn.proj", "attn.to_add_out"),
+        _double("img_mlp.0", "ff.net.0.proj"),
+        _double("img_mlp.2", "ff.net.2"),
+        _double("txt_mlp.0", "ff_context.net.0.proj"),
+        _double("txt_mlp.2", "ff_context.net.2"),
+        _single("modulation.lin", "norm.linear"),
+        _refiner("self_attn.qkv", "attn.to_qkv"),
+        _refiner("self_attn.proj", "attn.to_out.0"),
+        _refiner("mlp.0", "ff.net.0.proj"),
+        _refiner("mlp.2", "ff.net.2"),
+        _top("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1"),
+        _top("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2"),
+        _top("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1"),
+        _top("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2"),
+        _top(
+            "txt_in.t_embedder.in_layer",
+            "context_embedder.time_text_embed.timestep_embedder.linear_1",
+        ),
+        _top(
+            "txt_in.t_embedder.out_layer",
+            "context_embedder.time_text_embed.timestep_embedder.linear_2",
+        ),
+        _top(
+            "context_embedder.time_text_embed.text_embedder.in_layer",
+            "context_embedder.time_text_embed.text_embedder.linear_1",
+        ),
+        _top(
+            "context_embedder.time_text_embed.text_embedder.out_layer",
+            "context_embedder.time_text_embed.text_embedder.linear_2",
+        ),
     ),
     strip_prefixes=("model.diffusion_model.", "diffusion_model."),
 )
