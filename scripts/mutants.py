@@ -1088,6 +1088,62 @@ MUTANTS: list[Mutant] = [
         why="DMD TI2V: the image's latent frame is not put back after the steps (the re-noised "
         "x0 of the first frame is decoded instead of the image)",
     ),
+    # ------------------------------------------------------------------ HunyuanVideo 1.0 DiT
+    _m(
+        "hv-rope-on-text-tokens",
+        "models/dits/hunyuan_video.py",
+        "                    text_first=False,\n",
+        "                    text_first=True,\n",
+        ("test/integration/families/test_hunyuan_video_transformer_parity.py",),
+        ("-k", "matches_diffusers"),
+        why="the dual-stream joint order [text, video]: RoPE (tables for the leading tokens) "
+        "lands on the text tokens and part of the video",
+    ),
+    _m(
+        "hv-text-padding-ignored",
+        "models/dits/hunyuan_video.py",
+        "            if bool(txt_keys.all()):\n",
+        "            if True:\n",
+        ("test/integration/families/test_hunyuan_video_transformer_parity.py",),
+        ("-k", "matches_diffusers"),
+        why="padded text tokens attended to as keys in the dual/single blocks",
+    ),
+    _m(
+        "hv-single-block-mask-dropped",
+        "layers/mmdit.py",
+        "        k = apply_rope_prefix(self.norm_k(k), rope)\n        return attention(q, k, v, key_mask)",
+        "        k = apply_rope_prefix(self.norm_k(k), rope)\n        return attention(q, k, v)",
+        ("test/integration/families/test_hunyuan_video_transformer_parity.py",),
+        ("-k", "matches_diffusers"),
+        why="the single-stream blocks attend to padded text tokens (the dual blocks mask them)",
+    ),
+    _m(
+        "hv-refiner-pool-unmasked",
+        "models/dits/hunyuan_video_layers.py",
+        "            pooled = ((x * m).sum(dim=1) / m.sum(dim=1)).to(x.dtype)\n",
+        "            pooled = x.mean(dim=1)\n",
+        ("test/integration/families/test_hunyuan_video_transformer_parity.py",),
+        ("-k", "matches_diffusers"),
+        why="the token refiner's pooled text feature averages the padding too",
+    ),
+    _m(
+        "hv-final-layer-halves-not-swapped",
+        "models/dits/hunyuan_video_names.py",
+        '_top("final_layer.adaLN_modulation.1", "norm_out.linear", row_order=(1, 0))',
+        '_top("final_layer.adaLN_modulation.1", "norm_out.linear")',
+        ("test/integration/families/test_hunyuan_video_transformer_parity.py",),
+        ("-k", "tencent"),
+        why="Tencent's final layer (shift, scale) rows loaded as diffusers' (scale, shift)",
+    ),
+    _m(
+        "hv-sp-text-mask-not-sharded",
+        "models/dits/hunyuan_video.py",
+        "key_mask = torch.cat([vid_keys, ts.local(txt_keys)], dim=1)",
+        "key_mask = torch.cat([vid_keys, txt_keys[:, : ctx.shape[1]]], dim=1)",
+        ("test/integration/families/test_hunyuan_video_transformer_parity.py",),
+        ("-k", "ulysses"),
+        why="under SP each rank takes the first text tokens' mask instead of its own chunk's",
+    ),
 ]
 
 
