@@ -83,6 +83,9 @@ EXTENDED = {
     # noise's rank independence: by construction, documented in pipelines/dmd.py)
     "integration/families/test_fastwan_dmd.py::test_parallel_layouts_equal_one_process[tp2]",
     "integration/families/test_fastwan_dmd.py::test_parallel_layouts_equal_one_process[ulysses2]",
+    # HunyuanVideo 1.5 without its ByT5 glyph features (the features themselves: the parity
+    # test's encoding comparison and its glyph prompt)
+    "integration/families/test_hunyuan_video15_pipeline_parity.py::test_without_glyph_features_differs",
 }
 
 
