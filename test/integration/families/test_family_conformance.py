@@ -119,8 +119,22 @@ def _reference(model_dir: str, params: SamplingParams) -> np.ndarray:
         if name in takes:
             kw[name] = n
     gen = torch.Generator().manual_seed(params.seed)
-    out = pipe(generator=gen, output_type="np", **kw)
-    frames = out.frames if hasattr(out, "frames") else out.images
+    try:
+        out = pipe(generator=gen, output_type="np", **kw)
+        frames = out.frames if hasattr(out, "frames") else out.images
+    except RuntimeError:
+        # a reference that cannot make n outputs in one call (diffusers 0.42's HunyuanVideo 1.5:
+        # its text-to-video image features and its VAE's attention mask are sized for one
+        # video): one output per call from the same generator (the noise of n outputs drawn
+        # one after the other; the comparison shows whether that is the same noise)
+        if n == 1:
+            raise
+        kw.update({k: 1 for k in ("num_images_per_prompt", "num_videos_per_prompt") if k in kw})
+        gen = torch.Generator().manual_seed(params.seed)
+        outs = [pipe(generator=gen, output_type="np", **kw) for _ in range(n)]
+        frames = np.concatenate(
+            [np.asarray(o.frames if hasattr(o, "frames") else o.images) for o in outs]
+        )
     return (np.asarray(frames) * 255).round().astype("uint8")
 
 
