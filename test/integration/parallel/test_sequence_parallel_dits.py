@@ -115,8 +115,14 @@ def _record_attention_tokens(seen: list):
 
     from sglang.multimodal_gen.distributed.sequence import active_split
 
-    for name in ("zimage_layers", "flux", "wan", "qwen_image"):  # where each calls attention
-        mod = importlib.import_module(f"sglang.multimodal_gen.models.dits.{name}")
+    # where each calls attention (Flux: the shared MM-DiT blocks)
+    for name in (
+        "models.dits.zimage_layers",
+        "layers.mmdit",
+        "models.dits.wan",
+        "models.dits.qwen_image",
+    ):
+        mod = importlib.import_module(f"sglang.multimodal_gen.{name}")
         real = mod.attention
 
         def wrapper(q, k, v, *a, _real=real, **kw):
