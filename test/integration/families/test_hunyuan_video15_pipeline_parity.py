@@ -18,7 +18,7 @@ from fixtures.tiny_models import psnr
 from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.pipelines.hunyuan_video15 import HunyuanVideo15Pipeline, glyph_text
 
-# Measured (fp32, CPU): identical frames (inf dB).
+# Measured (fp32, CPU): identical frames (inf dB); guidance off 39.4 dB, no glyph features 37.6 dB.
 MIN_PSNR = 45.0
 KW = dict(height=32, width=32, num_frames=5, num_inference_steps=2, negative_prompt="blurry")
 PROMPT = 'a shop sign reading "OPEN" at dusk'
