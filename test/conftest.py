@@ -86,6 +86,9 @@ EXTENDED = {
     # HunyuanVideo 1.5 without its ByT5 glyph features (the features themselves: the parity
     # test's encoding comparison and its glyph prompt)
     "integration/families/test_hunyuan_video15_pipeline_parity.py::test_without_glyph_features_differs",
+    # HunyuanVideo 1.0 with a musubi LoRA at TP 2 (LoRA on the shared MM-DiT blocks at TP 2:
+    # test_flux_engine's TP 2 with a kohya LoRA; every HunyuanVideo layout: test_hunyuan_video_lora)
+    "integration/families/test_hunyuan_video_lora.py::test_tp2_musubi_matches_diffusers",
 }
 
 
