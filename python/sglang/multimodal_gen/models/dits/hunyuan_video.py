@@ -21,7 +21,9 @@ base ``rope_theta``, fp32 tables (``hunyuan_video_layers.hunyuan_video_rope``).
 
 Text padding: the reference lets every token attend to the video tokens and to the first
 ``sum(encoder_attention_mask)`` text tokens (padding is assumed at the end); the refiner uses the
-mask itself (see ``hunyuan_video_layers``).
+mask itself (see ``hunyuan_video_layers``). Text positions after the last real token of every
+item are dropped first (they are never keys, and their own outputs are not read): a batch whose
+items have the same prompt length then runs without an attention mask.
 
 Tensor parallelism (``n = tp_size``): heads split over the ranks in every block and in the token
 refiner (``num_attention_heads`` must be divisible by ``n``), FFN / MLP widths split likewise
@@ -225,6 +227,17 @@ class HunyuanVideoTransformer(nn.Module):
         out_dtype = hidden_states.dtype
         dt = self.dtype
         grid = (f // pt, h // p, w // p)
+
+        if encoder_attention_mask is not None:
+            # text tokens after the last real token of every item are padding everywhere: masked
+            # as keys in the refiner and in the blocks, their own outputs never read. Dropping
+            # them changes only which exact zeros the softmax sums (and lets an unpadded batch
+            # run without a mask).
+            nz = encoder_attention_mask.ne(0)
+            last = (nz * torch.arange(1, n_txt + 1, device=nz.device)).amax(dim=1)
+            n_txt = max(int(last.max()), 1)
+            encoder_hidden_states = encoder_hidden_states[:, :n_txt]
+            encoder_attention_mask = encoder_attention_mask[:, :n_txt]
 
         x = self.x_embedder(hidden_states.to(dt))
         pooled = pooled_projections.to(dt)
