@@ -330,9 +330,10 @@ class WanDMDPipeline(WanPipeline):
     to their number (fewer run the first ones, more are refused); ``guidance_scale`` defaults
     to 1 and a value above 1 is refused (``param="guidance_scale"``); the other defaults are the
     variant's (TI2V-5B: 704x1280, 121 frames, 24 fps). With an input image (TI2V) the first
-    latent frame is the image's after every step, so the re-noise never reaches it (its tokens
-    get timestep 0 as in :class:`WanPipeline`); the noise is drawn for the whole latent all the
-    same, so a request's noise does not depend on whether it gives an image.
+    latent frame is put back to the image's after every step, so what a re-noise writes there
+    never reaches the DiT or the output (its tokens get timestep 0 as in :class:`WanPipeline`);
+    the noise is drawn for the whole latent all the same, so a request's noise does not depend
+    on whether it gives an image.
 
     Raises:
         ModelLoadError: a malformed ``dmd_denoising_steps``.
