@@ -71,6 +71,20 @@ def check_hunyuan_video15_tp_size(cfg: HunyuanVideo15ArchConfig, tp_size: int) -
             )
 
 
+def _trim_padding(x: torch.Tensor, mask: torch.Tensor | None):
+    """``(x, mask)`` without the trailing positions that are padding in every item.
+
+    Shapes: ``x [B, L, C]``, ``mask [B, L]`` (bool or 0/1; ``None``: all real) -> ``x [B, L', C]``
+    and a bool ``[B, L']`` mask (``L' >= 1``). Masked keys weigh 0 in attention and the padded
+    positions' outputs are zeroed and masked by the caller, so nothing real depends on them."""
+    if mask is None:
+        return x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+    mask = mask.to(x.device).bool()
+    real = mask.any(dim=0).nonzero()
+    keep = int(real.max()) + 1 if real.numel() else 1
+    return x[:, :keep], mask[:, :keep]
+
+
 class HunyuanVideo15Transformer(nn.Module):
     """HunyuanVideo 1.5 DiT (``HunyuanVideo15Transformer3DModel``), tensor- and sequence-parallel.
 
@@ -192,34 +206,25 @@ class HunyuanVideo15Transformer(nn.Module):
     def _conditioning_tokens(self, ctx, mask, ctx2, mask2, image_embeds, timestep):
         """The joint conditioning sequence: ``(tokens [B, L, D], valid [B, L] bool)``, each item's
         valid tokens first in the order image, ByT5, text, then its padding; positions that are
-        padding in every item are dropped."""
+        padding in every item are dropped (already before the refiner and the ByT5 projection,
+        and the image tokens of a batch with no image)."""
         b = ctx.shape[0]
-        dev = ctx.device
         w = self.cond_type_embed.weight
         streams, masks = [], []
-        if image_embeds is not None:
+        # an item whose image features are all zero is text-to-video: its image tokens are
+        # padding (the reference decides this once per batch; per item is the same for a
+        # uniform batch and keeps an item's result independent of its batch)
+        i2v = None if image_embeds is None else (image_embeds != 0).flatten(1).any(dim=1)
+        if i2v is not None and bool(i2v.any()):  # all t2v: only padding, left out
             img = self.image_embedder(image_embeds.to(self.dtype))
-            # an item whose image features are all zero is text-to-video: its image tokens are
-            # padding (the reference decides this once per batch; per item is the same for a
-            # uniform batch and keeps an item's result independent of its batch)
-            i2v = (image_embeds != 0).flatten(1).any(dim=1)
             img = torch.where(i2v[:, None, None], img, img * 0.0)
             streams.append(img + w[2])
             masks.append(i2v[:, None].expand(b, img.shape[1]))
         if ctx2 is not None:
-            byt5 = self.context_embedder_2(ctx2.to(self.dtype)) + w[1]
-            m2 = (
-                torch.ones(byt5.shape[:2], dtype=torch.bool, device=dev)
-                if mask2 is None
-                else mask2.to(dev).bool()
-            )
-            streams.append(byt5 * m2[..., None])
+            ctx2, m2 = _trim_padding(ctx2, mask2)
+            streams.append((self.context_embedder_2(ctx2.to(self.dtype)) + w[1]) * m2[..., None])
             masks.append(m2)
-        m1 = (
-            torch.ones(ctx.shape[:2], dtype=torch.bool, device=dev)
-            if mask is None
-            else mask.to(dev).bool()
-        )
+        ctx, m1 = _trim_padding(ctx, mask)
         text = self.context_embedder(ctx.to(self.dtype), timestep, None if mask is None else m1)
         streams.append((text + w[0]) * m1[..., None])
         masks.append(m1)
