@@ -44,7 +44,8 @@ offending keys: DoRA (``dora_scale``, ``lora_magnitude_vector``), LoKr with a Tu
 (``lora_embedding_*``), ``modules_to_save`` copies, full weight diffs (``.diff``), LoCon mid
 weights, OFT/BOFT/IA3, conv (4-D) LoRA, unknown keys. Also refused: keys that match none of the
 model's modules (with a guess of the architecture they target), modules of the file missing from
-the model, duplicate or overlapping pairs, rank/shape mismatches and non-finite values.
+the model (with the guess too: a related architecture's file shares some module names), duplicate
+or overlapping pairs, rank/shape mismatches and non-finite values.
 """
 
 from __future__ import annotations
@@ -415,9 +416,11 @@ def convert_to_canonical(
         raise _no_match_error(weighted, state_dict, spec)
     if unmatched:
         names = ", ".join(repr(p.file_module) for p in unmatched[:5])
+        guess = guess_architecture(state_dict.keys())
+        seems = f" (the keys seem to target {guess})" if guess else ""
         raise LoRAFormatError(
             f"{len(unmatched)} of {len(weighted)} LoRA modules do not exist in {spec.model_name} "
-            f"(e.g. {names}); refusing a partial load"
+            f"(e.g. {names}); refusing a partial load{seems}"
         )
 
     modules: dict[str, dict[ShardId, LoRAWeights]] = {}
