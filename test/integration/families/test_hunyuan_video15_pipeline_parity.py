@@ -137,3 +137,56 @@ def test_an_image_is_refused_naming_it(pipes):
     with pytest.raises(InvalidRequestError) as e:
         ours.spec.resolve(ours.spec.params(prompt="x", image=(image,)))
     assert e.value.param == "image"
+
+
+# ------------------------------------------------------------------ image to video
+def _image(flip: bool = False) -> np.ndarray:
+    """A 64 x 48 (portrait) RGB input with structure (gradients and a rectangle)."""
+    y, x = np.mgrid[0:64, 0:48]
+    a = np.stack([x * 4, y * 4, (x + y) * 2], -1).astype(np.uint8)
+    a[8:30, 20:40] = (230, 40, 90)
+    return a[::-1].copy() if flip else a
+
+
+@pytest.fixture(scope="module")
+def i2v_pipes(tmp_path_factory):
+    from diffusers import DiffusionPipeline
+    from sglang.multimodal_gen.models.families.tiny.hunyuan_video15 import (
+        build_hunyuan_video15_dir,
+    )
+
+    path = build_hunyuan_video15_dir(tmp_path_factory.mktemp("hv15_i2v") / "model", layout="i2v")
+    ref = DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    return HunyuanVideo15Pipeline.from_pretrained(path), ref
+
+
+def test_i2v_matches_diffusers(i2v_pipes):
+    """SigLIP features, the first frame's latents and mask, MeanFlow's ``timestep_r``; the
+    request asks for the size bucket diffusers picks for the image (32 x 24)."""
+    from PIL import Image
+    from sglang.multimodal_gen.image_inputs import InputImage
+
+    ours, ref = i2v_pipes
+    assert ours.spec.required_inputs == ("text", "image") and ours.transformer.cfg.use_meanflow
+    kw = dict(negative_prompt="blurry", num_frames=5, num_inference_steps=2)
+    image = Image.fromarray(_image())
+    height, width = ref.video_processor.calculate_default_height_width(64, 48, 32)
+    assert (height, width) == (32, 24)
+    gen = torch.Generator().manual_seed(7)
+    out = ref(image=image, prompt=PROMPT, generator=gen, output_type="np", **kw)
+    expected = (np.asarray(out.frames) * 255).round().astype("uint8")
+
+    def ours_with(a):
+        img = (InputImage(a, source="image"),)
+        return _ours(ours, PROMPT, 7, image=img, height=height, width=width, **kw)
+
+    got = ours_with(_image())
+    assert got.shape == expected.shape == (1, 5, 32, 24, 3)
+    assert _every_frame(got, expected) >= MIN_PSNR
+    # the image upside down falls outside the threshold
+    assert psnr(ours_with(_image(flip=True)), expected) < MIN_PSNR
+    # an image-to-video request without its image is refused naming it
+    with pytest.raises(InvalidRequestError) as e:
+        ours.spec.resolve(ours.spec.params(prompt="x"))
+    assert e.value.param == "image"

@@ -25,6 +25,17 @@ give the same frames:
   steps + 1)[:-1]`` (shifted by the scheduler config's ``shift``);
 * decode: ``latents / scaling_factor``, ``AutoencoderKLHunyuanVideo15.decode``, the video
   processor's ``postprocess_video`` -> uint8 ``[n, F, H, W, 3]``.
+
+Image to video (a directory with a SigLIP ``image_encoder``, diffusers'
+``HunyuanVideo15ImageToVideoPipeline``, ``pipeline_hunyuan_video1_5_image2video.py``; the
+request's ``image`` is required): the image is resized to the request's size by the video
+processor's ``resize(..., resize_mode="crop")`` (diffusers takes the size bucket of the image's
+aspect ratio instead of a size argument: the two agree when the request asks for that bucket);
+its SigLIP features (the feature extractor's preprocessing, ``last_hidden_state``) replace the
+zero ``image_embeds`` in both CFG branches; its VAE latents (posterior mode, ``x scaling_factor``)
+are the condition channels of the first latent frame (zeros after it) and the mask channel is 1
+there (0 after); a MeanFlow DiT (``use_meanflow``) also gets ``timestep_r``, the next step's
+timestep (0 at the last step).
 """
 
 from __future__ import annotations
@@ -88,10 +99,17 @@ class HunyuanVideo15Pipeline(StagedPipeline):
     """
 
     family_name = "hunyuan-video-1.5"
-    text_components = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    # the image encoder runs with the text encoders, on rank 0 only
+    text_components = (
+        "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "image_encoder",
+        "feature_extractor",
+    )  # fmt: skip
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # an image-to-video directory has the SigLIP image encoder (its config is read on
+        # every rank; the encoder itself is loaded on rank 0)
+        self.image_to_video = "image_encoder" in self.configs
         vae_cfg = self.configs.get("vae", {})
         self.temporal_factor = int(vae_cfg.get("temporal_compression_ratio") or 4)
         self.latent_channels = int(vae_cfg.get("latent_channels") or 32)
@@ -104,9 +122,14 @@ class HunyuanVideo15Pipeline(StagedPipeline):
         target = getattr(self.transformer.cfg, "target_size", None)
         if target:
             changes["height"], changes["width"] = self.default_size(int(target))
+        inputs, required = self.spec.inputs, self.spec.required_inputs
+        if self.image_to_video:  # every request gives the first frame
+            inputs = (*inputs, "image") if "image" not in inputs else inputs
+            required = (*required, "image") if "image" not in required else required
         self.spec = replace(
-            self.spec, defaults=defaults.replace(**changes), frame_step=self.temporal_factor
-        )
+            self.spec, defaults=defaults.replace(**changes), frame_step=self.temporal_factor,
+            inputs=inputs, required_inputs=required,
+        )  # fmt: skip
 
     def compute_vae_scale_factor(self) -> int:
         return int(self.configs.get("vae", {}).get("spatial_compression_ratio") or 16)
@@ -212,10 +235,56 @@ class HunyuanVideo15Pipeline(StagedPipeline):
         out = dict(embeds=embeds, mask=mask, embeds_2=embeds_2, mask_2=mask_2)
         return {k: v.to(self.device, dtype) for k, v in out.items()}
 
+    # ------------------------------------------------------------------ input image
+    @torch.no_grad()
+    def encode_images(self, g):
+        """``image_embeds`` ``[1, N, D]`` (SigLIP ``last_hidden_state``, DiT dtype) and
+        ``image_latents`` ``[1, C, 1, H / s, W / s]`` (VAE posterior mode x ``scaling_factor``,
+        fp32) of the request's image, resized and cropped to the request's size."""
+        from diffusers.pipelines.hunyuan_video1_5.image_processor import (
+            HunyuanVideo15ImageProcessor,
+        )
+
+        p = g.params
+        proc = HunyuanVideo15ImageProcessor(
+            vae_scale_factor=self.vae_scale_factor, do_resize=False, do_convert_rgb=True
+        )
+        image = proc.resize(p.image[0].to_pil(), height=p.height, width=p.width,
+                            resize_mode="crop")  # fmt: skip
+        enc, fe = self.components["image_encoder"], self.components["feature_extractor"]
+        pixels = fe.preprocess(images=image, do_resize=True, return_tensors="pt",
+                               do_convert_rgb=True)  # fmt: skip
+        dtype = next(enc.parameters()).dtype
+        pixels = pixels.to(device=enc.device, dtype=dtype)
+        embeds = enc(**pixels).last_hidden_state
+        video = proc.preprocess(image, height=p.height, width=p.width)
+        video = video.to(self.vae.device, self.vae.dtype).unsqueeze(2)  # [1, 3, 1, H, W]
+        z = self.vae.encode(video).latent_dist.mode() * self.vae.config.scaling_factor
+        return {
+            "image_embeds": embeds.to(self.device, self.transformer.dtype),
+            "image_latents": z.to(self.device, torch.float32),
+        }
+
     def prepare_conditioning(self, g, cond):
-        """Rows ``[pos x n, neg x n]`` of every text tensor."""
+        """Rows ``[pos x n, neg x n]`` of every text tensor; with an input image, its SigLIP
+        features for the ``n`` videos and ``image_condition`` ``[n, C + 1, f, h, w]`` (the
+        image's latents on the first latent frame, zeros after; then the mask channel, 1 on the
+        first latent frame), in the DiT dtype."""
         n = g.num_outputs
-        return {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
+        image_embeds = cond.pop("image_embeds", None)
+        z = cond.pop("image_latents", None)
+        out = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
+        if z is None:
+            return out
+        f = self.latent_frames(g.params.num_frames)
+        latents = torch.zeros(n, z.shape[1], f, *z.shape[3:], device=self.device)
+        latents[:, :, :1] = z.to(self.device)
+        mask = torch.zeros(n, 1, f, *z.shape[3:], device=self.device)
+        mask[:, :, 0] = 1.0
+        dtype = self.transformer.dtype
+        out["image_condition"] = torch.cat([latents, mask], dim=1).to(dtype)
+        out["image_embeds"] = image_embeds.to(self.device, dtype).repeat(n, 1, 1)
+        return out
 
     # ------------------------------------------------------------------ latents / schedule
     def latent_frames(self, num_frames: int) -> int:
@@ -245,13 +314,21 @@ class HunyuanVideo15Pipeline(StagedPipeline):
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
 
+    def _timesteps(self, g) -> torch.Tensor:
+        """The request's timesteps (a fresh scheduler's; MeanFlow's ``timestep_r`` reads the
+        next one)."""
+        return self.prepare_timesteps(g, None)[1]
+
     # ------------------------------------------------------------------ denoise
     def model_input(self, latents: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
-        """``[n, 2 C + 1, f, h, w]``: the latents, the condition latents (zeros for
-        text-to-video) and the mask channel (zeros), in the DiT dtype."""
+        """``[n, 2 C + 1, f, h, w]``: the latents, the condition latents and the mask channel
+        (zeros for text-to-video; the image's ``image_condition``), in the DiT dtype."""
+        dtype = self.transformer.dtype
+        if "image_condition" in cond:
+            return torch.cat([latents.to(dtype), cond["image_condition"]], dim=1)
         b, c, f, h, w = latents.shape
         zeros = latents.new_zeros(b, c + 1, f, h, w)
-        return torch.cat([latents, zeros], dim=1).to(self.transformer.dtype)
+        return torch.cat([latents, zeros], dim=1).to(dtype)
 
     def predict(self, denoiser, latents, t, step_index, cond, g):
         b = latents.shape[0]
@@ -259,9 +336,11 @@ class HunyuanVideo15Pipeline(StagedPipeline):
         x = self.model_input(latents, cond).to(denoiser.dtype)
         timestep = t.expand(b).to(x.dtype)
         cfg = denoiser.cfg
-        image_embeds = torch.zeros(
-            b, IMAGE_TOKENS, cfg.image_embed_dim, dtype=denoiser.dtype, device=self.device
-        )
+        image_embeds = cond.get("image_embeds")
+        if image_embeds is None:  # text to video: zero features
+            image_embeds = torch.zeros(
+                b, IMAGE_TOKENS, cfg.image_embed_dim, dtype=denoiser.dtype, device=self.device
+            )
         args = dict(
             hidden_states=x.repeat(rows, 1, 1, 1, 1),
             timestep=timestep.repeat(rows),
@@ -271,6 +350,10 @@ class HunyuanVideo15Pipeline(StagedPipeline):
             encoder_attention_mask_2=cond["mask_2"][: rows * b],
             image_embeds=image_embeds.repeat(rows, 1, 1),
         )
+        if self.image_to_video and cfg.use_meanflow:  # the next step's timestep (0 at the end)
+            timesteps = self._timesteps(g)
+            r = timesteps[step_index + 1] if step_index + 1 < len(timesteps) else t * 0
+            args["timestep_r"] = r.reshape(()).expand(b).to(x.dtype).repeat(rows)
         out = self.run_branches(denoiser, rows, args, tuple(args), g)
         if rows == 1:
             return out

@@ -1,11 +1,13 @@
-"""HunyuanVideo 1.5 (Tencent): ``HunyuanVideo15Pipeline`` text-to-video directories.
+"""HunyuanVideo 1.5 (Tencent): ``HunyuanVideo15Pipeline`` (text to video) and
+``HunyuanVideo15ImageToVideoPipeline`` (image to video) directories.
 
 One DiT (``HunyuanVideo15Transformer3DModel``) denoises 32-channel video latents of the
 HunyuanVideo 1.5 VAE (16x spatial, 4x temporal compression) conditioned on Qwen2.5-VL text
 features and ByT5 features of the quoted (glyph) text of the prompt; classifier-free guidance as
-the directory's ``ClassifierFreeGuidance`` guider configures it. Image-to-video
-(``HunyuanVideo15ImageToVideoPipeline``: SigLIP image features and the first frame's latents) is
-not served: a request with an image is refused (400 naming ``image``). Files of the family:
+the directory's ``ClassifierFreeGuidance`` guider configures it. An image-to-video directory
+(a SigLIP ``image_encoder``) requires the request's ``image``, the first frame (its SigLIP
+features and latents condition every step); a text-to-video one refuses an image (400 naming
+``image``). Files of the family:
 ``configs/hunyuan_video15.py`` (the DiT's config), ``models/dits/hunyuan_video15*.py`` (the DiT
 and its name map), ``pipelines/hunyuan_video15.py``, ``models/families/tiny/hunyuan_video15.py``
 and this declaration.
@@ -36,7 +38,8 @@ def _defaults(cfg) -> SamplingDefaults:
     the 16:9 bucket of the DiT's ``target_size`` (480 x 848 at 640, 720 x 1280 at 960; the
     pipeline recomputes it with the directory's VAE factor); 24 fps (the released models'
     rate); the guidance weight is the guider's (6.0 in the released directories; the pipeline
-    reads the directory's ``guider`` config)."""
+    reads the directory's ``guider`` config). The pipeline adds the required ``image`` input for an
+    image-to-video directory."""
     params = VideoSamplingParams(
         num_inference_steps=50, guidance_scale=6.0, height=480, width=848,
         max_sequence_length=MAX_SEQUENCE_LENGTH, num_frames=121, fps=24,
@@ -55,7 +58,7 @@ HUNYUAN_VIDEO15 = register_family(
     ModelFamily(
         name="hunyuan-video-1.5",
         display_name="HunyuanVideo 1.5",
-        pipeline_classes=("HunyuanVideo15Pipeline",),
+        pipeline_classes=("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
         pipeline=f"{_PKG}.pipelines.hunyuan_video15:HunyuanVideo15Pipeline",
         denoisers=(
             DenoiserSpec(

@@ -57,8 +57,29 @@ TINY_T5: dict[str, Any] = dict(
 SCHEDULER: dict[str, Any] = dict(num_train_timesteps=1000, shift=5.0)
 
 
-def build_hunyuan_video15_components(seed: int = DEFAULT_SEED) -> dict[str, Any]:
-    """The eight components of a ``HunyuanVideo15Pipeline`` (fp32, CPU, eval mode)."""
+LAYOUTS = ("t2v", "i2v")
+# the image-to-video DiT: SigLIP features of width 16, the MeanFlow timestep embedder (the
+# step-distilled releases' ``use_meanflow``), a square 32-pixel size bucket
+TINY_I2V: dict[str, Any] = dict(image_embed_dim=16, target_size=32, task_type="i2v",
+                                use_meanflow=True)  # fmt: skip
+TINY_SIGLIP: dict[str, Any] = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    image_size=28, patch_size=14,
+)  # fmt: skip
+
+
+def build_hunyuan_video15_components(
+    seed: int = DEFAULT_SEED, layout: str = "t2v"
+) -> dict[str, Any]:
+    """The components of a ``HunyuanVideo15Pipeline`` (``"t2v"``: eight) or a
+    ``HunyuanVideo15ImageToVideoPipeline`` (``"i2v"``: plus a SigLIP ``image_encoder`` and its
+    ``feature_extractor``); fp32, CPU, eval mode.
+
+    Raises:
+        ValueError: ``layout`` is not one of :data:`LAYOUTS`.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         ClassifierFreeGuidance,
@@ -88,15 +109,27 @@ def build_hunyuan_video15_components(seed: int = DEFAULT_SEED) -> dict[str, Any]
     torch.manual_seed(seed + 1)
     te_2 = T5EncoderModel(T5Config(vocab_size=len(tok_2), **TINY_T5)).eval()
     torch.manual_seed(seed + 2)
-    dit = HunyuanVideo15Transformer3DModel(**TINY_TRANSFORMER).eval()
+    dit_cfg = dict(TINY_TRANSFORMER, **(TINY_I2V if layout == "i2v" else {}))
+    dit = HunyuanVideo15Transformer3DModel(**dit_cfg).eval()
     torch.manual_seed(seed + 3)
     vae = AutoencoderKLHunyuanVideo15(
         latent_channels=LATENT_CHANNELS, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
         spatial_compression_ratio=8, temporal_compression_ratio=4,
     ).eval()  # fmt: skip
-    for m in (te, te_2, dit, vae):
+    extra: dict[str, Any] = {}
+    if layout == "i2v":
+        from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+        torch.manual_seed(seed + 4)
+        side = TINY_SIGLIP["image_size"]
+        extra = dict(
+            image_encoder=SiglipVisionModel(SiglipVisionConfig(**TINY_SIGLIP)).eval(),
+            feature_extractor=SiglipImageProcessor(size={"height": side, "width": side}),
+        )
+    for m in (te, te_2, dit, vae, *(v for v in extra.values() if isinstance(v, torch.nn.Module))):
         redraw_constant_params(m, gen, 0.1)
     return dict(
+        **extra,
         transformer=dit,
         text_encoder=te,
         tokenizer=tok,
@@ -108,13 +141,18 @@ def build_hunyuan_video15_components(seed: int = DEFAULT_SEED) -> dict[str, Any]
     )
 
 
-def build_hunyuan_video15_dir(path: str | os.PathLike, *, seed: int = DEFAULT_SEED) -> str:
-    """Write a diffusers-format HunyuanVideo 1.5 text-to-video directory at ``path`` (see
-    :func:`build_hunyuan_video15_components`); returns ``str(path)``."""
-    from diffusers import HunyuanVideo15Pipeline
+def build_hunyuan_video15_dir(
+    path: str | os.PathLike, *, seed: int = DEFAULT_SEED, layout: str = "t2v"
+) -> str:
+    """Write a diffusers-format HunyuanVideo 1.5 directory at ``path``: text to video
+    (``HunyuanVideo15Pipeline``) or, with ``layout="i2v"``, image to video
+    (``HunyuanVideo15ImageToVideoPipeline``); see :func:`build_hunyuan_video15_components`.
+    Returns ``str(path)``."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
     path = os.fspath(path)
-    HunyuanVideo15Pipeline(**build_hunyuan_video15_components(seed)).save_pretrained(
+    cls = HunyuanVideo15ImageToVideoPipeline if layout == "i2v" else HunyuanVideo15Pipeline
+    cls(**build_hunyuan_video15_components(seed, layout)).save_pretrained(
         path, safe_serialization=True
     )
     return path
