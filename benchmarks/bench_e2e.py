@@ -1,5 +1,6 @@
 """End-to-end benchmark per family: our pipeline vs diffusers' (``ZImagePipeline`` /
-``FluxPipeline`` / ``WanPipeline`` / ``QwenImagePipeline`` / ``LTX2Pipeline``), same weights.
+``FluxPipeline`` / ``WanPipeline`` / ``QwenImagePipeline`` / ``LTX2Pipeline`` /
+``HunyuanVideoPipeline``), same weights.
 
 Both pipelines share the text encoders, tokenizers, VAE and scheduler config; our DiT is loaded from
 the diffusers DiT's state dict through the same name map and weight loaders as file loading. Runs
@@ -48,8 +49,16 @@ decodes the sound track too, as diffusers does):
         projections, the default (LTX-2) video VAE and audio VAE, LTX-2.3's vocoder with
         bandwidth extension (``LTX2VocoderWithBWE`` defaults).
 
+Configs (``--family hunyuan-video``, HunyuanVideo 1.0 layout: guidance embedding, embedded guidance
+6.0, one DiT forward per step):
+    cpu: DiT 2 double + 4 single blocks, 8 heads x 32, 128x128, 9 frames, 8 steps, fp32; a
+        3-layer Llama (width 256), a 1-layer CLIP (width 64), a reduced HunyuanVideo VAE.
+    --gpu: the real HunyuanVideo DiT shapes (20 double + 40 single blocks, 24 heads x 128, text
+        4096, pooled 768), 544x960, 33 frames, 4 steps, bf16, random weights built on the GPU; a
+        3-layer Llama and a 1-layer CLIP-L of the real widths and the real VAE.
+
 Usage:
-    python benchmarks/bench_e2e.py [--family zimage|flux|wan|qwen-image|ltx2] [--gpu] [--repeats 5] [--steps N]
+    python benchmarks/bench_e2e.py [--family zimage|flux|wan|qwen-image|ltx2|hunyuan-video] [--gpu] [--repeats 5] [--steps N]
         [--size PX] [--compile] [--matmul-precision highest|high|medium]
         [--attention-backend auto|flash|efficient|cudnn|math]
 """
@@ -507,10 +516,85 @@ class StepTimer:
         self.times.append(time.perf_counter() - self._t0)
 
 
+HV_CPU_CFG = dict(
+    transformer=dict(in_channels=16, out_channels=16, num_attention_heads=8, attention_head_dim=32,
+                     num_layers=2, num_single_layers=4, num_refiner_layers=1,
+                     rope_axes_dim=(8, 12, 12)),
+    llama=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2),
+    clip=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+              projection_dim=64),
+    vae=dict(latent_channels=16, block_out_channels=(32, 32, 64, 64), layers_per_block=1,
+             norm_num_groups=8),
+    height=128, width=128, frames=9, steps=8, guidance=6.0, max_sequence_length=256,
+    dtype=torch.float32, device="cpu",
+)  # fmt: skip
+HV_GPU_CFG = dict(
+    transformer=dict(in_channels=16, out_channels=16, num_attention_heads=24,
+                     attention_head_dim=128, num_layers=20, num_single_layers=40,
+                     num_refiner_layers=2, rope_axes_dim=(16, 56, 56)),
+    llama=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=3,
+               num_attention_heads=32, num_key_value_heads=8),
+    clip=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=1,
+              num_attention_heads=12, projection_dim=768),
+    vae=dict(latent_channels=16),
+    height=544, width=960, frames=33, steps=4, guidance=6.0, max_sequence_length=256,
+    dtype=torch.bfloat16, device="cuda",
+)  # fmt: skip
+
+
+def build_hunyuan_video(cfg):
+    """(ours, reference) HunyuanVideo 1.0 pipelines sharing everything but the DiT."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
+    from sglang.multimodal_gen.models.families.tiny.common import build_clip_t5_tokenizers
+    from sglang.multimodal_gen.models.families.tiny.hunyuan_video import build_llama_tokenizer
+    from sglang.multimodal_gen.models.loader import denoiser_from_module
+    from sglang.multimodal_gen.models.registry import get_family
+    from sglang.multimodal_gen.pipelines.hunyuan_video import HunyuanVideoPipeline as OurPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+    dev, dtype = torch.device(cfg["device"]), cfg["dtype"]
+    tok = build_llama_tokenizer()
+    clip_tok, _ = build_clip_t5_tokenizers()
+    torch.manual_seed(0)
+    with torch.device(dev):
+        te = LlamaModel(LlamaConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                    **cfg["llama"])).to(dtype).eval()  # fmt: skip
+        te_2 = CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(clip_tok), bos_token_id=clip_tok.bos_token_id,
+            eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id, **cfg["clip"],
+        )).to(dtype).eval()  # fmt: skip
+        vae = AutoencoderKLHunyuanVideo(**cfg["vae"]).to(dtype).eval()
+        dit = HunyuanVideoTransformer3DModel(
+            text_embed_dim=cfg["llama"]["hidden_size"], pooled_projection_dim=cfg["clip"][
+                "hidden_size"], **cfg["transformer"],
+        ).to(dtype).eval()  # fmt: skip
+    sched = FlowMatchEulerDiscreteScheduler(shift=7.0)
+    comps = dict(text_encoder=te, tokenizer=tok, text_encoder_2=te_2, tokenizer_2=clip_tok,
+                 vae=vae, scheduler=sched)  # fmt: skip
+    ref = HunyuanVideoPipeline(transformer=dit, **comps)
+    ref.set_progress_bar_config(disable=True)
+    family = get_family("hunyuan-video")
+    ours_dit = denoiser_from_module(dit, family.denoiser(), dtype=dtype, device=dev)
+    configs = dict(vae=dict(vae.config), scheduler=dict(sched.config), transformer=dict(dit.config))
+    ours = OurPipeline(family, dict(comps, transformer=ours_dit), configs, device=dev)
+    return ours, ref
+
+
+VIDEO_FAMILIES = ("wan", "ltx2", "hunyuan-video")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--family", choices=("zimage", "flux", "wan", "qwen-image", "ltx2"), default="zimage"
+        "--family",
+        choices=("zimage", "flux", "wan", "qwen-image", "ltx2", "hunyuan-video"),
+        default="zimage",
     )
     ap.add_argument("--gpu", action="store_true", help="the real model shapes on CUDA, bf16")
     ap.add_argument("--repeats", type=int, default=5)
@@ -541,6 +625,8 @@ def main(argv=None) -> int:
         cfg = dict(QWEN_GPU_CFG if args.gpu else QWEN_CPU_CFG)
     elif args.family == "ltx2":
         cfg = dict(LTX2_GPU_CFG if args.gpu else LTX2_CPU_CFG)
+    elif args.family == "hunyuan-video":
+        cfg = dict(HV_GPU_CFG if args.gpu else HV_CPU_CFG)
     else:
         cfg = dict(GPU_CFG if args.gpu else CPU_CFG)
     if args.gpu and not torch.cuda.is_available():
@@ -559,6 +645,7 @@ def main(argv=None) -> int:
         "wan": build_wan,
         "qwen-image": build_qwen,
         "ltx2": build_ltx2,
+        "hunyuan-video": build_hunyuan_video,
     }
     ours, ref = builders[args.family](cfg)
     print(f"built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -589,6 +676,12 @@ def main(argv=None) -> int:
             height=args.size or cfg["height"], width=args.size or cfg["width"],
             num_frames=cfg["frames"], guidance_scale=cfg["guidance"],
             guidance_scale_2=cfg["guidance_2"], max_sequence_length=cfg["max_sequence_length"],
+        )  # fmt: skip
+    if args.family == "hunyuan-video":  # embedded guidance, one DiT forward per step
+        kw.update(
+            height=args.size or cfg["height"], width=args.size or cfg["width"],
+            num_frames=cfg["frames"], guidance_scale=cfg["guidance"],
+            max_sequence_length=cfg["max_sequence_length"],
         )  # fmt: skip
     ref_kw = kw
     if args.family == "ltx2":
@@ -625,7 +718,7 @@ def main(argv=None) -> int:
             img = ours("a benchmark prompt", generator=g, output_type="np", progress=False, **kw)[0]
         else:
             out = ref("a benchmark prompt", generator=g, output_type="np", **ref_kw)
-            img = np.asarray(out.frames if args.family in ("wan", "ltx2") else out.images)[0]
+            img = np.asarray(out.frames if args.family in VIDEO_FAMILIES else out.images)[0]
             img = (img * 255).round().astype("uint8")
         if cuda:
             torch.cuda.synchronize()
@@ -677,11 +770,16 @@ def main(argv=None) -> int:
             f"LTX-2.3 {t['num_layers']} layers, video {v[0]} heads x {v[1]}, audio {a[0]} heads x "
             f"{a[1]}, {kw['height']}x{kw['width']}x{kw['num_frames']} frames, CFG+STG+modality"
         )
+    elif args.family == "hunyuan-video":
+        shape = (
+            f"{t['num_layers']}+{t['num_single_layers']} blocks, {t['num_attention_heads']} heads "
+            f"x {t['attention_head_dim']}, {kw['height']}x{kw['width']}x{kw['num_frames']} frames"
+        )
     else:
         shape = f"dim {t['dim']}, {t['n_layers']} layers"
     label = (
         f"{args.family} {'GPU' if cuda else 'CPU'} {shape}, "
-        f"{'' if args.family in ('wan', 'ltx2') else f'{size}x{size}, '}"
+        f"{'' if args.family in VIDEO_FAMILIES else f'{size}x{size}, '}"
         f"{steps} steps, {str(cfg['dtype']).replace('torch.', '')}"
     )
     if args.compile or args.matmul_precision != "highest" or args.attention_backend != "auto":
@@ -689,7 +787,7 @@ def main(argv=None) -> int:
             f"; ours with compile={args.compile}, fp32 matmul {args.matmul_precision}, "
             f"attention {args.attention_backend}"
         )
-    what = "frames" if args.family in ("wan", "ltx2") else "image"
+    what = "frames" if args.family in VIDEO_FAMILIES else "image"
     print(f"\nconfig: {label}; {args.repeats} interleaved runs; {what} PSNR {psnr:.1f} dB")
     print("| metric | ours | diffusers | ours/diffusers |")
     print("|---|---|---|---|")
