@@ -1254,6 +1254,56 @@ MUTANTS: list[Mutant] = [
         why="HunyuanVideo 1.5 drops the last real text token of the longest prompt before the "
         "token refiner",
     ),
+    _m(
+        "hunyuan-video-llama-hidden-state-minus-2",
+        "pipelines/hunyuan_video.py",
+        "HIDDEN_STATE_INDEX = -3",
+        "HIDDEN_STATE_INDEX = -2",
+        ("test/integration/families/test_hunyuan_video_pipeline_parity.py",),
+        ("-k", "embedded_guidance"),
+        why="HunyuanVideo reads the Llama's second-to-last hidden state instead of layer -3 "
+        "(diffusers' num_hidden_layers_to_skip 2)",
+    ),
+    _m(
+        "hunyuan-video-guidance-not-x1000",
+        "pipelines/hunyuan_video.py",
+        "GUIDANCE_MULTIPLIER = 1000.0",
+        "GUIDANCE_MULTIPLIER = 1.0",
+        ("test/integration/families/test_hunyuan_video_pipeline_parity.py",),
+        ("-k", "embedded_guidance"),
+        why="HunyuanVideo's embedded guidance reaches the DiT as 6 instead of 6000",
+    ),
+    _m(
+        "hunyuan-video-template-not-cropped",
+        "pipelines/hunyuan_video.py",
+        'crop = int(template["crop_start"])',
+        "crop = 0",
+        ("test/integration/families/test_hunyuan_video_pipeline_parity.py",),
+        ("-k", "embedded_guidance"),
+        why="HunyuanVideo's text tokens keep the prompt template's system part (crop_start 95 "
+        "ignored): the DiT attends to the template instead of the end of the prompt",
+    ),
+    _m(
+        "hunyuan-video-shift-7-whatever-the-directory",
+        "pipelines/hunyuan_video.py",
+        "        scheduler = self.new_scheduler()\n        sigmas",
+        "        scheduler = self.new_scheduler()\n"
+        '        scheduler = type(scheduler).from_config({**scheduler.config, "shift": 7.0})\n'
+        "        sigmas",
+        ("test/integration/families/test_hunyuan_video_pipeline_parity.py",),
+        ("-k", "fasthunyuan"),
+        why="HunyuanVideo's flow shift fixed at 7: a FastHunyuan directory whose scheduler says "
+        "17 is sampled with the base model's schedule",
+    ),
+    _m(
+        "hunyuan-video-true-cfg-around-the-wrong-branch",
+        "pipelines/hunyuan_video.py",
+        "return neg + g.params.true_cfg_scale * (pos - neg)",
+        "return pos + g.params.true_cfg_scale * (pos - neg)",
+        ("test/integration/families/test_hunyuan_video_pipeline_parity.py",),
+        ("-k", "true_cfg"),
+        why="HunyuanVideo's true CFG extrapolates from the conditional prediction",
+    ),
 ]
 
 
