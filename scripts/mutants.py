@@ -1304,6 +1304,35 @@ MUTANTS: list[Mutant] = [
         ("-k", "true_cfg"),
         why="HunyuanVideo's true CFG extrapolates from the conditional prediction",
     ),
+    # ------------------------------------------------------------------ HunyuanVideo LoRA layouts
+    _m(
+        "hv-lora-comfyui-txt-qkv-on-the-image-stream",
+        "models/dits/hunyuan_video_names.py",
+        '_double("txt_attn.qkv", "attn.to_added_qkv"),',
+        '_double("txt_attn.qkv", "attn.to_qkv"),',
+        ("test/unit/lora/formats/test_hunyuan_video.py",),
+        ("-k", "comfyui"),
+        why="a ComfyUI-named HunyuanVideo LoRA's text-stream qkv lands on the image stream's",
+    ),
+    _m(
+        "hv15-lora-comfyui-img-mlp-on-the-text-stream",
+        "models/dits/hunyuan_video15_names.py",
+        '_block("img_mlp.0", "ff.net.0.proj"),',
+        '_block("img_mlp.0", "ff_context.net.0.proj"),',
+        ("test/unit/lora/formats/test_hunyuan_video15.py",),
+        ("-k", "comfyui"),
+        why="a ComfyUI-named HunyuanVideo 1.5 LoRA's image MLP lands on the text stream's",
+    ),
+    _m(
+        "lora-row-order-also-on-lora-A",
+        "lora/formats.py",
+        "        b = _reorder_rows(b, order)\n",
+        "        b = _reorder_rows(b, order)\n        a = _reorder_rows(a, order)\n",
+        ("test/unit/lora/formats/test_hunyuan_video.py",),
+        ("-k", "tencent_names"),
+        why="a final layer stored (shift, scale) gets its LoRA A's rank halves swapped with B's "
+        "rows (diffusers' bug on Tencent names): the delta is wrong",
+    ),
 ]
 
 
