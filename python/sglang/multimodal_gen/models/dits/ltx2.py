@@ -295,6 +295,7 @@ class LTX2Transformer(nn.Module):
             self.audio_proj_out = ReplicatedLinear(
                 da, cfg.audio_out_channels, **tp_kwargs("audio_proj_out", *args)
             )
+        self._rope_cache: dict[tuple, dict] = {}  # see _rope_tables
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -337,6 +338,73 @@ class LTX2Transformer(nn.Module):
     # ------------------------------------------------------------------ helpers
     def _rope_local(self, rope: LTX2Rope, coords: torch.Tensor):
         return rope.local(rope(coords), self.tp_rank, self.tp_size)
+
+    _ROPE_CACHE_SIZE = 8  # latent geometries kept (a request's calls and steps share one)
+
+    def _rope_tables(self, b, sv, sa, video_coords, audio_coords, sizes) -> dict:
+        """The four RoPE tables of the whole sequences, sliced to this TP rank's channels.
+
+        Args:
+            b, sv, sa: batch, video and audio token counts of the inputs.
+            video_coords, audio_coords: ``[B, 3, Sv, 2]`` / ``[B, 1, Sa, 2]`` given by the caller,
+                or ``None`` (built from ``sizes``).
+            sizes: ``(num_frames, height, width, fps, audio_num_frames)``.
+
+        Returns:
+            ``{"video", "audio", "ca_video", "ca_audio"}``: ``(cos, sin)`` fp32 ``[B or 1, S, C]``
+            (see :class:`LTX2Rope`). Tables built from the sizes alone have batch 1 (every item
+            has the same positions) and are kept per geometry: the calls of a request (its
+            guidance passes and steps) compute them once. They are read only, never written.
+
+        Raises:
+            ValueError: missing sizes, or coordinates that do not fit the token counts.
+        """
+        cfg, dev = self.cfg, self.device
+        num_frames, height, width, fps, audio_num_frames = sizes
+        key = None
+        if video_coords is None and audio_coords is None:
+            key = (num_frames, height, width, float(fps), audio_num_frames, str(dev))
+            tables = self._rope_cache.get(key)
+            if tables is not None:
+                self._check_coords(tables["video"][0], tables["audio"][0], b, sv, sa)
+                return tables
+        if video_coords is None:
+            if None in (num_frames, height, width):
+                raise ValueError("num_frames, height and width are required without video_coords")
+            n = 1 if key else b
+            video_coords = ltx2_video_coords(cfg, n, num_frames, height, width, dev, fps)
+        if audio_coords is None:
+            if audio_num_frames is None:
+                raise ValueError("audio_num_frames is required without audio_coords")
+            audio_coords = ltx2_audio_coords(cfg, 1 if key else b, audio_num_frames, dev)
+        video_coords, audio_coords = video_coords.to(dev), audio_coords.to(dev)
+        self._check_coords(video_coords, audio_coords, b, sv, sa, coords=True)
+        tables = {
+            "video": self._rope_local(self.rope, video_coords),
+            "audio": self._rope_local(self.audio_rope, audio_coords),
+            "ca_video": self._rope_local(self.cross_attn_rope, video_coords[:, 0:1]),
+            "ca_audio": self._rope_local(self.cross_attn_audio_rope, audio_coords[:, 0:1]),
+        }
+        if key is not None:
+            if len(self._rope_cache) >= self._ROPE_CACHE_SIZE:
+                self._rope_cache.pop(next(iter(self._rope_cache)))
+            self._rope_cache[key] = tables
+        return tables
+
+    @staticmethod
+    def _check_coords(video, audio, b, sv, sa, coords: bool = False) -> None:
+        """``video`` / ``audio`` (coordinates ``[B or 1, axes, S, 2]`` when ``coords``, else
+        tables ``[B or 1, S, C]``) must have one entry per token."""
+        seq = 2 if coords else 1
+        for name, t, axes, n in (("video", video, 3, sv), ("audio", audio, 1, sa)):
+            ok = t.shape[0] in (1, b) and t.shape[seq] == n
+            if coords:
+                ok = ok and t.shape[1] == axes
+            if not ok:
+                what = f"[{b}, {axes}, {n}, 2]" if coords else f"{n} per item"
+                raise ValueError(
+                    f"{name} coordinates must be {what} (one per {name} token), got {list(t.shape)}"
+                )
 
     @staticmethod
     def _key_mask(mask: torch.Tensor | None, b: int, length: int, name: str):
@@ -481,26 +549,9 @@ class LTX2Transformer(nn.Module):
                 "use_cross_timestep"
             )
 
-        # ---- coordinates and RoPE tables
-        if video_coords is None:
-            if None in (num_frames, height, width):
-                raise ValueError("num_frames, height and width are required without video_coords")
-            video_coords = ltx2_video_coords(cfg, b, num_frames, height, width, dev, fps)
-        if audio_coords is None:
-            if audio_num_frames is None:
-                raise ValueError("audio_num_frames is required without audio_coords")
-            audio_coords = ltx2_audio_coords(cfg, b, audio_num_frames, dev)
-        video_coords, audio_coords = video_coords.to(dev), audio_coords.to(dev)
-        if video_coords.shape[:3] != (b, 3, sv):
-            raise ValueError(
-                f"video coordinates must be [{b}, 3, {sv}, 2] (one per video token), got "
-                f"{list(video_coords.shape)}"
-            )
-        if audio_coords.shape[:3] != (b, 1, sa):
-            raise ValueError(
-                f"audio coordinates must be [{b}, 1, {sa}, 2] (one per audio token), got "
-                f"{list(audio_coords.shape)}"
-            )
+        # ---- RoPE tables of the whole sequences (this TP rank's channels)
+        sizes = (num_frames, height, width, fps, audio_num_frames)
+        tables = self._rope_tables(b, sv, sa, video_coords, audio_coords, sizes)
         xs = SeqSplit.of(sv)  # sequence parallelism: video tokens split, audio replicated
         tp = self.tp_size
 
@@ -509,10 +560,10 @@ class LTX2Transformer(nn.Module):
 
         ropes = {
             "type": cfg.rope_type,
-            "video": local_seq(self._rope_local(self.rope, video_coords)),
-            "audio": self._rope_local(self.audio_rope, audio_coords),
-            "ca_video": local_seq(self._rope_local(self.cross_attn_rope, video_coords[:, 0:1])),
-            "ca_audio": self._rope_local(self.cross_attn_audio_rope, audio_coords[:, 0:1]),
+            "video": local_seq(tables["video"]),
+            "audio": tables["audio"],
+            "ca_video": local_seq(tables["ca_video"]),
+            "ca_audio": tables["ca_audio"],
             # the split layout's channel groups on this rank (each RoPE's own head count)
             "video_groups": (self.rope.heads // tp,) * 2,
             "audio_groups": (self.audio_rope.heads // tp,) * 2,
@@ -537,10 +588,12 @@ class LTX2Transformer(nn.Module):
         gate_factor = cfg.cross_attn_timestep_scale_multiplier / cfg.timestep_scale_multiplier
         video_ca_t = audio_sigma if use_cross_timestep else timestep
         audio_ca_t = sigma if use_cross_timestep else audio_timestep
-        m["ca_video"] = embed(self.av_cross_attn_video_scale_shift, video_ca_t)[0]
-        m["ca_video_gate"] = embed(self.av_cross_attn_video_a2v_gate, video_ca_t * gate_factor)[0]
-        m["ca_audio"] = embed(self.av_cross_attn_audio_scale_shift, audio_ca_t)[0]
-        m["ca_audio_gate"] = embed(self.av_cross_attn_audio_v2a_gate, audio_ca_t * gate_factor)[0]
+        if not isolate_modalities:  # the audio-video attentions' modulation (unused otherwise)
+            vg, ag = video_ca_t * gate_factor, audio_ca_t * gate_factor
+            m["ca_video"] = embed(self.av_cross_attn_video_scale_shift, video_ca_t)[0]
+            m["ca_video_gate"] = embed(self.av_cross_attn_video_a2v_gate, vg)[0]
+            m["ca_audio"] = embed(self.av_cross_attn_audio_scale_shift, audio_ca_t)[0]
+            m["ca_audio_gate"] = embed(self.av_cross_attn_audio_v2a_gate, ag)[0]
 
         ctx = encoder_hidden_states.to(dt)
         actx = audio_encoder_hidden_states.to(dt)
@@ -574,7 +627,7 @@ class LTX2Transformer(nn.Module):
         # ---- sequence parallelism: this rank's video tokens and their per-token modulation
         x = xs.local(x)
         for key in ("temb", "ca_video", "ca_video_gate"):
-            if m[key].shape[1] != 1:
+            if key in m and m[key].shape[1] != 1:
                 m[key] = xs.local(m[key])
         if emb_t.shape[1] != 1:
             emb_t = xs.local(emb_t)

@@ -185,7 +185,8 @@ def apply_ltx2_rope(
 
     ``interleaved``: channel pairs ``(2i, 2i + 1)`` rotate together (``cos``/``sin`` ``[B, N,
     C]``); ``split``: ``x`` is ``groups`` groups of ``2r`` channels, the first half of a group
-    rotating with its second half (``cos``/``sin`` ``[B, N, C / 2]``). Computed in fp32 with the
+    rotating with its second half (``cos``/``sin`` ``[B, N, C / 2]``). The tables' batch dim may
+    be 1 (one table for every item). Computed in fp32 with the
     reference's operation order, returned in ``x.dtype``.
     """
     cos, sin = table
@@ -196,8 +197,8 @@ def apply_ltx2_rope(
     b, n, c = x.shape
     r = c // (2 * groups)
     xs = x.reshape(b, n, groups, 2, r).float()
-    cos_u = cos.reshape(b, n, groups, 1, r)
-    sin_u = sin.reshape(b, n, groups, 1, r)
+    cos_u = cos.reshape(cos.shape[0], n, groups, 1, r)
+    sin_u = sin.reshape(sin.shape[0], n, groups, 1, r)
     out = xs * cos_u
     out[..., :1, :].addcmul_(-sin_u, xs[..., 1:, :])
     out[..., 1:, :].addcmul_(sin_u, xs[..., :1, :])
