@@ -24,6 +24,10 @@ __all__ = [
 # CPU_GEMM_ROW_BLOCK rows, and at least MIN_CPU_GEMM_ROWS
 MIN_CPU_GEMM_ROWS = 16
 CPU_GEMM_ROW_BLOCK = 4
+# below this many rows an input that needs padding is padded whole (e.g. 18 audio tokens: one
+# 20-row GEMM instead of 16 rows plus a 16-row padded tail and a concatenation; the same bits,
+# every multiple of CPU_GEMM_ROW_BLOCK from MIN_CPU_GEMM_ROWS on rounding a row alike)
+SMALL_CPU_GEMM_ROWS = 64
 
 
 def _cpu_row_split(x: torch.Tensor) -> tuple[int, int]:
@@ -54,7 +58,8 @@ def linear_rows_invariant(
     (measured on an AMD EPYC VM: 1-3, 5-7, 9-11 rows at 2 threads; more counts at 16+ threads,
     up to 171 rows at 64; never a multiple of 4 from 16 rows on), so the input runs as its
     largest multiple of :data:`CPU_GEMM_ROW_BLOCK` rows plus a zero-padded remainder of
-    :data:`MIN_CPU_GEMM_ROWS` rows (or all of it padded when shorter).
+    :data:`MIN_CPU_GEMM_ROWS` rows (or all of it padded to a multiple of
+    :data:`CPU_GEMM_ROW_BLOCK` when shorter than :data:`SMALL_CPU_GEMM_ROWS`).
 
     Args:
         x: ``[..., in]``; weight: ``[out, in]``; bias: ``[out]`` or ``None``.
@@ -67,6 +72,8 @@ def linear_rows_invariant(
     if head == rows:
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
+    if rows < SMALL_CPU_GEMM_ROWS:  # one padded GEMM, not a head GEMM plus a 16-row tail
+        head = 0
     y = F.linear(_padded_tail(x2[head:]), weight, bias)[: rows - head]
     if head:
         y = torch.cat([F.linear(x2[:head], weight, bias), y])
