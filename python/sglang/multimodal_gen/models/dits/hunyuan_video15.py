@@ -23,8 +23,9 @@ equal diffusers' except the fused projections (``attn.to_qkv``, ``attn.to_added_
 refiner's ``attn.to_qkv``), see ``hunyuan_video15_names.py``.
 
 Padding is trimmed: the token positions that are padding for every item of the batch (after the
-valid-first ordering, the tail) are dropped before the blocks, so a text-to-video batch attends
-to no image tokens and one request sees no padding keys at all. Masked keys have softmax weight 0,
+valid-first ordering, the tail) are dropped before the blocks (the text and ByT5 padding
+already before the token refiner and the ByT5 projection), so a text-to-video batch attends to
+no image tokens and one request sees no padding keys at all. Masked keys have softmax weight 0,
 so this changes only the order of floating-point additions (measured in the parity test).
 
 Tensor parallelism: heads and feed-forward widths split over the ranks (see
