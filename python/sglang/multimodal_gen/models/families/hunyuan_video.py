@@ -77,5 +77,23 @@ HUNYUAN_VIDEO = register_family(
         tp_divisors=_tp_divisors,
         build_tiny=f"{_PKG}.models.families.tiny.hunyuan_video:build_hunyuan_video_dir",
         default_model_name="sglang-default-hunyuan-video-tiny",
+        # the LoRA-family guess (lora.key_grammar.best_architecture): any block key counts (a
+        # shorter piece than Flux's pattern, so a file with no HunyuanVideo-only name, e.g.
+        # ComfyUI's or diffusers' block names, which are Flux's, stays Flux's); longer pieces
+        # only HunyuanVideo has decide: Tencent's modulation / MLP names and dotted img_attn_qkv,
+        # the token refiner, txt_in / context_embedder, guidance_in.mlp, a double block 19 or a
+        # single block 38 / 39 (Flux has 19 and 38)
+        lora_signature=(
+            r"(double|single)_block(?=s[._]\d)",
+            r"single_transformer_block(?=s[._]\d)",
+            r"(double|single)_blocks[._]\d+[._]"
+            r"((img|txt)_(mod[._]linear|mlp[._]fc[12])|modulation[._]linear)",
+            r"double_blocks\.\d+\.(img|txt)_attn_(qkv|proj)\b",
+            r"individual_token_refiner|token_refiner[._]refiner_blocks|"
+            r"txt_in[._](input_embedder|[tc]_embedder)|context_embedder[._](proj_in|time_text_embed)",
+            r"guidance_in[._]mlp[._][02]",
+            r"double_blocks[._]19[._]|single_(transformer_)?blocks[._]3[89][._]",
+        ),
+        lora_architecture="HunyuanVideo",
     )
 )
