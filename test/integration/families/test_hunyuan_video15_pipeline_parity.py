@@ -84,6 +84,41 @@ def test_glyph_text_as_diffusers():
         assert glyph_text(p) == extract_glyph_texts(p), p
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"use_original_formulation": True},
+        {"guidance_rescale": 0.7},
+        {"start": 0.25, "stop": 0.75},
+        {"enabled": False},
+    ],
+    ids=["default", "original", "rescale", "window", "disabled"],
+)
+def test_guidance_as_the_guider(pipes, config):
+    """Our CFG step and combination against diffusers' ``ClassifierFreeGuidance`` at each guider
+    setting: which steps run CFG, and the prediction they make (random predictions)."""
+    from diffusers import ClassifierFreeGuidance
+
+    ours, _ = pipes
+    guider = ClassifierFreeGuidance(guidance_scale=WEIGHT, **config)
+    saved = ours.guider_config
+    ours.guider_config = dict(guider.config)
+    try:
+        g = ours.new_generation(ours.spec.params(prompt="x", guidance_scale=WEIGHT, seed=1,
+                                                 num_inference_steps=4))  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        pos, neg = (torch.randn(2, 4, 2, 4, 4, generator=gen) for _ in range(2))
+        for i in range(4):
+            guider.set_state(step=i, num_inference_steps=4, timestep=torch.tensor(1.0))
+            assert ours.cfg_at(g, i) == (guider.num_conditions == 2), (config, i)
+            if guider.num_conditions == 2:
+                expected = guider.forward(pred_cond=pos, pred_uncond=neg).pred
+                torch.testing.assert_close(ours.guide(g, pos, neg), expected)
+    finally:
+        ours.guider_config = saved
+
+
 def test_encoding_matches_diffusers(pipes):
     ours, ref = pipes
     prompts = [PROMPT, "blurry", ""]
@@ -173,15 +208,36 @@ def test_i2v_matches_diffusers(i2v_pipes):
     image = Image.fromarray(_image())
     height, width = ref.video_processor.calculate_default_height_width(64, 48, 32)
     assert (height, width) == (32, 24)
-    gen = torch.Generator().manual_seed(7)
-    out = ref(image=image, prompt=PROMPT, generator=gen, output_type="np", **kw)
-    expected = (np.asarray(out.frames) * 255).round().astype("uint8")
+    # the MeanFlow timestep_r of every DiT call, theirs and ours (its effect on this tiny
+    # model's frames is small: compared as values)
+    seen: dict[str, list[float]] = {"ref": [], "ours": []}
 
-    def ours_with(a):
-        img = (InputImage(a, source="image"),)
-        return _ours(ours, PROMPT, 7, image=img, height=height, width=width, **kw)
+    def recorder(name):
+        def hook(_module, _args, kwargs):
+            seen[name].append(float(kwargs["timestep_r"].flatten()[0]))
 
-    got = ours_with(_image())
+        return hook
+
+    handles = [
+        ref.transformer.register_forward_pre_hook(recorder("ref"), with_kwargs=True),
+        ours.transformer.register_forward_pre_hook(recorder("ours"), with_kwargs=True),
+    ]
+    try:
+        gen = torch.Generator().manual_seed(7)
+        out = ref(image=image, prompt=PROMPT, generator=gen, output_type="np", **kw)
+        expected = (np.asarray(out.frames) * 255).round().astype("uint8")
+
+        def ours_with(a):
+            img = (InputImage(a, source="image"),)
+            return _ours(ours, PROMPT, 7, image=img, height=height, width=width, **kw)
+
+        got = ours_with(_image())
+    finally:
+        for h in handles:
+            h.remove()
+    # diffusers runs the two CFG branches as two calls, we run one
+    assert seen["ref"][::2] == seen["ref"][1::2] == seen["ours"]
+    assert seen["ours"][-1] == 0.0 and len(seen["ours"]) == 2
     assert got.shape == expected.shape == (1, 5, 32, 24, 3)
     assert _every_frame(got, expected) >= MIN_PSNR
     # the image upside down falls outside the threshold
