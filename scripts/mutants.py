@@ -1333,6 +1333,73 @@ MUTANTS: list[Mutant] = [
         why="a final layer stored (shift, scale) gets its LoRA A's rank halves swapped with B's "
         "rows (diffusers' bug on Tencent names): the delta is wrong",
     ),
+    _m(
+        "hv15-qwen-last-hidden-state",
+        "pipelines/hunyuan_video15.py",
+        "hidden = out.hidden_states[-(SKIP_LAYERS + 1)]",
+        "hidden = out.hidden_states[-1]",
+        ("test/integration/families/test_hunyuan_video15_pipeline_parity.py",),
+        ("-k", "encoding"),
+        why="HunyuanVideo 1.5 reads the Qwen2.5-VL's last hidden state instead of the third from "
+        "the end (diffusers' num_hidden_layers_to_skip 2)",
+    ),
+    _m(
+        "hv15-cfg-original-formulation-by-default",
+        "pipelines/hunyuan_video15.py",
+        'base = pos if c.get("use_original_formulation", False) else neg',
+        'base = neg if c.get("use_original_formulation", False) else pos',
+        ("test/integration/families/test_hunyuan_video15_pipeline_parity.py",),
+        ("-k", "guider"),
+        why="HunyuanVideo 1.5's guidance pushes from the conditional prediction "
+        "(pos + w (pos - neg)) where the guider says neg + w (pos - neg)",
+    ),
+    _m(
+        "hv15-sigmas-end-at-zero",
+        "pipelines/hunyuan_video15.py",
+        "sigmas=np.linspace(1.0, 0.0, n + 1)[:-1]",
+        "sigmas=np.linspace(1.0, 0.0, n)",
+        ("test/integration/families/test_hunyuan_video15_pipeline_parity.py",),
+        ("-k", "t2v_matches"),
+        why="HunyuanVideo 1.5's schedule has its last sigma at 0 (diffusers drops the endpoint "
+        "before the shift)",
+    ),
+    _m(
+        "hv15-default-guidance-not-the-guiders",
+        "pipelines/hunyuan_video15.py",
+        'if "guidance_scale" in self.guider_config:',
+        "if False:",
+        ("test/integration/families/test_hunyuan_video15_pipeline_parity.py",),
+        ("-k", "defaults"),
+        why="HunyuanVideo 1.5's default guidance is the family's 6.0, not the directory's guider",
+    ),
+    _m(
+        "hv15-glyph-duplicates-kept",
+        "pipelines/hunyuan_video15.py",
+        "if len(spans) > 1:",
+        "if len(spans) > 2:",
+        ("test/integration/families/test_hunyuan_video15_pipeline_parity.py",),
+        ("-k", "glyph_text"),
+        why="HunyuanVideo 1.5's ByT5 text repeats a quoted span given twice",
+    ),
+    _m(
+        "hv15-i2v-mask-on-every-frame",
+        "pipelines/hunyuan_video15.py",
+        "mask[:, :, 0] = 1.0",
+        "mask[:, :, :] = 1.0",
+        ("test/integration/families/test_hunyuan_video15_pipeline_parity.py",),
+        ("-k", "i2v"),
+        why="HunyuanVideo 1.5 image to video marks every latent frame as the image's",
+    ),
+    _m(
+        "hv15-meanflow-r-is-the-current-step",
+        "pipelines/hunyuan_video15.py",
+        "r = timesteps[step_index + 1] if step_index + 1 < len(timesteps) else t * 0",
+        "r = t",
+        ("test/integration/families/test_hunyuan_video15_pipeline_parity.py",),
+        ("-k", "i2v"),
+        why="HunyuanVideo 1.5's MeanFlow DiT gets the current timestep as timestep_r instead of "
+        "the next one (0 at the last step)",
+    ),
 ]
 
 
