@@ -1334,6 +1334,36 @@ MUTANTS: list[Mutant] = [
         "rows (diffusers' bug on Tencent names): the delta is wrong",
     ),
     _m(
+        "hv-lora-guess-block-pattern-longer-than-flux",
+        "models/families/hunyuan_video.py",
+        'r"(double|single)_block(?=s[._]\\d)",',
+        'r"(double|single)_blocks[._]\\d+[._]",',
+        ("test/unit/lora/formats/test_hunyuan_video_guess.py",),
+        ("-k", "diffusers_and_comfyui"),
+        why="HunyuanVideo's generic block pattern outweighs Flux's: every Flux LoRA refused on "
+        "another model is said to target HunyuanVideo",
+    ),
+    _m(
+        "hv15-lora-guess-split-qkv-short",
+        "models/families/hunyuan_video15.py",
+        'r"double_blocks[._]\\d+[._](img|txt)_attn_[qkv](?=[._]|$).*",',
+        'r"double_blocks[._]\\d+[._](img|txt)_attn_[qkv](?=[._]|$)",',
+        ("test/unit/lora/formats/test_hunyuan_video_guess.py",),
+        ("-k", "1_0_and_1_5"),
+        why="a HunyuanVideo 1.5 double-block LoRA in Tencent's names is guessed as 1.0 (its "
+        "split q/k/v no longer outweigh the names both versions share)",
+    ),
+    _m(
+        "lora-partial-load-guess-dropped",
+        "lora/formats.py",
+        'seems = f" (the keys seem to target {guess})" if guess else ""',
+        'seems = ""',
+        ("test/unit/lora/formats/test_hunyuan_video_guess.py",),
+        ("-k", "another_family"),
+        why="a LoRA of a related model (HunyuanVideo 1.0 on 1.5, on Flux) is refused as a partial "
+        "load without saying which model it seems to be for",
+    ),
+    _m(
         "hv15-qwen-last-hidden-state",
         "pipelines/hunyuan_video15.py",
         "hidden = out.hidden_states[-(SKIP_LAYERS + 1)]",
