@@ -92,6 +92,9 @@ EXTENDED = {
     # HunyuanVideo 1.0 with a musubi LoRA at TP 2 (LoRA on the shared MM-DiT blocks at TP 2:
     # test_flux_engine's TP 2 with a kohya LoRA; every HunyuanVideo layout: test_hunyuan_video_lora)
     "integration/families/test_hunyuan_video_lora.py::test_tp2_musubi_matches_diffusers",
+    # LTX-2's DiT at SP 4 (Ulysses 2 x ring 2; both streams sharded: the default tier's Ulysses 2
+    # and ring 2 of the same test)
+    "integration/families/test_ltx2_transformer_parity.py::test_sequence_parallel_equals_one_process[ulysses2_ring2]",
 }
 
 

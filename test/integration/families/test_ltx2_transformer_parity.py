@@ -1,7 +1,7 @@
 """Our LTX-2.x DiT vs diffusers' ``LTX2VideoTransformer3DModel`` on the same weights (fp32, CPU):
 loading through the loader from ``save_pretrained`` files, the LTX-2.3 switches (STG,
-isolate_modalities, use_cross_timestep, per-token timesteps), original Lightricks names, TP 2 and
-Ulysses 2 (real gloo processes) against one process.
+isolate_modalities, use_cross_timestep, per-token timesteps), original Lightricks names, TP 2,
+Ulysses 2 and ring 2 (both streams sharded; real gloo processes) against one process.
 
 Two tiny layouts (``fixtures/tiny_ltx2_dit.py``): ``ltx23`` (gated attention, cross-attention adaLN
 and prompt modulation on both streams, perturbed attention, interleaved RoPE) and ``ltx20``
@@ -12,13 +12,14 @@ Measured on this machine (torch 2.13 CPU, fp32), max |ours - ref| / max |ref| pe
 audio): ltx23 3.2e-7 / 3.1e-7, ltx20 2.4e-7 / 1.4e-7; with STG (all items / item 0 only),
 isolate_modalities, use_cross_timestep and per-token timesteps <= 3.1e-7 (not bitwise: our
 self-attention q/k/v and the cross-attention k/v are one fused GEMM each); bf16 (weights and
-latents on both sides) 0.0, bitwise. TP 2 vs TP 1 2.9e-7, Ulysses 2 vs one process 1.5e-7 (both
-layouts). Thresholds: parity 2e-6, bf16 2**-8, parallel 5e-6. Nearby wrong cases, all far
+latents on both sides) 0.0, bitwise. TP 2 vs TP 1 2.9e-7; video and audio sequence parallel vs
+one process (both layouts): Ulysses 2 2.3e-7, ring 2 2.9e-7, Ulysses 2 x ring 2 2.5e-7. Thresholds: parity 2e-6, bf16 2**-8, parallel 5e-6. Nearby wrong cases, all far
 outside: fps 25 instead of 24 in the video coordinates 0.34 / 0.18 (ltx23), 0.13 / 0.12 (ltx20);
 each mode vs the plain forward > 1e-2 on both streams (e.g. STG at block 1 0.14,
 isolate_modalities 0.6). Once on an H200 (torch 2.11, CUDA, TF32 off): fp32 <= 2.7e-7, bf16 0.0.
 
-The gloo tests are ``slow`` (about 25 s each on a loaded 2-core machine: two spawned processes).
+The gloo tests are ``slow`` (about 25 s each on a loaded 2-core machine: two spawned processes);
+SP 4 (four processes) is in the extended tier.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ from sglang.multimodal_gen.distributed import (
     get_tp_world_size,
     launch_processes,
 )
+from sglang.multimodal_gen.distributed.sequence import even_split
 from sglang.multimodal_gen.models.dits.ltx2 import LTX2Transformer, ltx2_from_diffusers_module
 from sglang.multimodal_gen.models.dits.ltx2_names import LTX2_NAME_MAP
 from sglang.multimodal_gen.models.registry import DenoiserSpec
 
 PARITY_REL_ERR = 2e-6  # measured <= 3.2e-7 (both layouts, every mode)
 BF16_REL_ERR = 2**-8  # measured 0.0 (bitwise); one bf16 ulp of max |ref| as the margin
-PARALLEL_REL_ERR = 5e-6  # measured 2.9e-7 (TP 2), 1.5e-7 (Ulysses 2)
+PARALLEL_REL_ERR = 5e-6  # measured 2.9e-7 (TP 2), <= 2.9e-7 (SP 2 and 4, both streams sharded)
 
 _PKG = "sglang.multimodal_gen"
 SPEC = DenoiserSpec(
@@ -290,26 +292,44 @@ def parallel_runs():
 
 
 def _rank_fn(rank, runs):
-    """Each layout's model on this rank: ``([(output, local audio qkv rows), ...], tp, sp)``."""
+    """Each layout's model on this rank: ``([(output, local audio qkv rows, tokens), ...], tp,
+    sp)``; ``tokens``: the (video, audio) token counts the first block's self-attentions got on
+    this rank (the rank's shard of each stream under SP)."""
     from sglang.multimodal_gen.models.loader import load_tensors_into
 
     results = []
     for config, state_dict, inp in runs:
         model = LTX2Transformer(LTX2ArchConfig.from_dict(config), dtype=torch.float32)
         load_tensors_into(model, (("<sd>", k, v) for k, v in state_dict.items()), LTX2_NAME_MAP)
+        block, tokens = model.transformer_blocks[0], {}
+
+        def count(module, args, seen=tokens):
+            seen.setdefault(module, args[0].shape[1])
+
+        for attn in (block.attn1, block.audio_attn1):
+            attn.register_forward_pre_hook(count)
         with torch.no_grad():
             out = model(**inp)
-        results.append((out, model.transformer_blocks[0].audio_attn1.to_qkv.weight.shape[0]))
+        rows = block.audio_attn1.to_qkv.weight.shape[0]
+        results.append((out, rows, (tokens[block.attn1], tokens[block.audio_attn1])))
     return results, get_tp_world_size(), get_sp_world_size()
 
 
 def _parallel_case(parallel_runs, layout: ParallelLayout | None, label: str):
     runs, expected = parallel_runs
-    results = launch_processes(_rank_fn, 2, args=(runs,), backend="gloo", layout=layout)
+    n = 2 if layout is None else layout.world_size
+    results = launch_processes(_rank_fn, n, args=(runs,), backend="gloo", layout=layout)
     worst = 0.0
+    for i, (out1, _) in enumerate(expected):
+        tokens = [per_layout[i][2] for per_layout, _, _ in results]
+        sp = results[0][2]
+        for full, got in zip((out1[0].shape[1], out1[1].shape[1]), zip(*tokens)):
+            # each rank holds its shard of each stream (uneven: the first n % sp one more);
+            # a replicated stream would give every rank the whole sequence
+            assert sorted(got) == sorted(even_split(full, sp) * (n // sp)), (label, got, full)
     for per_layout, tp, sp in results:
-        assert tp * sp == 2
-        for (out, rows), (out1, rows1) in zip(per_layout, expected):
+        assert tp * sp == n
+        for (out, rows, _), (out1, rows1) in zip(per_layout, expected):
             assert rows * tp == rows1  # heads really are split under TP
             worst = max(worst, *_err(out, out1))
     print(f"ltx2 {label}: max rel err vs one process {worst:.3g}")
@@ -325,8 +345,21 @@ def test_tp2_equals_tp1(parallel_runs):
 
 
 @pytest.mark.slow
-def test_ulysses2_equals_one_process(parallel_runs):
-    """Video tokens split over 2 SP ranks (18 tokens; Ulysses on the video self-attention, the
-    video keys gathered for video-to-audio attention, per-token modulation sharded), audio
-    replicated."""
-    _parallel_case(parallel_runs, ParallelLayout(ulysses_degree=2), "Ulysses 2")
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ParallelLayout(ulysses_degree=2),
+        ParallelLayout(ring_degree=2),
+        ParallelLayout(ulysses_degree=2, ring_degree=2),
+    ],
+    ids=["ulysses2", "ring2", "ulysses2_ring2"],
+)
+def test_sequence_parallel_equals_one_process(parallel_runs, layout):
+    """Both streams split over the SP ranks: 18 video tokens (9 / 9) and 7 audio tokens (4 / 3:
+    a length that does not divide the SP size). Each stream's self-attention runs Ulysses or
+    ring, the other stream's keys/values are gathered for the audio-to-video and video-to-audio
+    attentions, RoPE tables and per-token modulation are sharded with the tokens (ltx23: per-token
+    timesteps on both streams, STG on item 0). Each rank's token counts are checked, so a
+    replicated stream fails."""
+    label = f"Ulysses {layout.ulysses_degree} x ring {layout.ring_degree}"
+    _parallel_case(parallel_runs, layout, label)

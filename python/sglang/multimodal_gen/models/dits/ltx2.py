@@ -32,14 +32,16 @@ are sliced to the rank's channels. Embedders, adaLN linears, caption projections
 ``proj_out`` and the modulation tables are replicated. ``num_attention_heads`` and
 ``audio_num_attention_heads`` must divide by the TP size.
 
-Sequence parallelism: the *video* tokens are split over the SP group (``SeqSplit``, uneven chunks,
-no padding) together with their RoPE tables and per-token modulation; the video self-attention
-runs Ulysses / ring through :func:`~sglang.multimodal_gen.layers.attention.attention`. The *audio*
-stream is replicated on every SP rank (it is short: about 25 tokens per second): audio
-self-attention and audio-text attention are local; audio-to-video attention uses the rank's video
-queries against all audio keys (no communication); video-to-audio attention all-gathers the video
-keys/values (after norm and RoPE) over the SP group, so every rank computes the same audio stream.
-The video output is gathered after ``proj_out``.
+Sequence parallelism: the tokens of both streams are split over the SP group (``SeqSplit``:
+uneven contiguous chunks, the first ``n % sp`` ranks one token more, no padding and no padding
+mask), together with their RoPE tables (sliced from the whole sequence's, so every shard keeps
+its unsharded positions) and per-token modulation. Each stream's self-attention runs Ulysses /
+ring through :func:`~sglang.multimodal_gen.layers.attention.attention` under its own split; the
+prompt cross-attentions are local (whole prompt, local queries); audio-to-video attention
+all-gathers the audio keys/values (after norm and RoPE) over the SP group for the rank's video
+queries, video-to-audio attention the video keys/values for the rank's audio queries (one
+all-gather of ``[k | v]`` each). Both outputs are gathered after ``proj_out`` /
+``audio_proj_out``.
 
 Dtypes: diffusers keeps no module of this model in fp32; every parameter is ``dtype`` and the
 modulation arithmetic runs in ``dtype`` as in the reference; the RoPE tables are fp32.
@@ -86,8 +88,10 @@ def _param(*shape, dtype) -> nn.Parameter:
 class LTX2Block(nn.Module):
     """One block (diffusers' ``LTX2VideoTransformerBlock``), both streams; see the module doc.
 
-    Shapes: ``x [B, Sv_local, D]``, ``ax [B, Sa, Da]``, ``ctx [B, L, D]``, ``actx [B, La, Da]``,
-    modulation inputs ``[B, T, n * D]`` (``T`` 1 or per token) -> ``(x, ax)`` same shapes.
+    Shapes: ``x [B, Sv_local, D]``, ``ax [B, Sa_local, Da]`` (this SP rank's tokens of each
+    stream; ``splits`` the two ``SeqSplit``), ``ctx [B, L, D]``, ``actx [B, La, Da]``,
+    modulation inputs ``[B, T, n * D]`` (``T`` 1 or the rank's tokens) -> ``(x, ax)`` same
+    shapes.
     """
 
     def __init__(self, cfg: LTX2ArchConfig, prefix: str, tp_rank, tp_size, dtype):
@@ -134,8 +138,9 @@ class LTX2Block(nn.Module):
         self.video_a2v_cross_attn_scale_shift_table = _param(5, d, dtype=dtype)
         self.audio_a2v_cross_attn_scale_shift_table = _param(5, da, dtype=dtype)
 
-    def forward(self, x, ax, ctx, actx, m: dict, ropes: dict, masks, use_av: bool, xs, stg):
+    def forward(self, x, ax, ctx, actx, m: dict, ropes: dict, masks, use_av: bool, splits, stg):
         b = x.shape[0]
+        xs, axs = splits  # the video and audio sequence splits (SP)
         rt = ropes["type"]
         perturb = stg if self.perturbed_attn else None
 
@@ -152,10 +157,11 @@ class LTX2Block(nn.Module):
         ap = _mods(self.audio_scale_shift_table, m["temb_audio"], b)
         a_shift_msa, a_scale_msa, a_gate_msa, a_shift_mlp, a_scale_mlp, a_gate_mlp = ap[:6]
         h = self.audio_norm1(ax) * (1 + a_scale_msa) + a_shift_msa
-        a = self.audio_attn1(
-            h, q_rope=ropes["audio"], rope_type=rt, rope_groups=ropes["audio_groups"],
-            perturbation=perturb,
-        )  # fmt: skip
+        with sequence_split(axs):
+            a = self.audio_attn1(
+                h, q_rope=ropes["audio"], rope_type=rt, rope_groups=ropes["audio_groups"],
+                sequence_parallel=True, perturbation=perturb,
+            )  # fmt: skip
         ax = ax + a * a_gate_msa
 
         # 2. prompt cross-attention, both streams
@@ -198,7 +204,7 @@ class LTX2Block(nn.Module):
             kv_in = nax * (1 + a_a2v_scale) + a_a2v_shift
             a = self.audio_to_video_attn(
                 q_in, kv_in, q_rope=ropes["ca_video"], k_rope=ropes["ca_audio"], rope_type=rt,
-                rope_groups=(ca_groups_v, ca_groups_a),
+                rope_groups=(ca_groups_v, ca_groups_a), kv_split=axs,
             )  # fmt: skip
             x = x + a2v_gate * a
 
@@ -552,18 +558,19 @@ class LTX2Transformer(nn.Module):
         # ---- RoPE tables of the whole sequences (this TP rank's channels)
         sizes = (num_frames, height, width, fps, audio_num_frames)
         tables = self._rope_tables(b, sv, sa, video_coords, audio_coords, sizes)
-        xs = SeqSplit.of(sv)  # sequence parallelism: video tokens split, audio replicated
+        # sequence parallelism: both streams' tokens split over the SP group
+        xs, axs = SeqSplit.of(sv), SeqSplit.of(sa)
         tp = self.tp_size
 
-        def local_seq(table):
-            return tuple(xs.local(t, 1) for t in table)
+        def local_seq(table, split):
+            return tuple(split.local(t, 1) for t in table)
 
         ropes = {
             "type": cfg.rope_type,
-            "video": local_seq(tables["video"]),
-            "audio": tables["audio"],
-            "ca_video": local_seq(tables["ca_video"]),
-            "ca_audio": tables["ca_audio"],
+            "video": local_seq(tables["video"], xs),
+            "audio": local_seq(tables["audio"], axs),
+            "ca_video": local_seq(tables["ca_video"], xs),
+            "ca_audio": local_seq(tables["ca_audio"], axs),
             # the split layout's channel groups on this rank (each RoPE's own head count)
             "video_groups": (self.rope.heads // tp,) * 2,
             "audio_groups": (self.audio_rope.heads // tp,) * 2,
@@ -624,18 +631,25 @@ class LTX2Transformer(nn.Module):
         if perturbation_mask is not None:
             stg = Perturbation(perturbation_mask, bool(torch.all(perturbation_mask == 0)))
 
-        # ---- sequence parallelism: this rank's video tokens and their per-token modulation
-        x = xs.local(x)
-        for key in ("temb", "ca_video", "ca_video_gate"):
-            if key in m and m[key].shape[1] != 1:
-                m[key] = xs.local(m[key])
+        # ---- sequence parallelism: this rank's tokens of each stream and their per-token
+        # modulation
+        x, ax = xs.local(x), axs.local(ax)
+        for split, keys in (
+            (xs, ("temb", "ca_video", "ca_video_gate")),
+            (axs, ("temb_audio", "ca_audio", "ca_audio_gate")),
+        ):
+            for key in keys:
+                if key in m and m[key].shape[1] != 1:
+                    m[key] = split.local(m[key])
         if emb_t.shape[1] != 1:
             emb_t = xs.local(emb_t)
+        if audio_emb_t.shape[1] != 1:
+            audio_emb_t = axs.local(audio_emb_t)
 
         with sequence_split(xs):
             for i, block in enumerate(self.transformer_blocks):
                 x, ax = block(
-                    x, ax, ctx, actx, m, ropes, masks, not isolate_modalities, xs,
+                    x, ax, ctx, actx, m, ropes, masks, not isolate_modalities, (xs, axs),
                     stg if i in stg_blocks else None,
                 )  # fmt: skip
 
@@ -647,7 +661,7 @@ class LTX2Transformer(nn.Module):
             self.audio_scale_shift_table[None, None] + audio_emb_t[:, :, None]
         ).unbind(2)
         ax = self.audio_norm_out(ax) * (1 + a_scale) + a_shift
-        ax = self.audio_proj_out(ax)[0]
+        ax = axs.gather(self.audio_proj_out(ax)[0])
         return x.to(out_dtype), ax.to(audio_out_dtype)
 
 

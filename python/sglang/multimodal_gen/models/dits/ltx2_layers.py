@@ -337,7 +337,8 @@ class LTX2Attention(nn.Module):
         * ``sequence_parallel``: ``x`` is this rank's chunk of a sequence-parallel self-attention
           (Ulysses / ring through :func:`~sglang.multimodal_gen.layers.attention.attention`);
         * ``kv_split``: the context is this rank's chunk of a sequence split this way; its keys
-          and values are all-gathered over the SP group before a local attention;
+          (after norm and RoPE, so ``k_rope`` is the table of the local chunk) and values are
+          all-gathered over the SP group before a local attention (the queries stay local);
         * ``perturbation``: STG value pass-through (self-attention of a perturbed block).
         """
         gate_logits = self.to_gate_logits(x)[0] if self.to_gate_logits is not None else None
@@ -354,10 +355,10 @@ class LTX2Attention(nn.Module):
                 q = apply_ltx2_rope(q, q_rope, rope_type, rope_groups[0])
                 k_table = k_rope if k_rope is not None else q_rope
                 k = apply_ltx2_rope(k, k_table, rope_type, rope_groups[1])
-            if kv_split is not None:
-                k, v_all = kv_split.gather(k), kv_split.gather(v)
-            else:
-                v_all = v
+            v_all = v
+            if kv_split is not None and kv_split.world > 1:
+                kv = kv_split.gather(torch.cat([k, v], dim=-1))  # one all-gather for both
+                k, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
             q4, k4, v4 = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v_all))
             if sequence_parallel:
                 out = attention(q4, k4, v4, key_mask)
