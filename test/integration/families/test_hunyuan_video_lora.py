@@ -15,8 +15,12 @@ PEFT file, dynamic for the others (``test/unit/lora/formats/test_hunyuan_video.p
 layout converts to the same shard deltas). TP 2 (gloo): the musubi file, dynamic, in the
 extended tier (Flux's TP 2 engine test covers LoRA on the same shared MM-DiT blocks).
 
+HunyuanVideo 1.5 (one test): the ComfyUI and the Tencent files of an adapter on every linear
+layer of a tiny 1.5 DiT (ByT5 / image / time embedders included), image to video with text and
+ByT5 padding, against diffusers + peft the same way (diffusers reads neither file for 1.5).
+
 Measured (torch 2.13 CPU, fp32), max |ours - ref| / max |ref|: <= 4.8e-7 for every layout,
-strength and merge mode, 3.9e-7 at TP 2 (threshold 2e-6). Nearby wrong cases far outside: the
+strength and merge mode, 3.9e-7 at TP 2, 1.5 <= 3.7e-7 (threshold 2e-6). Nearby wrong cases far outside: the
 other strength's reference 0.54 .. 0.59, no LoRA 0.35 .. 0.90, one module's alpha ignored (musubi,
 the refiner block 1's ``mlp.fc2``) 9.2e-3.
 """
@@ -184,3 +188,90 @@ def test_tp2_musubi_matches_diffusers(setup, tmp_path):
         err = rel_err(out, refs[1])
         print(f"hv lora musubi TP 2 rank {rank}: rel err {err:.3g}")
         assert world == 2 and err <= PARITY_REL_ERR, (rank, err)
+
+
+# ------------------------------------------------------------------------ HunyuanVideo 1.5
+TINY_15 = dict(in_channels=9, out_channels=4, num_attention_heads=4, attention_head_dim=16,
+               num_layers=2, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
+               text_embed_dim=24, text_embed_2_dim=20, image_embed_dim=12,
+               rope_axes_dim=(4, 6, 6))  # fmt: skip
+
+
+def _inputs_15(seed: int = 3) -> dict:
+    """Batch 2, image to video, different text / ByT5 padding per item."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, 5:], mask[1, 3:] = 0, 0
+    mask_2 = torch.ones(2, 5, dtype=torch.long)
+    mask_2[1, 2:] = 0
+    return dict(
+        hidden_states=torch.randn(2, 9, 3, 4, 6, generator=g),
+        timestep=torch.tensor([500.0, 700.0]),
+        encoder_hidden_states=torch.randn(2, 7, 24, generator=g),
+        encoder_attention_mask=mask,
+        encoder_hidden_states_2=torch.randn(2, 5, 20, generator=g),
+        encoder_attention_mask_2=mask_2,
+        image_embeds=torch.randn(2, 3, 12, generator=g),
+    )
+
+
+def test_hv15_comfyui_and_tencent_layouts_match_diffusers_with_peft(tmp_path):
+    """HunyuanVideo 1.5 (every linear layer, the ByT5 / image / time embedders included): the
+    ComfyUI file (fused ``img_attn.qkv``, ``img_mod.lin``, ``in_layer``...) and the Tencent file
+    (split ``img_attn_q``, the refiner's fused ``self_attn_qkv``, the final layer's swapped
+    rows), neither of which diffusers reads for 1.5, equal diffusers + peft with the adapter in
+    diffusers' names, at both strengths."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+    from sglang.multimodal_gen.models.dits.hunyuan_video15_names import HUNYUAN_VIDEO15_NAME_MAP
+    from sglang.multimodal_gen.models.registry import DenoiserSpec
+
+    torch.manual_seed(0)
+    ref = HunyuanVideo15Transformer3DModel(**TINY_15).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    inputs = _inputs_15()
+    shapes = {
+        n: (m.out_features, m.in_features)
+        for n, m in ref.named_modules()
+        if isinstance(m, nn.Linear)
+    }
+    adapter = random_adapter(shapes, R, seed=9, naming_version="1.5")
+    model = copy.deepcopy(ref)
+    meta = {"transformer.r": R, "transformer.lora_alpha": ALPHA}
+    meta["transformer.target_modules"] = sorted(shapes)
+    model.load_lora_adapter(
+        peft_state_dict(adapter), prefix="transformer", adapter_name="x", metadata=meta
+    )
+    with torch.no_grad():
+        plain = ref(**inputs, return_dict=False)[0]
+        refs = []
+        for s in STRENGTHS:
+            model.set_adapters(["x"], weights=[s])
+            refs.append(model(**inputs, return_dict=False)[0])
+    pkg = "sglang.multimodal_gen"
+    spec = DenoiserSpec(
+        component="transformer",
+        diffusers_classes=("HunyuanVideo15Transformer3DModel",),
+        config_class=f"{pkg}.configs.hunyuan_video15:HunyuanVideo15ArchConfig",
+        model_class=f"{pkg}.models.dits.hunyuan_video15:HunyuanVideo15Transformer",
+        name_map=f"{pkg}.models.dits.hunyuan_video15_names:HUNYUAN_VIDEO15_NAME_MAP",
+    )
+    ours = denoiser_from_module(ref, spec, tp_rank=0, tp_size=1)
+    mgr = LoRAManager({"transformer": ours}, HUNYUAN_VIDEO15_NAME_MAP, model_name="HV15")
+    for layout in ("comfyui", "tencent"):
+        path = str(tmp_path / f"{layout}15.safetensors")
+        save_file(write_layout(adapter, layout, SCALE, "1.5", rank=R), path)
+        for i, s in enumerate(STRENGTHS):
+            mgr.set_lora(layout, path, strengths=s, merge_mode="dynamic")
+            with torch.no_grad():
+                got = ours(**inputs)
+            err, other, none = (rel_err(got, e) for e in (refs[i], refs[1 - i], plain))
+            print(
+                f"hv15 lora {layout} strength {s}: rel err {err:.3g} (other strength "
+                f"{other:.3g}, no LoRA {none:.3g})"
+            )
+            assert err <= PARITY_REL_ERR, (layout, s, err)
+            assert other > 100 * PARITY_REL_ERR and none > 100 * PARITY_REL_ERR
+        _unload(mgr, layout)
