@@ -206,6 +206,12 @@ def test_config_errors_name_the_field():
         LTX2Transformer(cfg, tp_rank=0, tp_size=4)
     with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by tp_size=3"):
         LTX2Transformer(cfg, tp_rank=0, tp_size=3)
+    # both streams' self-attention run Ulysses: the audio heads bound its degree too
+    from sglang.multimodal_gen.models.dits.ltx2 import _check_ulysses
+
+    with pytest.raises(ValueError, match=r"audio_num_attention_heads=2 .* ulysses_degree=4"):
+        _check_ulysses(cfg, 1, 4)
+    _check_ulysses(cfg, 2, 1)
 
 
 # ------------------------------------------------------------------------------ original names
