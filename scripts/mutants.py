@@ -1430,6 +1430,34 @@ MUTANTS: list[Mutant] = [
         why="HunyuanVideo 1.5's MeanFlow DiT gets the current timestep as timestep_r instead of "
         "the next one (0 at the last step)",
     ),
+    # ------------------------------------------------------------------ LTX-2 DiT: audio SP
+    _m(
+        "ltx2-a2v-audio-keys-not-gathered",
+        "models/dits/ltx2.py",
+        "rope_groups=(ca_groups_v, ca_groups_a), kv_split=axs,",
+        "rope_groups=(ca_groups_v, ca_groups_a), kv_split=None,",
+        ("test/integration/families/test_ltx2_transformer_parity.py",),
+        ("-k", "sequence_parallel and ulysses2"),
+        why="under SP the video attends only to this rank's audio tokens (ranks disagree)",
+    ),
+    _m(
+        "ltx2-audio-rope-shard-offset",
+        "models/dits/ltx2.py",
+        '"audio": local_seq(tables["audio"], axs),',
+        '"audio": tuple(t.narrow(1, 0, axs.sizes[axs.rank]) for t in tables["audio"]),',
+        ("test/integration/families/test_ltx2_transformer_parity.py",),
+        ("-k", "sequence_parallel and ulysses2"),
+        why="under SP every rank's audio tokens get the first shard's RoPE positions",
+    ),
+    _m(
+        "ltx2-audio-stream-replicated",
+        "models/dits/ltx2.py",
+        "xs, axs = SeqSplit.of(sv), SeqSplit.of(sa)",
+        "xs, axs = SeqSplit.of(sv), SeqSplit((sa,))",
+        ("test/integration/families/test_ltx2_transformer_parity.py",),
+        ("-k", "sequence_parallel and ulysses2"),
+        why="under SP every rank computes the whole audio stream (right numbers, no sharding)",
+    ),
 ]
 
 
