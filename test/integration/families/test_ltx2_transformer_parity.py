@@ -289,11 +289,18 @@ def parallel_runs():
                 audio_timestep=torch.rand(2, AUDIO_FRAMES, generator=g) * 1000,
             )
         tp1 = ltx2_from_diffusers_module(ref, tp_rank=0, tp_size=1)
-        with torch.no_grad():
-            out = tp1(**inp)
-        rows = tp1.transformer_blocks[0].audio_attn1.to_qkv.weight.shape[0]
-        expected.append((out, rows))
-        runs.append((dict(ref.config), {k: v.clone() for k, v in ref.state_dict().items()}, inp))
+        cases = [inp]
+        if not LAYOUTS[name].get("perturbed_attn"):  # one audio token: fewer than SP ranks
+            g = torch.Generator().manual_seed(2)
+            audio = torch.randn(2, 1, LAYOUTS[name]["audio_in_channels"], generator=g)
+            cases.append(dict(inp, audio_hidden_states=audio, audio_num_frames=1))
+        for case in cases:
+            with torch.no_grad():
+                out = tp1(**case)
+            rows = tp1.transformer_blocks[0].audio_attn1.to_qkv.weight.shape[0]
+            expected.append((out, rows))
+            state = {k: v.clone() for k, v in ref.state_dict().items()}
+            runs.append((dict(ref.config), state, case))
     return runs, expected
 
 
@@ -331,8 +338,10 @@ def _parallel_case(parallel_runs, layout: ParallelLayout | None, label: str):
         sp = results[0][2]
         for full, got in zip((out1[0].shape[1], out1[1].shape[1]), zip(*tokens)):
             # each rank holds its shard of each stream (uneven: the first n % sp one more);
-            # a replicated stream would give every rank the whole sequence
-            assert sorted(got) == sorted(even_split(full, sp) * (n // sp)), (label, got, full)
+            # a replicated stream would give every rank the whole sequence. An audio stream
+            # shorter than the SP group stays whole on every rank.
+            shards = even_split(full, sp) if full >= sp else (full,) * sp
+            assert sorted(got) == sorted(shards * (n // sp)), (label, got, full)
     for per_layout, tp, sp in results:
         assert tp * sp == n
         for (out, rows, _), (out1, rows1) in zip(per_layout, expected):
@@ -362,7 +371,8 @@ def test_tp2_equals_tp1(parallel_runs):
 )
 def test_sequence_parallel_equals_one_process(parallel_runs, layout):
     """Both streams split over the SP ranks: 18 video tokens (9 / 9) and 7 audio tokens (4 / 3:
-    a length that does not divide the SP size). Each stream's self-attention runs Ulysses or
+    a length that does not divide the SP size); one audio token (fewer than the ranks) stays
+    whole on every rank. Each stream's self-attention runs Ulysses or
     ring, the other stream's keys/values are gathered for the audio-to-video and video-to-audio
     attentions, RoPE tables and per-token modulation are sharded with the tokens (ltx23: per-token
     timesteps on both streams, STG on item 0). Each rank's token counts are checked, so a

@@ -35,7 +35,8 @@ are sliced to the rank's channels. Embedders, adaLN linears, caption projections
 Sequence parallelism: the tokens of both streams are split over the SP group (``SeqSplit``:
 uneven contiguous chunks, the first ``n % sp`` ranks one token more, no padding and no padding
 mask), together with their RoPE tables (sliced from the whole sequence's, so every shard keeps
-its unsharded positions) and per-token modulation. Each stream's self-attention runs Ulysses /
+its unsharded positions) and per-token modulation; an audio stream of fewer tokens than SP ranks
+stays whole on every rank (no gathers for it then). Each stream's self-attention runs Ulysses /
 ring through :func:`~sglang.multimodal_gen.layers.attention.attention` under its own split; the
 prompt cross-attentions are local (whole prompt, local queries); audio-to-video attention
 all-gathers the audio keys/values (after norm and RoPE) over the SP group for the rank's video
@@ -576,8 +577,11 @@ class LTX2Transformer(nn.Module):
         # ---- RoPE tables of the whole sequences (this TP rank's channels)
         sizes = (num_frames, height, width, fps, audio_num_frames)
         tables = self._rope_tables(b, sv, sa, video_coords, audio_coords, sizes)
-        # sequence parallelism: both streams' tokens split over the SP group
-        xs, axs = SeqSplit.of(sv), SeqSplit.of(sa)
+        # sequence parallelism: both streams' tokens split over the SP group (an audio stream
+        # shorter than the group stays whole on every rank: ring attention needs tokens on
+        # every rank)
+        xs = SeqSplit.of(sv)
+        axs = SeqSplit.of(sa) if sa >= xs.world else SeqSplit((sa,))
         tp = self.tp_size
 
         def local_seq(table, split):
