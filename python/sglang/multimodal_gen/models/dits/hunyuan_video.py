@@ -44,6 +44,7 @@ from torch import nn
 
 from sglang.multimodal_gen.configs.hunyuan_video import (
     HunyuanVideoArchConfig,
+    HunyuanVideoDims,
     hunyuan_video_tp_divisors,
 )
 from sglang.multimodal_gen.distributed import get_tp_world_size
@@ -61,9 +62,10 @@ from sglang.multimodal_gen.models.dits.hunyuan_video_layers import (
 __all__ = ["HunyuanVideoTransformer", "check_hunyuan_video_tp_size"]
 
 
-def check_hunyuan_video_tp_size(cfg: HunyuanVideoArchConfig, tp_size: int) -> None:
+def check_hunyuan_video_tp_size(cfg: HunyuanVideoDims, tp_size: int) -> None:
     """Raises ``ValueError`` naming the field a TP size fails to divide (the numbers of
-    ``configs.hunyuan_video.hunyuan_video_tp_divisors``, the family's ``tp_divisors``)."""
+    ``configs.hunyuan_video.hunyuan_video_tp_divisors``, the family's ``tp_divisors``), with the
+    TP sizes that would; for the 1.0 and the 1.5 DiT (``cfg.MODEL`` names the model)."""
     divisors = hunyuan_video_tp_divisors(cfg)
     for what, n in divisors.items():
         if n % tp_size:
@@ -73,7 +75,7 @@ def check_hunyuan_video_tp_size(cfg: HunyuanVideoArchConfig, tp_size: int) -> No
                 if all(m % t == 0 for m in divisors.values())
             ]
             raise ValueError(
-                f"HunyuanVideo: {what}={n} is not divisible by tp_size={tp_size}; valid TP "
+                f"{cfg.MODEL}: {what}={n} is not divisible by tp_size={tp_size}; valid TP "
                 f"sizes: {valid}"
             )
 

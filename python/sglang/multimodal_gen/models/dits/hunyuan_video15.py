@@ -39,16 +39,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang.multimodal_gen.configs.hunyuan_video15 import (
-    HunyuanVideo15ArchConfig,
-    hunyuan_video15_tp_divisors,
-)
+from sglang.multimodal_gen.configs.hunyuan_video15 import HunyuanVideo15ArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.mmdit import DualStreamBlock
 from sglang.multimodal_gen.layers.norm import AdaLayerNormContinuous
 from sglang.multimodal_gen.layers.rotary import MultiAxisRopeReal
+from sglang.multimodal_gen.models.dits.hunyuan_video import check_hunyuan_video_tp_size
 from sglang.multimodal_gen.models.dits.hunyuan_video15_layers import (
     HunyuanVideo15ByT5Projection,
     HunyuanVideo15ImageProjection,
@@ -56,20 +54,7 @@ from sglang.multimodal_gen.models.dits.hunyuan_video15_layers import (
     HunyuanVideo15TokenRefiner,
 )
 
-__all__ = ["HunyuanVideo15Transformer", "check_hunyuan_video15_tp_size"]
-
-
-def check_hunyuan_video15_tp_size(cfg: HunyuanVideo15ArchConfig, tp_size: int) -> None:
-    """Raises ``ValueError`` naming the field (``num_attention_heads``, ``mlp_hidden``, ...) that
-    ``tp_size`` does not divide, with the TP sizes up to 8 that would."""
-    divisors = hunyuan_video15_tp_divisors(cfg)
-    for what, n in divisors.items():
-        if n % tp_size:
-            valid = [t for t in range(1, 9) if all(m % t == 0 for m in divisors.values())]
-            raise ValueError(
-                f"HunyuanVideo 1.5: {what}={n} is not divisible by tp_size={tp_size}; "
-                f"valid TP sizes: {valid}"
-            )
+__all__ = ["HunyuanVideo15Transformer"]
 
 
 def _trim_padding(x: torch.Tensor, mask: torch.Tensor | None):
@@ -98,7 +83,7 @@ class HunyuanVideo15Transformer(nn.Module):
 
     Raises:
         ValueError: the TP size does not divide ``num_attention_heads`` or a feed-forward width
-            (:func:`check_hunyuan_video15_tp_size`).
+            (``hunyuan_video.check_hunyuan_video_tp_size``).
 
     Parameters are allocated uninitialised (norm weights at 1); load them with
     ``models.loader.load_tensors_into(..., HUNYUAN_VIDEO15_NAME_MAP)``.
@@ -114,7 +99,7 @@ class HunyuanVideo15Transformer(nn.Module):
     ):
         super().__init__()
         tp = get_tp_world_size() if tp_size is None else tp_size
-        check_hunyuan_video15_tp_size(cfg, tp)
+        check_hunyuan_video_tp_size(cfg, tp)
         self.cfg = cfg
         self.tp_size = tp
         dtype = dtype or torch.get_default_dtype()
