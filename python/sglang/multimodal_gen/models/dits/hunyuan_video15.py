@@ -51,8 +51,8 @@ from sglang.multimodal_gen.models.dits.hunyuan_video15_layers import (
     HunyuanVideo15ByT5Projection,
     HunyuanVideo15ImageProjection,
     HunyuanVideo15TimeEmbedding,
-    HunyuanVideo15TokenRefiner,
 )
+from sglang.multimodal_gen.models.dits.hunyuan_video_layers import HunyuanVideoTokenRefiner
 
 __all__ = ["HunyuanVideo15Transformer"]
 
@@ -112,8 +112,9 @@ class HunyuanVideo15Transformer(nn.Module):
                 cfg.in_channels, d, kernel_size=patch, stride=patch, dtype=dtype
             )
             self.image_embedder = HunyuanVideo15ImageProjection(cfg, "image_embedder", **kw)
-            self.context_embedder = HunyuanVideo15TokenRefiner(
-                cfg, "context_embedder", tp_rank, tp_size, dtype
+            # diffusers' HunyuanVideo15TokenRefiner: 1.0's refiner without the forced first key
+            self.context_embedder = HunyuanVideoTokenRefiner(
+                cfg, "context_embedder", tp_rank, tp_size, dtype, first_key_always=False
             )
             self.context_embedder_2 = HunyuanVideo15ByT5Projection(cfg, "context_embedder_2", **kw)
             self.time_embed = HunyuanVideo15TimeEmbedding(cfg, "time_embed", **kw)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.multimodal_gen.configs.hunyuan_video import HunyuanVideoArchConfig
+from sglang.multimodal_gen.configs.hunyuan_video import HunyuanVideoArchConfig, HunyuanVideoDims
 from sglang.multimodal_gen.layers.attention import sdpa_bshd
 from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding, timestep_sinusoid
 from sglang.multimodal_gen.layers.linear import (
@@ -129,16 +129,22 @@ class _RefinerAttention(nn.Module):
     """The refiner's self-attention (diffusers ``Attention`` with ``AttnProcessor2_0``, no q/k
     norm) over the text tokens, heads split over TP, with the refiner's padding rule.
 
-    The reference's mask is ``[B, 1, L, L]``: ``mask[i] & mask[j]`` with column 0 forced on. A
-    valid query therefore attends to the valid keys and key 0; a padded query to key 0 alone,
-    whose output is exactly ``v[0]``. Computed as one key-masked attention (valid keys + key 0)
-    with the padded rows replaced by ``v[0]``: the same values.
+    The reference's mask is ``[B, 1, L, L]``: ``mask[i] & mask[j]``, in HunyuanVideo 1.0 with
+    column 0 forced on (``first_key_always``; 1.5 does not force it). With it, a valid query
+    attends to the valid keys and key 0 and a padded query to key 0 alone, whose output is
+    exactly ``v[0]``: computed as one key-masked attention (valid keys + key 0) with the padded
+    rows replaced by ``v[0]``, the same values. Without it, the keys are the valid tokens; the
+    padded queries (which the reference leaves with no key at all) get the valid keys too: no
+    valid token reads them (they are masked keys here, and the 1.5 DiT zeroes them afterwards).
 
     Shapes: ``x [B, L, D]``, ``mask [B, L] bool | None`` -> ``[B, L, D]`` (all-reduced over TP).
     """
 
-    def __init__(self, cfg: HunyuanVideoArchConfig, prefix: str, tp_rank, tp_size, dtype):
+    def __init__(
+        self, cfg: HunyuanVideoDims, prefix: str, tp_rank, tp_size, dtype, first_key_always: bool
+    ):
         super().__init__()
+        self.first_key_always = first_key_always
         d, hd, heads = cfg.inner_dim, cfg.attention_head_dim, cfg.num_attention_heads
         self.head_dim = hd
         self.to_qkv = QKVParallelLinear(
@@ -161,6 +167,8 @@ class _RefinerAttention(nn.Module):
         q, k, v = self.to_qkv(x)[0].unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
         if mask is None:
             out = sdpa_bshd(q, k, v)
+        elif not self.first_key_always:
+            out = sdpa_bshd(q, k, v, mask)
         else:
             keys = mask.clone()
             keys[:, 0] = True
@@ -170,7 +178,8 @@ class _RefinerAttention(nn.Module):
 
 
 class _RefinerBlock(nn.Module):
-    """diffusers' ``HunyuanVideoIndividualTokenRefinerBlock``::
+    """diffusers' ``HunyuanVideoIndividualTokenRefinerBlock`` (1.5's
+    ``HunyuanVideo15IndividualTokenRefinerBlock`` is the same)::
 
         gate_a, gate_f = norm_out.linear(silu(temb))
         x = x + attn(LN1(x)) * gate_a
@@ -180,11 +189,15 @@ class _RefinerBlock(nn.Module):
     ``mask [B, L] bool | None`` -> ``[B, L, D]``.
     """
 
-    def __init__(self, cfg: HunyuanVideoArchConfig, prefix: str, tp_rank, tp_size, dtype):
+    def __init__(
+        self, cfg: HunyuanVideoDims, prefix: str, tp_rank, tp_size, dtype, first_key_always: bool
+    ):
         super().__init__()
         d, eps = cfg.inner_dim, cfg.NORM_EPS
         self.norm1 = nn.LayerNorm(d, eps=eps, elementwise_affine=True, dtype=dtype)
-        self.attn = _RefinerAttention(cfg, f"{prefix}.attn", tp_rank, tp_size, dtype)
+        self.attn = _RefinerAttention(
+            cfg, f"{prefix}.attn", tp_rank, tp_size, dtype, first_key_always
+        )
         self.norm2 = nn.LayerNorm(d, eps=eps, elementwise_affine=True, dtype=dtype)
         self.ff = _SiluFeedForward(
             d, cfg.refiner_mlp_hidden, f"{prefix}.ff", tp_rank, tp_size, dtype
@@ -203,18 +216,34 @@ class _RefinerBlock(nn.Module):
 
 
 class HunyuanVideoTokenRefiner(nn.Module):
-    """The text features' refiner (``context_embedder``): diffusers' ``HunyuanVideoTokenRefiner``.
+    """The text features' refiner (``context_embedder``): diffusers' ``HunyuanVideoTokenRefiner``
+    and ``HunyuanVideo15TokenRefiner`` (the same modules and math but for the 1.0 attention's
+    forced first key, ``first_key_always``).
 
     ``pooled`` = the mean of the text features over the valid tokens (fp32 sums, then the input
     dtype); ``temb = timestep_embedder(sinusoid(t)) + text_embedder(pooled)``
     (``time_text_embed``); the features go through ``proj_in`` and ``num_refiner_layers``
     refiner blocks (self-attention with the padding rule of :class:`_RefinerAttention`).
 
+    Args:
+        cfg: the DiT's config (1.0 or 1.5: ``inner_dim``, heads, ``text_embed_dim``,
+            ``num_refiner_layers``, ``refiner_mlp_hidden``).
+        first_key_always: HunyuanVideo 1.0's mask rule (key 0 attended by every query); 1.5's
+            reference does not force it (``False``).
+
     Shapes: ``x [B, L, text_embed_dim]``, ``t [B]``, ``mask [B, L] | None`` (nonzero = valid;
     ``None``: all valid) -> ``[B, L, D]`` in the weight dtype.
     """
 
-    def __init__(self, cfg: HunyuanVideoArchConfig, prefix: str, tp_rank, tp_size, dtype):
+    def __init__(
+        self,
+        cfg: HunyuanVideoDims,
+        prefix: str,
+        tp_rank,
+        tp_size,
+        dtype,
+        first_key_always: bool = True,
+    ):
         super().__init__()
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
         d = cfg.inner_dim
@@ -230,7 +259,12 @@ class HunyuanVideoTokenRefiner(nn.Module):
         self.token_refiner = nn.Module()
         self.token_refiner.refiner_blocks = nn.ModuleList(
             _RefinerBlock(
-                cfg, f"{prefix}.token_refiner.refiner_blocks.{i}", tp_rank, tp_size, dtype
+                cfg,
+                f"{prefix}.token_refiner.refiner_blocks.{i}",
+                tp_rank,
+                tp_size,
+                dtype,
+                first_key_always,
             )
             for i in range(cfg.num_refiner_layers)
         )
