@@ -57,6 +57,7 @@ from sglang.multimodal_gen.models.dits.hunyuan_video_layers import (
     HunyuanVideoPatchEmbed,
     HunyuanVideoTokenRefiner,
     hunyuan_video_rope,
+    trim_padding,
 )
 
 __all__ = ["HunyuanVideoTransformer", "check_hunyuan_video_tp_size"]
@@ -232,14 +233,11 @@ class HunyuanVideoTransformer(nn.Module):
 
         if encoder_attention_mask is not None:
             # text tokens after the last real token of every item are padding everywhere: masked
-            # as keys in the refiner and in the blocks, their own outputs never read. Dropping
-            # them changes only which exact zeros the softmax sums (and lets an unpadded batch
-            # run without a mask).
-            nz = encoder_attention_mask.ne(0)
-            last = (nz * torch.arange(1, n_txt + 1, device=nz.device)).amax(dim=1)
-            n_txt = max(int(last.max()), 1)
-            encoder_hidden_states = encoder_hidden_states[:, :n_txt]
-            encoder_attention_mask = encoder_attention_mask[:, :n_txt]
+            # as keys in the refiner and in the blocks, their own outputs never read
+            encoder_hidden_states, encoder_attention_mask = trim_padding(
+                encoder_hidden_states, encoder_attention_mask
+            )
+            n_txt = encoder_hidden_states.shape[1]
 
         x = self.x_embedder(hidden_states.to(dt))
         pooled = pooled_projections.to(dt)

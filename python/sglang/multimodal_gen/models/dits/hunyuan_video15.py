@@ -52,23 +52,12 @@ from sglang.multimodal_gen.models.dits.hunyuan_video15_layers import (
     HunyuanVideo15ImageProjection,
     HunyuanVideo15TimeEmbedding,
 )
-from sglang.multimodal_gen.models.dits.hunyuan_video_layers import HunyuanVideoTokenRefiner
+from sglang.multimodal_gen.models.dits.hunyuan_video_layers import (
+    HunyuanVideoTokenRefiner,
+    trim_padding,
+)
 
 __all__ = ["HunyuanVideo15Transformer"]
-
-
-def _trim_padding(x: torch.Tensor, mask: torch.Tensor | None):
-    """``(x, mask)`` without the trailing positions that are padding in every item.
-
-    Shapes: ``x [B, L, C]``, ``mask [B, L]`` (bool or 0/1; ``None``: all real) -> ``x [B, L', C]``
-    and a bool ``[B, L']`` mask (``L' >= 1``). Masked keys weigh 0 in attention and the padded
-    positions' outputs are zeroed and masked by the caller, so nothing real depends on them."""
-    if mask is None:
-        return x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-    mask = mask.to(x.device).bool()
-    real = mask.any(dim=0).nonzero()
-    keep = int(real.max()) + 1 if real.numel() else 1
-    return x[:, :keep], mask[:, :keep]
 
 
 class HunyuanVideo15Transformer(nn.Module):
@@ -208,10 +197,10 @@ class HunyuanVideo15Transformer(nn.Module):
             streams.append(img + w[2])
             masks.append(i2v[:, None].expand(b, img.shape[1]))
         if ctx2 is not None:
-            ctx2, m2 = _trim_padding(ctx2, mask2)
+            ctx2, m2 = trim_padding(ctx2, mask2)
             streams.append((self.context_embedder_2(ctx2.to(self.dtype)) + w[1]) * m2[..., None])
             masks.append(m2)
-        ctx, m1 = _trim_padding(ctx, mask)
+        ctx, m1 = trim_padding(ctx, mask)
         text = self.context_embedder(ctx.to(self.dtype), timestep, None if mask is None else m1)
         streams.append((text + w[0]) * m1[..., None])
         masks.append(m1)

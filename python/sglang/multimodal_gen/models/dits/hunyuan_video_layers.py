@@ -29,6 +29,7 @@ __all__ = [
     "HunyuanVideoPatchEmbed",
     "HunyuanVideoTokenRefiner",
     "hunyuan_video_rope",
+    "trim_padding",
 ]
 
 
@@ -281,6 +282,26 @@ class HunyuanVideoTokenRefiner(nn.Module):
         for block in self.token_refiner.refiner_blocks:
             h = block(h, temb, mask)
         return h
+
+
+# ------------------------------------------------------------------------------------ padding
+def trim_padding(x: torch.Tensor, mask: torch.Tensor | None):
+    """``(x, mask)`` without the trailing positions that are padding in every item of the batch
+    (the 1.0 and 1.5 DiTs' text streams; padding is at the end of each item).
+
+    Masked keys weigh 0 in attention and the padded positions' own outputs are never read (1.0)
+    or zeroed (1.5), so dropping them changes only which exact zeros the softmax sums, and a
+    batch whose items have the same length runs without padding.
+
+    Shapes: ``x [B, L, C]``, ``mask [B, L]`` (bool or 0/1, nonzero = real; ``None``: all real)
+    -> ``x [B, L', C]`` and a bool ``[B, L']`` mask on ``x.device`` (``1 <= L' <= L``).
+    """
+    if mask is None:
+        return x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+    mask = mask.to(x.device).bool()
+    real = mask.any(dim=0).nonzero()
+    keep = int(real.max()) + 1 if real.numel() else 1
+    return x[:, :keep], mask[:, :keep]
 
 
 # ------------------------------------------------------------------------------------- RoPE
