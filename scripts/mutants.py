@@ -1029,6 +1029,15 @@ MUTANTS: list[Mutant] = [
         "report a connection reset instead of the refusal",
     ),
     _m(
+        "generate-lora-names-collide",
+        "../cli/generate.py",
+        "        while name in names:\n",
+        "        while False:\n",
+        ("test/unit/cli/test_generate_lora_names.py",),
+        why="two --lora-path files with one base name get one nickname: the second replaces the "
+        "first",
+    ),
+    _m(
         "dmd-renoise-reuses-one-noise",
         "pipelines/dmd.py",
         "        noise = None if last else self.noise(sample.shape)\n",

@@ -32,8 +32,24 @@ from sglang.multimodal_gen.configs.parallel import (
     add_parallel_args,
     layout_from_args,
 )
-from sglang.multimodal_gen.configs.server_args import add_multinode_args
+from sglang.multimodal_gen.configs.server_args import add_multinode_args, default_lora_nickname
 from sglang.multimodal_gen.lora.requests import MERGE_MODES
+
+
+def lora_nicknames(paths: list[str]) -> list[str]:
+    """The nickname of each ``--lora-path`` of ``sglang generate``: its base name as ``sglang
+    serve`` names a startup adapter (``/loras/distilled.safetensors`` -> ``distilled``, so a
+    request field or preset that names an adapter finds it); a name given twice gets ``_2``,
+    ``_3``, ... in order of the paths."""
+    names: list[str] = []
+    for path in paths:
+        base = name = default_lora_nickname(path)
+        k = 1
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.append(name)
+    return names
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -340,7 +356,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             print(f"seed: {params.seed}", file=sys.stderr)
         if loras:
             engine.set_lora(
-                [f"lora{i}" for i in range(len(loras))],
+                lora_nicknames([p for p, _ in loras]),
                 [p for p, _ in loras],
                 target=args.lora_target or "all",
                 strength=[s for _, s in loras],
