@@ -14,7 +14,9 @@ each plus its learned cond-type embedding (``cond_type_embed`` rows 0, 1, 2). Pe
 tokens of the three streams come first (image, ByT5, text), then the padding (masked as keys;
 the reference zeroes the ByT5/text padding). A text-to-video item's image tokens (its
 ``image_embeds`` all zero) are padding. ``temb`` is the timestep embedding only (no guidance or
-pooled-text embedding at model level); RoPE over (frame, row, column) rotates the video tokens.
+pooled-text embedding at model level); RoPE over (frame, row, column) rotates the video tokens
+(1.0's ``hunyuan_video_layers.hunyuan_video_rope``: fp32 tables, bitwise diffusers'
+``HunyuanVideo15RotaryPosEmbed``).
 The output is ``norm_out`` (adaLN-continuous), ``proj_out`` and unpatchify.
 
 The dual-stream blocks are the shared ``layers.mmdit.DualStreamBlock`` (``[video, text]`` order,
@@ -45,7 +47,6 @@ from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.mmdit import DualStreamBlock
 from sglang.multimodal_gen.layers.norm import AdaLayerNormContinuous
-from sglang.multimodal_gen.layers.rotary import MultiAxisRopeReal
 from sglang.multimodal_gen.models.dits.hunyuan_video import check_hunyuan_video_tp_size
 from sglang.multimodal_gen.models.dits.hunyuan_video15_layers import (
     HunyuanVideo15ByT5Projection,
@@ -54,6 +55,7 @@ from sglang.multimodal_gen.models.dits.hunyuan_video15_layers import (
 )
 from sglang.multimodal_gen.models.dits.hunyuan_video_layers import (
     HunyuanVideoTokenRefiner,
+    hunyuan_video_rope,
     trim_padding,
 )
 
@@ -108,7 +110,6 @@ class HunyuanVideo15Transformer(nn.Module):
             self.context_embedder_2 = HunyuanVideo15ByT5Projection(cfg, "context_embedder_2", **kw)
             self.time_embed = HunyuanVideo15TimeEmbedding(cfg, "time_embed", **kw)
             self.cond_type_embed = nn.Embedding(cfg.NUM_COND_TYPES, d, dtype=dtype)
-            self.rope = MultiAxisRopeReal(cfg.rope_theta, cfg.rope_axes_dim)
             # diffusers' HunyuanVideo15TransformerBlock: the shared MM-DiT block with the
             # [video, text] order, diffusers' RMSNorm on q/k, RoPE on the video prefix, a key mask
             self.transformer_blocks = nn.ModuleList(
@@ -269,11 +270,7 @@ class HunyuanVideo15Transformer(nn.Module):
         if timestep_r is not None:
             timestep_r = timestep_r.to(dev).reshape(-1).expand(b)
 
-        grid = torch.meshgrid(
-            *(torch.arange(n, dtype=torch.float32, device=dev) for n in (ppf, pph, ppw)),
-            indexing="ij",
-        )
-        cos, sin = self.rope(torch.stack([g.reshape(-1) for g in grid], dim=-1))
+        cos, sin = hunyuan_video_rope((ppf, pph, ppw), cfg.rope_axes_dim, cfg.rope_theta, dev)
 
         temb = self.time_embed(timestep, self.dtype, timestep_r)
         x = hidden_states.to(device=dev, dtype=self.dtype)
