@@ -56,129 +56,41 @@ name in diffusers' converter (diffusers-layout checkpoints of it load through th
 Rules are applied in order: first the block-family and top-level prefixes, then the rules scoped
 to one block family (:class:`BlockRule`), so e.g. the dual-stream blocks' ``attn.to_q`` and the
 refiner blocks' ``attn.to_q`` each reach their own fused layer.
+
+The dual-stream blocks (with Tencent's split q/k/v), the token refiner, the timestep embedder
+and the final layer are 1.0's rules (the builders of ``hunyuan_video_names.py``); the rules here
+are 1.5's own modules (``cond_type_embed``, the ByT5 and image projections).
 """
 
 from __future__ import annotations
 
-from sglang.multimodal_gen.models.name_map import BlockRule, NameMap, NameRule, ShardId
+from sglang.multimodal_gen.models.dits.hunyuan_video_names import (
+    HV_DOUBLE_BLOCKS,
+    dual_block_rules,
+    embedder_rules,
+    final_layer_rules,
+    refiner_rules,
+    top_rule,
+)
+from sglang.multimodal_gen.models.name_map import NameMap
 
-__all__ = ["HUNYUAN_VIDEO15_NAME_MAP", "HV15_BLOCKS", "HV15_REFINER_BLOCKS"]
-
-HV15_BLOCKS = "transformer_blocks"
-HV15_REFINER_BLOCKS = "context_embedder.token_refiner.refiner_blocks"
-
-
-def _block(source: str, target: str, shard_id: ShardId = None) -> BlockRule:
-    return BlockRule(source, target, shard_id, blocks=HV15_BLOCKS)
-
-
-def _refiner(source: str, target: str, shard_id: ShardId = None) -> BlockRule:
-    return BlockRule(source, target, shard_id, blocks=HV15_REFINER_BLOCKS)
-
-
-def _top(source: str, target: str, row_order: tuple[int, ...] | None = None) -> NameRule:
-    return NameRule(source, target, prefix_only=True, row_order=row_order)
-
+__all__ = ["HUNYUAN_VIDEO15_NAME_MAP"]
 
 HUNYUAN_VIDEO15_NAME_MAP = NameMap(
     rules=(
-        # ---- Tencent layout -> diffusers layout: block families and top-level modules
-        _top("double_blocks", HV15_BLOCKS),
-        _top("txt_in.individual_token_refiner.blocks", HV15_REFINER_BLOCKS),
-        _top(
-            "txt_in.t_embedder.mlp.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"
-        ),
-        _top(
-            "txt_in.t_embedder.mlp.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"
-        ),
-        _top("txt_in.c_embedder", "context_embedder.time_text_embed.text_embedder"),
-        _top("txt_in.input_embedder", "context_embedder.proj_in"),
-        _top("time_in.mlp.0", "time_embed.timestep_embedder.linear_1"),
-        _top("time_in.mlp.2", "time_embed.timestep_embedder.linear_2"),
-        _top("img_in", "x_embedder"),
-        _top("cond_type_embedding", "cond_type_embed"),
-        _top("byt5_in.layernorm", "context_embedder_2.norm"),
-        _top("byt5_in.fc1", "context_embedder_2.linear_1"),
-        _top("byt5_in.fc2", "context_embedder_2.linear_2"),
-        _top("byt5_in.fc3", "context_embedder_2.linear_3"),
-        _top("vision_in.proj.0", "image_embedder.norm_in"),
-        _top("vision_in.proj.1", "image_embedder.linear_1"),
-        _top("vision_in.proj.3", "image_embedder.linear_2"),
-        _top("vision_in.proj.4", "image_embedder.norm_out"),
-        _top("final_layer.linear", "proj_out"),
-        # Tencent rows are (shift, scale), diffusers' (scale, shift): output rows swapped in halves
-        _top("final_layer.adaLN_modulation.1", "norm_out.linear", row_order=(1, 0)),
-        # ---- dual-stream blocks, Tencent -> ours
-        _block("img_mod.linear", "norm1.linear"),
-        _block("txt_mod.linear", "norm1_context.linear"),
-        _block("img_attn_q", "attn.to_qkv", "q"),
-        _block("img_attn_k", "attn.to_qkv", "k"),
-        _block("img_attn_v", "attn.to_qkv", "v"),
-        _block("img_attn_q_norm", "attn.norm_q"),
-        _block("img_attn_k_norm", "attn.norm_k"),
-        _block("img_attn_proj", "attn.to_out.0"),
-        _block("txt_attn_q", "attn.to_added_qkv", "q"),
-        _block("txt_attn_k", "attn.to_added_qkv", "k"),
-        _block("txt_attn_v", "attn.to_added_qkv", "v"),
-        _block("txt_attn_q_norm", "attn.norm_added_q"),
-        _block("txt_attn_k_norm", "attn.norm_added_k"),
-        _block("txt_attn_proj", "attn.to_add_out"),
-        _block("img_mlp.fc1", "ff.net.0.proj"),
-        _block("img_mlp.fc2", "ff.net.2"),
-        _block("txt_mlp.fc1", "ff_context.net.0.proj"),
-        _block("txt_mlp.fc2", "ff_context.net.2"),
-        # ---- dual-stream blocks, diffusers split projections -> our fused layers
-        _block("attn.to_q", "attn.to_qkv", "q"),
-        _block("attn.to_k", "attn.to_qkv", "k"),
-        _block("attn.to_v", "attn.to_qkv", "v"),
-        _block("attn.add_q_proj", "attn.to_added_qkv", "q"),
-        _block("attn.add_k_proj", "attn.to_added_qkv", "k"),
-        _block("attn.add_v_proj", "attn.to_added_qkv", "v"),
-        # ---- refiner blocks, Tencent -> ours (the fused qkv stays whole: shard None)
-        _refiner("self_attn_qkv", "attn.to_qkv"),
-        _refiner("self_attn_proj", "attn.to_out.0"),
-        _refiner("mlp.fc1", "ff.net.0.proj"),
-        _refiner("mlp.fc2", "ff.net.2"),
-        _refiner("adaLN_modulation.1", "norm_out.linear"),
-        # ---- refiner blocks, diffusers split projections -> our fused layer
-        _refiner("attn.to_q", "attn.to_qkv", "q"),
-        _refiner("attn.to_k", "attn.to_qkv", "k"),
-        _refiner("attn.to_v", "attn.to_qkv", "v"),
-        # ---- ComfyUI's own names (``comfy/ldm/hunyuan_video/model.py``, Flux's block classes:
-        # fused ``img_attn.qkv``, ``*_mod.lin``, ``*_mlp.0|2``, ``MLPEmbedder`` ``in_layer`` /
-        # ``out_layer``), as LoRA files saved by ComfyUI spell them; after the renames above
-        _block("img_mod.lin", "norm1.linear"),
-        _block("txt_mod.lin", "norm1_context.linear"),
-        _block("img_attn.qkv", "attn.to_qkv"),
-        _block("txt_attn.qkv", "attn.to_added_qkv"),
-        _block("img_attn.proj", "attn.to_out.0"),
-        _block("txt_attn.proj", "attn.to_add_out"),
-        _block("img_mlp.0", "ff.net.0.proj"),
-        _block("img_mlp.2", "ff.net.2"),
-        _block("txt_mlp.0", "ff_context.net.0.proj"),
-        _block("txt_mlp.2", "ff_context.net.2"),
-        _refiner("self_attn.qkv", "attn.to_qkv"),
-        _refiner("self_attn.proj", "attn.to_out.0"),
-        _refiner("mlp.0", "ff.net.0.proj"),
-        _refiner("mlp.2", "ff.net.2"),
-        _top("time_in.in_layer", "time_embed.timestep_embedder.linear_1"),
-        _top("time_in.out_layer", "time_embed.timestep_embedder.linear_2"),
-        _top(
-            "txt_in.t_embedder.in_layer",
-            "context_embedder.time_text_embed.timestep_embedder.linear_1",
-        ),
-        _top(
-            "txt_in.t_embedder.out_layer",
-            "context_embedder.time_text_embed.timestep_embedder.linear_2",
-        ),
-        _top(
-            "context_embedder.time_text_embed.text_embedder.in_layer",
-            "context_embedder.time_text_embed.text_embedder.linear_1",
-        ),
-        _top(
-            "context_embedder.time_text_embed.text_embedder.out_layer",
-            "context_embedder.time_text_embed.text_embedder.linear_2",
-        ),
+        *final_layer_rules(),
+        *embedder_rules("time_in", "time_embed.timestep_embedder"),
+        top_rule("cond_type_embedding", "cond_type_embed"),
+        top_rule("byt5_in.layernorm", "context_embedder_2.norm"),
+        top_rule("byt5_in.fc1", "context_embedder_2.linear_1"),
+        top_rule("byt5_in.fc2", "context_embedder_2.linear_2"),
+        top_rule("byt5_in.fc3", "context_embedder_2.linear_3"),
+        top_rule("vision_in.proj.0", "image_embedder.norm_in"),
+        top_rule("vision_in.proj.1", "image_embedder.linear_1"),
+        top_rule("vision_in.proj.3", "image_embedder.linear_2"),
+        top_rule("vision_in.proj.4", "image_embedder.norm_out"),
+        *refiner_rules(),
+        *dual_block_rules(HV_DOUBLE_BLOCKS, tencent_split_qkv=True),
     ),
     strip_prefixes=("model.diffusion_model.", "diffusion_model."),
 )

@@ -65,6 +65,11 @@ real sizes, its shapes).
 Rules are applied in order: first the block-family and top-level prefixes, then the rules scoped
 to one block family (:class:`BlockRule`), so the dual-stream, single-stream and refiner blocks'
 ``attn.to_q`` each reach their own fused layer.
+
+The rules that HunyuanVideo 1.5 shares (its dual-stream blocks but for Tencent's split q/k/v, its
+token refiner, the ``MLPEmbedder`` timestep embedders, ``img_in`` and the final layer) come from
+the builders here (:func:`dual_block_rules`, :func:`refiner_rules`, :func:`embedder_rules`,
+:func:`final_layer_rules`), which ``hunyuan_video15_names.py`` calls with its prefixes.
 """
 
 from __future__ import annotations
@@ -76,6 +81,11 @@ __all__ = [
     "HV_DOUBLE_BLOCKS",
     "HV_REFINER_BLOCKS",
     "HV_SINGLE_BLOCKS",
+    "dual_block_rules",
+    "embedder_rules",
+    "final_layer_rules",
+    "refiner_rules",
+    "top_rule",
 ]
 
 HV_DOUBLE_BLOCKS = "transformer_blocks"
@@ -83,69 +93,143 @@ HV_SINGLE_BLOCKS = "single_transformer_blocks"
 HV_REFINER_BLOCKS = "context_embedder.token_refiner.refiner_blocks"
 
 
-def _top(source: str, target: str, row_order: tuple[int, ...] | None = None) -> NameRule:
+def top_rule(source: str, target: str, row_order: tuple[int, ...] | None = None) -> NameRule:
+    """A rename at the start of the name (a top-level module or a block family's prefix)."""
     return NameRule(source, target, prefix_only=True, row_order=row_order)
 
 
-def _double(source: str, target: str, shard_id: ShardId = None) -> BlockRule:
-    return BlockRule(source, target, shard_id, blocks=HV_DOUBLE_BLOCKS)
+def _block_rule(blocks: str):
+    def rule(source: str, target: str, shard_id: ShardId = None) -> BlockRule:
+        return BlockRule(source, target, shard_id, blocks=blocks)
+
+    return rule
 
 
-def _single(source: str, target: str, shard_id: ShardId = None) -> BlockRule:
-    return BlockRule(source, target, shard_id, blocks=HV_SINGLE_BLOCKS)
+def embedder_rules(source: str, target: str) -> tuple[NameRule, ...]:
+    """An ``MLPEmbedder`` (linear, SiLU, linear) at ``source``: Tencent's ``mlp.0|2`` and
+    ComfyUI's ``in_layer|out_layer`` -> our (diffusers') ``<target>.linear_1|2``."""
+    return (
+        top_rule(f"{source}.mlp.0", f"{target}.linear_1"),
+        top_rule(f"{source}.mlp.2", f"{target}.linear_2"),
+        top_rule(f"{source}.in_layer", f"{target}.linear_1"),
+        top_rule(f"{source}.out_layer", f"{target}.linear_2"),
+    )
 
 
-def _refiner(source: str, target: str, shard_id: ShardId = None) -> BlockRule:
-    return BlockRule(source, target, shard_id, blocks=HV_REFINER_BLOCKS)
+def final_layer_rules() -> tuple[NameRule, ...]:
+    """``img_in`` -> ``x_embedder`` and the final layer (``final_layer.linear`` -> ``proj_out``;
+    ``adaLN_modulation.1`` -> ``norm_out.linear``, whose Tencent rows are ``(shift, scale)`` where
+    diffusers' are ``(scale, shift)``: ``row_order=(1, 0)``)."""
+    return (
+        top_rule("img_in", "x_embedder"),
+        top_rule("final_layer.linear", "proj_out"),
+        # Tencent rows are (shift, scale), diffusers' (scale, shift): output rows swapped in halves
+        top_rule("final_layer.adaLN_modulation.1", "norm_out.linear", row_order=(1, 0)),
+    )
 
+
+def dual_block_rules(blocks: str, tencent_split_qkv: bool) -> tuple[NameRule, ...]:
+    """The dual-stream blocks at ``blocks`` (ours, diffusers' ``transformer_blocks``): Tencent's
+    ``double_blocks`` prefix and names, diffusers' split q/k/v -> our fused layers, ComfyUI's
+    names. ``tencent_split_qkv``: Tencent's q/k/v are ``img_attn_q|k|v`` (1.5) rather than one
+    fused ``img_attn_qkv`` (1.0); likewise ``txt_*``."""
+    rule = _block_rule(blocks)
+    if tencent_split_qkv:
+        tencent_qkv = tuple(
+            rule(f"{stream}_attn_{s}", target, s)
+            for stream, target in (("img", "attn.to_qkv"), ("txt", "attn.to_added_qkv"))
+            for s in ("q", "k", "v")
+        )
+    else:  # fused layers stay whole: shard None
+        tencent_qkv = (
+            rule("img_attn_qkv", "attn.to_qkv"),
+            rule("txt_attn_qkv", "attn.to_added_qkv"),
+        )
+    return (
+        top_rule("double_blocks", blocks),
+        # ---- Tencent -> ours
+        *tencent_qkv,
+        rule("img_attn_proj", "attn.to_out.0"),
+        rule("txt_attn_proj", "attn.to_add_out"),
+        rule("img_attn_q_norm", "attn.norm_q"),
+        rule("img_attn_k_norm", "attn.norm_k"),
+        rule("txt_attn_q_norm", "attn.norm_added_q"),
+        rule("txt_attn_k_norm", "attn.norm_added_k"),
+        rule("img_mlp.fc1", "ff.net.0.proj"),
+        rule("img_mlp.fc2", "ff.net.2"),
+        rule("txt_mlp.fc1", "ff_context.net.0.proj"),
+        rule("txt_mlp.fc2", "ff_context.net.2"),
+        rule("img_mod.linear", "norm1.linear"),
+        rule("txt_mod.linear", "norm1_context.linear"),
+        # ---- diffusers split projections -> our fused layers
+        rule("attn.to_q", "attn.to_qkv", "q"),
+        rule("attn.to_k", "attn.to_qkv", "k"),
+        rule("attn.to_v", "attn.to_qkv", "v"),
+        rule("attn.add_q_proj", "attn.to_added_qkv", "q"),
+        rule("attn.add_k_proj", "attn.to_added_qkv", "k"),
+        rule("attn.add_v_proj", "attn.to_added_qkv", "v"),
+        # ---- ComfyUI's own names (``comfy/ldm/hunyuan_video/model.py``, Flux's block classes:
+        # fused ``img_attn.qkv``, ``*_mod.lin``, ``*_mlp.0|2``), as LoRA files saved by ComfyUI
+        # spell them
+        rule("img_mod.lin", "norm1.linear"),
+        rule("txt_mod.lin", "norm1_context.linear"),
+        rule("img_attn.qkv", "attn.to_qkv"),
+        rule("txt_attn.qkv", "attn.to_added_qkv"),
+        rule("img_attn.proj", "attn.to_out.0"),
+        rule("txt_attn.proj", "attn.to_add_out"),
+        rule("img_mlp.0", "ff.net.0.proj"),
+        rule("img_mlp.2", "ff.net.2"),
+        rule("txt_mlp.0", "ff_context.net.0.proj"),
+        rule("txt_mlp.2", "ff_context.net.2"),
+    )
+
+
+def refiner_rules() -> tuple[NameRule, ...]:
+    """The token refiner ``txt_in`` -> ``context_embedder`` (the same in 1.0 and 1.5): its
+    timestep and pooled-text embedders, ``proj_in``, and its blocks (Tencent's fused
+    ``self_attn_qkv`` whole, diffusers' split q/k/v, ComfyUI's ``self_attn.qkv|proj``,
+    ``mlp.0|2``). In order: the ``c_embedder`` rename before ComfyUI's ``in_layer|out_layer`` of
+    the renamed module, the block prefix before the block rules."""
+    rule = _block_rule(HV_REFINER_BLOCKS)
+    text = "context_embedder.time_text_embed.text_embedder"
+    return (
+        top_rule("txt_in.individual_token_refiner.blocks", HV_REFINER_BLOCKS),
+        *embedder_rules("txt_in.t_embedder", "context_embedder.time_text_embed.timestep_embedder"),
+        top_rule("txt_in.c_embedder", text),
+        top_rule(f"{text}.in_layer", f"{text}.linear_1"),
+        top_rule(f"{text}.out_layer", f"{text}.linear_2"),
+        top_rule("txt_in.input_embedder", "context_embedder.proj_in"),
+        # ---- Tencent -> ours (the fused qkv stays whole: shard None)
+        rule("self_attn_qkv", "attn.to_qkv"),
+        rule("self_attn_proj", "attn.to_out.0"),
+        rule("mlp.fc1", "ff.net.0.proj"),
+        rule("mlp.fc2", "ff.net.2"),
+        rule("adaLN_modulation.1", "norm_out.linear"),
+        # ---- diffusers split projections -> our fused qkv
+        rule("attn.to_q", "attn.to_qkv", "q"),
+        rule("attn.to_k", "attn.to_qkv", "k"),
+        rule("attn.to_v", "attn.to_qkv", "v"),
+        # ---- ComfyUI's names
+        rule("self_attn.qkv", "attn.to_qkv"),
+        rule("self_attn.proj", "attn.to_out.0"),
+        rule("mlp.0", "ff.net.0.proj"),
+        rule("mlp.2", "ff.net.2"),
+    )
+
+
+_single = _block_rule(HV_SINGLE_BLOCKS)
 
 HUNYUAN_VIDEO_NAME_MAP = NameMap(
     rules=(
-        # ---- Tencent layout -> diffusers layout: block families and top-level modules
-        _top("double_blocks", HV_DOUBLE_BLOCKS),
-        _top("single_blocks", HV_SINGLE_BLOCKS),
-        _top("txt_in.individual_token_refiner.blocks", HV_REFINER_BLOCKS),
-        _top("img_in", "x_embedder"),
-        _top("time_in.mlp.0", "time_text_embed.timestep_embedder.linear_1"),
-        _top("time_in.mlp.2", "time_text_embed.timestep_embedder.linear_2"),
-        _top("guidance_in.mlp.0", "time_text_embed.guidance_embedder.linear_1"),
-        _top("guidance_in.mlp.2", "time_text_embed.guidance_embedder.linear_2"),
-        _top("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
-        _top("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
-        _top(
-            "txt_in.t_embedder.mlp.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"
-        ),
-        _top(
-            "txt_in.t_embedder.mlp.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"
-        ),
-        _top("txt_in.c_embedder", "context_embedder.time_text_embed.text_embedder"),
-        _top("txt_in.input_embedder", "context_embedder.proj_in"),
-        _top("final_layer.linear", "proj_out"),
-        # Tencent rows are (shift, scale), diffusers' (scale, shift): output rows swapped in halves
-        _top("final_layer.adaLN_modulation.1", "norm_out.linear", row_order=(1, 0)),
-        # ---- dual-stream blocks, Tencent -> ours (fused layers stay whole: shard None)
-        _double("img_attn_qkv", "attn.to_qkv"),
-        _double("txt_attn_qkv", "attn.to_added_qkv"),
-        _double("img_attn_proj", "attn.to_out.0"),
-        _double("txt_attn_proj", "attn.to_add_out"),
-        _double("img_attn_q_norm", "attn.norm_q"),
-        _double("img_attn_k_norm", "attn.norm_k"),
-        _double("txt_attn_q_norm", "attn.norm_added_q"),
-        _double("txt_attn_k_norm", "attn.norm_added_k"),
-        _double("img_mlp.fc1", "ff.net.0.proj"),
-        _double("img_mlp.fc2", "ff.net.2"),
-        _double("txt_mlp.fc1", "ff_context.net.0.proj"),
-        _double("txt_mlp.fc2", "ff_context.net.2"),
-        _double("img_mod.linear", "norm1.linear"),
-        _double("txt_mod.linear", "norm1_context.linear"),
-        # ---- dual-stream blocks, diffusers split projections -> our fused layers
-        _double("attn.to_q", "attn.to_qkv", "q"),
-        _double("attn.to_k", "attn.to_qkv", "k"),
-        _double("attn.to_v", "attn.to_qkv", "v"),
-        _double("attn.add_q_proj", "attn.to_added_qkv", "q"),
-        _double("attn.add_k_proj", "attn.to_added_qkv", "k"),
-        _double("attn.add_v_proj", "attn.to_added_qkv", "v"),
+        *final_layer_rules(),
+        *embedder_rules("time_in", "time_text_embed.timestep_embedder"),
+        *embedder_rules("guidance_in", "time_text_embed.guidance_embedder"),
+        top_rule("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
+        top_rule("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
+        *refiner_rules(),
+        *dual_block_rules(HV_DOUBLE_BLOCKS, tencent_split_qkv=False),
         # ---- single-stream blocks, Tencent -> ours
+        top_rule("single_blocks", HV_SINGLE_BLOCKS),
         _single("linear1", "to_qkv_mlp"),
         _single("linear2", "proj_out"),
         _single("modulation.linear", "norm.linear"),
@@ -156,55 +240,8 @@ HUNYUAN_VIDEO_NAME_MAP = NameMap(
         _single("attn.to_k", "to_qkv_mlp", 1),
         _single("attn.to_v", "to_qkv_mlp", 2),
         _single("proj_mlp", "to_qkv_mlp", 3),
-        # ---- token refiner blocks, Tencent -> ours
-        _refiner("self_attn_qkv", "attn.to_qkv"),
-        _refiner("self_attn_proj", "attn.to_out.0"),
-        _refiner("mlp.fc1", "ff.net.0.proj"),
-        _refiner("mlp.fc2", "ff.net.2"),
-        _refiner("adaLN_modulation.1", "norm_out.linear"),
-        # ---- token refiner blocks, diffusers split projections -> our fused qkv
-        _refiner("attn.to_q", "attn.to_qkv", "q"),
-        _refiner("attn.to_k", "attn.to_qkv", "k"),
-        _refiner("attn.to_v", "attn.to_qkv", "v"),
-        # ---- ComfyUI's own names (``comfy/ldm/hunyuan_video/model.py``, Flux's block classes:
-        # fused ``img_attn.qkv``, ``*_mod.lin``, ``*_mlp.0|2``, ``modulation.lin``,
-        # ``MLPEmbedder`` ``in_layer`` / ``out_layer``), as LoRA files saved by ComfyUI spell
-        # them; after the renames above
-        _double("img_mod.lin", "norm1.linear"),
-        _double("txt_mod.lin", "norm1_context.linear"),
-        _double("img_attn.qkv", "attn.to_qkv"),
-        _double("txt_attn.qkv", "attn.to_added_qkv"),
-        _double("img_attn.proj", "attn.to_out.0"),
-        _double("txt_attn.proj", "attn.to_add_out"),
-        _double("img_mlp.0", "ff.net.0.proj"),
-        _double("img_mlp.2", "ff.net.2"),
-        _double("txt_mlp.0", "ff_context.net.0.proj"),
-        _double("txt_mlp.2", "ff_context.net.2"),
+        # ---- single-stream blocks, ComfyUI's name
         _single("modulation.lin", "norm.linear"),
-        _refiner("self_attn.qkv", "attn.to_qkv"),
-        _refiner("self_attn.proj", "attn.to_out.0"),
-        _refiner("mlp.0", "ff.net.0.proj"),
-        _refiner("mlp.2", "ff.net.2"),
-        _top("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1"),
-        _top("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2"),
-        _top("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1"),
-        _top("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2"),
-        _top(
-            "txt_in.t_embedder.in_layer",
-            "context_embedder.time_text_embed.timestep_embedder.linear_1",
-        ),
-        _top(
-            "txt_in.t_embedder.out_layer",
-            "context_embedder.time_text_embed.timestep_embedder.linear_2",
-        ),
-        _top(
-            "context_embedder.time_text_embed.text_embedder.in_layer",
-            "context_embedder.time_text_embed.text_embedder.linear_1",
-        ),
-        _top(
-            "context_embedder.time_text_embed.text_embedder.out_layer",
-            "context_embedder.time_text_embed.text_embedder.linear_2",
-        ),
     ),
     strip_prefixes=("model.diffusion_model.", "diffusion_model."),
 )
