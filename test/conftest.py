@@ -79,6 +79,10 @@ EXTENDED = {
     "integration/families/test_hunyuan_video15_transformer_parity.py::test_ring2_equals_one_process",
     # HunyuanVideo 1.0's DiT under ring 2 (Ulysses 2 with the same key mask: its default test)
     "integration/families/test_hunyuan_video_transformer_parity.py::test_ring2_equals_one_process",
+    # the HunyuanVideo 1.0 / 1.5 DiTs at TP 2 against TP 1 (each family's TP 2 through the engine,
+    # DiT included, against one process: the conformance suite's test_tp2_equals_one_process)
+    "integration/families/test_hunyuan_video_transformer_parity.py::test_tp2_equals_tp1",
+    "integration/families/test_hunyuan_video15_transformer_parity.py::test_tp2_equals_tp1",
     # LTX-2's HQ preset against the hand-composed recipe (a minute of CPU; its fast part:
     # test_hq_preset_keeps_stage_1_audio)
     "integration/families/test_ltx2_two_stage.py::test_hq_preset_is_lightricks_hq_composition",
