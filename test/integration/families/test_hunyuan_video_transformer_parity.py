@@ -28,6 +28,8 @@ from fixtures.tiny_hunyuan_video_dit import (
     HV_TXT,
     TINY_HV_DIT,
     hv_dit_inputs,
+    hv_parallel_runs,
+    hv_parallel_worst_err,
     hv_spec,
     reference_hv_dit,
 )
@@ -37,12 +39,7 @@ from sglang.multimodal_gen.configs.hunyuan_video import (
     HunyuanVideoArchConfig,
     hunyuan_video_tp_divisors,
 )
-from sglang.multimodal_gen.distributed import (
-    ParallelLayout,
-    get_sp_world_size,
-    get_tp_world_size,
-    launch_processes,
-)
+from sglang.multimodal_gen.distributed import ParallelLayout
 from sglang.multimodal_gen.models.dits.hunyuan_video import HunyuanVideoTransformer
 from sglang.multimodal_gen.models.dits.hunyuan_video_names import HUNYUAN_VIDEO_NAME_MAP
 
@@ -323,39 +320,16 @@ def test_tencent_names_load_the_same_model(models):
 
 
 # ------------------------------------------------------------------------------ TP and SP
-def _rank_fn(rank, config, state_dict, inputs):
-    from sglang.multimodal_gen.models.loader import load_tensors_into
-
-    model = HunyuanVideoTransformer(HunyuanVideoArchConfig.from_dict(config))
-    load_tensors_into(
-        model, (("<sd>", k, v) for k, v in state_dict.items()), HUNYUAN_VIDEO_NAME_MAP
-    )
-    with torch.no_grad():
-        outs = [model(**inp) for inp in inputs]
-    rows = model.transformer_blocks[0].attn.to_qkv.weight.shape[0]
-    return outs, rows, get_tp_world_size(), get_sp_world_size()
-
-
 @pytest.fixture(scope="module")
 def parallel_runs(models):
     ours, ref = models
-    inputs = [hv_dit_inputs(seed=9), hv_dit_inputs(seed=10, n_valid=(3, 7))]
-    with torch.no_grad():
-        expected = [ours(**inp) for inp in inputs]
-    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
-    rows = ours.transformer_blocks[0].attn.to_qkv.weight.shape[0]
-    return (dict(ref.config), state, inputs), expected, rows
+    return hv_parallel_runs(
+        "1.0", ours, ref, [hv_dit_inputs(seed=9), hv_dit_inputs(seed=10, n_valid=(3, 7))]
+    )
 
 
 def _parallel_case(parallel_runs, layout: ParallelLayout | None, label: str):
-    args, expected, rows1 = parallel_runs
-    results = launch_processes(_rank_fn, 2, args=args, backend="gloo", layout=layout)
-    worst = 0.0
-    for outs, rows, tp, sp in results:
-        assert tp * sp == 2
-        assert rows * tp == rows1  # heads really are split under TP
-        for out, out1 in zip(outs, expected):
-            worst = max(worst, rel_err(out, out1))
+    worst = hv_parallel_worst_err(parallel_runs, layout)
     print(f"hunyuan video {label}: max rel err vs one process {worst:.3g}")
     assert worst <= PARALLEL_REL_ERR
 
