@@ -3,16 +3,17 @@
 # limit: the LoRA linear overhead at Z-Image-Turbo widths, then Z-Image-Turbo end to end against
 # diffusers (real shapes, random weights, bf16, 1024x1024, 8 steps) eager, LTX-2.3 end to end
 # against diffusers (the real 48-layer DiT shapes, bf16, 512x768, 25 frames, 4 steps, CFG + STG +
-# modality isolation), then Z-Image-Turbo with torch.compile and with each SDPA kernel. Each part
+# modality isolation), HunyuanVideo 1.0 end to end against diffusers (the real 20 + 40 block DiT
+# shapes, bf16), then Z-Image-Turbo with torch.compile and with each SDPA kernel. Each part
 # has its own time limit, so one slow part cannot eat the rest.
 #
-#   bash scripts/gpu_check.sh                    # every part, in this order (at most 700 s: over
+#   bash scripts/gpu_check.sh                    # every part, in this order (at most 870 s: over
 #                                                # one 600-s device command, run it in two calls)
 #   bash scripts/gpu_check.sh lora e2e           # only the parts named
 #   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh    # rehearsal on the CPU with the small configs
 #   bash scripts/gpu_check.sh fetch-wheels       # here, not on the GPU machine: see below
 #
-# Parts: env, lora, e2e, ltx2, compile, flash, cudnn. Logs go to $OUT/<part>.log (or ./gpu_check/).
+# Parts: env, lora, e2e, ltx2, hunyuan, compile, flash, cudnn. Logs go to $OUT/<part>.log (or ./gpu_check/).
 #
 # A GPU machine that lacks packages (diffusers, for one) installs them from wheels in .whl/ when
 # that folder exists: `bash scripts/gpu_check.sh fetch-wheels` downloads them on a machine with
@@ -69,7 +70,7 @@ part() {
 }
 
 want() { [ $# -eq 0 ] || [[ " $* " == *" $PART "* ]]; }
-for PART in env lora e2e ltx2 compile "${BACKENDS[@]}"; do
+for PART in env lora e2e ltx2 hunyuan compile "${BACKENDS[@]}"; do
   want "$@" || continue
   case $PART in
     env)
@@ -81,6 +82,7 @@ print('diffusers', diffusers.__version__, 'transformers', transformers.__version
     lora) part lora 80 "$PY" benchmarks/bench_lora_linear.py "${LORA[@]}" ;;
     e2e) part e2e 110 "$PY" benchmarks/bench_e2e.py "${E2E[@]}" ;;
     ltx2) part ltx2 170 "$PY" benchmarks/bench_e2e.py --family ltx2 "${E2E[@]}" ;;
+    hunyuan) part hunyuan 170 "$PY" benchmarks/bench_e2e.py --family hunyuan-video "${E2E[@]}" ;;
     compile) part compile 140 "$PY" benchmarks/bench_e2e.py "${E2E[@]}" --compile ;;
     *) part "$PART" 85 "$PY" benchmarks/bench_e2e.py "${E2E[@]}" --attention-backend "$PART" ;;
   esac
