@@ -50,12 +50,13 @@ from sglang.multimodal_gen.configs.hunyuan_video import (
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
-from sglang.multimodal_gen.layers.mmdit import DualStreamBlock, SingleStreamBlock
+from sglang.multimodal_gen.layers.mmdit import SingleStreamBlock
 from sglang.multimodal_gen.layers.norm import AdaLayerNormContinuous
 from sglang.multimodal_gen.models.dits.hunyuan_video_layers import (
     HunyuanVideoConditionEmbed,
     HunyuanVideoPatchEmbed,
     HunyuanVideoTokenRefiner,
+    hunyuan_video_dual_blocks,
     hunyuan_video_rope,
     trim_padding,
 )
@@ -122,23 +123,7 @@ class HunyuanVideoTransformer(nn.Module):
             self.time_text_embed = HunyuanVideoConditionEmbed(
                 d, cfg.pooled_projection_dim, cfg.guidance_embeds, "time_text_embed", **kw
             )
-            self.transformer_blocks = nn.ModuleList(
-                DualStreamBlock(
-                    d,
-                    hd,
-                    cfg.num_attention_heads,
-                    cfg.mlp_hidden,
-                    eps,
-                    qk_norm="diffusers",
-                    text_first=False,
-                    clip_fp16=False,
-                    prefix=f"transformer_blocks.{i}",
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
-                    dtype=dtype,
-                )
-                for i in range(cfg.num_layers)
-            )
+            self.transformer_blocks = hunyuan_video_dual_blocks(cfg, tp_rank, tp_size, dtype)
             self.single_transformer_blocks = nn.ModuleList(
                 SingleStreamBlock(
                     d,

@@ -45,7 +45,6 @@ from sglang.multimodal_gen.configs.hunyuan_video15 import HunyuanVideo15ArchConf
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
-from sglang.multimodal_gen.layers.mmdit import DualStreamBlock
 from sglang.multimodal_gen.layers.norm import AdaLayerNormContinuous
 from sglang.multimodal_gen.models.dits.hunyuan_video import check_hunyuan_video_tp_size
 from sglang.multimodal_gen.models.dits.hunyuan_video15_layers import (
@@ -55,6 +54,7 @@ from sglang.multimodal_gen.models.dits.hunyuan_video15_layers import (
 )
 from sglang.multimodal_gen.models.dits.hunyuan_video_layers import (
     HunyuanVideoTokenRefiner,
+    hunyuan_video_dual_blocks,
     hunyuan_video_rope,
     trim_padding,
 )
@@ -110,25 +110,8 @@ class HunyuanVideo15Transformer(nn.Module):
             self.context_embedder_2 = HunyuanVideo15ByT5Projection(cfg, "context_embedder_2", **kw)
             self.time_embed = HunyuanVideo15TimeEmbedding(cfg, "time_embed", **kw)
             self.cond_type_embed = nn.Embedding(cfg.NUM_COND_TYPES, d, dtype=dtype)
-            # diffusers' HunyuanVideo15TransformerBlock: the shared MM-DiT block with the
-            # [video, text] order, diffusers' RMSNorm on q/k, RoPE on the video prefix, a key mask
-            self.transformer_blocks = nn.ModuleList(
-                DualStreamBlock(
-                    d,
-                    cfg.attention_head_dim,
-                    cfg.num_attention_heads,
-                    cfg.mlp_hidden,
-                    cfg.NORM_EPS,
-                    qk_norm="diffusers",
-                    text_first=False,
-                    clip_fp16=False,
-                    prefix=f"transformer_blocks.{i}",
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
-                    dtype=dtype,
-                )
-                for i in range(cfg.num_layers)
-            )
+            # diffusers' HunyuanVideo15TransformerBlock: 1.0's dual-stream blocks
+            self.transformer_blocks = hunyuan_video_dual_blocks(cfg, tp_rank, tp_size, dtype)
             self.norm_out = AdaLayerNormContinuous(d, cfg.NORM_EPS, "norm_out", **kw)
             self.proj_out = ReplicatedLinear(d, cfg.out_features, prefix="proj_out", **kw)
         self.to(dtype)  # the blocks' q/k norms are created in the default dtype

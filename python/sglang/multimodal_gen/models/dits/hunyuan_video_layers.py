@@ -22,12 +22,14 @@ from sglang.multimodal_gen.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from sglang.multimodal_gen.layers.mmdit import DualStreamBlock
 from sglang.multimodal_gen.models.dits.common import tp_kwargs
 
 __all__ = [
     "HunyuanVideoConditionEmbed",
     "HunyuanVideoPatchEmbed",
     "HunyuanVideoTokenRefiner",
+    "hunyuan_video_dual_blocks",
     "hunyuan_video_rope",
     "trim_padding",
 ]
@@ -282,6 +284,32 @@ class HunyuanVideoTokenRefiner(nn.Module):
         for block in self.token_refiner.refiner_blocks:
             h = block(h, temb, mask)
         return h
+
+
+# ------------------------------------------------------------------------------ dual blocks
+def hunyuan_video_dual_blocks(cfg: HunyuanVideoDims, tp_rank, tp_size, dtype) -> nn.ModuleList:
+    """``transformer_blocks``: ``num_layers`` shared ``layers.mmdit.DualStreamBlock`` with
+    HunyuanVideo's choices, the same in 1.0 and 1.5 (diffusers' ``HunyuanVideoTransformerBlock``
+    and ``HunyuanVideo15TransformerBlock``): joint order ``[video, text]`` (RoPE on the video
+    prefix), diffusers' RMSNorm on q/k, no fp16 clipping; heads and feed-forward width
+    (``mlp_hidden``) split over TP. Forward: ``block(x, ctx, temb, (cos, sin), key_mask)``."""
+    return nn.ModuleList(
+        DualStreamBlock(
+            cfg.inner_dim,
+            cfg.attention_head_dim,
+            cfg.num_attention_heads,
+            cfg.mlp_hidden,
+            cfg.NORM_EPS,
+            qk_norm="diffusers",
+            text_first=False,
+            clip_fp16=False,
+            prefix=f"transformer_blocks.{i}",
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dtype=dtype,
+        )
+        for i in range(cfg.num_layers)
+    )
 
 
 # ------------------------------------------------------------------------------------ padding
