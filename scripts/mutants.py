@@ -1147,9 +1147,9 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ HunyuanVideo 1.0 DiT
     _m(
         "hv-rope-on-text-tokens",
-        "models/dits/hunyuan_video.py",
-        "                    text_first=False,\n",
-        "                    text_first=True,\n",
+        "models/dits/hunyuan_video_layers.py",
+        "            text_first=False,\n",
+        "            text_first=True,\n",
         ("test/integration/families/test_hunyuan_video_transformer_parity.py",),
         ("-k", "matches_diffusers"),
         why="the dual-stream joint order [text, video]: RoPE (tables for the leading tokens) "
