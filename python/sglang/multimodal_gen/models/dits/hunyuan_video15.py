@@ -30,10 +30,11 @@ already before the token refiner and the ByT5 projection), so a text-to-video ba
 no image tokens and one request sees no padding keys at all. Masked keys have softmax weight 0,
 so this changes only the order of floating-point additions (measured in the parity test).
 
-Tensor parallelism: heads and feed-forward widths split over the ranks (see
-``hunyuan_video15_layers.py``). Sequence parallelism (Ulysses / ring / USP): each SP rank keeps a
-chunk of the video tokens and a chunk of the conditioning tokens (``SeqSplit``), the key mask
-travels with its keys, and the output is gathered once before unpatchifying.
+Tensor parallelism: heads and feed-forward widths of the blocks and the token refiner split over
+the ranks (see ``hunyuan_video_layers.py``); the embedders are replicated. Sequence parallelism
+(Ulysses / ring / USP): each SP rank keeps a chunk of the video tokens and a chunk of the
+conditioning tokens (``SeqSplit``), the key mask travels with its keys, and the output is
+gathered once before unpatchifying.
 """
 
 from __future__ import annotations
