@@ -27,10 +27,10 @@ import pytest
 import torch
 from fixtures.tiny_hunyuan_video_dit import hv_parallel_runs, hv_parallel_worst_err
 from fixtures.tiny_models import rel_err
+from sglang.multimodal_gen.configs.hunyuan_video import hunyuan_video_tp_divisors
 from sglang.multimodal_gen.configs.hunyuan_video15 import (
     HUNYUAN_VIDEO15_TRANSFORMER_CLASS,
     HunyuanVideo15ArchConfig,
-    hunyuan_video15_tp_divisors,
 )
 from sglang.multimodal_gen.distributed import ParallelLayout
 from sglang.multimodal_gen.models.dits.hunyuan_video15 import HunyuanVideo15Transformer
@@ -330,7 +330,7 @@ def test_config_defaults_json_and_errors(tmp_path):
     default = HunyuanVideo15ArchConfig()  # the released 8.3B shapes
     assert (default.inner_dim, default.mlp_hidden, default.num_layers) == (2048, 8192, 54)
     assert (default.in_channels, default.out_channels, default.out_features) == (65, 32, 32)
-    assert hunyuan_video15_tp_divisors(default) == {
+    assert hunyuan_video_tp_divisors(default) == {
         "num_attention_heads": 16,
         "mlp_hidden": 8192,
         "refiner_mlp_hidden": 8192,

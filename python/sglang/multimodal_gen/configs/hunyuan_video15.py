@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from sglang.multimodal_gen.configs.base import DiffusersConfig
-from sglang.multimodal_gen.configs.hunyuan_video import HunyuanVideoDims, hunyuan_video_tp_divisors
+from sglang.multimodal_gen.configs.hunyuan_video import HunyuanVideoDims
 
 __all__ = [
     "HUNYUAN_VIDEO15_TRANSFORMER_CLASS",
     "HunyuanVideo15ArchConfig",
-    "hunyuan_video15_tp_divisors",
 ]
 
 HUNYUAN_VIDEO15_TRANSFORMER_CLASS = "HunyuanVideo15Transformer3DModel"
@@ -90,10 +89,3 @@ class HunyuanVideo15ArchConfig(HunyuanVideoDims, DiffusersConfig):
             raise ValueError(
                 f"HunyuanVideo 1.5 config: task_type={self.task_type!r} must be a string"
             )
-
-
-def hunyuan_video15_tp_divisors(cfg: HunyuanVideo15ArchConfig) -> dict[str, int]:
-    """The numbers every TP size must divide (``ModelFamily.tp_divisors``): 1.0's
-    (``configs.hunyuan_video.hunyuan_video_tp_divisors``: heads, blocks' and refiner's
-    feed-forward widths), the name ``models/families/hunyuan_video15.py`` imports."""
-    return hunyuan_video_tp_divisors(cfg)

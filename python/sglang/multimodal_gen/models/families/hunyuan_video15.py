@@ -49,9 +49,9 @@ def _defaults(cfg) -> SamplingDefaults:
 
 
 def _tp_divisors(cfg) -> dict[str, int]:
-    from sglang.multimodal_gen.configs.hunyuan_video15 import hunyuan_video15_tp_divisors
+    from sglang.multimodal_gen.configs.hunyuan_video import hunyuan_video_tp_divisors
 
-    return hunyuan_video15_tp_divisors(cfg)
+    return hunyuan_video_tp_divisors(cfg)
 
 
 HUNYUAN_VIDEO15 = register_family(
