@@ -77,13 +77,14 @@ def checked_rendezvous(plan: LaunchPlan, rank: int, fp: Mapping):
     # per node too: a node started with another --tp-size/--nnodes runs other rank numbers, and
     # rank 0 must still tell it apart from a node that is missing
     store.set(f"node/{plan.node_rank}", posted)
+    store.add("joined", 1)  # every rank that posted, whatever world size it was started with
     if rank == 0:
         verdict = _leader_verdict(store, plan, dict(fp), deadline, where)
         store.set("verdict", verdict)
         if verdict:
             # rank 0 hosts the store: leaving at once would reset the connections of the ranks
             # still reading the verdict, and they would report that instead of the verdict
-            _wait_read(store, plan)
+            _wait_read(store)
         _raise_verdict(verdict)
         return store
     try:
@@ -102,11 +103,13 @@ def checked_rendezvous(plan: LaunchPlan, rank: int, fp: Mapping):
     return store
 
 
-def _wait_read(store, plan: LaunchPlan) -> None:
-    """Rank 0: wait (``VERDICT_GRACE_S`` at most) until every rank that joined read the verdict."""
-    joined = sum(store.check([f"fp/{r}"]) for r in range(1, plan.world_size))
+def _wait_read(store) -> None:
+    """Rank 0: wait (``VERDICT_GRACE_S`` at most) until every other rank that joined, a node
+    started with another world size included, read the verdict."""
     until = time.monotonic() + VERDICT_GRACE_S
-    while store.add("verdict_read", 0) < joined and time.monotonic() < until:
+    while store.add("verdict_read", 0) < store.add("joined", 0) - 1:
+        if time.monotonic() >= until:
+            return
         time.sleep(0.02)
 
 
