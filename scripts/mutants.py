@@ -1033,7 +1033,7 @@ MUTANTS: list[Mutant] = [
         "../cli/generate.py",
         "        while name in names:\n",
         "        while False:\n",
-        ("test/unit/cli/test_generate_lora_names.py",),
+        ("test/unit/cli/generate/test_lora_names.py",),
         why="two --lora-path files with one base name get one nickname: the second replaces the "
         "first",
     ),
