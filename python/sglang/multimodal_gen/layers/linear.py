@@ -11,7 +11,9 @@ attention block needs one all-reduce). Argument names follow vLLM/SGLang.
 * the **shard map** (:class:`ShardSpec` per logical output shard), which drives weight creation,
   :meth:`ParallelLinear.weight_loader`, LoRA ``A``/``B`` slicing and merge-delta slicing;
 * the forward as hooks: :meth:`parallel_input` -> :meth:`apply_gemm` with :meth:`gemm_bias`
-  -> :meth:`reduce_output` -> :meth:`package_output`, returning ``(output, output_bias)``.
+  -> :meth:`reduce_output` -> :meth:`package_output`, returning ``(output, output_bias)``;
+* the **quantization method** (:mod:`~sglang.multimodal_gen.layers.quantization`): how the weight
+  is stored, loaded through the shard map and multiplied (unquantized is one method).
 
 Subclasses override only the sharding hooks ``_output_sections`` / ``_input_sections`` and, for
 the two that communicate, ``reduce_output``. Both sides of the map may have several sections:
@@ -36,6 +38,10 @@ from sglang.multimodal_gen.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from sglang.multimodal_gen.layers.batch_invariant import linear_rows_invariant
+from sglang.multimodal_gen.layers.quantization.base import (
+    QuantizationMethod,
+    UnquantizedLinearMethod,
+)
 
 ShardId = int | str | None
 
@@ -94,9 +100,13 @@ class ParallelLinear(nn.Module):
         prefix: the module's dotted name in its model, used in error messages.
         tp_rank, tp_size: explicit TP coordinates; default: read from the TP group.
         device: where to allocate the parameters.
+        quant_method: how the weight is stored and multiplied (default:
+            :class:`~sglang.multimodal_gen.layers.quantization.UnquantizedLinearMethod`);
+            :meth:`set_quant_method` changes it before loading.
 
     Parameters:
-        ``weight`` ``[out_local, in_local]`` and ``bias`` ``[out_local]`` (or ``None``), each with a
+        ``weight`` ``[out_local, in_local]`` in ``params_dtype`` (quantized methods: their own
+        storage and scales) and ``bias`` ``[out_local]`` (or ``None``), each with a
         ``weight_loader`` attribute.
 
     Raises:
@@ -115,6 +125,7 @@ class ParallelLinear(nn.Module):
         tp_rank: int | None = None,
         tp_size: int | None = None,
         device: torch.device | str | None = None,
+        quant_method: QuantizationMethod | None = None,
     ):
         super().__init__()
         self.input_size = input_size
@@ -135,13 +146,8 @@ class ParallelLinear(nn.Module):
         self.output_size_per_partition = sum(s.local_size for s in self.shard_map)
         self.output_partition_sizes = [s.local_size for s in self.shard_map]
 
-        self.weight = nn.Parameter(
-            torch.empty(
-                self.output_size_per_partition, in_local, dtype=self.params_dtype, device=device
-            ),
-            requires_grad=False,
-        )
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method: QuantizationMethod = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, device)
         if bias:
             self.bias = nn.Parameter(
                 torch.empty(self.output_size_per_partition, dtype=self.params_dtype, device=device),
@@ -298,8 +304,137 @@ class ParallelLinear(nn.Module):
             )
         return self._take_input(full, dim)
 
+    # ----------------------------------------------------------------- quantization
+    def set_quant_method(self, method: QuantizationMethod) -> None:
+        """Replace the weight storage by ``method``'s (before loading: the old weight tensors are
+        dropped, the bias kept). Tensors are created on the bias's or the old weight's device.
+
+        Raises:
+            ValueError: the method cannot shard this layer (e.g. NVFP4 blocks across ranks).
+        """
+        device = self.weight.device
+        for name in [n for n, _ in self.named_parameters(recurse=False) if n != "bias"]:
+            delattr(self, name)
+        for name in [n for n, _ in self.named_buffers(recurse=False)]:
+            delattr(self, name)
+        self.quant_method = method
+        method.create_weights(self, device)
+
+    def process_weights_after_loading(self) -> None:
+        """Let the quantization method finish its tensors once the checkpoint is loaded."""
+        self.quant_method.process_weights_after_loading(self)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: activations, bias and LoRA weights (the weight's own dtype when
+        unquantized)."""
+        return self.quant_method.compute_dtype(self)
+
+    @property
+    def checkpoint_params(self) -> tuple[str, ...]:
+        """Parameter names a checkpoint provides per output shard (``bias`` included if any)."""
+        extra = ("bias",) if self.bias is not None else ()
+        return self.quant_method.checkpoint_params + extra
+
     # ----------------------------------------------------------------- loading
+    def _unit_col_slices(self, col_unit: int) -> list[slice]:
+        """The input-partition column slices in units of ``col_unit`` columns (packed or
+        blocked storage: 2 values per byte, 16 columns per block scale)."""
+        out = []
+        for start, size in self.input_partitions:
+            if start % col_unit or size % col_unit:
+                raise ValueError(
+                    f"{self._name()}: input columns [{start}, {start + size}) do not fall on "
+                    f"units of {col_unit}"
+                )
+            out.append(slice(start // col_unit, (start + size) // col_unit))
+        return out
+
+    def take_input_columns(self, t: torch.Tensor, col_unit: int = 1) -> torch.Tensor:
+        """This rank's input columns of ``t`` ``[rows, input_size / col_unit]`` (dim 1)."""
+        if self.input_size_per_partition == self.input_size:
+            return t
+        return _read(t, slice(None), self._unit_col_slices(col_unit))
+
+    def output_rows_of(self, loaded: Any, shard_id: ShardId, what: str) -> torch.Tensor:
+        """This rank's rows of shard ``shard_id`` of ``loaded``, every column (read from a lazy
+        slice when given one)."""
+        return self._local_rows(loaded, shard_id, None, what)
+
+    def _rows_of_shard(self, shard_id: ShardId) -> tuple[int, int, int]:
+        """``(local_start, local_rows, full_rows)`` of ``shard_id`` (``None`` on a fused layer:
+        every shard)."""
+        fused = shard_id is None and len(self.shard_map) > 1
+        specs = self.shard_map if fused else (self.shard_spec(shard_id),)
+        full = self.output_size if fused else specs[0].full_size
+        return specs[0].local_offset, sum(s.local_size for s in specs), full
+
     @torch.no_grad()
+    def load_output_rows(
+        self,
+        param: torch.Tensor,
+        loaded: Any,
+        shard_id: ShardId,
+        pre_sharded: bool,
+        col_unit: int | None,
+        what: str,
+    ) -> None:
+        """Copy this rank's part of a ``[rows, ...]`` checkpoint tensor of shard ``shard_id``
+        into the shard's rows of ``param``.
+
+        Args:
+            loaded: ``[full_rows]`` (``col_unit=None``: one value per output row, e.g. a bias or
+                a per-row scale) or ``[full_rows, input_size / col_unit]`` (a weight;
+                ``col_unit`` 2 for two values per byte, 16 for block scales), a tensor or a
+                safetensors lazy slice (only this rank's rows and columns are read). With
+                ``pre_sharded`` it is already this rank's piece.
+            what: the tensor's name in errors.
+
+        Raises:
+            ValueError: unknown shard id, or a shape that does not fit (names the layer, the
+                shard and both shapes).
+        """
+        local_start, local_rows, full_rows = self._rows_of_shard(shard_id)
+        if col_unit is None:
+            expected_full, cols = (full_rows,), None
+            expected_local = (local_rows,)
+        else:
+            if self.input_size % col_unit:
+                raise ValueError(
+                    f"{self._name()}: input_size {self.input_size} is not a multiple of {col_unit}"
+                )
+            expected_full = (full_rows, self.input_size // col_unit)
+            expected_local = (local_rows, self.input_size_per_partition // col_unit)
+            cols = self._unit_col_slices(col_unit)
+        if pre_sharded:
+            data = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+            if tuple(data.shape) != expected_local:
+                raise ValueError(
+                    f"{self._name()}: pre-sharded {what} for shard {shard_id!r} has shape "
+                    f"{list(data.shape)}, expected {list(expected_local)}"
+                )
+        else:
+            if _shape(loaded) != expected_full:
+                raise ValueError(
+                    f"{self._name()}: {what} for shard {shard_id!r} has shape "
+                    f"{list(_shape(loaded))}, expected {list(expected_full)}"
+                )
+            data = self._local_rows(loaded, shard_id, cols, what)
+        param.data[local_start : local_start + local_rows].copy_(data)
+
+    @torch.no_grad()
+    def fill_shard_rows(self, param: torch.Tensor, value: torch.Tensor, shard_id: ShardId) -> None:
+        """Set the rows of shard ``shard_id`` (every row for the fused ``None``) of ``param`` to
+        ``value`` (e.g. a per-tensor scale of one source module)."""
+        local_start, local_rows, _ = self._rows_of_shard(shard_id)
+        param.data[local_start : local_start + local_rows] = value
+
+    def _param_name(self, param: torch.Tensor) -> str | None:
+        for name, p in self.named_parameters(recurse=False):
+            if p is param:
+                return name
+        return None
+
     def weight_loader(
         self,
         param: nn.Parameter,
@@ -307,10 +442,11 @@ class ParallelLinear(nn.Module):
         shard_id: ShardId = None,
         pre_sharded: bool = False,
     ) -> None:
-        """Copy checkpoint data into this rank's part of ``param`` (``weight`` or ``bias``).
+        """Copy checkpoint data into this rank's part of ``param`` (``weight``, ``bias``, or a
+        quantization scale).
 
         Args:
-            param: ``self.weight`` or ``self.bias``.
+            param: ``self.bias``, ``self.weight`` or another tensor of the quantization method.
             loaded_weight: the full tensor of shard ``shard_id`` (``[full_size, in]`` or
                 ``[full_size]``), or of the fused layer when ``shard_id`` is ``None``. A safetensors
                 lazy slice is accepted, so only this rank's rows and columns are read. With
@@ -318,36 +454,22 @@ class ParallelLinear(nn.Module):
             shard_id: ``None``, an int (merged columns) or ``"q"|"k"|"v"`` (QKV).
 
         Raises:
-            ValueError: unknown shard id, or a shape that does not fit (names the layer, the shard
-                and both shapes).
+            ValueError: unknown shard id, a parameter of another layer, or a shape or dtype that
+                does not fit (names the layer, the shard and both shapes).
         """
-        is_weight = param is self.weight
-        if not is_weight and param is not self.bias:
-            raise ValueError(f"{self._name()}: param is neither this layer's weight nor its bias")
-        fused = shard_id is None and len(self.shard_map) > 1
-        specs = self.shard_map if fused else (self.shard_spec(shard_id),)
-        local_start = specs[0].local_offset
-        local_rows = sum(s.local_size for s in specs)
-        if pre_sharded:
-            expected = (local_rows, self.input_size_per_partition) if is_weight else (local_rows,)
-            data = loaded_weight if isinstance(loaded_weight, torch.Tensor) else loaded_weight[:]
-        else:
-            full_rows = self.output_size if fused else specs[0].full_size
-            expected_full = (full_rows, self.input_size) if is_weight else (full_rows,)
-            if _shape(loaded_weight) != expected_full:
-                raise ValueError(
-                    f"{self._name()}: {'weight' if is_weight else 'bias'} for shard {shard_id!r} "
-                    f"has shape {list(_shape(loaded_weight))}, expected {list(expected_full)}"
-                )
-            cols = self._input_col_slices() if is_weight else None
-            data = self._local_rows(loaded_weight, shard_id, cols, "weight")
-            expected = tuple(data.shape)
-        if tuple(data.shape) != expected:
+        name = self._param_name(param)
+        if name is None:
+            raise ValueError(f"{self._name()}: param is not a parameter of this layer")
+        if name == "bias":
+            self.load_output_rows(param, loaded_weight, shard_id, pre_sharded, None, "bias")
+            return
+        try:
+            self.quant_method.load(self, name, param, loaded_weight, shard_id, pre_sharded)
+        except ValueError as e:
+            msg = str(e)
             raise ValueError(
-                f"{self._name()}: pre-sharded tensor for shard {shard_id!r} has shape "
-                f"{list(data.shape)}, expected {list(expected)}"
-            )
-        param.data[local_start : local_start + local_rows].copy_(data)
+                msg if msg.startswith(self._name()) else f"{self._name()}: {msg}"
+            ) from None
 
     # ----------------------------------------------------------------- forward hooks
     def parallel_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -368,15 +490,17 @@ class ParallelLinear(nn.Module):
     ) -> torch.Tensor:
         """``x W_local^T + bias``: ``[..., in_local]`` -> ``[..., out_local]``.
 
-        ``weight``: the ``[out_local, in_local]`` weight to use instead of ``self.weight`` (a
-        LoRA layer passes its pre-merge weight for rows that do not use the merged composition).
-        The one place a quantized layer would replace the matmul (it then decides what a
-        ``weight`` argument means for its storage). On the CPU it is
+        ``weight``: a floating-point ``[out_local, in_local]`` weight to use instead of the
+        stored one (a LoRA layer passes its pre-merge weight for rows that do not use the merged
+        composition); ``None`` or ``self.weight`` itself: the quantization method's GEMM
+        (:meth:`QuantizationMethod.apply`). On the CPU the GEMMs are
         :func:`linear_rows_invariant`: the BLAS rounds a row differently depending on how many
         rows share the GEMM, and conditioning vectors (one row per image: timestep embedding,
         adaLN modulation) would then differ between a request alone and in a batch.
         """
-        return linear_rows_invariant(x, self.weight if weight is None else weight, bias)
+        if weight is None or weight is self.weight:
+            return self.quant_method.apply(self, x, bias)
+        return linear_rows_invariant(x, weight, bias)
 
     def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
         """Combine the ranks' partial outputs. Default: nothing to combine."""
@@ -421,6 +545,11 @@ class ParallelLinear(nn.Module):
             f"in={self.input_size}, out={self.output_size}, "
             f"local=({self.output_size_per_partition}, {self.input_size_per_partition}), "
             f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}, prefix={self.prefix!r}"
+            + (
+                f", quant={self.quant_method.describe()}"
+                if self.quant_method.name != "unquantized"
+                else ""
+            )
         )
 
 

@@ -270,7 +270,7 @@ class Composer:
                                 "float32; use a smaller strength",
                                 param=param,
                             )
-                    dtype = layers[module].base_layer.weight.dtype
+                    dtype = layers[module].base_layer.dtype
                     top = torch.finfo(dtype).max if dtype.is_floating_point else FP32_MAX
                     peak = abs(strength) * adapter.peaks.get((tt, module), 0.0)
                     if not peak <= top:
@@ -296,10 +296,11 @@ class Composer:
         find = adapter_for or self.store.__getitem__
         for name, _ in comp:
             for module in find(name).modules.get(target, ()):
-                if not self._layers[target][module].can_merge:
+                layer = self._layers[target][module]
+                if not layer.can_merge:
                     raise InvalidRequestError(
                         f"merge_mode 'merge': module {module!r} of {target!r} cannot merge LoRA "
-                        "weights; use 'auto' or 'dynamic'",
+                        f"weights ({layer.merge_refusal}); use 'auto' or 'dynamic'",
                         param="merge_mode",
                     )
 

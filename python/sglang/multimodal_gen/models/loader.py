@@ -17,14 +17,22 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from sglang.multimodal_gen.layers.linear import ParallelLinear
 from sglang.multimodal_gen.models.model_dir import ModelLoadError, find_weight_files, read_json
 from sglang.multimodal_gen.models.name_map import NameMap
+from sglang.multimodal_gen.models.quantization_config import (
+    plan_quantization,
+    quantized_tensors,
+    read_header,
+    resolve_quantization,
+)
 from sglang.multimodal_gen.models.registry import DenoiserSpec, resolve_object
 
 logger = logging.getLogger(__name__)
@@ -41,7 +49,7 @@ def _default_param_loader(param: nn.Parameter, loaded: Any) -> None:
 
 def _expected_shards(module: nn.Module, leaf: str) -> tuple:
     shard_map = getattr(module, "shard_map", None)
-    if shard_map is None or (leaf not in ("weight", "bias")):
+    if shard_map is None or leaf not in getattr(module, "checkpoint_params", ("weight", "bias")):
         return (None,)
     ids = tuple(s.shard_id for s in shard_map)
     return ids
@@ -52,6 +60,8 @@ def _reorder_rows(loaded: Any, order: tuple[int, ...]) -> torch.Tensor:
     is chunk ``order[i]`` of the source (``NameRule.row_order``; e.g. BFL / Tencent final-layer
     modulations stored as ``(shift, scale)`` where ours is ``(scale, shift)``)."""
     t = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    if t.numel() == 1:  # a per-tensor scale of the module: no rows to reorder
+        return t
     chunks = t.chunk(len(order), dim=0)
     return torch.cat([chunks[i] for i in order], dim=0)
 
@@ -189,6 +199,65 @@ def build_denoiser(
     return cls(arch_config, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
 
 
+@dataclass(frozen=True)
+class WeightOptions:
+    """Where the primary denoiser's weights come from and how they are stored (the quantized
+    checkpoint flags of SGLang's diffusion docs).
+
+    Attributes:
+        transformer_path: a transformer folder (its own ``config.json`` + safetensors) replacing
+            the model's ``transformer/`` (``--transformer-path``).
+        transformer_weights_path: a safetensors file or folder replacing the weights of the
+            model's ``transformer/`` (its ``config.json`` kept; a quantization config may sit in
+            the safetensors metadata) (``--transformer-weights-path``).
+        quantization: quantize a floating-point transformer while loading (``--quantization``;
+            ``"fp8"``).
+        component: the denoiser these apply to (``transformer``: the primary one; a
+            two-expert model's ``transformer_2`` keeps its own files).
+    """
+
+    transformer_path: str | None = None
+    transformer_weights_path: str | None = None
+    quantization: str | None = None
+    component: str = "transformer"
+
+    def __post_init__(self):
+        if self.transformer_path and self.transformer_weights_path:
+            raise ValueError(
+                "transformer_path and transformer_weights_path are exclusive: a transformer "
+                "folder brings its own weights"
+            )
+
+    @property
+    def empty(self) -> bool:
+        return not (self.transformer_path or self.transformer_weights_path or self.quantization)
+
+
+def weight_files(path: str) -> list[str]:
+    """The safetensors files of ``path``: the file itself, a diffusers component folder's
+    weights (an index file's shards included), or every ``*.safetensors`` of another folder.
+
+    Raises:
+        FileNotFoundError: no such path or no safetensors in it; ModelLoadError: see
+            :func:`find_weight_files`.
+    """
+    if os.path.isfile(path):
+        if not path.endswith(".safetensors"):
+            raise ModelLoadError(f"{path}: not a .safetensors file")
+        return [path]
+    try:
+        return find_weight_files(path)[0]
+    except FileNotFoundError:
+        if not os.path.isdir(path):
+            raise
+        files = sorted(
+            os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")
+        )
+        if not files:
+            raise
+        return files
+
+
 def load_denoiser(
     component_dir: str,
     spec: DenoiserSpec,
@@ -196,29 +265,53 @@ def load_denoiser(
     device: torch.device | str = "cpu",
     tp_rank: int | None = None,
     tp_size: int | None = None,
+    weights_path: str | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build a family's DiT from ``<model>/<component>`` and load its weights.
 
     Args:
         component_dir: the denoiser folder (``config.json`` + safetensors).
         spec: the family's :class:`~sglang.multimodal_gen.models.registry.DenoiserSpec`.
-        dtype, device: parameter dtype and device.
+        dtype, device: compute dtype and device (quantized layers store their own dtypes).
         tp_rank, tp_size: TP coordinates (default: the TP group's).
+        weights_path: read the weights from this safetensors file or folder instead of
+            ``component_dir`` (whose ``config.json`` still describes the model).
+        quantization: online quantization of a floating-point checkpoint (``"fp8"``).
+
+    A quantized checkpoint (``models.quantization_config``) sets each linear layer's method
+    before loading; the model is then built on the CPU (untouched pages cost nothing), filled
+    and moved to ``device``, so no full-precision copy of a quantized layer is ever resident.
 
     Raises:
         FileNotFoundError: missing folder, config or weights.
         ModelLoadError / ValueError: a ``_class_name`` the family does not implement, a size not
-            divisible by the TP size (at build time, before any read), or any error of
-            :func:`load_safetensors_into`.
+            divisible by the TP size (at build time, before any read), an unsupported or
+            inconsistent quantization (names the key), or any error of :func:`load_tensors_into`.
     """
     _check_denoiser_class(component_dir, spec)
-    cfg_cls = resolve_object(spec.config_class)
-    cfg = cfg_cls.from_json_file(os.path.join(component_dir, "config.json"))
-    model = build_denoiser(spec, cfg, dtype, device, tp_rank, tp_size)
-    stats = load_safetensors_into(model, component_dir, resolve_object(spec.name_map))
-    logger.info(
-        "loaded %s: %d tensors from %d files", spec.component, stats["tensors"], stats["files"]
-    )
+    cfg_path = os.path.join(component_dir, "config.json")
+    cfg_json = read_json(cfg_path)
+    cfg = resolve_object(spec.config_class).from_json_file(cfg_path)
+    source = weights_path or component_dir
+    files = weight_files(source)
+    header = read_header(files, source)
+    qconfig = resolve_quantization(cfg_json, header, quantization, component_dir)
+    name_map = resolve_object(spec.name_map)
+    build_device = "cpu" if qconfig is not None else device
+    model = build_denoiser(spec, cfg, dtype, build_device, tp_rank, tp_size)
+    tensors = _iter_safetensors(files)
+    if qconfig is not None:
+        planned = plan_quantization(model, qconfig, header, name_map)
+        tensors = quantized_tensors(qconfig, tensors)
+        logger.info("%s: %d linear layers %s", spec.component, len(planned), qconfig.describe())
+    n = load_tensors_into(model, tensors, name_map, where=source)
+    for m in model.modules():
+        if isinstance(m, ParallelLinear):
+            m.process_weights_after_loading()
+    if qconfig is not None:
+        model = model.to(device)
+    logger.info("loaded %s: %d tensors from %d files", spec.component, n, len(files))
     return model.eval()
 
 

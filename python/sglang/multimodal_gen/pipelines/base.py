@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from sglang.multimodal_gen.configs.sampling_params import RequestSpec, SamplingParams
 from sglang.multimodal_gen.distributed import broadcast_tensors_cpu
 from sglang.multimodal_gen.models.components import load_component
-from sglang.multimodal_gen.models.loader import load_denoiser
+from sglang.multimodal_gen.models.loader import WeightOptions, load_denoiser
 from sglang.multimodal_gen.models.model_dir import ModelLoadError, read_json, read_model_index
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
 from sglang.multimodal_gen.outputs import Video
@@ -180,6 +180,7 @@ class StagedPipeline:
         load_vae: bool = True,
         load_text: bool = True,
         rank: int | None = None,
+        weights: WeightOptions | None = None,
     ) -> StagedPipeline:
         """Load a diffusers directory of ``family``: our denoisers, the rest as diffusers would.
 
@@ -189,6 +190,8 @@ class StagedPipeline:
             load_text: load text encoders and tokenizers (``False`` on ranks > 0, which
                 receive the conditioning from rank 0).
             rank: global rank (default ``tp_rank``).
+            weights: another transformer folder or weights file, or online quantization, for
+                the primary denoiser (:class:`~sglang.multimodal_gen.models.loader.WeightOptions`).
 
         Raises:
             FileNotFoundError / ValueError (``ModelLoadError``): messages name file and tensor.
@@ -211,13 +214,16 @@ class StagedPipeline:
                 if os.path.isfile(os.path.join(folder, cfg_file)):
                     configs[name] = read_json(os.path.join(folder, cfg_file))
             if name in names:
+                opts = weights if weights is not None and weights.component == name else None
                 comps[name] = load_denoiser(
-                    folder,
+                    (opts.transformer_path if opts else None) or folder,
                     family.denoiser(name),
                     dtype=dtype,
                     device=device,
                     tp_rank=tp_rank,
                     tp_size=tp_size,
+                    weights_path=opts.transformer_weights_path if opts else None,
+                    quantization=opts.quantization if opts else None,
                 )
             elif name in cls.text_components and not load_text:
                 continue

@@ -32,6 +32,7 @@ from sglang.multimodal_gen.errors import SGLangError
 from sglang.multimodal_gen.layers.attention import set_attention_backend
 from sglang.multimodal_gen.lora.staging import UNCHANGED
 from sglang.multimodal_gen.lora.transactions import LoRAStateError
+from sglang.multimodal_gen.models.loader import WeightOptions
 from sglang.multimodal_gen.models.registry import family_for_model
 from sglang.multimodal_gen.runtime.error_transport import pack_error
 from sglang.multimodal_gen.runtime.placement import (
@@ -107,6 +108,8 @@ class ModelRunner:
         dit_cpu_offload: on CUDA, keep the DiT weights in pinned host memory between commands
             (:class:`DiTOffloader`); ignored on other devices.
         lora_merge_cache_gb, max_loaded_lora_gb: LoRA memory bounds (:func:`build_lora_manager`).
+        weights: the primary transformer's other folder, weights file or online quantization
+            (:class:`~sglang.multimodal_gen.models.loader.WeightOptions`).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class ModelRunner:
         lora_merge_cache_gb: float | None = None,
         max_loaded_lora_gb: float | None = None,
         allow_hub_lora: bool = False,
+        weights: WeightOptions | None = None,
     ):
         from sglang.multimodal_gen.configs.parallel import check_float32_matmul_precision
 
@@ -153,6 +157,7 @@ class ModelRunner:
             load_vae=(self.rank == 0),
             load_text=(self.rank == 0),
             rank=self.rank,
+            weights=weights,
         )
         set_attention_backend(attention_backend, self.device)
         if enable_torch_compile:

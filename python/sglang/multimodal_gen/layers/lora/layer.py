@@ -209,13 +209,31 @@ class BaseLayerWithLoRA(nn.Module):
 
     @property
     def can_merge(self) -> bool:
-        """Whether :meth:`merge` is possible: a floating-point weight of a plain tensor type."""
+        """Whether :meth:`merge` is possible: a floating-point weight of a plain tensor type,
+        stored unquantized (a quantized weight cannot hold ``W + delta`` at its scales: LoRA runs
+        unmerged beside the quantized GEMM)."""
         w = self.base_layer.weight
         return (
             w.dtype.is_floating_point
             and type(w) in (torch.Tensor, nn.Parameter)
+            and self.base_layer.quant_method.supports_lora_merge
             and not getattr(self.base_layer, "lora_merge_unsupported", False)
         )
+
+    @property
+    def merge_refusal(self) -> str | None:
+        """Why :meth:`merge` is impossible here (``None``: it is possible)."""
+        if self.can_merge:
+            return None
+        method = self.base_layer.quant_method
+        if not method.supports_lora_merge:
+            return f"its base weight is quantized ({method.describe()})"
+        w = self.base_layer.weight
+        return f"weight dtype {w.dtype}, type {type(w).__name__}"
+
+    def _follow(self) -> None:
+        """Bring the slot tensors to the layer's compute dtype and the weight's device."""
+        self.slots.follow_dtype(self.base_layer.dtype, self.base_layer.weight.device)
 
     def has_offsets(self, names: Iterable[str]) -> bool:
         """Whether any of the stored adapters ``names`` carries an output offset on this layer."""
@@ -289,7 +307,7 @@ class BaseLayerWithLoRA(nn.Module):
             raise ValueError(f"{where}: {e}") from None
         described = f"{module}[{shard_id!r}] of {name!r}"
         check_weights(w, full_rows, self.base_layer.input_size, where, described)
-        dtype = self.base_layer.weight.dtype
+        dtype = self.base_layer.dtype
         check_range(w, dtype, self.base_layer.input_size, where, described)
 
     def nbytes_for(self, weights: Mapping[ShardId, LoRAWeights]) -> int:
@@ -297,7 +315,7 @@ class BaseLayerWithLoRA(nn.Module):
         rank = sum(int(w.lora_A.shape[0]) for w in weights.values())
         has_offset = any(w.offset is not None for w in weights.values())
         s = self.slots
-        return entry_nbytes(rank, has_offset, s.in_local, s.out_local, self.weight.dtype)
+        return entry_nbytes(rank, has_offset, s.in_local, s.out_local, self.base_layer.dtype)
 
     def add_adapter(
         self, name: str, weights: Mapping[ShardId, LoRAWeights], slot: int | None = None
@@ -340,8 +358,7 @@ class BaseLayerWithLoRA(nn.Module):
                 f"module {self._module()!r}: slot {slot} holds adapter {other.name!r}; "
                 f"cannot store {name!r} there"
             )
-        weight = self.base_layer.weight
-        dtype, device = weight.dtype, weight.device
+        dtype, device = self.base_layer.dtype, self.base_layer.weight.device
         pieces = []
         with torch.inference_mode(False), torch.no_grad():
             for shard_id, w in weights.items():
@@ -439,7 +456,7 @@ class BaseLayerWithLoRA(nn.Module):
         s = self.slots
         if not self._has_offset(local):
             return None
-        s.follow(self.base_layer.weight)
+        self._follow()
         dev = s.lora_offset.device
         out = torch.zeros(s.out_local, dtype=s.lora_offset.dtype, device=dev)
         add_offset_delta(
@@ -493,10 +510,7 @@ class BaseLayerWithLoRA(nn.Module):
         """
         module = self._module()
         if not self.can_merge:
-            raise ValueError(
-                f"module {module!r} cannot merge LoRA weights "
-                f"(weight dtype {self.base_layer.weight.dtype}, type {type(self.base_layer.weight).__name__})"
-            )
+            raise ValueError(f"module {module!r} cannot merge LoRA weights: {self.merge_refusal}")
         weight = self.base_layer.weight
         if cached is not None and (cached.shape != weight.shape or cached.dtype != weight.dtype):
             raise ValueError(
@@ -591,7 +605,7 @@ class BaseLayerWithLoRA(nn.Module):
     def _add_delta(self, x_local: torch.Tensor | None, y: torch.Tensor, local: Composition) -> None:
         """``y += delta(local)`` (``x_local=None``: its offsets alone), offsets on the rank that
         adds the bias."""
-        self.slots.follow(self.base_layer.weight)
+        self._follow()
         dev = y.device
         strengths = local.strength_tensor(dev, self.slots.col_scale.dtype)
         self._add_delta_tensors(x_local, y, local.slot_tensor(dev), strengths)
@@ -681,7 +695,7 @@ class BaseLayerWithLoRA(nn.Module):
             weight, offsets_only = (self._exact_weight() if self.merged else None), False
         if not local:
             return (weight, None, None, False)
-        self.slots.follow(self.base_layer.weight)
+        self._follow()
         dev = self.base_layer.weight.device
         return (
             weight,
