@@ -188,7 +188,7 @@ class FluxTransformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.x_embedder.weight.dtype
+        return self.x_embedder.dtype
 
     @property
     def device(self) -> torch.device:

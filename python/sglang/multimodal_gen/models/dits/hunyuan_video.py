@@ -147,7 +147,7 @@ class HunyuanVideoTransformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.proj_out.weight.dtype
+        return self.proj_out.dtype
 
     @property
     def device(self) -> torch.device:

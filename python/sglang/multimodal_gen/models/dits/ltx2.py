@@ -343,7 +343,7 @@ class LTX2Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.proj_in.weight.dtype
+        return self.proj_in.dtype
 
     @property
     def device(self) -> torch.device:

@@ -234,7 +234,7 @@ class LTX2AdaLayerNormSingle(nn.Module):
         )
 
     def forward(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.linear.weight.dtype
+        w = self.linear.dtype
         emb = self.emb.timestep_embedder(timestep_sinusoid(t, self.FREQ_DIM).to(w))
         return self.linear(F.silu(emb))[0], emb
 

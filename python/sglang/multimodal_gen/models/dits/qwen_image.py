@@ -314,7 +314,7 @@ class QwenImageTransformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.img_in.weight.dtype
+        return self.img_in.dtype
 
     @property
     def device(self) -> torch.device:

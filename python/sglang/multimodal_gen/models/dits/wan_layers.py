@@ -127,7 +127,7 @@ class WanConditionEmbedder(nn.Module):
         t = timestep_sinusoid(timestep, self.freq_dim)  # [N, freq_dim] fp32
         if seq_len is not None:
             t = t.unflatten(0, (-1, seq_len))
-        t = t.to(self.time_embedder.linear_1.weight.dtype)
+        t = t.to(self.time_embedder.linear_1.dtype)
         temb = self.time_embedder(t).type_as(encoder_hidden_states)
         timestep_proj = self.time_proj(F.silu(temb))[0]
         return temb, timestep_proj, self.text_embedder(encoder_hidden_states)

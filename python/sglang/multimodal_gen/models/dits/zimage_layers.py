@@ -190,7 +190,7 @@ class ZImageTimestepEmbedder(nn.Module):
         )
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        h = timestep_sinusoid(t, self.freq_dim).to(self.mlp[0].weight.dtype)
+        h = timestep_sinusoid(t, self.freq_dim).to(self.mlp[0].dtype)
         h = self.mlp[0](h)[0]
         return self.mlp[2](self.mlp[1](h))[0]
 
