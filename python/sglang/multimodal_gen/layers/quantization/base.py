@@ -14,15 +14,16 @@ partitions (in units of the packing: 2 columns per byte for packed FP4, 16 per b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from sglang.multimodal_gen.layers.batch_invariant import linear_rows_invariant
 
-if TYPE_CHECKING:  # the layer imports this module; methods only receive layers
-    from sglang.multimodal_gen.layers.linear import ParallelLinear, ShardId
+# the layer (layers.linear.ParallelLinear) imports this module: it is typed structurally here
+LinearLayer = nn.Module  # a layers.linear.ParallelLinear
+ShardId = int | str | None
 
 __all__ = ["QuantizationMethod", "UnquantizedLinearMethod", "tensor_dtype"]
 
@@ -70,14 +71,14 @@ class QuantizationMethod:
     supports_lora_merge = True
     checkpoint_params: tuple[str, ...] = ("weight",)
 
-    def create_weights(self, layer: ParallelLinear, device: torch.device | str | None) -> None:
+    def create_weights(self, layer: LinearLayer, device: torch.device | str | None) -> None:
         """Register the layer's weight tensors (``layer.weight`` at least) with a
         ``weight_loader`` attribute pointing at ``layer.weight_loader``."""
         raise NotImplementedError
 
     def load(
         self,
-        layer: ParallelLinear,
+        layer: LinearLayer,
         name: str,
         param: nn.Parameter,
         loaded: Any,
@@ -92,26 +93,24 @@ class QuantizationMethod:
         """
         raise NotImplementedError
 
-    def process_weights_after_loading(self, layer: ParallelLinear) -> None:
+    def process_weights_after_loading(self, layer: LinearLayer) -> None:
         """Finish the weights once every tensor is loaded (e.g. reduce per-shard activation
         scales to the one the GEMM uses). Default: nothing."""
 
-    def dequantize(self, layer: ParallelLinear, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         """The local weight ``[out_local, in_local]`` in ``dtype`` (fp32 products rounded once)."""
         raise NotImplementedError
 
-    def apply(
-        self, layer: ParallelLinear, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + bias``: ``[..., in_local]`` -> ``[..., out_local]`` in ``x.dtype``.
         Default: weight-only (dequantize to ``x.dtype``, then the row-invariant GEMM)."""
         return linear_rows_invariant(x, self.dequantize(layer, x.dtype), bias)
 
-    def compute_dtype(self, layer: ParallelLinear) -> torch.dtype:
+    def compute_dtype(self, layer: LinearLayer) -> torch.dtype:
         """The dtype activations, bias and LoRA weights use with this layer."""
         return layer.params_dtype
 
-    def weight_nbytes(self, layer: ParallelLinear) -> int:
+    def weight_nbytes(self, layer: LinearLayer) -> int:
         """Bytes of the stored weight tensors (weight and scales; not the bias)."""
         return sum(
             t.numel() * t.element_size()

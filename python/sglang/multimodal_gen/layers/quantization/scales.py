@@ -8,15 +8,16 @@ row is dequantized with the scale of the source it came from.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from sglang.multimodal_gen.layers.quantization.base import tensor_dtype
 
-if TYPE_CHECKING:
-    from sglang.multimodal_gen.layers.linear import ParallelLinear, ShardId
+# the layer (layers.linear.ParallelLinear) imports this module: it is typed structurally here
+LinearLayer = nn.Module  # a layers.linear.ParallelLinear
+ShardId = int | str | None
 
 __all__ = ["SCALE_DTYPES", "check_dtype", "load_row_scale", "load_shard_scalar", "new_param"]
 
@@ -24,9 +25,7 @@ __all__ = ["SCALE_DTYPES", "check_dtype", "load_row_scale", "load_shard_scalar",
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def new_param(
-    layer: ParallelLinear, shape, dtype, device, fill: float | None = None
-) -> nn.Parameter:
+def new_param(layer: LinearLayer, shape, dtype, device, fill: float | None = None) -> nn.Parameter:
     """A frozen parameter with the layer's ``weight_loader`` (``fill``: its initial value)."""
     t = torch.empty(*shape, dtype=dtype, device=device)
     if fill is not None:
@@ -61,7 +60,7 @@ def _value(loaded: Any) -> torch.Tensor:
 
 
 def load_row_scale(
-    layer: ParallelLinear,
+    layer: LinearLayer,
     param: nn.Parameter,
     loaded: Any,
     shard_id: ShardId,
@@ -86,7 +85,7 @@ def load_row_scale(
 
 
 def load_shard_scalar(
-    layer: ParallelLinear, param: nn.Parameter, loaded: Any, shard_id: ShardId, what: str
+    layer: LinearLayer, param: nn.Parameter, loaded: Any, shard_id: ShardId, what: str
 ) -> None:
     """Store a per-tensor scale (shape ``[]`` or ``[1]``) of shard ``shard_id`` in ``param``
     ``[n_shards]`` (every shard's entry for the fused layout ``shard_id=None``).
