@@ -282,6 +282,8 @@ def load_denoiser(
     A quantized checkpoint (``models.quantization_config``) sets each linear layer's method
     before loading; the model is then built on the CPU (untouched pages cost nothing), filled
     and moved to ``device``, so no full-precision copy of a quantized layer is ever resident.
+    The model's ``quantization`` attribute says how it is stored (``"modelopt fp8"``,
+    ``"modelopt nvfp4"``, ``"comfyui fp8"``, ``"online fp8"``; ``None``: unquantized).
 
     Raises:
         FileNotFoundError: missing folder, config or weights.
@@ -311,6 +313,7 @@ def load_denoiser(
             m.process_weights_after_loading()
     if qconfig is not None:
         model = model.to(device)
+    model.quantization = qconfig.describe() if qconfig is not None else None
     logger.info("loaded %s: %d tensors from %d files", spec.component, n, len(files))
     return model.eval()
 
