@@ -281,8 +281,9 @@ def plan_quantization(
     Raises:
         ModelLoadError: a quantized weight the config does not quantize, or the reverse; a fused
             layer whose sources mix quantized and unquantized weights; a quantized weight of a
-            module that is not a linear layer here; a layer the method cannot shard (each names
-            the checkpoint key).
+            module that is not a linear layer here; a quantized source lacking a scale the
+            method reads (``weight_scale``, ``weight_scale_2``, ``input_scale``, ComfyUI's
+            ``scale_weight``); a layer the method cannot shard (each names the checkpoint key).
     """
     layers = _linear_layers(model)
     where = header.where
@@ -311,9 +312,16 @@ def plan_quantization(
             quantized = dtype == torch.float8_e4m3fn
             scales = ("scale_weight", "weight_scale")
             has_scale = any(f"{module}.{leaf}" in header.dtypes for leaf in scales)
-            if quantized != has_scale:
-                what = "has no scale_weight" if quantized else "is not FP8 but has a weight scale"
-                raise ModelLoadError(f"{where}: tensor {key!r} ({_dtype_name(dtype)}) {what}")
+            if quantized and not has_scale:
+                raise ModelLoadError(
+                    f"{where}: tensor {module + '.scale_weight'!r} is missing: {key!r} is "
+                    "float8_e4m3fn and a ComfyUI scaled FP8 weight needs its scale"
+                )
+            if has_scale and not quantized:
+                raise ModelLoadError(
+                    f"{where}: tensor {key!r} ({_dtype_name(dtype)}) is not FP8 but has a "
+                    "weight scale"
+                )
         else:
             quantized = not config.ignores(module)
             if quantized and dtype != stored:
@@ -332,7 +340,7 @@ def plan_quantization(
     for ours, entries in sources.items():
         flags = {q for _, q in entries}
         if len(flags) > 1:
-            mixed = ", ".join(f"{k} ({'quantized' if q else 'unquantized'})" for k, q in entries)
+            mixed = ", ".join(f"{k!r} ({'quantized' if q else 'unquantized'})" for k, q in entries)
             raise ModelLoadError(
                 f"{where}: the sources of fused layer {ours!r} mix quantized and unquantized "
                 f"weights: {mixed}"
@@ -348,12 +356,50 @@ def plan_quantization(
                 )
                 for k, _ in entries
             )
+        method = config.make_method(static)
+        _check_complete(config, method, [k for k, _ in entries], header)
         try:
-            layers[ours].set_quant_method(config.make_method(static))
+            layers[ours].set_quant_method(method)
         except ValueError as e:
             raise ModelLoadError(f"{where}: tensor {entries[0][0]!r}: {e}") from e
         planned[ours] = layers[ours].quant_method.describe()
     return planned
+
+
+def _check_complete(
+    config: QuantizationConfig,
+    method: QuantizationMethod,
+    weight_keys: list[str],
+    header: CheckpointHeader,
+) -> None:
+    """Every quantized source module in ``weight_keys`` (``<module>.weight``) has the tensors
+    ``method`` reads besides its weight (NVFP4: ``weight_scale``, ``weight_scale_2``,
+    ``input_scale``; ModelOpt FP8: ``weight_scale``, ``input_scale``; ComfyUI: ``scale_weight``),
+    checked on the header before any tensor is read.
+
+    Raises:
+        ModelLoadError: naming the first missing checkpoint key (``<module>.<leaf>`` in the
+            checkpoint's own leaf names: ComfyUI's ``scale_weight`` / ``scale_input``).
+    """
+    checkpoint_names = defaultdict(list)  # our leaf -> the checkpoint's names for it
+    for old, new in config.aliases:
+        checkpoint_names[new].append(old)
+    for key in weight_keys:
+        module = key[: -len(".weight")]
+        for leaf in method.checkpoint_params:
+            if leaf == "weight":
+                continue
+            names = checkpoint_names[leaf] + [leaf]
+            if not any(f"{module}.{n}" in header.dtypes for n in names):
+                raise ModelLoadError(
+                    f"{header.where}: tensor {module + '.' + names[0]!r} is missing: "
+                    f"{config.describe()} quantizes {key!r}, which needs "
+                    + ", ".join(
+                        f"{module}.{checkpoint_names[p][0] if checkpoint_names[p] else p}"
+                        for p in method.checkpoint_params
+                        if p != "weight"
+                    )
+                )
 
 
 def quantized_tensors(
