@@ -1,0 +1,72 @@
+"""Scale loading shared by the quantized methods (``layers/quantization/scales.py``): per-tensor
+scales fill their source's rows, per-row scales follow the weight's rows, per-source activation
+scales land in their shard's entry; tensors and safetensors lazy slices alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures import quantized_layers as ql
+from safetensors import safe_open
+from safetensors.torch import save_file
+from sglang.multimodal_gen.layers.quantization.scales import (
+    check_dtype,
+    load_row_scale,
+    load_shard_scalar,
+    new_param,
+)
+
+
+def _qkv(rank=1, size=2):
+    """QKV at rank 1 of 2: local rows q [0, 32), k [32, 48), v [48, 64)."""
+    layer = ql.build("qkv", rank, size)
+    return layer, new_param(layer, (layer.output_size_per_partition,), torch.float32, "cpu", 0.0)
+
+
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_per_tensor_scale_fills_only_its_source_rows(shape):
+    layer, p = _qkv()
+    load_row_scale(layer, p, torch.full(shape, 3.0), "k", False, "weight_scale")
+    load_row_scale(layer, p, torch.full(shape, 5.0, dtype=torch.bfloat16), "v", False, "ws")
+    assert p[:32].eq(0).all() and p[32:48].eq(3).all() and p[48:].eq(5).all()
+
+
+@pytest.mark.parametrize("column", [False, True])
+def test_per_row_scale_follows_the_weight_rows(column):
+    layer, p = _qkv()
+    q = torch.arange(64, dtype=torch.float32)  # q has 64 full rows; rank 1 holds 32..63
+    load_row_scale(layer, p, q[:, None] if column else q, "q", False, "weight_scale")
+    assert p[:32].tolist() == list(range(32, 64))
+    with pytest.raises(ValueError, match=r"weight_scale for shard 'q' has shape \[63\]"):
+        load_row_scale(layer, p, q[:63], "q", False, "weight_scale")
+
+
+def test_lazy_slices_of_scalars_and_rows(tmp_path):
+    path = str(tmp_path / "s.safetensors")
+    save_file({"s0": torch.tensor(2.0), "rows": torch.arange(32.0)}, path)
+    layer, p = _qkv()
+    with safe_open(path, "pt") as f:
+        load_row_scale(layer, p, f.get_slice("s0"), "v", False, "weight_scale")
+        load_row_scale(layer, p, f.get_slice("rows"), "k", False, "weight_scale")
+        s_in = new_param(layer, (3,), torch.float32, "cpu", 0.0)
+        load_shard_scalar(layer, s_in, f.get_slice("s0"), "v", "input_scale")
+    assert p[48:].eq(2).all() and p[32:48].tolist() == list(range(16, 32))
+    assert s_in.tolist() == [0, 0, 2]
+
+
+def test_shard_scalar_per_source_and_fused():
+    layer, _ = _qkv()
+    s = new_param(layer, (3,), torch.float32, "cpu", 0.0)
+    for i, sid in enumerate("qkv"):
+        load_shard_scalar(layer, s, torch.tensor(float(i + 1)), sid, "input_scale")
+    assert s.tolist() == [1, 2, 3]
+    load_shard_scalar(layer, s, torch.tensor([7.0]), None, "input_scale")  # the fused layout
+    assert s.tolist() == [7, 7, 7]
+    with pytest.raises(ValueError, match=r"input_scale has shape \[3\], expected a per-tensor"):
+        load_shard_scalar(layer, s, torch.ones(3), "q", "input_scale")
+
+
+def test_check_dtype_names_the_tensor():
+    check_dtype(torch.ones(1), (torch.float32,), "x")
+    with pytest.raises(ValueError, match="^my_scale has dtype int8, expected float32 or bfloat16$"):
+        check_dtype(torch.ones(1, dtype=torch.int8), (torch.float32, torch.bfloat16), "my_scale")
