@@ -6,6 +6,12 @@ Same engine and defaults as the server, so the same arguments give the same pixe
         --height 1024 --width 1024 --guidance-scale 0 --output-path cat.png \\
         [--lora-path A.safetensors B/ --lora-scale 0.7 1.3] [--tp-size 2]
 
+A quantized transformer: ``--transformer-path DIR`` (a transformer folder with its own
+``config.json``, e.g. a ModelOpt FP8 export, replacing ``transformer/``),
+``--transformer-weights-path FILE|DIR`` (other weights for the model's ``transformer/``; a
+``quantization_config`` may sit in the safetensors metadata) or ``--quantization fp8`` (quantized
+while loading).
+
 ``--model-path`` and ``--lora-path`` may be Hugging Face Hub ids (``owner/name``): downloaded into
 the HF cache by ``huggingface_hub`` when they are not there (``--revision`` for the model;
 ``--no-enable-hub-lora`` keeps LoRA ids to the cache; ``HF_HUB_OFFLINE=1``: no request at all).
@@ -32,7 +38,12 @@ from sglang.multimodal_gen.configs.parallel import (
     add_parallel_args,
     layout_from_args,
 )
-from sglang.multimodal_gen.configs.server_args import add_multinode_args, default_lora_nickname
+from sglang.multimodal_gen.configs.server_args import (
+    add_multinode_args,
+    add_weight_args,
+    check_weight_flags,
+    default_lora_nickname,
+)
 from sglang.multimodal_gen.lora.requests import MERGE_MODES
 
 
@@ -68,6 +79,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="Hub revision of --model-path: a branch, tag or commit (default: the repo's "
         "default branch)",
     )
+    add_weight_args(parser)
     add_sampling_args(parser)
     parser.add_argument(
         "--image-path",
@@ -305,6 +317,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from sglang.multimodal_gen.runtime.worker import quiet_library_progress_bars
 
     quiet_library_progress_bars()
+    check_weight_flags(args.transformer_path, args.transformer_weights_path, args.quantization)
     loras = lora_pairs(args.lora_path, args.lora_scale)
     layout = layout_from_args(args)  # contradictory degrees: one error before loading
     from sglang.multimodal_gen.runtime.nodes import multinode_kwargs, run_follower_node
@@ -313,6 +326,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     job = dict(
         model_path=args.model_path,
         revision=args.revision,
+        transformer_path=args.transformer_path,
+        transformer_weights_path=args.transformer_weights_path,
+        quantization=args.quantization,
         tp_size=layout.tp_size,
         sp_degree=layout.sp_degree,
         ulysses_degree=args.ulysses_degree,

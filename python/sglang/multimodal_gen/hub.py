@@ -15,7 +15,10 @@ Only the files the engine reads are fetched (``allow_patterns`` / ``ignore_patte
   shard its ``*.safetensors.index.json`` names); never pickle files, GGUF files, other weight
   variants, files at the repo root or folders the index does not name;
 - a LoRA (:func:`lora_snapshot`): the top-level ``*.safetensors`` files and
-  ``adapter_config.json`` (or the one file named ``owner/name/file.safetensors``).
+  ``adapter_config.json`` (or the one file named ``owner/name/file.safetensors``);
+- a transformer (:func:`transformer_snapshot`, ``--transformer-path`` /
+  ``--transformer-weights-path``): the top-level ``*.json`` and ``*.safetensors`` files of a repo
+  that is one transformer folder (or the one file named ``owner/name/file.safetensors``).
 
 A model follows the library (the Hub is asked which commit the revision is, the cache answers when
 it is offline or unreachable); a LoRA is taken from the cache when it is there (no request), and
@@ -44,6 +47,7 @@ __all__ = [
     "model_index_snapshot",
     "model_patterns",
     "model_snapshot",
+    "transformer_snapshot",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +66,8 @@ COMPONENT_FILES = ("*.json", "*.txt", "*.model", "*.jinja")
 #: weight files of a component: diffusers' and transformers' names, one file or standard shards
 WEIGHT_BASENAMES = ("diffusion_pytorch_model", "model")
 LORA_FILES = ["*.safetensors", "adapter_config.json"]
+#: a transformer repo (one diffusers component folder at its root): configs and weights
+TRANSFORMER_FILES = ["*.json", "*.safetensors"]
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*")
 _DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
 _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
@@ -435,3 +441,22 @@ def _has_lora_files(snapshot: str, filename: str | None) -> bool:
         return any(n.endswith(".safetensors") for n in os.listdir(snapshot))
     except OSError:
         return False
+
+
+def transformer_snapshot(
+    repo_id: str, filename: str | None = None, revision: str | None = None
+) -> str:
+    """The snapshot folder of transformer repo ``repo_id`` at ``revision`` (default branch)
+    holding its top-level ``*.json`` and ``*.safetensors`` files, or only ``filename``; fetched
+    as a model is (online, the Hub says which commit the revision is and missing files are
+    downloaded; offline, the cache answers).
+
+    Raises:
+        HubUnavailableError: not cached and not downloadable.
+    """
+    if filename is not None:
+        allow, ignore = [glob.escape(filename)], list(NEVER)
+    else:
+        allow, ignore = list(TRANSFORMER_FILES), [*NEVER, "*/*"]
+    command = download_command(repo_id, revision, filename)
+    return _snapshot("transformer", repo_id, revision, allow, ignore, command=command)

@@ -85,3 +85,28 @@ def test_server_args_cost_and_connection_flags():
     ):
         with pytest.raises(ValueError, match=needle):
             _parse(bad)
+
+
+def test_transformer_weight_flags_parse_and_refuse_at_parse_time(tmp_path):
+    """``--transformer-path``, ``--transformer-weights-path``, ``--quantization``: the fields they
+    set; the two paths together, an unknown quantization or an empty path is one ValueError
+    naming the flag, before any model is read."""
+    a = _parse(["--transformer-path", "/q/transformer", "--quantization", "fp8"])
+    assert (a.transformer_path, a.transformer_weights_path, a.quantization) == (
+        "/q/transformer", None, "fp8"
+    )  # fmt: skip
+    a = _parse(["--transformer-weights-path", "owner/flux-fp8/model.safetensors"])
+    assert (a.transformer_path, a.transformer_weights_path, a.quantization) == (
+        None, "owner/flux-fp8/model.safetensors", None
+    )  # fmt: skip
+    assert _parse([]).transformer_path is None and _parse([]).quantization is None
+    with pytest.raises(ValueError, match="--transformer-path and --transformer-weights-path"):
+        _parse(["--transformer-path", "/a", "--transformer-weights-path", "/b.safetensors"])
+    with pytest.raises(
+        ValueError, match=r"--quantization 'int4' is not supported; choose from fp8"
+    ):
+        _parse(["--quantization", "int4"])
+    with pytest.raises(ValueError, match="--transformer-weights-path must not be empty"):
+        _parse(["--transformer-weights-path", " "])
+    with pytest.raises(ValueError, match="--quantization 'FP8'"):
+        ServerArgs(quantization="FP8")

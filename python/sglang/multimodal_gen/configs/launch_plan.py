@@ -211,6 +211,45 @@ def _model_config_digest(model_path: str | None) -> str:
     return h.hexdigest()[:16]
 
 
+def _checkpoint_digest(path: str | None) -> str | None:
+    """sha256 over a transformer checkpoint's JSON files and safetensors headers (the 8-byte
+    length and the JSON header: names, dtypes, shapes, offsets, metadata; not the tensor bytes)
+    of ``path``, a file or the top level of a folder; ``None`` for no path."""
+    if path is None:
+        return None
+    h = hashlib.sha256()
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if n.endswith((".json", ".safetensors")))
+        files = [os.path.join(path, n) for n in names]
+    else:
+        files = [path]
+    for file in files:
+        h.update(os.path.basename(file).encode() + b"\0")
+        try:
+            with open(file, "rb") as f:
+                if file.endswith(".safetensors"):
+                    head = f.read(8)
+                    size = int.from_bytes(head, "little") if len(head) == 8 else 0
+                    h.update(head + f.read(min(size, 100 << 20)))
+                else:
+                    h.update(hashlib.sha256(f.read()).digest())
+        except OSError as e:  # the loader reports it; the digest only has to differ
+            h.update(str(e).encode())
+    return h.hexdigest()[:16]
+
+
+def _weights_fingerprint(weights) -> dict | None:
+    """The ``WeightOptions`` of a job as equal-on-every-node values (paths by content)."""
+    if weights is None:
+        return None
+    return {
+        "component": weights.component,
+        "transformer_path": _checkpoint_digest(weights.transformer_path),
+        "transformer_weights_path": _checkpoint_digest(weights.transformer_weights_path),
+        "quantization": weights.quantization,
+    }
+
+
 def fingerprint(plan: LaunchPlan, runner_kwargs: Mapping, backend: str) -> dict:
     """The values that must be equal on every node, as a JSON-able dict.
 
@@ -231,4 +270,5 @@ def fingerprint(plan: LaunchPlan, runner_kwargs: Mapping, backend: str) -> dict:
         "attention_backend": runner_kwargs.get("attention_backend", "auto"),
         "enable_torch_compile": bool(runner_kwargs.get("enable_torch_compile")),
         "float32_matmul_precision": runner_kwargs.get("float32_matmul_precision", "highest"),
+        "weights": _weights_fingerprint(runner_kwargs.get("weights")),
     }

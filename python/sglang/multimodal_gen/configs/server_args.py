@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("diffusion",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: ``--quantization`` values: online quantization of a floating-point transformer while loading
+QUANTIZATIONS = ("fp8",)
 DEFAULT_MAX_IMAGES_PER_REQUEST = 8
 DEFAULT_MAX_BATCH_SIZE = 8  # measured: docs/benchmarks.md, "Serving"
 DEFAULT_MAX_INFERENCE_STEPS = 1000
@@ -113,6 +115,16 @@ class ServerArgs:
         revision: the Hub revision of ``model_path`` (``--revision``: a branch, tag or commit;
             default the repo's default branch).
         model_type: ``"diffusion"``; detected from ``model_index.json`` when ``None``.
+        transformer_path: a transformer folder (its own ``config.json`` and safetensors, e.g. a
+            ModelOpt FP8 / NVFP4 export) replacing the model's ``transformer/``
+            (``--transformer-path``; a local folder or a Hub repo id).
+        transformer_weights_path: a safetensors file or folder (or a Hub repo id, or
+            ``owner/name/file.safetensors``) replacing the weights of the model's
+            ``transformer/``, whose ``config.json`` is kept; a quantization config may sit in
+            the safetensors header metadata (``--transformer-weights-path``). Exclusive with
+            ``transformer_path``.
+        quantization: quantize the floating-point transformer while loading
+            (``--quantization``; one of :data:`QUANTIZATIONS`, ``None``: as the checkpoint is).
         host, port: where uvicorn listens.
         tp_size: tensor-parallel size (``--tp-size``; see ``configs.parallel`` for how
             ``--num-gpus`` fills it).
@@ -191,6 +203,9 @@ class ServerArgs:
     model_path: str | None = None
     revision: str | None = None
     model_type: str | None = None
+    transformer_path: str | None = None
+    transformer_weights_path: str | None = None
+    quantization: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
@@ -256,6 +271,7 @@ class ServerArgs:
             raise ValueError(
                 f"--model-type {self.model_type!r} is not supported; choose from {MODEL_TYPES}"
             )
+        check_weight_flags(self.transformer_path, self.transformer_weights_path, self.quantization)
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if int(self.tp_size) < 1:
@@ -403,6 +419,7 @@ class ServerArgs:
             choices=MODEL_TYPES,
             help="model family; detected from model_index.json when omitted",
         )
+        add_weight_args(g)
         g.add_argument(
             "--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)"
         )
@@ -650,6 +667,9 @@ class ServerArgs:
         return cls(
             model_path=args.model_path,
             model_type=args.model_type,
+            transformer_path=getattr(args, "transformer_path", None),
+            transformer_weights_path=getattr(args, "transformer_weights_path", None),
+            quantization=getattr(args, "quantization", None),
             host=args.host,
             port=args.port,
             tp_size=layout.tp_size,
@@ -793,6 +813,65 @@ def str_to_bool(value: str | bool) -> bool:
     if lowered in ("false", "0", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def check_weight_flags(
+    transformer_path: str | None, transformer_weights_path: str | None, quantization: str | None
+) -> None:
+    """The parse-time checks of the transformer weight flags (shared by ``sglang serve`` and
+    ``sglang generate``; whether the paths exist is checked when the engine resolves them).
+
+    Raises:
+        ValueError: ``--transformer-path`` with ``--transformer-weights-path`` (a transformer
+            folder brings its own weights), an empty path, or a ``--quantization`` value not in
+            :data:`QUANTIZATIONS`; the message names the flag.
+    """
+    for flag, value in (
+        ("--transformer-path", transformer_path),
+        ("--transformer-weights-path", transformer_weights_path),
+    ):
+        if value is not None and not str(value).strip():
+            raise ValueError(f"{flag} must not be empty")
+    if transformer_path and transformer_weights_path:
+        raise ValueError(
+            "--transformer-path and --transformer-weights-path are exclusive: a transformer "
+            "folder brings its own config.json and weights; give one of them"
+        )
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"--quantization {quantization!r} is not supported; choose from "
+            f"{', '.join(QUANTIZATIONS)}"
+        )
+
+
+def add_weight_args(parser) -> None:
+    """``--transformer-path``, ``--transformer-weights-path`` and ``--quantization`` on
+    ``parser`` (an ``argparse`` parser or group; shared by ``sglang serve`` and ``sglang
+    generate``). ``--quantization`` takes any string here so that :func:`check_weight_flags`
+    gives the one error message of both commands."""
+    parser.add_argument(
+        "--transformer-path",
+        default=None,
+        metavar="DIR",
+        help="transformer folder (config.json + safetensors, e.g. a ModelOpt FP8/NVFP4 export) "
+        "replacing the model's transformer/; a local folder or a Hub repo id (owner/name)",
+    )
+    parser.add_argument(
+        "--transformer-weights-path",
+        default=None,
+        metavar="FILE|DIR|REPO_ID",
+        help="safetensors file or folder (or Hub repo id, owner/name[/file.safetensors]) "
+        "replacing the weights of the model's transformer/, its config.json kept; a "
+        "quantization_config may sit in the safetensors metadata (exclusive with "
+        "--transformer-path)",
+    )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        metavar="{" + ",".join(QUANTIZATIONS) + "}",
+        help="quantize the floating-point transformer while loading (fp8: FP8 e4m3 weights, "
+        "per-channel scales); default: as the checkpoint is stored",
+    )
 
 
 def add_multinode_args(parser) -> None:

@@ -35,6 +35,7 @@ from sglang.multimodal_gen.runtime.model_source import (
     job_kwargs,
     layout_for_model,
     resolve_model_path,
+    weight_options,
 )
 from sglang.multimodal_gen.runtime.nodes import launch_plan, multinode_kwargs
 from sglang.multimodal_gen.runtime.runner import ModelRunner
@@ -53,6 +54,16 @@ class DiffusionEngine:
             (random weights: noise images), built once under the user cache dir.
         revision: the Hub revision of ``model_path`` (a branch, tag or commit; default the
             repo's default branch); ignored for a local directory.
+        transformer_path: a transformer folder (own ``config.json`` + safetensors, e.g. a
+            ModelOpt FP8 / NVFP4 export) replacing the model's ``transformer/``; a local folder
+            or a Hub repo id (``--transformer-path``).
+        transformer_weights_path: a safetensors file or folder, or a Hub id (``owner/name`` or
+            ``owner/name/file.safetensors``), replacing the weights of ``transformer/`` (its
+            ``config.json`` kept; a quantization config may sit in the safetensors metadata).
+            Exclusive with ``transformer_path`` (``--transformer-weights-path``).
+        quantization: quantize the floating-point transformer while loading (``"fp8"``;
+            ``--quantization``). The three reach every rank's loader as one
+            :class:`~sglang.multimodal_gen.models.loader.WeightOptions`.
         tp_size: tensor-parallel size.
         sp_degree, ulysses_degree, ring_degree: sequence parallelism (Ulysses all-to-all x ring
             attention); unset degrees are chosen as ``configs.parallel.resolve_layout`` does,
@@ -91,8 +102,9 @@ class DiffusionEngine:
 
     Raises:
         ValueError / FileNotFoundError: bad model directory or TP size (e.g. ``n_heads`` not
-            divisible), with the message of the failing rank; this is not the node of rank 0;
-            another node was started with other settings.
+            divisible), with the message of the failing rank; a transformer path that does not
+            exist; a bad quantized checkpoint (``ModelLoadError`` naming the checkpoint key);
+            this is not the node of rank 0; another node was started with other settings.
         RendezvousTimeoutError: a node did not join within ``dist_timeout_s``.
     """
 
@@ -122,11 +134,15 @@ class DiffusionEngine:
         max_loaded_lora_gb: float | None = None,
         revision: str | None = None,
         allow_hub_lora: bool = True,
+        transformer_path: str | None = None,
+        transformer_weights_path: str | None = None,
+        quantization: str | None = None,
         _worker_setup: Callable[[ModelRunner, int], None] | None = None,
     ):
         if int(tp_size) < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         model_path, self.model_name = resolve_model_path(model_path, revision)
+        weights = weight_options(transformer_path, transformer_weights_path, quantization)
         self.layout = layout_for_model(
             model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree
         )
@@ -163,6 +179,7 @@ class DiffusionEngine:
             float32_matmul_precision=float32_matmul_precision,
             lora_merge_cache_gb=lora_merge_cache_gb,
             max_loaded_lora_gb=max_loaded_lora_gb,
+            weights=weights,
         )
         self._executor: Executor
         if plan is None:

@@ -1,7 +1,8 @@
 """Where a job's model and layout come from: the model directory (a path, a Hub id downloaded
-into or found in the Hugging Face cache, or the embedded default), the device, the parallel layout
-for the model's head count, and the engine arguments a ``ServerArgs`` implies (shared by the engine
-and follower nodes).
+into or found in the Hugging Face cache, or the embedded default), the transformer's other weights
+(``--transformer-path`` / ``--transformer-weights-path`` / ``--quantization``), the device, the
+parallel layout for the model's head count, and the engine arguments a ``ServerArgs`` implies
+(shared by the engine and follower nodes).
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import os
 import torch
 
 from sglang.multimodal_gen import errors as errors_mod
-from sglang.multimodal_gen.hub import is_repo_id, model_snapshot
+from sglang.multimodal_gen.hub import (
+    HubUnavailableError,
+    is_repo_id,
+    model_snapshot,
+    transformer_snapshot,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +30,9 @@ def job_kwargs(server_args) -> dict:
     return dict(
         model_path=server_args.model_path,
         revision=getattr(server_args, "revision", None),
+        transformer_path=getattr(server_args, "transformer_path", None),
+        transformer_weights_path=getattr(server_args, "transformer_weights_path", None),
+        quantization=getattr(server_args, "quantization", None),
         tp_size=server_args.tp_size,
         sp_degree=server_args.sp_degree,
         ulysses_degree=server_args.ulysses_degree,
@@ -131,3 +140,77 @@ def resolve_model_path(model_path: str | None, revision: str | None = None) -> t
             "cache (it is not a Hub repo id, owner/name, either)"
         )
     return model_path, os.path.basename(os.path.normpath(model_path))
+
+
+def resolve_transformer_source(path: str | None, flag: str, folder: bool = False) -> str | None:
+    """The local path of a ``--transformer-path`` / ``--transformer-weights-path`` value: an
+    existing local path as given (``~`` expanded), else a Hub repo id (``owner/name``: its
+    top-level configs and safetensors) or one file of a Hub repo
+    (``owner/name/file.safetensors``), downloaded into the Hugging Face cache when not there
+    (:func:`~sglang.multimodal_gen.hub.transformer_snapshot`; ``HF_*`` variables honoured).
+
+    Args:
+        path: the flag's value (``None``: ``None``).
+        flag: the flag's name, for the errors.
+        folder: the value must be a folder (``--transformer-path``).
+
+    Raises:
+        FileNotFoundError: not a local path and not a Hub id that is cached or can be downloaded
+            (one line naming the flag); a file where a folder is needed.
+    """
+    if path is None:
+        return None
+    local = os.path.expanduser(path)
+    if not os.path.exists(local):
+        parts = path.split("/")
+        try:
+            if is_repo_id(path):
+                local = transformer_snapshot(path)
+            elif (
+                len(parts) > 2 and path.endswith(".safetensors") and is_repo_id("/".join(parts[:2]))
+            ):
+                filename = "/".join(parts[2:])
+                local = os.path.join(transformer_snapshot("/".join(parts[:2]), filename), filename)
+            else:
+                raise FileNotFoundError(
+                    f"{flag} {path!r} does not exist (not a local path, nor a Hub repo id "
+                    "owner/name or owner/name/file.safetensors)"
+                )
+        except HubUnavailableError as e:
+            raise FileNotFoundError(f"{flag}: {e}") from None
+    if folder and not os.path.isdir(local):
+        raise FileNotFoundError(
+            f"{flag} {path!r} is not a folder (a transformer folder holds config.json and its "
+            "safetensors; use --transformer-weights-path for a weights file)"
+        )
+    return local
+
+
+def weight_options(
+    transformer_path: str | None = None,
+    transformer_weights_path: str | None = None,
+    quantization: str | None = None,
+):
+    """The primary transformer's :class:`~sglang.multimodal_gen.models.loader.WeightOptions`
+    for the flags (paths resolved by :func:`resolve_transformer_source`), or ``None`` when no
+    flag is given (the model's own ``transformer/``).
+
+    Raises:
+        ValueError: exclusive or unknown flags (:func:`~..configs.server_args.check_weight_flags`);
+        FileNotFoundError: see :func:`resolve_transformer_source`.
+    """
+    from sglang.multimodal_gen.configs.server_args import check_weight_flags
+    from sglang.multimodal_gen.models.loader import WeightOptions
+
+    check_weight_flags(transformer_path, transformer_weights_path, quantization)
+    if not (transformer_path or transformer_weights_path or quantization):
+        return None
+    return WeightOptions(
+        transformer_path=resolve_transformer_source(
+            transformer_path, "--transformer-path", folder=True
+        ),
+        transformer_weights_path=resolve_transformer_source(
+            transformer_weights_path, "--transformer-weights-path"
+        ),
+        quantization=quantization,
+    )

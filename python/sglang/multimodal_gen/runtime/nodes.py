@@ -218,13 +218,16 @@ def run_follower_node(
     enable_torch_compile: bool = False,
     float32_matmul_precision: str = "highest",
     revision: str | None = None,
+    transformer_path: str | None = None,
+    transformer_weights_path: str | None = None,
+    quantization: str | None = None,
     **multinode: Any,
 ) -> bool:
     """Run this launcher as a follower when the flags (or torchrun) say it does not hold rank 0.
 
     Takes the :class:`~sglang.multimodal_gen.runtime.engine.DiffusionEngine` arguments that
-    shape the job (model, layout, kernels, multi-node), so a follower builds exactly the ranks
-    the leader expects (the rendezvous compares their fingerprints).
+    shape the job (model, transformer weights, layout, kernels, multi-node), so a follower builds
+    exactly the ranks the leader expects (the rendezvous compares their fingerprints).
 
     Returns:
         ``False`` at once on the leader (the caller then builds a :class:`DiffusionEngine`);
@@ -237,12 +240,14 @@ def run_follower_node(
         check_device,
         layout_for_model,
         resolve_model_path,
+        weight_options,
     )
 
     torchrun = running_under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1
     if int(multinode.get("nnodes", 1) or 1) == 1 and not torchrun:
         return False  # one node, no torchrun: this launcher leads
     model_path, _ = resolve_model_path(model_path, revision)  # each node fetches its own copy
+    weights = weight_options(transformer_path, transformer_weights_path, quantization)
     layout = layout_for_model(
         model_path, tp_size, sp_degree, ulysses_degree, ring_degree, cfg_degree
     )
@@ -254,7 +259,7 @@ def run_follower_node(
         model_path=model_path, dtype=dtype, lora_dirs=(), generator_device=None,
         dit_cpu_offload=bool(dit_cpu_offload), attention_backend=attention_backend,
         enable_torch_compile=bool(enable_torch_compile), device=device, layout=layout,
-        float32_matmul_precision=float32_matmul_precision,
+        float32_matmul_precision=float32_matmul_precision, weights=weights,
     )  # fmt: skip
     run_follower(plan, kwargs)
     return True

@@ -1,0 +1,31 @@
+"""``sglang generate``'s transformer weight flags: refused before any model is read, one line
+naming the flag, exit 2."""
+
+from __future__ import annotations
+
+import pytest
+from sglang.cli.main import main as sglang_main
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--transformer-path", "/a", "--transformer-weights-path", "/b.safetensors"],
+            "--transformer-path and --transformer-weights-path are exclusive",
+        ),
+        (["--quantization", "int8"], "--quantization 'int8' is not supported; choose from fp8"),
+    ],
+)
+def test_bad_weight_flags_exit_2_before_loading(flags, message, tmp_path, capsys, monkeypatch):
+    import sglang.multimodal_gen.runtime as runtime
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(runtime, "DiffusionEngine", no_engine)
+    argv = ["generate", "--prompt", "x", "--output-path", str(tmp_path / "o.png"), *flags]
+    assert sglang_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"sglang generate: error: {err[0].split('error: ', 1)[1]}"]
+    assert message in err[0]
