@@ -231,6 +231,7 @@ def create_app(
             parameters=spec.parameters(),
             tp_sizes=info.get("tp_sizes"),
             parallel=info.get("parallel"),
+            quantization=info.get("quantization"),
         )
 
     @app.get("/v1/models")

@@ -243,6 +243,9 @@ class ModelCard(BaseModel):
     tp_sizes: list[int] | None = None
     # the layout in use: tp_size, ulysses_degree, ring_degree, cfg_degree
     parallel: dict[str, int] | None = None
+    # how the transformer's weights are stored: "modelopt fp8", "modelopt nvfp4", "comfyui fp8",
+    # "online fp8" (--quantization fp8); null: unquantized
+    quantization: str | None = None
 
 
 class ModelList(BaseModel):

@@ -228,6 +228,8 @@ class ModelRunner:
                 "cfg_degree": self.layout.cfg_degree,
             },
             "dtype": str(self.dtype),
+            # how the primary transformer's weights are stored ("modelopt fp8", "online fp8"...)
+            "quantization": getattr(self.pipeline.transformer, "quantization", None),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "lora_targets": list(self.lora_manager.target_names),
         }
