@@ -99,6 +99,10 @@ EXTENDED = {
     # LTX-2's DiT at SP 4 (Ulysses 2 x ring 2; both streams sharded: the default tier's Ulysses 2
     # and ring 2 of the same test)
     "integration/families/test_ltx2_transformer_parity.py::test_sequence_parallel_equals_one_process[ulysses2_ring2]",
+    # sglang generate --tp-size 2 with --transformer-path (the weight options reach the worker
+    # processes; one process: test_cli_flags' other tests, the multi-node fingerprint:
+    # unit/configs/test_launch_plan.py)
+    "integration/quantization/test_cli_flags.py::test_tp2_workers_load_the_transformer_path",
 }
 
 

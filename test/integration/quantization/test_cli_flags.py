@@ -164,3 +164,17 @@ def test_serve_bad_checkpoint_exits_2_before_listening(checkpoints, capsys):
     lines = [ln for ln in err.splitlines() if ln.startswith("sglang serve: error:")]
     assert len(lines) == 1 and checkpoints["bad_key"] in lines[0], err
     assert "Traceback" not in err, err
+
+
+def test_tp2_workers_load_the_transformer_path(checkpoints, images, tmp_path):
+    """Worker processes (TP 2) get the weight options: the image is the TP 1 one (measured
+    bit-equal on the CPU; 70 dB allows the row-parallel reductions' rounding elsewhere), not the
+    unquantized base's (60.1 dB from it)."""
+    code, path = _generate(
+        tmp_path, "tp2", "--model-path", checkpoints["base"], "--transformer-path",
+        checkpoints["fp8_dir"], "--tp-size", "2",
+    )  # fmt: skip
+    assert code == 0
+    tp2 = _pixels(path)
+    assert _psnr(tp2, images["transformer_path"]) > 70.0
+    assert not np.array_equal(tp2, images["base"])
