@@ -1467,6 +1467,127 @@ MUTANTS: list[Mutant] = [
         ("-k", "sequence_parallel and ulysses2"),
         why="under SP every rank computes the whole audio stream (right numbers, no sharding)",
     ),
+    # ------------------------------------------------------------------ quantization
+    _m(
+        "quant-nvfp4-nibbles-swapped",
+        "layers/quantization/nvfp4.py",
+        "torch.stack((packed & 0x0F, packed >> 4), dim=-1)",
+        "torch.stack((packed >> 4, packed & 0x0F), dim=-1)",
+        ("test/unit/layers/quantization/test_nvfp4.py",),
+        why="NVFP4 element 2j read from the high nibble (ModelOpt packs it in the low one)",
+    ),
+    _m(
+        "quant-per-tensor-scale-fills-whole-layer",
+        "layers/quantization/scales.py",
+        "layer.fill_shard_rows(param, _value(loaded).reshape(()).float(), shard_id)",
+        "layer.fill_shard_rows(param, _value(loaded).reshape(()).float(), None)",
+        ("test/unit/layers/quantization/test_fp8.py",),
+        why="a fused layer's q/k/v per-tensor scales overwrite each other: the last source's "
+        "scale on every row",
+    ),
+    _m(
+        "quant-full-shape-check-removed",
+        "layers/linear.py",
+        "            if _shape(loaded) != expected_full:",
+        "            if False:",
+        (
+            "test/unit/layers/quantization/test_nvfp4.py",
+            "test/unit/models/loader/test_quantized_checkpoints.py",
+        ),
+        ("-k", "shape"),
+        why="a block scale short of columns is sliced as far as it goes (or crashes in a copy)",
+    ),
+    _m(
+        "quant-row-unit-columns-first-block",
+        "layers/linear.py",
+        "out.append(slice(start // col_unit, (start + size) // col_unit))",
+        "out.append(slice(0, size // col_unit))",
+        ("test/unit/layers/quantization/test_nvfp4.py",),
+        why="every row-parallel rank loads the first input columns of packed weights and block "
+        "scales",
+    ),
+    _m(
+        "quant-online-fp8-fnuz-max",
+        "layers/quantization/fp8.py",
+        "scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))",
+        "scale = torch.where(amax > 0, amax / 240.0, torch.ones_like(amax))",
+        ("test/unit/layers/quantization/test_fp8.py",),
+        why="online FP8 scales for e4m3fnuz's range: only 240 of e4m3fn's 448 used",
+    ),
+    _m(
+        "quant-ignore-glob-substring",
+        "models/quantization_config.py",
+        "return any(fnmatch.fnmatchcase(module, p) for p in self.ignore)",
+        'return any(fnmatch.fnmatchcase(module, f"*{p}") for p in self.ignore)',
+        ("test/unit/models/test_quantization_config.py",),
+        why="'proj_out' in ignore also leaves every block's proj_out unquantized",
+    ),
+    _m(
+        "quant-missing-scale-unchecked",
+        "models/quantization_config.py",
+        "        _check_complete(config, method, [k for k, _ in entries], header)\n",
+        "",
+        ("test/unit/models/loader/test_quantized_checkpoints.py",),
+        ("-k", "missing"),
+        why="a missing weight_scale_2 is reported under our fused parameter's name, not the "
+        "checkpoint key",
+    ),
+    _m(
+        "quant-fused-mix-allowed",
+        "models/quantization_config.py",
+        "        if len(flags) > 1:\n            mixed",
+        "        if False:\n            mixed",
+        ("test/unit/models/loader/test_quantized_checkpoints.py",),
+        ("-k", "mixing"),
+        why="a fused layer with quantized and unquantized sources is planned by one of them",
+    ),
+    # ------------------------------------------------------------------ quantized-transformer flags
+    _m(
+        "engine-weight-options-dropped",
+        "runtime/engine.py",
+        "            weights=weights,\n        )\n        self._executor: Executor",
+        "            weights=None,\n        )\n        self._executor: Executor",
+        ("test/integration/quantization/test_cli_flags.py",),
+        ("-k", "transformer_path_equals"),
+        why="--transformer-path / --transformer-weights-path / --quantization never reach the "
+        "runner: the base transformer is served",
+    ),
+    _m(
+        "generate-transformer-weights-path-dropped",
+        "../cli/generate.py",
+        "        transformer_weights_path=args.transformer_weights_path,\n",
+        "        transformer_weights_path=None,\n",
+        ("test/integration/quantization/test_cli_flags.py",),
+        ("-k", "weights_file"),
+        why="sglang generate ignores --transformer-weights-path: the unquantized weights load",
+    ),
+    _m(
+        "weight-flags-not-exclusive",
+        "configs/server_args.py",
+        "    if transformer_path and transformer_weights_path:\n",
+        "    if False:\n",
+        ("test/unit/configs/test_server_args.py", "test/unit/cli/generate/test_weight_flags.py"),
+        why="--transformer-path with --transformer-weights-path is accepted at parse time (one "
+        "of them silently wins, or the error comes only after the model is fetched)",
+    ),
+    _m(
+        "fingerprint-without-weight-options",
+        "configs/launch_plan.py",
+        '"weights": _weights_fingerprint(runner_kwargs.get("weights")),',
+        '"weights": None,',
+        ("test/unit/configs/test_launch_plan.py",),
+        why="two nodes started with other transformer checkpoints (or one with --quantization) "
+        "join one job and shard different weights",
+    ),
+    _m(
+        "model-info-quantization-missing",
+        "runtime/runner.py",
+        '"quantization": getattr(self.pipeline.transformer, "quantization", None),',
+        '"quantization": None,',
+        ("test/integration/quantization/test_cli_flags.py",),
+        ("-k", "transformer_path_equals"),
+        why="/v1/models reports a quantized transformer as unquantized",
+    ),
 ]
 
 
