@@ -286,12 +286,15 @@ class Composer:
         target: str,
         comp: Sequence[tuple[str, float]],
         adapter_for: Callable[[str], Adapter] | None = None,
+        what: str = "merge_mode 'merge'",
     ) -> None:
-        """Refuse merge mode when a layer an adapter of ``comp`` touches cannot merge
-        (``adapter_for``: how to find a nickname's adapter, staged ones included).
+        """Refuse merge mode when a layer an adapter of ``comp`` touches cannot merge, e.g. its
+        base weight is quantized (``adapter_for``: how to find a nickname's adapter, staged ones
+        included; ``what``: the call the message names). Nothing changes.
 
         Raises:
-            InvalidRequestError: ``param="merge_mode"``.
+            InvalidRequestError: ``param="merge_mode"``; the message names the module and why
+                (:attr:`BaseLayerWithLoRA.merge_refusal`).
         """
         find = adapter_for or self.store.__getitem__
         for name, _ in comp:
@@ -299,7 +302,7 @@ class Composer:
                 layer = self._layers[target][module]
                 if not layer.can_merge:
                     raise InvalidRequestError(
-                        f"merge_mode 'merge': module {module!r} of {target!r} cannot merge LoRA "
+                        f"{what}: module {module!r} of {target!r} cannot merge LoRA "
                         f"weights ({layer.merge_refusal}); use 'auto' or 'dynamic'",
                         param="merge_mode",
                     )
@@ -312,7 +315,7 @@ class Composer:
             InvalidRequestError: ``param="target"``; or as :meth:`check_mergeable`.
         """
         comp = self.composition(target)
-        self.check_mergeable(target, comp)
+        self.check_mergeable(target, comp, what="commit_as_base")
         uids = [self.store[n].uid for n, _ in comp]
         for module, layer in self._layers[target].items():
             if layer.base_layer.bias is None and layer.has_offsets(uids):

@@ -429,10 +429,13 @@ class LoRAManager:
         """Merge the active composition of ``target`` into the weights (mode becomes ``"merge"``).
 
         Raises:
-            InvalidRequestError: unknown target; a layer with an active adapter cannot merge.
+            InvalidRequestError: unknown target; a layer with an active adapter cannot merge
+                (e.g. its base weight is quantized; ``param="merge_mode"``, nothing changes).
         """
         for t in self._resolve_targets(target):
-            self.composer.check_mergeable(t, self.composer.composition(t))
+            self.composer.check_mergeable(
+                t, self.composer.composition(t), what="merge_lora_weights"
+            )
 
         def step(t):
             self.composer.apply(t, self.composer.composition(t), "merge")
