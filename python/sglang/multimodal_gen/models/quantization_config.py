@@ -63,7 +63,8 @@ _COMFY_MARKERS = ("scaled_fp8",)
 @dataclass
 class CheckpointHeader:
     """Names, dtypes and shapes of a checkpoint's tensors, read from the safetensors headers
-    (no tensor data), plus the header metadata of the first file that has any."""
+    (no tensor data), plus the files' header metadata merged (a key's first value, in file
+    order: one shard may carry ``quantization_config`` beside others' ``{"format": "pt"}``)."""
 
     dtypes: dict[str, torch.dtype | str] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -72,17 +73,37 @@ class CheckpointHeader:
 
 
 def read_header(files: Iterable[str], where: str) -> CheckpointHeader:
-    """Read the tensor table and metadata of safetensors ``files`` (headers only)."""
+    """Read the tensor table and metadata of safetensors ``files`` (headers only).
+
+    Raises:
+        ModelLoadError: two files whose metadata carry different ``quantization_config``s.
+    """
     h = CheckpointHeader(where=where)
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
-            if not h.metadata:
-                h.metadata = dict(f.metadata() or {})
+            for k, v in (f.metadata() or {}).items():
+                if k == "quantization_config" and k in h.metadata:
+                    _same_config(h.metadata[k], v, path, where)
+                h.metadata.setdefault(k, v)
             for key in f.keys():
                 sl = f.get_slice(key)
                 h.dtypes[key] = tensor_dtype(sl)
                 h.shapes[key] = tuple(sl.get_shape())
     return h
+
+
+def _same_config(first: str, other: str, path: str, where: str) -> None:
+    """Refuse a shard whose metadata ``quantization_config`` differs from an earlier shard's
+    (compared as JSON when both parse, else as text)."""
+    try:
+        same = json.loads(first) == json.loads(other)
+    except json.JSONDecodeError:
+        same = first == other
+    if not same:
+        raise ModelLoadError(
+            f"{where}: {path} has a safetensors metadata 'quantization_config' that differs "
+            "from an earlier file's"
+        )
 
 
 def _dtype_name(d: torch.dtype | str) -> str:

@@ -149,6 +149,42 @@ def test_sharded_checkpoint_with_scales_in_another_shard_loads(exports, tmp_path
         ), k
 
 
+def test_weights_path_with_the_config_in_one_shards_metadata(exports, tmp_path):
+    """``--transformer-weights-path DIR`` of two files: the first with diffusers' usual
+    ``{"format": "pt"}`` metadata, the second carrying ``quantization_config``."""
+    state = load_file(os.path.join(exports["modelopt-nvfp4"], WEIGHTS))
+    with open(os.path.join(exports["modelopt-nvfp4"], "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    keys = sorted(state)
+    half = len(keys) // 2
+    dst = tmp_path / "weights"
+    dst.mkdir()
+    save_file({k: state[k] for k in keys[:half]}, str(dst / "a.safetensors"), {"format": "pt"})
+    meta = {"format": "pt", "quantization_config": json.dumps(qc)}
+    save_file({k: state[k] for k in keys[half:]}, str(dst / "b.safetensors"), meta)
+    model = load_denoiser(exports["src"], SPEC, weights_path=str(dst), tp_rank=0, tp_size=1)
+    assert model.transformer_blocks[0].attn.to_qkv.quant_method.name == "nvfp4"
+    # the same config in both (other JSON spacing): fine; a different one: refused
+    save_file(
+        {k: state[k] for k in keys[:half]},
+        str(dst / "a.safetensors"),
+        {"quantization_config": json.dumps(qc, indent=1)},
+    )
+    load_denoiser(exports["src"], SPEC, weights_path=str(dst), tp_rank=0, tp_size=1)
+    other = json.dumps(dict(qc, quant_algo="FP8"))
+    save_file(
+        {k: state[k] for k in keys[:half]},
+        str(dst / "a.safetensors"),
+        {"quantization_config": other},
+    )
+    with pytest.raises(
+        ModelLoadError,
+        match=r"b\.safetensors has a safetensors metadata "
+        "'quantization_config' that differs",
+    ):
+        load_denoiser(exports["src"], SPEC, weights_path=str(dst), tp_rank=0, tp_size=1)
+
+
 # ------------------------------------------------------------------ bad scales
 
 
