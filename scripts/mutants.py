@@ -1541,6 +1541,16 @@ MUTANTS: list[Mutant] = [
         ("-k", "mixing"),
         why="a fused layer with quantized and unquantized sources is planned by one of them",
     ),
+    _m(
+        "quant-metadata-first-file-only",
+        "models/quantization_config.py",
+        "            for k, v in (f.metadata() or {}).items():",
+        "            for k, v in ({} if h.metadata else f.metadata() or {}).items():",
+        ("test/unit/models/loader/test_quantized_checkpoints.py",),
+        ("-k", "one_shards"),
+        why="a quantization_config in a later shard's metadata is dropped: the checkpoint is "
+        "loaded as unquantized",
+    ),
     # ------------------------------------------------------------------ quantized-transformer flags
     _m(
         "engine-weight-options-dropped",
@@ -1587,6 +1597,46 @@ MUTANTS: list[Mutant] = [
         ("test/integration/quantization/test_cli_flags.py",),
         ("-k", "transformer_path_equals"),
         why="/v1/models reports a quantized transformer as unquantized",
+    ),
+    # ------------------------------------------------------------------ LoRA on quantized bases
+    _m(
+        "lora-can-merge-ignores-quantization",
+        "layers/lora/layer.py",
+        "            and self.base_layer.quant_method.supports_lora_merge\n",
+        "",
+        ("test/unit/layers/lora/layer/test_quantized.py",),
+        why="an FP8 layer (a floating-point dtype) counts as mergeable: merge writes W + delta "
+        "into e4m3 storage at the old scales",
+    ),
+    _m(
+        "lora-slots-follow-stored-dtype",
+        "layers/lora/layer.py",
+        "self.slots.follow_dtype(self.base_layer.dtype, self.base_layer.weight.device)",
+        "self.slots.follow_dtype(self.base_layer.weight.dtype, self.base_layer.weight.device)",
+        ("test/unit/layers/lora/layer/test_quantized.py",),
+        why="the LoRA pair is cast to the stored FP8 / packed uint8 dtype instead of the compute "
+        "dtype",
+    ),
+    _m(
+        "lora-merge-mode-not-checked-before-apply",
+        "lora/manager.py",
+        '        if mode == "merge":\n            for t, comp in new_comp.items():',
+        "        if False:\n            for t, comp in new_comp.items():",
+        ("test/integration/quantization/test_quantized_lora.py",),
+        ("-k", "merge_mode_merge and nvfp4"),
+        why="set_lora in merge mode on a quantized base fails inside the layers' transaction "
+        "instead of a 400 naming merge_mode and the quantized weight",
+    ),
+    _m(
+        "linear-apply-gemm-ignores-exact-weight",
+        "layers/linear.py",
+        "if weight is None or weight is self.weight:",
+        "if True:",
+        ("test/integration/quantization/test_quantized_lora.py",),
+        ("-k", "auto_mode and nvfp4"),
+        why="rows whose composition is not the merged one compute with the merged weight (an "
+        "auto-mode model whose unquantized layers merged: a request without adapters still gets "
+        "the global one there)",
     ),
 ]
 
