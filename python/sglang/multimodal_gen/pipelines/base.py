@@ -41,13 +41,14 @@ from tqdm.auto import tqdm
 
 from sglang.multimodal_gen.configs.sampling_params import RequestSpec, SamplingParams
 from sglang.multimodal_gen.distributed import broadcast_tensors_cpu
+from sglang.multimodal_gen.layers.step_cache import CacheRow, RequestCache, StepCacheConfig
 from sglang.multimodal_gen.models.components import load_component
 from sglang.multimodal_gen.models.loader import WeightOptions, load_denoiser
 from sglang.multimodal_gen.models.model_dir import ModelLoadError, read_json, read_model_index
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
 from sglang.multimodal_gen.outputs import Video
 from sglang.multimodal_gen.pipelines.batching import StepBatcher
-from sglang.multimodal_gen.pipelines.cfg_parallel import cfg_parallel_call
+from sglang.multimodal_gen.pipelines.cfg_parallel import STEP_CACHE_ARG, cfg_parallel_call
 from sglang.multimodal_gen.pipelines.common import (
     EncodingFailed,
     check_finite,
@@ -75,12 +76,15 @@ class Generation:
             ``LoRASelection``); ``None``: the layers' own active compositions.
         batch: ``(batcher, index)`` when the call is request ``index`` of a batch whose module
             calls run together (:mod:`~sglang.multimodal_gen.pipelines.batching`).
+        cache: the request's step cache (:class:`~sglang.multimodal_gen.layers.step_cache.
+            RequestCache`: its states and skip counts), ``None`` when caching is off.
     """
 
     params: SamplingParams
     generator: torch.Generator
     lora: Any = None
     batch: tuple[StepBatcher, int] | None = None
+    cache: RequestCache | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -119,6 +123,12 @@ class StagedPipeline:
     # Called with the denoiser about to run whenever the loop switches denoisers (two-expert
     # models): the runner's per-expert CPU offload keeps only that one on the accelerator.
     on_denoiser_change: Callable[[torch.nn.Module], None] | None = None
+    # Step caching (``enable_step_cache``): the configuration every new request gets, and
+    # whether a request's CFG branches share one cache state (one batched forward in the
+    # reference pipeline, e.g. Z-Image) or each branch has its own (diffusers' Flux, Qwen-Image,
+    # Wan: ``cache_context("cond")`` / ``("uncond")``).
+    step_cache: StepCacheConfig | None = None
+    step_cache_joint_branches: bool = False
 
     def __init__(
         self,
@@ -242,6 +252,23 @@ class StagedPipeline:
             family, comps, configs, device=device, tp_rank=rank, tp_size=size,
             pipeline_config=index.config, rank=rank if global_rank is None else global_rank,
         )  # fmt: skip
+
+    def enable_step_cache(self, config: StepCacheConfig | None) -> None:
+        """Cache the denoisers' blocks across steps for every new request (``None`` or method
+        ``"none"``: off).
+
+        Raises:
+            ValueError: a denoiser of this family does not declare its blocks
+                (:class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`) yet.
+        """
+        if config is not None and config.enabled:
+            for name, d in self.denoisers.items():
+                if not hasattr(d, "block_sequence"):
+                    raise ValueError(
+                        f"--cache-method {config.method}: the {self.family.display_name} "
+                        f"denoiser {name!r} does not support step caching yet"
+                    )
+        self.step_cache = config if config is not None and config.enabled else None
 
     # ------------------------------------------------------------------ geometry
     def compute_vae_scale_factor(self) -> int:
@@ -509,6 +536,15 @@ class StagedPipeline:
         Raises:
             ValueError: ``rows`` differs from the CFG degree while CFG parallelism is on.
         """
+        if g.cache is not None:  # each row's cache state travels with the row
+            per_branch = _rows_of(args[batched[0]]) // rows
+            contexts = ["joint"] * rows if self.step_cache_joint_branches else ["cond", "uncond"]
+            joint = self.step_cache_joint_branches
+            args = {**args, STEP_CACHE_ARG: [
+                CacheRow(g.cache, contexts[r] if r < len(contexts) else f"branch{r}", joint)
+                for r in range(rows) for _ in range(per_branch)
+            ]}  # fmt: skip
+            batched = (*batched, STEP_CACHE_ARG)
         if g.batch is not None:  # several requests in one loop: one DiT call per step for all
             batcher, index = g.batch
             return batcher.submit(index, cfg_parallel_call, denoiser, rows, args, batched, g.lora)
@@ -528,7 +564,8 @@ class StagedPipeline:
         params = self.spec.resolve(params)
         if generator is None:
             generator = torch.Generator(self.generator_device).manual_seed(int(params.seed))
-        return Generation(params=params, generator=generator, lora=lora, batch=batch)
+        cache = RequestCache(self.step_cache) if self.step_cache is not None else None
+        return Generation(params=params, generator=generator, lora=lora, batch=batch, cache=cache)
 
     @torch.no_grad()
     def __call__(

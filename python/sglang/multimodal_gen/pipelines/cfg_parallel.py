@@ -8,10 +8,15 @@ from typing import Any
 import torch
 
 from sglang.multimodal_gen.distributed import get_cfg_group, get_cfg_rank, get_cfg_world_size
+from sglang.multimodal_gen.layers.step_cache import cache_rows
 from sglang.multimodal_gen.pipelines.batching import branch_rows
 from sglang.multimodal_gen.pipelines.lora_rows import with_row_adapters
 
-__all__ = ["cfg_parallel_call"]
+__all__ = ["STEP_CACHE_ARG", "cfg_parallel_call"]
+
+#: The batched argument of a DiT call that carries each row's step cache
+#: (:class:`~sglang.multimodal_gen.layers.step_cache.CacheRow`); taken out before the call.
+STEP_CACHE_ARG = "_step_cache_rows"
 
 
 def cfg_parallel_call(
@@ -34,6 +39,14 @@ def cfg_parallel_call(
         ValueError: ``rows`` differs from the CFG degree while CFG parallelism is on.
     """
     cfg = get_cfg_world_size()
+    if STEP_CACHE_ARG in args:
+        args = dict(args)
+        cache = args.pop(STEP_CACHE_ARG)
+        batched = tuple(k for k in batched if k != STEP_CACHE_ARG)
+        if cfg > 1 and rows > 1:
+            cache = branch_rows(cache, get_cfg_rank(), rows)
+        with cache_rows(cache):
+            return cfg_parallel_call(denoiser, rows, args, batched, row_lora)
     if cfg == 1 or rows == 1:
         return with_row_adapters(denoiser, row_lora, lambda: denoiser(**args))
     if rows != cfg:

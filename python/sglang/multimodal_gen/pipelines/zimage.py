@@ -72,6 +72,7 @@ class ZImagePipeline(StagedPipeline):
     """
 
     family_name = "zimage"
+    step_cache_joint_branches = True  # diffusers runs cond and uncond in one forward
     shifted_schedule = "diffusers.pipelines.z_image.pipeline_z_image"
     # texts are padded to a multiple of this many tokens (see encode_texts, encode_group_key)
     TEXT_PAD_MULTIPLE: int = 16

@@ -40,6 +40,7 @@ from torch import nn
 from sglang.multimodal_gen.configs.flux import FluxArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
 from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding, timestep_sinusoid
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.mmdit import DualStreamBlock, SingleStreamBlock
@@ -266,15 +267,32 @@ class FluxTransformer(nn.Module):
         cos, sin = (torch.cat([ts.local(t[:s_txt], 0), xs.local(t[s_txt:], 0)]) for t in (cos, sin))
 
         with sequence_split(ts + xs):
-            for block in self.transformer_blocks:
-                x, ctx = block(x, ctx, temb, (cos, sin))
-            # the reference concatenates and splits [text, image] in every single block; doing
-            # it once around all of them is the same arithmetic
-            h = torch.cat([ctx, x], dim=1)
-            for block in self.single_transformer_blocks:
-                h = block(h, temb, (cos, sin))
-        x = h[:, ctx.shape[1] :]
+            x, ctx = self.block_sequence(temb, (cos, sin), ctx.shape[1]).run((x, ctx))
         return xs.gather(self.proj_out(self.norm_out(x, temb))[0])
+
+    def block_sequence(self, temb: torch.Tensor, rope, n_txt: int) -> BlockSequence:
+        """The blocks as one :class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`
+        on the canonical streams ``(image [B, S_img, D], text [B, S_txt, D])``: the dual-stream
+        blocks, then the single-stream blocks on ``cat([text, image])`` (the reference
+        concatenates and splits in every single block; doing it once around all of them is the
+        same arithmetic). ``temb [B, D]`` is a row argument; ``rope`` (``(cos, sin)``) and
+        ``n_txt`` (local text tokens) are shared."""
+        return BlockSequence(
+            owner=self,
+            stages=(
+                BlockStage(
+                    self.transformer_blocks,
+                    lambda blk, s, a: blk(s[0], s[1], a["temb"], rope),
+                ),
+                BlockStage(
+                    self.single_transformer_blocks,
+                    lambda blk, s, a: (blk(s[0], a["temb"], rope),),
+                    enter=lambda s: (torch.cat([s[1], s[0]], dim=1),),
+                    leave=lambda s: (s[0][:, n_txt:], s[0][:, :n_txt]),
+                ),
+            ),
+            row_args={"temb": temb},
+        )
 
 
 def flux_from_diffusers_module(

@@ -37,6 +37,7 @@ from torch import nn
 from sglang.multimodal_gen.configs.zimage import ZImageArchConfig
 from sglang.multimodal_gen.distributed import get_sp_world_size, get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.norm import RMSNorm
 from sglang.multimodal_gen.layers.rotary import MultiAxisRope
@@ -336,10 +337,29 @@ class ZImageTransformer(nn.Module):
             ucis, _ = _pad_batch(
                 [torch.cat([cis[i, : xlens[i]], ctx.cis[i, : ctx.lens[i]]]) for i in range(bsz)]
             )
-        for block in self.layers:
-            u = block(u, ucis, umask, adaln)
+        lengths = [xlens[i] + ctx.lens[i] for i in range(bsz)]
+        (u,) = self.block_sequence(adaln, ucis, umask, lengths).run((u,))
         out = self.all_final_layer[key](u, adaln)
         return [self._unpatchify(out[i], grids[i], patch_size, f_patch_size) for i in range(bsz)]
+
+    def block_sequence(self, adaln, ucis, umask, lengths) -> BlockSequence:
+        """The main ``layers`` as one
+        :class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence` on the unified stream
+        ``[B, S, dim]`` (the refiners stay outside, as diffusers' caches leave them). Row
+        arguments: ``adaln [B, dim]``, RoPE ``ucis [B, S, head_dim / 2]`` complex64, key mask
+        ``umask [B, S]`` bool or ``None``; ``lengths``: each row's unified tokens (``None`` under
+        sequence parallelism, where a rank holds chunks of both token kinds)."""
+        return BlockSequence(
+            owner=self,
+            stages=(
+                BlockStage(
+                    self.layers,
+                    lambda blk, s, a: (blk(s[0], a["cis"], a["mask"], a["adaln"]),),
+                ),
+            ),
+            row_args={"adaln": adaln, "cis": ucis, "mask": umask},
+            lengths=lengths,
+        )
 
     def _layers_sequence_parallel(self, h, cis, mask, ctx: CaptionContext, adaln, key):
         """Noise refiner, main layers and final layer with the tokens sharded over the SP group.
@@ -373,7 +393,6 @@ class ZImageTransformer(nn.Module):
                 1,
             )
         with sequence_split(xs + cs):
-            for block in self.layers:
-                u = block(u, ucis, umask, adaln)
+            (u,) = self.block_sequence(adaln, ucis, umask, None).run((u,))
         out = self.all_final_layer[key](u[:, : h.shape[1]], adaln)
         return xs.gather(out)
