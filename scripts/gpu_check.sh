@@ -4,16 +4,21 @@
 # diffusers (real shapes, random weights, bf16, 1024x1024, 8 steps) eager, LTX-2.3 end to end
 # against diffusers (the real 48-layer DiT shapes, bf16, 512x768, 25 frames, 4 steps, CFG + STG +
 # modality isolation), HunyuanVideo 1.0 end to end against diffusers (the real 20 + 40 block DiT
-# shapes, bf16), then Z-Image-Turbo with torch.compile and with each SDPA kernel. Each part
-# has its own time limit, so one slow part cannot eat the rest.
+# shapes, bf16), then Z-Image-Turbo with torch.compile and with each SDPA kernel, and last the
+# quantized linear layers at FLUX.1 widths (hidden 3072, MLP 12288, 4096 + 512 tokens, bf16):
+# FP8 through torch._scaled_mm (row-wise scales, sm >= 89) and NVFP4 weight-only against bf16
+# F.linear, with the FP8 result checked against an emulation of its operands and against the
+# dequantized bf16 GEMM (benchmarks/bench_quantized.py --gemm; exit 1 on a failed check). Each
+# part has its own time limit, so one slow part cannot eat the rest.
 #
-#   bash scripts/gpu_check.sh                    # every part, in this order (at most 870 s: over
+#   bash scripts/gpu_check.sh                    # every part, in this order (at most 1020 s: over
 #                                                # one 600-s device command, run it in two calls)
 #   bash scripts/gpu_check.sh lora e2e           # only the parts named
 #   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh    # rehearsal on the CPU with the small configs
 #   bash scripts/gpu_check.sh fetch-wheels       # here, not on the GPU machine: see below
 #
-# Parts: env, lora, e2e, ltx2, hunyuan, compile, flash, cudnn. Logs go to $OUT/<part>.log (or ./gpu_check/).
+# Parts: env, lora, e2e, ltx2, hunyuan, compile, flash, cudnn, quant. Logs go to $OUT/<part>.log
+# (or ./gpu_check/).
 #
 # A GPU machine that lacks packages (diffusers, for one) installs them from wheels in .whl/ when
 # that folder exists: `bash scripts/gpu_check.sh fetch-wheels` downloads them on a machine with
@@ -49,10 +54,12 @@ if [ -n "${GPU_CHECK_DRY:-}" ]; then
   E2E=(--repeats 1 --steps 2)
   LORA=(--quick)
   BACKENDS=(flash math)
+  QUANT=(--gemm --small --iters 2)
 else
   E2E=(--gpu --repeats 3)
   LORA=(--device cuda --tokens 1024 4096 --ranks 16 64 128 --adapters 1 4)
   BACKENDS=(flash cudnn)
+  QUANT=(--gemm --device cuda)
 fi
 
 # part NAME LIMIT_S COMMAND...: run it under a time limit, log to $LOG/NAME.log, report its status
@@ -70,7 +77,7 @@ part() {
 }
 
 want() { [ $# -eq 0 ] || [[ " $* " == *" $PART "* ]]; }
-for PART in env lora e2e ltx2 hunyuan compile "${BACKENDS[@]}"; do
+for PART in env lora e2e ltx2 hunyuan compile "${BACKENDS[@]}" quant; do
   want "$@" || continue
   case $PART in
     env)
@@ -84,6 +91,7 @@ print('diffusers', diffusers.__version__, 'transformers', transformers.__version
     ltx2) part ltx2 170 "$PY" benchmarks/bench_e2e.py --family ltx2 "${E2E[@]}" ;;
     hunyuan) part hunyuan 170 "$PY" benchmarks/bench_e2e.py --family hunyuan-video "${E2E[@]}" ;;
     compile) part compile 140 "$PY" benchmarks/bench_e2e.py "${E2E[@]}" --compile ;;
+    quant) part quant 150 "$PY" benchmarks/bench_quantized.py "${QUANT[@]}" ;;
     *) part "$PART" 85 "$PY" benchmarks/bench_e2e.py "${E2E[@]}" --attention-backend "$PART" ;;
   esac
 done

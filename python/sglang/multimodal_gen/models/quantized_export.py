@@ -15,6 +15,9 @@ checkpoints to load:
 
 Which layers: every 2-D ``*.weight`` whose module does not match an ``ignore`` glob (default
 :data:`DEFAULT_IGNORE`; NVFP4 also needs in-features divisible by 16).
+
+Command line (:func:`main`): ``python -m sglang.multimodal_gen.models.quantized_export SRC DST
+--format {modelopt-fp8,modelopt-nvfp4,comfyui-fp8} [--ignore GLOB ...] [--key-prefix P]``.
 """
 
 from __future__ import annotations
@@ -195,3 +198,49 @@ def copy_with_transformer(model_dir: str, dst: str, transformer_dir: str) -> str
     shutil.copytree(model_dir, dst, ignore=shutil.ignore_patterns("transformer"))
     shutil.copytree(transformer_dir, os.path.join(dst, "transformer"))
     return dst
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sglang.multimodal_gen.models.quantized_export SRC DST --format F``: quantize
+    the transformer folder ``SRC`` into ``DST`` (see :func:`export_quantized`).
+
+    Returns:
+        0, or 2 after one ``quantized_export: error: ...`` line on stderr (a missing or
+        unreadable ``SRC``).
+    """
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(
+        prog="python -m sglang.multimodal_gen.models.quantized_export",
+        description="Write a diffusers transformer folder as a quantized checkpoint "
+        "(max-calibrated weight scales, unit input scales).",
+    )
+    p.add_argument("src", help="transformer folder (config.json + safetensors)")
+    p.add_argument("dst", help="output folder (modelopt-*) or .safetensors file (comfyui-fp8)")
+    p.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
+    p.add_argument(
+        "--ignore",
+        nargs="*",
+        default=list(DEFAULT_IGNORE),
+        metavar="GLOB",
+        help="module-name globs kept in full precision (default: %(default)s; "
+        "--ignore alone: none)",
+    )
+    p.add_argument(
+        "--key-prefix",
+        default="",
+        help="prepended to every tensor name (ComfyUI files: model.diffusion_model.)",
+    )
+    args = p.parse_args(argv)
+    try:
+        done = export_quantized(args.src, args.dst, args.fmt, args.ignore, args.key_prefix)
+    except (OSError, ValueError) as e:
+        print(f"quantized_export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.dst}: {len(done)} linear layers quantized ({args.fmt})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
