@@ -1,17 +1,21 @@
-"""LoRA over quantized :class:`ParallelLinear` layers (FP8 and NVFP4), one process.
+"""LoRA over quantized :class:`ParallelLinear` layers (FP8 checkpoint and online, NVFP4), one
+process.
 
 The layers are built with ``quant_method=`` and loaded through ``weight_loader`` from per-source
 quantized tensors (``models.quantized_export.quantize_fp8`` / ``quantize_nvfp4``: one per-tensor
-scale per q / k / v source, so the fused layer's rows carry three different scales). Reference:
-``F.linear`` in float64 on the weight decoded here by hand (FP8: ``q * scale``; NVFP4: the E2M1
-table times the block scale times the global scale) plus ``sum_i s_i c_i B_i A_i`` and the
-offsets, computed from the adapter's full tensors. The LoRA pair must run in the compute dtype
+scale per q / k / v source, so the fused layer's rows carry three different scales), or from
+floating-point ones quantized per row while loading (online FP8). Reference: ``F.linear`` in
+float64 on the weight decoded here by hand (FP8: ``q * scale``; NVFP4: the E2M1 table times the
+block scale times the global scale) plus ``sum_i s_i c_i B_i A_i`` and the offsets, computed
+from the adapter's full tensors. The LoRA pair must run in the compute dtype
 (fp32 here, bf16 in one case) beside the quantized GEMM; a quantized layer never merges.
 Measured (fp32, CPU): worst abs error 1.5e-5 against the reference, whose LoRA term reaches
-6.7-8.3; TP 2 rank pieces vs one process: bit-equal (qkv), 3.8e-6 (row: a sum of two partials).
+6.7-8.3; TP 2 rank pieces vs one process: bit-equal (qkv), 4.8e-6 (row: a sum of two partials).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ import torch.nn.functional as F
 from sglang.multimodal_gen.layers.linear import QKVParallelLinear, RowParallelLinear
 from sglang.multimodal_gen.layers.lora import LoRAWeights, wrap_with_lora
 from sglang.multimodal_gen.layers.lora.composition import RowMapping
-from sglang.multimodal_gen.layers.quantization.fp8 import Fp8LinearMethod
+from sglang.multimodal_gen.layers.quantization.fp8 import Fp8LinearMethod, quantize_rows_fp8
 from sglang.multimodal_gen.layers.quantization.nvfp4 import Nvfp4LinearMethod
 from sglang.multimodal_gen.models.quantized_export import quantize_fp8, quantize_nvfp4
 
@@ -30,8 +34,13 @@ ATOL, RTOL = 2e-4, 1e-4
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
 
+FORMATS = ["fp8", "fp8-online", "nvfp4"]
+
+
 def _method(fmt: str):
-    return Fp8LinearMethod() if fmt == "fp8" else Nvfp4LinearMethod()
+    if fmt == "nvfp4":
+        return Nvfp4LinearMethod()
+    return Fp8LinearMethod(online=fmt == "fp8-online")
 
 
 def _build(kind: str, fmt: str, tp_rank: int = 0, tp_size: int = 1, dtype=torch.float32):
@@ -59,6 +68,10 @@ def _quantized_sources(kind: str, fmt: str, seed: int):
             q, s = quantize_fp8(w)
             tensors[sid] = dict(weight=q, weight_scale=s, input_scale=torch.tensor(1.0))
             dense.append(q.double() * s.double())
+        elif fmt == "fp8-online":  # quantized per output row while loading
+            tensors[sid] = dict(weight=w)
+            q, s = quantize_rows_fp8(w)
+            dense.append(q.double() * s.double()[:, None])
         else:
             packed, bs, gs = quantize_nvfp4(w)
             tensors[sid] = dict(weight=packed, weight_scale=bs, weight_scale_2=gs,
@@ -121,11 +134,12 @@ def _out(layer, x):
     return y if out_bias is None else y + out_bias
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind", ["qkv", "row"])
 def test_forward_is_dequantized_gemm_plus_lora(kind, fmt):
     layer, dense, bias, a, b = _lora_layer(kind, fmt)
-    assert layer.base_layer.weight.dtype == (torch.float8_e4m3fn if fmt == "fp8" else torch.uint8)
+    stored = torch.uint8 if fmt == "nvfp4" else torch.float8_e4m3fn
+    assert layer.base_layer.weight.dtype == stored
     x = torch.randn(3, 5, IN, generator=torch.Generator().manual_seed(9))
     base = _reference(kind, dense, bias, x, [])
     torch.testing.assert_close(_out(layer, x).double(), base, atol=ATOL, rtol=RTOL)
@@ -138,25 +152,30 @@ def test_forward_is_dequantized_gemm_plus_lora(kind, fmt):
     assert not layer.merged
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_mixed_rows_each_equal_their_composition_alone(fmt):
-    """A batch whose rows use a, b, a + b and nothing: each row bit-equal to its forward alone
-    (the dequantized GEMM is row-invariant on the CPU)."""
+    """Batches whose rows use a, nothing and a + b (the global composition) in every order, the
+    first twice (a group of scattered rows): each row bit-equal to its forward alone (the
+    dequantized GEMM is row-invariant on the CPU)."""
     layer, *_ = _lora_layer("qkv", fmt, seed=3)
-    comps = [[("a", 0.8)], [("b", 1.1)], [], [("a", -0.4), ("b", 0.9)]]
-    x = torch.randn(len(comps), 6, IN, generator=torch.Generator().manual_seed(4))
-    mapping = RowMapping.of([layer.composition(c) for c in comps])
-    with layer.lora_context.rows(mapping):
-        batch = layer(x)[0]
-    for i, comp in enumerate(comps):
+    comps = [[("a", 0.8)], [], [("a", -0.4), ("b", 0.9)]]
+    x = torch.randn(6, IN, generator=torch.Generator().manual_seed(4))
+    alone = []
+    for comp in comps:
         layer.set_active(comp)
-        alone = layer(x[i : i + 1])[0]
-        assert torch.equal(batch[i : i + 1], alone), (fmt, comp)
-    layer.set_active([])
-    assert not torch.equal(batch[0], layer(x[:1])[0][0])
+        alone.append(layer(x[None])[0][0])
+    assert not torch.equal(alone[0], alone[1]) and not torch.equal(alone[0], alone[2])
+    layer.set_active(comps[2])
+    for order in itertools.permutations(range(len(comps))):
+        rows = [*order, order[0]]  # the first composition twice, apart
+        mapping = RowMapping.of([layer.composition(comps[i]) for i in rows])
+        with layer.lora_context.rows(mapping):
+            batch = layer(x.expand(len(rows), *x.shape))[0]
+        for r, i in enumerate(rows):
+            assert torch.equal(batch[r], alone[i]), (fmt, order, r)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_layer_refuses_to_merge(fmt):
     layer, *_ = _lora_layer("qkv", fmt, dtype=torch.bfloat16)
     layer.set_active([("a", 1.0)])
@@ -164,7 +183,7 @@ def test_quantized_layer_refuses_to_merge(fmt):
     assert layer.base_layer.dtype == torch.bfloat16
     assert layer.lora_a.dtype == layer.lora_b.dtype == torch.bfloat16
     assert not layer.can_merge
-    assert f"quantized ({fmt})" in layer.merge_refusal
+    assert f"quantized ({fmt[:3]}" in layer.merge_refusal
     weight = layer.base_layer.weight.detach().clone()
     with pytest.raises(ValueError, match=r"blocks\.0\.attn\.to_qkv.*quantized"):
         layer.merge()
@@ -176,7 +195,7 @@ def test_quantized_layer_refuses_to_merge(fmt):
     assert layer(x)[0].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind", ["qkv", "row"])
 def test_tp2_pieces_equal_one_process(kind, fmt):
     """Rank r of 2 (each with its rows of the per-source scales, or its NVFP4 column blocks):
