@@ -15,6 +15,7 @@ them (``models.components``). Errors name the file and the tensor
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -55,13 +56,16 @@ def _expected_shards(module: nn.Module, leaf: str) -> tuple:
     return ids
 
 
-def _reorder_rows(loaded: Any, order: tuple[int, ...]) -> torch.Tensor:
+def _reorder_rows(loaded: Any, order: tuple[int, ...]) -> Any:
     """Rows of ``loaded`` (a tensor or lazy slice) in our chunk order: chunk ``i`` of the result
     is chunk ``order[i]`` of the source (``NameRule.row_order``; e.g. BFL / Tencent final-layer
-    modulations stored as ``(shift, scale)`` where ours is ``(scale, shift)``)."""
+    modulations stored as ``(shift, scale)`` where ours is ``(scale, shift)``). A per-tensor
+    scale of the module (one element; a lazy slice of a 0-d tensor cannot be read with ``[:]``)
+    has no rows to reorder and is returned as given."""
+    shape = loaded.shape if isinstance(loaded, torch.Tensor) else loaded.get_shape()
+    if math.prod(shape) == 1:
+        return loaded
     t = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
-    if t.numel() == 1:  # a per-tensor scale of the module: no rows to reorder
-        return t
     chunks = t.chunk(len(order), dim=0)
     return torch.cat([chunks[i] for i in order], dim=0)
 
