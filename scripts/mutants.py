@@ -1638,6 +1638,63 @@ MUTANTS: list[Mutant] = [
         "auto-mode model whose unquantized layers merged: a request without adapters still gets "
         "the global one there)",
     ),
+    # ------------------------------------------------------------------ quantized checkpoints
+    _m(
+        "nvfp4-nibble-order-swapped",
+        "layers/quantization/nvfp4.py",
+        "codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1)",
+        "codes = torch.stack((packed >> 4, packed & 0x0F), dim=-1)",
+        ("test/integration/quantization/test_quantized_parity.py",),
+        ("-k", "flux_dit_modelopt and nvfp4"),
+        why="element 2j read from the high nibble: every NVFP4 weight is scrambled",
+    ),
+    _m(
+        "nvfp4-row-global-scale-ignored",
+        "layers/quantization/nvfp4.py",
+        "g = g.reshape(-1, 1) if g.numel() > 1 else g.reshape(())",
+        "g = g.reshape(-1)[0]",
+        ("test/integration/quantization/test_quantized_parity.py",),
+        ("-k", "flux_dit_modelopt and nvfp4"),
+        why="one weight_scale_2 for the whole layer: fused q/k/v sources lose their own scales",
+    ),
+    _m(
+        "fp8-weight-scale-ignored",
+        "layers/quantization/fp8.py",
+        "w = layer.weight.to(torch.float32) * layer.weight_scale[:, None]",
+        "w = layer.weight.to(torch.float32)",
+        ("test/integration/quantization/test_quantized_parity.py",),
+        ("-k", "flux_dit_modelopt and fp8"),
+        why="FP8 weights dequantized without their scale",
+    ),
+    _m(
+        "nvfp4-block-scales-not-sliced-at-tp2",
+        "layers/linear.py",
+        "out.append(slice(start // col_unit, (start + size) // col_unit))",
+        "out.append(slice(0, size // col_unit) if col_unit == 16 else "
+        "slice(start // col_unit, (start + size) // col_unit))",
+        ("test/integration/quantization/test_quantized_parity.py",),
+        ("-k", "tp2 and nvfp4"),
+        why="every TP rank of a row-parallel layer takes the first input blocks' scales",
+    ),
+    _m(
+        "fp8-online-scales-from-local-columns",
+        "layers/quantization/fp8.py",
+        "q, scale = quantize_rows_fp8(full_rows)\n        local_q = layer.take_input_columns(q, col_unit=1)",
+        "q, scale = quantize_rows_fp8(layer.take_input_columns(full_rows, col_unit=1))\n"
+        "        local_q = q",
+        ("test/integration/quantization/test_quantized_parity.py",),
+        ("--extended", "-k", "tp2 and online"),
+        why="online FP8 row scales from this rank's columns: TP ranks quantize differently",
+    ),
+    _m(
+        "loader-row-order-reads-0d-scale",
+        "models/loader.py",
+        "if math.prod(shape) == 1:\n        return loaded",
+        "if False:\n        return loaded",
+        ("test/integration/quantization/test_quantized_parity.py",),
+        ("-k", "original_layout"),
+        why="a 0-d per-tensor scale under a row-reordering BFL name is read with [:] (IndexError)",
+    ),
 ]
 
 

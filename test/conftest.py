@@ -99,6 +99,17 @@ EXTENDED = {
     # LTX-2's DiT at SP 4 (Ulysses 2 x ring 2; both streams sharded: the default tier's Ulysses 2
     # and ring 2 of the same test)
     "integration/families/test_ltx2_transformer_parity.py::test_sequence_parallel_equals_one_process[ulysses2_ring2]",
+    # quantized checkpoints: Flux ModelOpt FP8 and online FP8 at TP 2 (TP 2 of the quantized
+    # loader: test_flux_tp2_equals_tp1[nvfp4], whose row-parallel block scales are the hardest
+    # split), and the FP8 pipelines against diffusers (each family's loader, name map and ignore
+    # globs: its NVFP4 case; FP8 decoding and fused per-source scales:
+    # test_flux_dit_modelopt_matches_diffusers[modelopt-fp8])
+    "integration/quantization/test_quantized_parity.py::test_flux_tp2_equals_tp1[fp8]",
+    "integration/quantization/test_quantized_parity.py::test_flux_tp2_equals_tp1[online-fp8]",
+    "integration/quantization/test_quantized_parity.py::test_pipeline_matches_diffusers_on_dequantized_weights[flux-modelopt-fp8]",
+    "integration/quantization/test_quantized_parity.py::test_pipeline_matches_diffusers_on_dequantized_weights[qwen-image-modelopt-fp8]",
+    "integration/quantization/test_quantized_parity.py::test_pipeline_matches_diffusers_on_dequantized_weights[zimage-modelopt-fp8]",
+    "integration/quantization/test_quantized_parity.py::test_pipeline_matches_diffusers_on_dequantized_weights[wan-modelopt-fp8]",
     # sglang generate --tp-size 2 with --transformer-path (the weight options reach the worker
     # processes; one process: test_cli_flags' other tests, the multi-node fingerprint:
     # unit/configs/test_launch_plan.py)
