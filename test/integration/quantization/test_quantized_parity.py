@@ -196,11 +196,9 @@ def family_setups(request, tmp_path_factory):
                 request.getfixturevalue(fixture) if fixture else _zimage_dir(str(root / "model"))
             )
             ref = make_ref(model)
-            folders = {
-                fmt: str(root / fmt)
-                for fmt in FORMATS
-                if export_quantized(os.path.join(model, "transformer"), str(root / fmt), fmt)
-            }
+            folders = {fmt: str(root / fmt) for fmt in FORMATS}
+            for fmt, folder in folders.items():
+                assert export_quantized(os.path.join(model, "transformer"), folder, fmt)
             cache[name] = dict(model=model, ref=ref, unquantized=_diffusers_run(ref, kw), **folders)
         return cache[name]
 
