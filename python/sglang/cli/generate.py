@@ -39,10 +39,12 @@ from sglang.multimodal_gen.configs.parallel import (
     layout_from_args,
 )
 from sglang.multimodal_gen.configs.server_args import (
+    add_cache_args,
     add_multinode_args,
     add_weight_args,
     check_weight_flags,
     default_lora_nickname,
+    step_cache_config,
 )
 from sglang.multimodal_gen.lora.requests import MERGE_MODES
 
@@ -80,6 +82,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "default branch)",
     )
     add_weight_args(parser)
+    add_cache_args(parser)
     add_sampling_args(parser)
     parser.add_argument(
         "--image-path",
@@ -318,6 +321,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     quiet_library_progress_bars()
     check_weight_flags(args.transformer_path, args.transformer_weights_path, args.quantization)
+    step_cache = step_cache_config(
+        args.cache_method, args.cache_threshold, args.cache_fn, args.cache_bn, args.cache_warmup
+    )  # a bad --cache-* value: one error before loading
     loras = lora_pairs(args.lora_path, args.lora_scale)
     layout = layout_from_args(args)  # contradictory degrees: one error before loading
     from sglang.multimodal_gen.runtime.nodes import multinode_kwargs, run_follower_node
@@ -329,6 +335,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         transformer_path=args.transformer_path,
         transformer_weights_path=args.transformer_weights_path,
         quantization=args.quantization,
+        step_cache=step_cache,
         tp_size=layout.tp_size,
         sp_degree=layout.sp_degree,
         ulysses_degree=args.ulysses_degree,

@@ -207,7 +207,7 @@ def test_config_presets_and_refusals():
             StepCacheConfig.of(name)
     with pytest.raises(ValueError, match="--cache-method 'fastcache' is unknown"):
         StepCacheConfig.of("fastcache")
-    with pytest.raises(ValueError, match="Fn >= 1"):
+    with pytest.raises(ValueError, match="--cache-fn must be >= 1, got 0"):
         StepCacheConfig.of("dbcache", fn=0)
     m = _model()
     with pytest.raises(

@@ -125,6 +125,8 @@ class ServerArgs:
             ``transformer_path``.
         quantization: quantize the floating-point transformer while loading
             (``--quantization``; one of :data:`QUANTIZATIONS`, ``None``: as the checkpoint is).
+        cache_method, cache_threshold, cache_fn, cache_bn, cache_warmup: step caching of the
+            DiT blocks (``--cache-method`` ...; :attr:`step_cache`).
         host, port: where uvicorn listens.
         tp_size: tensor-parallel size (``--tp-size``; see ``configs.parallel`` for how
             ``--num-gpus`` fills it).
@@ -206,6 +208,11 @@ class ServerArgs:
     transformer_path: str | None = None
     transformer_weights_path: str | None = None
     quantization: str | None = None
+    cache_method: str = "none"
+    cache_threshold: float | None = None
+    cache_fn: int | None = None
+    cache_bn: int | None = None
+    cache_warmup: int | None = None
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
@@ -272,6 +279,7 @@ class ServerArgs:
                 f"--model-type {self.model_type!r} is not supported; choose from {MODEL_TYPES}"
             )
         check_weight_flags(self.transformer_path, self.transformer_weights_path, self.quantization)
+        _ = self.step_cache  # a bad --cache-* value: one error at startup
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if int(self.tp_size) < 1:
@@ -383,6 +391,19 @@ class ServerArgs:
             raise ValueError(f"--node-rank must be 0 without --nnodes, got {self.node_rank}")
 
     @property
+    def step_cache(self):
+        """The ``--cache-*`` flags as a
+        :class:`~sglang.multimodal_gen.layers.step_cache.StepCacheConfig` (``None``: off).
+
+        Raises:
+            ValueError: naming the flag.
+        """
+        return step_cache_config(
+            self.cache_method, self.cache_threshold, self.cache_fn, self.cache_bn,
+            self.cache_warmup,
+        )  # fmt: skip
+
+    @property
     def user_api_keys(self) -> tuple[str, ...]:
         """The keys of ``--api-key`` (none, one or several)."""
         if self.api_key is None:
@@ -420,6 +441,7 @@ class ServerArgs:
             help="model family; detected from model_index.json when omitted",
         )
         add_weight_args(g)
+        add_cache_args(g)
         g.add_argument(
             "--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)"
         )
@@ -670,6 +692,7 @@ class ServerArgs:
             transformer_path=getattr(args, "transformer_path", None),
             transformer_weights_path=getattr(args, "transformer_weights_path", None),
             quantization=getattr(args, "quantization", None),
+            **cache_fields(args),
             host=args.host,
             port=args.port,
             tp_size=layout.tp_size,
@@ -872,6 +895,63 @@ def add_weight_args(parser) -> None:
         help="quantize the floating-point transformer while loading (fp8: FP8 e4m3 weights, "
         "per-channel scales); default: as the checkpoint is stored",
     )
+
+
+def add_cache_args(parser) -> None:
+    """``--cache-method`` and its knobs on ``parser`` (shared by ``sglang serve`` and ``sglang
+    generate``); the values are checked by
+    :meth:`~sglang.multimodal_gen.layers.step_cache.StepCacheConfig.of`."""
+    from sglang.multimodal_gen.layers.step_cache import CACHE_METHODS
+
+    parser.add_argument(
+        "--cache-method",
+        default="none",
+        metavar="{" + ",".join(CACHE_METHODS) + "}",
+        help="step caching of the DiT blocks (default none). fbcache: first-block cache "
+        "(diffusers' FirstBlockCacheConfig; DBCache F1B0); dbcache: dual-block cache "
+        "(cache-dit's DBCache, F8B0, 8 warmup steps). teacache, magcache, taylorseer: not "
+        "implemented yet (refused)",
+    )
+    parser.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=None,
+        help="skip a step's middle blocks when the first blocks' residual changed by at most "
+        "this (relative L1; default 0.05 fbcache, 0.08 dbcache)",
+    )
+    parser.add_argument(
+        "--cache-fn", type=int, default=None, help="dbcache: first blocks always computed (Fn)"
+    )
+    parser.add_argument(
+        "--cache-bn", type=int, default=None, help="dbcache: last blocks always computed (Bn)"
+    )
+    parser.add_argument(
+        "--cache-warmup",
+        type=int,
+        default=None,
+        help="steps always computed at the start (default 0 fbcache, 8 dbcache)",
+    )
+
+
+def cache_fields(args) -> dict:
+    """The ``cache_*`` fields of a namespace filled by :func:`add_cache_args`."""
+    return {
+        k: getattr(args, k, None)
+        for k in ("cache_method", "cache_threshold", "cache_fn", "cache_bn", "cache_warmup")
+    } | {"cache_method": getattr(args, "cache_method", None) or "none"}
+
+
+def step_cache_config(method, threshold=None, fn=None, bn=None, warmup=None):
+    """The :class:`~sglang.multimodal_gen.layers.step_cache.StepCacheConfig` of the ``--cache-*``
+    values, ``None`` for ``none``.
+
+    Raises:
+        ValueError: naming the flag (an unknown or unimplemented method, a value out of range).
+    """
+    from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
+
+    cfg = StepCacheConfig.of(method or "none", threshold, fn, bn, warmup)
+    return cfg if cfg.enabled else None
 
 
 def add_multinode_args(parser) -> None:

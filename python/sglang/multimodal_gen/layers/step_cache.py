@@ -115,7 +115,8 @@ class StepCacheConfig:
 
         Raises:
             ValueError: an unknown or not yet implemented method (the message names ``flag``),
-                a negative threshold, ``fn < 1``, ``bn < 0`` or ``warmup < 0``.
+                a negative threshold, ``fn < 1``, ``bn < 0`` or ``warmup < 0`` (the message names
+                the ``--cache-*`` flag).
         """
         if method not in CACHE_METHODS:
             raise ValueError(
@@ -136,13 +137,14 @@ class StepCacheConfig:
             b if bn is None else int(bn),
             w if warmup is None else int(warmup),
         )
-        if cfg.threshold < 0:
-            raise ValueError(f"cache threshold must be >= 0, got {cfg.threshold}")
-        if cfg.fn < 1 or cfg.bn < 0 or cfg.warmup < 0:
-            raise ValueError(
-                f"cache blocks need Fn >= 1, Bn >= 0 and warmup >= 0, got Fn={cfg.fn}, "
-                f"Bn={cfg.bn}, warmup={cfg.warmup}"
-            )
+        for name, value, low in (
+            ("--cache-threshold", cfg.threshold, 0),
+            ("--cache-fn", cfg.fn, 1),
+            ("--cache-bn", cfg.bn, 0),
+            ("--cache-warmup", cfg.warmup, 0),
+        ):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
         return cfg
 
     @property

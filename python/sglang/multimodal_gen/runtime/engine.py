@@ -23,6 +23,7 @@ from sglang.multimodal_gen.configs.sampling_params import RequestSpec, SamplingP
 from sglang.multimodal_gen.engine_ops import get_op
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.layers.attention import check_attention_backend
+from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
 from sglang.multimodal_gen.lora.requests import SetLoRAArgs, normalize_set_lora
 from sglang.multimodal_gen.runtime.error_transport import unpack_error
 from sglang.multimodal_gen.runtime.executors import (
@@ -64,6 +65,8 @@ class DiffusionEngine:
         quantization: quantize the floating-point transformer while loading (``"fp8"``;
             ``--quantization``). The three reach every rank's loader as one
             :class:`~sglang.multimodal_gen.models.loader.WeightOptions`.
+        step_cache: step caching of the DiT blocks on every rank (``--cache-method``;
+            :class:`~sglang.multimodal_gen.layers.step_cache.StepCacheConfig`), ``None``: off.
         tp_size: tensor-parallel size.
         sp_degree, ulysses_degree, ring_degree: sequence parallelism (Ulysses all-to-all x ring
             attention); unset degrees are chosen as ``configs.parallel.resolve_layout`` does,
@@ -137,6 +140,7 @@ class DiffusionEngine:
         transformer_path: str | None = None,
         transformer_weights_path: str | None = None,
         quantization: str | None = None,
+        step_cache: StepCacheConfig | None = None,
         _worker_setup: Callable[[ModelRunner, int], None] | None = None,
     ):
         if int(tp_size) < 1:
@@ -180,6 +184,7 @@ class DiffusionEngine:
             lora_merge_cache_gb=lora_merge_cache_gb,
             max_loaded_lora_gb=max_loaded_lora_gb,
             weights=weights,
+            step_cache=step_cache,
         )
         self._executor: Executor
         if plan is None:

@@ -33,6 +33,7 @@ def job_kwargs(server_args) -> dict:
         transformer_path=getattr(server_args, "transformer_path", None),
         transformer_weights_path=getattr(server_args, "transformer_weights_path", None),
         quantization=getattr(server_args, "quantization", None),
+        step_cache=getattr(server_args, "step_cache", None),
         tp_size=server_args.tp_size,
         sp_degree=server_args.sp_degree,
         ulysses_degree=server_args.ulysses_degree,

@@ -221,6 +221,7 @@ def run_follower_node(
     transformer_path: str | None = None,
     transformer_weights_path: str | None = None,
     quantization: str | None = None,
+    step_cache: Any = None,
     **multinode: Any,
 ) -> bool:
     """Run this launcher as a follower when the flags (or torchrun) say it does not hold rank 0.
@@ -260,6 +261,7 @@ def run_follower_node(
         dit_cpu_offload=bool(dit_cpu_offload), attention_backend=attention_backend,
         enable_torch_compile=bool(enable_torch_compile), device=device, layout=layout,
         float32_matmul_precision=float32_matmul_precision, weights=weights,
+        step_cache=step_cache,
     )  # fmt: skip
     run_follower(plan, kwargs)
     return True

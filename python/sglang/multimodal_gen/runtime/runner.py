@@ -30,6 +30,7 @@ from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.engine_ops import LORA_CHANGE_OPS, get_op
 from sglang.multimodal_gen.errors import SGLangError
 from sglang.multimodal_gen.layers.attention import set_attention_backend
+from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
 from sglang.multimodal_gen.lora.staging import UNCHANGED
 from sglang.multimodal_gen.lora.transactions import LoRAStateError
 from sglang.multimodal_gen.models.loader import WeightOptions
@@ -110,6 +111,8 @@ class ModelRunner:
         lora_merge_cache_gb, max_loaded_lora_gb: LoRA memory bounds (:func:`build_lora_manager`).
         weights: the primary transformer's other folder, weights file or online quantization
             (:class:`~sglang.multimodal_gen.models.loader.WeightOptions`).
+        step_cache: step caching of the denoisers' blocks (``--cache-method``;
+            :class:`~sglang.multimodal_gen.layers.step_cache.StepCacheConfig`), ``None``: off.
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class ModelRunner:
         max_loaded_lora_gb: float | None = None,
         allow_hub_lora: bool = False,
         weights: WeightOptions | None = None,
+        step_cache: StepCacheConfig | None = None,
     ):
         from sglang.multimodal_gen.configs.parallel import check_float32_matmul_precision
 
@@ -159,6 +163,7 @@ class ModelRunner:
             rank=self.rank,
             weights=weights,
         )
+        self.pipeline.enable_step_cache(step_cache)  # --cache-method (None: off)
         set_attention_backend(attention_backend, self.device)
         if enable_torch_compile:
             for denoiser in self.pipeline.denoisers.values():

@@ -1,0 +1,58 @@
+"""``--cache-method`` and its knobs: ``sglang serve`` (``ServerArgs``) and ``sglang generate``
+accept the implemented methods, refuse the contract's others and bad values naming the flag
+(``generate``: exit 2 before any model is read), and hand the configuration to the engine."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from sglang.cli.main import main as sglang_main
+from sglang.multimodal_gen.configs.server_args import ServerArgs
+from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
+from sglang.multimodal_gen.runtime.model_source import job_kwargs
+
+
+def _parse(argv):
+    return ServerArgs.from_cli_args(
+        ServerArgs.add_cli_args(argparse.ArgumentParser()).parse_args(argv)
+    )
+
+
+def test_serve_flags_set_the_configuration(tmp_path):
+    model = ["--model-path", str(tmp_path), "--model-type", "diffusion"]
+    assert _parse(model).step_cache is None  # default: off
+    a = _parse([*model, "--cache-method", "fbcache", "--cache-threshold", "0.12"])
+    assert a.step_cache == StepCacheConfig("fbcache", 0.12, 1, 0, 0)
+    assert job_kwargs(a)["step_cache"] == a.step_cache  # what the engine and followers get
+    b = _parse([*model, "--cache-method", "dbcache", "--cache-fn", "4", "--cache-bn", "2",
+                "--cache-warmup", "3"])  # fmt: skip
+    assert b.step_cache == StepCacheConfig("dbcache", 0.08, 4, 2, 3)
+
+
+BAD = [
+    (["--cache-method", "teacache"], "--cache-method 'teacache' is not implemented yet"),
+    (["--cache-method", "magic"], "--cache-method 'magic' is unknown"),
+    (["--cache-method", "dbcache", "--cache-fn", "0"], "--cache-fn must be >= 1, got 0"),
+    (["--cache-method", "fbcache", "--cache-threshold", "-1"], "--cache-threshold must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD)
+def test_serve_refuses(flags, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        _parse(["--model-path", str(tmp_path), "--model-type", "diffusion", *flags])
+
+
+@pytest.mark.parametrize("flags, message", BAD[:3])
+def test_generate_refuses_before_loading(flags, message, tmp_path, capsys, monkeypatch):
+    import sglang.multimodal_gen.runtime as runtime
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(runtime, "DiffusionEngine", no_engine)
+    argv = ["generate", "--prompt", "x", "--output-path", str(tmp_path / "o.png"), *flags]
+    assert sglang_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
