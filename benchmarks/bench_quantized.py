@@ -63,7 +63,7 @@ when a check fails. ``--small`` divides every width and the token count by 12 (a
 
 Usage::
 
-    python benchmarks/bench_quantized.py --repeats 5
+    python benchmarks/bench_quantized.py --repeats 5 --threads 1     # stable ratios on a shared CPU
     python benchmarks/bench_quantized.py --hidden 3072 --heads 24 --double 1 --single 1 --threads 16
     python benchmarks/bench_quantized.py --gemm --device cuda     # FLUX.1 shapes, one H200
     python benchmarks/bench_quantized.py --gemm --small           # the same on a CPU, small
