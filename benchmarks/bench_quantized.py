@@ -54,8 +54,9 @@ Checks, per shape, of the ``torch._scaled_mm`` path (called directly, so a CPU e
 same argument layout): ``err/emu``, ``||y - y_emu|| / ||y_emu||`` against a float64 emulation of
 the same FP8 operands (``(xq * s_x) @ (wq * s_w)^T + b``: only the output rounding and the
 accumulation order differ; reversed weight or token scales, or activations quantized at twice
-their scale, gave 0.27-0.69), must stay under 1e-2; ``err/deq`` against the bf16 GEMM with the dequantized weight (the activation quantization
-error, ~2-3% for Gaussian inputs), must stay under 5e-2; on a GPU with FP8 tensor cores the
+their scale, gave 0.27-0.69), must stay under 1e-2; ``err/deq`` against the bf16 GEMM with the
+dequantized weight (the activation quantization error, ~2-3% for Gaussian inputs), must stay
+under 5e-2; on a GPU with FP8 tensor cores the
 layer's own forward must return the ``_scaled_mm`` result (the dispatch takes that path). An fp16
 input is tried once (row-wise scaling with an fp16 output needs a recent torch). Exit status 1
 when a check fails. ``--small`` divides every width and the token count by 12 (a CPU rehearsal:
