@@ -1695,6 +1695,48 @@ MUTANTS: list[Mutant] = [
         ("-k", "original_layout"),
         why="a 0-d per-tensor scale under a row-reordering BFL name is read with [:] (IndexError)",
     ),
+    # ------------------------------------------------------------------ layers/step_cache.py
+    _m(
+        "step-cache-rprev-updated-on-skipped-steps",
+        "layers/step_cache.py",
+        "        st.calls += 1\n        if g.compute:",
+        "        st.calls += 1\n        st.prev = _region(r, g)\n        if g.compute:",
+        ("test/unit/layers/test_step_cache.py",),
+        why="r_prev follows every step: a slow drift never adds up to a computed step",
+    ),
+    _m(
+        "step-cache-decision-over-the-whole-batch",
+        "layers/step_cache.py",
+        "key = (id(row.cache), row.context, comp)",
+        "key = (row.context, comp)",
+        ("test/unit/layers/test_step_cache.py",),
+        why="one decision for every request of a batch (a request's image depends on the batch)",
+    ),
+    _m(
+        "step-cache-state-not-keyed-on-lora",
+        "layers/step_cache.py",
+        "state_key = (seq.name, id(seq.owner), row.context, comp)",
+        "state_key = (seq.name, id(seq.owner), row.context)",
+        ("test/unit/layers/test_step_cache.py",),
+        why="a residual computed under one LoRA composition is reused under another",
+    ),
+    _m(
+        "step-cache-side-stream-not-cached",
+        "layers/step_cache.py",
+        "enumerate(zip(mid, head, g.state.residuals))",
+        "enumerate(zip(mid[:1], head, g.state.residuals))",
+        ("test/unit/layers/test_step_cache.py",),
+        why="a skipped step leaves the text stream of dual-stream blocks at the head output",
+    ),
+    _m(
+        "step-cache-cfg-branches-share-one-state",
+        "pipelines/base.py",
+        'contexts = ["joint"] * rows if self.step_cache_joint_branches else ["cond", "uncond"]',
+        'contexts = ["joint"] * rows',
+        ("test/integration/caching/test_fbcache_parity.py",),
+        ("-k", "true-cfg"),
+        why="Flux's cond and uncond decide together (diffusers: one cache context per branch)",
+    ),
 ]
 
 
