@@ -37,15 +37,17 @@ quantization error, a sanity check that each model computes what it should.
 ``--gemm``: one linear layer per FLUX.1 projection shape instead of the whole DiT, on
 ``--device`` (the ``quant`` part of ``scripts/gpu_check.sh`` runs it on a GPU). Input ``x``
 ``[tokens, in]`` bf16 (default 4608 tokens: 4096 image + 512 text, what a single-stream block
-sees at 1024x1024), weight ``[out, in]`` with std 0.02, a bias; shapes ``in:out`` (FLUX.1,
+sees at 1024x1024), weight ``[out, in]`` (std about 0.02, rows and tokens of varied magnitude: see
+:func:`random_operands`), a bias; shapes ``in:out`` (FLUX.1,
 hidden 3072, MLP 12288): 3072:9216 (fused q/k/v), 3072:12288 (MLP up), 12288:3072 (MLP down),
 3072:21504 (single block's fused q/k/v + MLP up), 15360:3072 (single block's output). Timed per
 shape (median of ``--iters`` samples of ``--inner`` calls, CUDA-synchronised):
 
 * ``bf16``: ``F.linear`` with the bf16 weight;
 * ``fp8``: a ``ReplicatedLinear`` with ``Fp8LinearMethod`` as loaded from a ModelOpt checkpoint
-  (per-tensor ``weight_scale``, calibrated static ``input_scale = amax(x) / 448``): on a CUDA
-  GPU of compute capability 8.9+ ``torch._scaled_mm`` with row-wise scales;
+  (``weight_scale`` per output row, the finest grain a fused layer's per-source scales take;
+  calibrated static ``input_scale = amax(x) / 448``): on a CUDA GPU of compute capability 8.9+
+  ``torch._scaled_mm`` with row-wise scales;
 * ``fp8-dyn``: the same weights with per-token activation scales (``--quantization fp8``'s path);
 * ``fp8-w``: the weight-only fallback (``SGLANG_DIFFUSION_FP8_GEMM=0``);
 * ``nvfp4``: ``Nvfp4LinearMethod`` (weight-only on every device).
@@ -56,9 +58,8 @@ the same FP8 operands (``(xq * s_x) @ (wq * s_w)^T + b``: only the output roundi
 accumulation order differ; reversed weight or token scales, or activations quantized at twice
 their scale, gave 0.27-0.69), must stay under 1e-2; ``err/deq`` against the bf16 GEMM with the
 dequantized weight (the activation quantization error, ~2-3% for Gaussian inputs), must stay
-under 5e-2; on a GPU with FP8 tensor cores the
-layer's own forward must return the ``_scaled_mm`` result (the dispatch takes that path). An fp16
-input is tried once (row-wise scaling with an fp16 output needs a recent torch). Exit status 1
+under 5e-2; on a GPU with FP8 tensor cores the layer's own forward must return the
+``_scaled_mm`` result (the dispatch takes that path). An fp16 input is tried once (row-wise scaling with an fp16 output needs a recent torch). Exit status 1
 when a check fails. ``--small`` divides every width and the token count by 12 (a CPU rehearsal:
 ``GPU_CHECK_DRY=1 bash scripts/gpu_check.sh quant``).
 
