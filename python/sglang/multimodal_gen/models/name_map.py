@@ -70,6 +70,27 @@ class NameRule:
         return self._rename(name, self.target, self.source, self.prefix_only)
 
 
+@dataclass(frozen=True)
+class ParamRename:
+    """Rename one whole *parameter* name, module path and leaf together, where a module
+    :class:`NameRule` cannot: ``resolve_param`` renames only the module part and keeps the leaf.
+
+    E.g. a bare block parameter (Wan's ``blocks.N.modulation`` -> ``blocks.N.scale_shift_table``)
+    or a leaf of another name (BFL's ``...query_norm.scale`` -> ``...norm_q.weight``).
+    ``pattern`` is a regular expression fully matched against the parameter name (wrapper
+    prefixes already stripped); ``target`` is its ``re`` replacement template, the final name of
+    our parameter (no rule runs after it; the shard is ``None``).
+    """
+
+    pattern: str
+    target: str
+
+    def apply(self, param_name: str) -> str | None:
+        """Our parameter name if ``pattern`` matches the whole ``param_name``, else ``None``."""
+        m = re.fullmatch(self.pattern, param_name)
+        return None if m is None else m.expand(self.target)
+
+
 class NameMap:
     """Resolver from checkpoint module names to our module names and shard ids.
 
@@ -79,20 +100,31 @@ class NameMap:
             last shard-producing rule that matched is the result's.
         strip_prefixes: leading prefixes that wrap the model's own names in checkpoints
             (``"model.diffusion_model."``, ...); removed before the rules run.
+        param_renames: :class:`ParamRename` entries tried (in order) on whole parameter names
+            by ``resolve_param`` before the module rules.
 
     ``resolve(name)`` accepts module names (no ``.weight``/``.bias`` suffix); ``resolve_param``
     accepts parameter names and keeps the suffix.
     """
 
-    def __init__(self, rules: Iterable[NameRule], strip_prefixes: Iterable[str] = ()):
+    def __init__(
+        self,
+        rules: Iterable[NameRule],
+        strip_prefixes: Iterable[str] = (),
+        param_renames: Iterable[ParamRename] = (),
+    ):
         self.rules = tuple(rules)
         self.strip_prefixes = tuple(strip_prefixes)
+        self.param_renames = tuple(param_renames)
 
-    def _walk(self, name: str) -> tuple[str, ShardId | ShardGroup, tuple[int, ...] | None]:
+    def _strip(self, name: str) -> str:
         for p in self.strip_prefixes:
             if name.startswith(p):
-                name = name[len(p) :]
-                break
+                return name[len(p) :]
+        return name
+
+    def _walk(self, name: str) -> tuple[str, ShardId | ShardGroup, tuple[int, ...] | None]:
+        name = self._strip(name)
         shard_id: ShardId | ShardGroup = None
         row_order: tuple[int, ...] | None = None
         for rule in self.rules:
@@ -120,7 +152,17 @@ class NameMap:
         return self._walk(name)[2]
 
     def resolve_param(self, param_name: str) -> tuple[str, ShardId | ShardGroup]:
-        """Like :meth:`resolve` for a parameter name ``<module>.<param>`` (``weight``, ``bias``...)."""
+        """Like :meth:`resolve` for a parameter name ``<module>.<param>`` (``weight``, ``bias``...).
+
+        The wrapper prefix is stripped first (so a bare top-level parameter under it,
+        ``model.diffusion_model.scale_shift_table``, is not mistaken for a module); then the
+        first matching :class:`ParamRename` gives the name (shard ``None``), else the module
+        part goes through the rules and the leaf is kept."""
+        param_name = self._strip(param_name)
+        for rename in self.param_renames:
+            out = rename.apply(param_name)
+            if out is not None:
+                return out, None
         module, _, leaf = param_name.rpartition(".")
         if not module:
             return param_name, None

@@ -32,8 +32,8 @@ layout with these renames (source: diffusers 0.42.1 ``convert_ltx2_transformer_t
 * in every attention: ``q_norm`` / ``k_norm`` -> ``norm_q`` / ``norm_k``;
 * bare block parameters: ``scale_shift_table_a2v_ca_video`` ->
   ``video_a2v_cross_attn_scale_shift_table``, ``scale_shift_table_a2v_ca_audio`` ->
-  ``audio_a2v_cross_attn_scale_shift_table`` (:class:`ParamRename`: a module rule cannot rename a
-  parameter's leaf).
+  ``audio_a2v_cross_attn_scale_shift_table`` (``name_map.ParamRename``: a module rule cannot
+  rename a parameter's leaf).
 
 The single file also holds the text connectors (``video_embeddings_connector`` /
 ``audio_embeddings_connector``, which diffusers moves to its ``connectors`` component) and the
@@ -47,56 +47,14 @@ touched by them.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from sglang.multimodal_gen.models.name_map import BlockRule, NameMap, NameRule, ParamRename, ShardId
 
-from sglang.multimodal_gen.models.name_map import BlockRule, NameMap, NameRule, ShardId
-
-__all__ = ["LTX2_BLOCKS", "LTX2_NAME_MAP", "LTX2NameMap", "ParamRename"]
+__all__ = ["LTX2_BLOCKS", "LTX2_NAME_MAP"]
 
 LTX2_BLOCKS = "transformer_blocks"
 LTX2_SELF_ATTNS = ("attn1", "audio_attn1")
 LTX2_CROSS_ATTNS = ("attn2", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
 LTX2_STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-
-
-@dataclass(frozen=True)
-class ParamRename:
-    """Rename one whole parameter name (regular expression ``pattern`` fully matched, ``re``
-    template ``target``), applied after the wrapper prefix is stripped."""
-
-    pattern: str
-    target: str
-
-    def apply(self, param_name: str) -> str | None:
-        m = re.fullmatch(self.pattern, param_name)
-        return None if m is None else m.expand(self.target)
-
-
-class LTX2NameMap(NameMap):
-    """:class:`NameMap` plus :class:`ParamRename` entries for the renamed bare block parameters.
-
-    ``resolve_param`` strips a wrapper prefix and tries the parameter renames first (shard
-    ``None``); other names go through the module rules.
-    """
-
-    def __init__(self, rules, strip_prefixes=(), param_renames=()):
-        super().__init__(rules, strip_prefixes)
-        self.param_renames = tuple(param_renames)
-
-    def resolve_param(self, param_name: str) -> tuple[str, ShardId]:
-        stripped = param_name
-        for p in self.strip_prefixes:
-            if stripped.startswith(p):
-                stripped = stripped[len(p) :]
-                break
-        for rename in self.param_renames:
-            out = rename.apply(stripped)
-            if out is not None:
-                return out, None
-        # stripped first: a bare top-level parameter (``model.diffusion_model.scale_shift_table``)
-        # has the wrapper without its trailing dot as its module part
-        return super().resolve_param(stripped)
 
 
 def _top(source: str, target: str) -> NameRule:
@@ -137,7 +95,7 @@ def _rules() -> list[NameRule]:
     return rules
 
 
-LTX2_NAME_MAP = LTX2NameMap(
+LTX2_NAME_MAP = NameMap(
     rules=_rules(),
     strip_prefixes=LTX2_STRIP_PREFIXES,
     param_renames=(

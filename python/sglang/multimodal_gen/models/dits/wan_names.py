@@ -38,7 +38,8 @@ The other original -> diffusers renames (source: diffusers 0.42.1
 Two renames are of *parameters*, not modules (``blocks.N.modulation`` is a bare ``[1, 6, D]``
 parameter of the block, ``head.modulation`` a ``[1, 2, D]`` one of the head), which a module
 :class:`NameRule` cannot express because ``resolve_param`` only renames the module part. They are
-:class:`ParamRename` entries of :class:`WanNameMap`, applied by its ``resolve_param``. No LoRA
+:class:`~sglang.multimodal_gen.models.name_map.ParamRename` entries of the map, applied by its
+``resolve_param``. No LoRA
 targets them (they are not linear layers).
 
 Not mapped (the model refuses these configs): the I2V image branch ``cross_attn.k_img|v_img|
@@ -52,57 +53,11 @@ directly), so the LoRA adapter's rule inversion finds it at depth 1.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from sglang.multimodal_gen.models.name_map import BlockRule, NameMap, NameRule, ParamRename, ShardId
 
-from sglang.multimodal_gen.models.name_map import BlockRule, NameMap, NameRule, ShardId
-
-__all__ = ["WAN_BLOCKS", "WAN_NAME_MAP", "ParamRename", "WanNameMap"]
+__all__ = ["WAN_BLOCKS", "WAN_NAME_MAP"]
 
 WAN_BLOCKS = "blocks"
-
-
-@dataclass(frozen=True)
-class ParamRename:
-    """Rename one *parameter* (module path and leaf together), on full parameter names.
-
-    ``pattern`` is a regular expression matched against the whole parameter name (wrapper
-    prefixes already stripped); ``target`` is its ``re`` replacement template. E.g.
-    ``ParamRename(r"blocks\\.(\\d+)\\.modulation", r"blocks.\\1.scale_shift_table")``.
-    """
-
-    pattern: str
-    target: str
-
-    def apply(self, param_name: str) -> str | None:
-        m = re.fullmatch(self.pattern, param_name)
-        return None if m is None else m.expand(self.target)
-
-
-class WanNameMap(NameMap):
-    """:class:`NameMap` plus :class:`ParamRename` entries for renamed bare parameters.
-
-    ``resolve_param`` first strips the wrapper prefixes and tries the parameter renames (shard
-    ``None``); other names go through the module rules as in :class:`NameMap`.
-    """
-
-    def __init__(self, rules, strip_prefixes=(), param_renames=()):
-        super().__init__(rules, strip_prefixes)
-        self.param_renames = tuple(param_renames)
-
-    def _strip(self, name: str) -> str:
-        for p in self.strip_prefixes:
-            if name.startswith(p):
-                return name[len(p) :]
-        return name
-
-    def resolve_param(self, param_name: str) -> tuple[str, ShardId]:
-        stripped = self._strip(param_name)
-        for rename in self.param_renames:
-            out = rename.apply(stripped)
-            if out is not None:
-                return out, None
-        return super().resolve_param(param_name)
 
 
 def _block(source: str, target: str, shard_id: ShardId = None) -> BlockRule:
@@ -113,7 +68,7 @@ def _top(source: str, target: str) -> NameRule:
     return NameRule(source, target, prefix_only=True)
 
 
-WAN_NAME_MAP = WanNameMap(
+WAN_NAME_MAP = NameMap(
     rules=(
         # ---- original top-level modules -> diffusers
         _top("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
