@@ -1734,7 +1734,7 @@ MUTANTS: list[Mutant] = [
         'contexts = ["joint"] * rows if self.step_cache_joint_branches else ["cond", "uncond"]',
         'contexts = ["joint"] * rows',
         ("test/integration/caching/test_fbcache_parity.py",),
-        ("-k", "true-cfg"),
+        ("--extended", "-k", "true-cfg"),
         why="Flux's cond and uncond decide together (diffusers: one cache context per branch)",
     ),
 ]

@@ -119,6 +119,9 @@ EXTENDED = {
     # unit/layers/lora/layer/test_quantized.py's test_tp2_pieces_equal_one_process)
     "integration/quantization/test_quantized_lora.py::test_tp2_unmerged_lora_equals_one_process"
     "[modelopt-fp8]",
+    # Flux FBCache parity under true CFG, one cache state per branch (the default tier: the
+    # guidance case of the same test, and test_step_cache's states per branch context)
+    "integration/caching/test_fbcache_parity.py::test_flux_fbcache_matches_diffusers[true-cfg]",
 }
 
 
