@@ -243,7 +243,7 @@ def emulate_fp8(layer, x: torch.Tensor) -> torch.Tensor:
 def gemm_case(spec: str, tokens: int, device: torch.device, args) -> tuple[str, list[str]]:
     """Time and check one ``in:out`` shape; returns the table row and the failed checks."""
     import torch.nn.functional as F
-    from sglang.multimodal_gen.layers.quantization.fp8 import FP8_GEMM_ENV, _fp8_tensor_cores
+    from sglang.multimodal_gen.layers.quantization.fp8 import FP8_GEMM_ENV, fp8_gemm_available
 
     k, n = (int(v) for v in spec.split(":"))
     g = torch.Generator().manual_seed(k * 31 + n)
@@ -284,7 +284,7 @@ def gemm_case(spec: str, tokens: int, device: torch.device, args) -> tuple[str, 
         if not e_deq <= DEQ_REL_ERR:
             failed.append(f"{spec} {tag}: err/deq {e_deq:.3g} > {DEQ_REL_ERR}")
         # the forward's dispatch: its output is _scaled_mm's (weight-only would differ by err/deq)
-        if _fp8_tensor_cores(device) and not rel_err(layer(x)[0], y) <= PATH_REL_ERR:
+        if fp8_gemm_available(device) and not rel_err(layer(x)[0], y) <= PATH_REL_ERR:
             failed.append(f"{spec} {tag}: the layer's forward did not take the _scaled_mm path")
     flops = 2 * tokens * k * n
     row = (
@@ -320,12 +320,12 @@ def gemm_main(args) -> int:
         shapes = [":".join(map(scale, s.split(":"))) for s in shapes]
         tokens //= SMALL_DIVISOR
     if device.type == "cuda":
-        from sglang.multimodal_gen.layers.quantization.fp8 import _fp8_tensor_cores
+        from sglang.multimodal_gen.layers.quantization.fp8 import fp8_gemm_available
 
         cap = torch.cuda.get_device_capability(device)
         print(
             f"{torch.cuda.get_device_name(device)} sm{cap[0]}{cap[1]} torch={torch.__version__} "
-            f"fp8 path: {'torch._scaled_mm' if _fp8_tensor_cores(device) else 'weight-only'}"
+            f"fp8 path: {'torch._scaled_mm' if fp8_gemm_available(device) else 'weight-only'}"
         )
     else:
         print(

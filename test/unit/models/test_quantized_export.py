@@ -77,3 +77,28 @@ def test_missing_source_is_one_line_and_exit_2(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("quantized_export: error: ")
     assert "absent" in err[0]
     assert not os.path.exists(tmp_path / "dst")
+
+
+def test_nvfp4_declares_the_layers_it_keeps_for_the_block_size(tmp_path):
+    """A linear layer whose in-features are not a multiple of 16 stays in full precision and is
+    written to ``ignore``: the loader refuses an undeclared unquantized layer, so an export that
+    left it out could not be loaded."""
+    src = tmp_path / "transformer"
+    src.mkdir()
+    g = torch.Generator().manual_seed(1)
+    save_file(
+        {
+            "blocks.0.odd.weight": torch.randn(32, 24, generator=g),
+            "blocks.0.even.weight": torch.randn(32, 32, generator=g),
+        },
+        str(src / WEIGHTS),
+    )
+    (src / "config.json").write_text(json.dumps({"_class_name": "TinyTransformer"}))
+    dst = str(tmp_path / "nvfp4")
+    assert main([str(src), dst, "--format", "modelopt-nvfp4", "--ignore"]) == 0
+    with open(os.path.join(dst, "config.json"), encoding="utf-8") as f:
+        ignore = json.load(f)["quantization_config"]["ignore"]
+    assert ignore == ["blocks.0.odd"]
+    out = load_file(os.path.join(dst, WEIGHTS))
+    assert out["blocks.0.odd.weight"].dtype == torch.float32
+    assert out["blocks.0.even.weight"].dtype == torch.uint8

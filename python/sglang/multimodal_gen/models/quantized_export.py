@@ -108,7 +108,8 @@ def export_quantized(
         fmt: one of :data:`FORMATS`. ModelOpt formats write a folder ``dst`` (``config.json``
             with ``quantization_config`` + ``diffusion_pytorch_model.safetensors``);
             ``comfyui-fp8`` writes the single file ``dst``.
-        ignore: module-name globs kept in full precision (written to ``quantization_config``).
+        ignore: module-name globs kept in full precision (written to ``quantization_config``,
+            with, for NVFP4, every linear layer whose in-features are not a multiple of 16).
         key_prefix: prepended to every tensor name (``"model.diffusion_model."`` as ComfyUI
             files have it).
 
@@ -127,8 +128,12 @@ def export_quantized(
     nvfp4 = fmt == "modelopt-nvfp4"
     out: dict[str, torch.Tensor] = {}
     done = []
+    ignore = list(ignore)
     for name, t in state.items():
         if not _quantizable(name, t, ignore, nvfp4):
+            if nvfp4 and _quantizable(name, t, ignore, False):
+                # kept in full precision for the block size: declared, as the loader requires
+                ignore.append(key_prefix + name[: -len(".weight")])
             out[key_prefix + name] = t.contiguous()
             continue
         module = key_prefix + name[: -len(".weight")]

@@ -10,11 +10,14 @@ TensorRT-Model-Optimizer; ComfyUI's ``scaled_fp8`` files store the same product 
 GEMM: on CUDA devices with FP8 tensor cores (compute capability 8.9 or higher)
 ``torch._scaled_mm`` with row-wise scales, activations quantized with the checkpoint's static
 ``input_scale`` (the largest of the fused sources', as vLLM does) or, without one, per token;
-elsewhere weight-only: the weight is dequantized to the compute dtype for each GEMM.
+elsewhere weight-only: the weight is dequantized to the compute dtype for each GEMM. A torch
+build whose row-wise FP8 kernel refuses the device or dtype (some refuse fp16 outputs) falls back
+to weight-only for that pair, with one warning.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -29,7 +32,9 @@ from sglang.multimodal_gen.layers.quantization.scales import (
     new_param,
 )
 
-__all__ = ["FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
+__all__ = ["FP8_MAX", "Fp8LinearMethod", "fp8_gemm_available", "quantize_rows_fp8"]
+
+logger = logging.getLogger(__name__)
 
 #: largest finite float8_e4m3fn value
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -51,8 +56,17 @@ def quantize_rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _fp8_tensor_cores(device: torch.device) -> bool:
+# (device, activation dtype) pairs whose torch build refused the row-wise FP8 GEMM
+_SCALED_MM_REFUSED: set[tuple[str, torch.dtype]] = set()
+
+
+def fp8_gemm_available(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether :class:`Fp8LinearMethod` runs ``torch._scaled_mm`` for activations of ``dtype`` on
+    ``device``: CUDA with compute capability >= 8.9, not switched off with
+    ``SGLANG_DIFFUSION_FP8_GEMM=0``, and not refused by this torch build before."""
     if device.type != "cuda" or os.environ.get(FP8_GEMM_ENV, "1") == "0":
+        return False
+    if (str(device), dtype) in _SCALED_MM_REFUSED:
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -136,8 +150,18 @@ class Fp8LinearMethod(QuantizationMethod):
         return w.to(dtype)
 
     def apply(self, layer, x, bias):
-        if _fp8_tensor_cores(x.device):
-            y = self._scaled_mm(layer, x, bias)
+        if fp8_gemm_available(x.device, x.dtype):
+            try:
+                y = self._scaled_mm(layer, x, bias)
+            except RuntimeError as e:  # a build without the row-wise kernel for this dtype
+                _SCALED_MM_REFUSED.add((str(x.device), x.dtype))
+                logger.warning(
+                    "FP8 GEMM unavailable on %s for %s (%s); using the weight-only path",
+                    x.device,
+                    x.dtype,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__,
+                )
+                y = None
             if y is not None:
                 return y
         return linear_rows_invariant(x, self.dequantize(layer, x.dtype), bias)
