@@ -1740,10 +1740,58 @@ MUTANTS: list[Mutant] = [
     _m(
         "export-nvfp4-undeclared-float-layer",
         "models/quantized_export.py",
-        "                ignore.append(key_prefix + name[: -len(\".weight\")])",
+        '                ignore.append(key_prefix + name[: -len(".weight")])',
         "                pass",
         ("test/unit/models/test_quantized_export.py",),
         why="an NVFP4 export keeps a layer in float without declaring it: its loader refuses it",
+    ),
+    # ---- original (non-diffusers) layouts: Flux BFL, Wan-AI, Tongyi Z-Image, ComfyUI Qwen-Image
+    _m(
+        "flux-bfl-query-norm-scale-unmapped",
+        "models/dits/flux_names.py",
+        'r"double_blocks\\.(\\d+)\\.img_attn\\.norm\\.query_norm\\.scale",',
+        'r"double_blocks\\.(\\d+)\\.img_attn\\.norm\\.query_norm\\.scale_",',
+        ("test/integration/quantization/test_original_layouts.py",),
+        ("-k", "flux"),
+        why="BFL's query_norm.scale reaches no parameter: a full BFL / ComfyUI Flux file fails",
+    ),
+    _m(
+        "flux-bfl-img-txt-query-norms-swapped",
+        "models/dits/flux_names.py",
+        'rf"{DOUBLE_BLOCKS}.\\1.attn.norm_q.weight",\n        ),\n        ParamRename(\n            r"double_blocks\\.(\\d+)\\.img_attn\\.norm\\.key_norm\\.scale",\n            rf"{DOUBLE_BLOCKS}.\\1.attn.norm_k.weight",\n        ),\n        ParamRename(\n            r"double_blocks\\.(\\d+)\\.txt_attn\\.norm\\.query_norm\\.scale",\n            rf"{DOUBLE_BLOCKS}.\\1.attn.norm_added_q.weight"',
+        'rf"{DOUBLE_BLOCKS}.\\1.attn.norm_added_q.weight",\n        ),\n        ParamRename(\n            r"double_blocks\\.(\\d+)\\.img_attn\\.norm\\.key_norm\\.scale",\n            rf"{DOUBLE_BLOCKS}.\\1.attn.norm_k.weight",\n        ),\n        ParamRename(\n            r"double_blocks\\.(\\d+)\\.txt_attn\\.norm\\.query_norm\\.scale",\n            rf"{DOUBLE_BLOCKS}.\\1.attn.norm_q.weight"',
+        ("test/integration/quantization/test_original_layouts.py",),
+        ("-k", "flux"),
+        why="BFL's image / text q-norm scales loaded into each other's norms: loads, wrong numbers",
+    ),
+    _m(
+        "flux-bfl-single-key-norm-as-query",
+        "models/dits/flux_names.py",
+        'rf"{SINGLE_BLOCKS}.\\1.attn.norm_k.weight",',
+        'rf"{SINGLE_BLOCKS}.\\1.attn.norm_q.weight",',
+        ("test/integration/quantization/test_original_layouts.py",),
+        ("-k", "flux"),
+        why="a single block's key_norm.scale loads its norm_q a second time, norm_k never",
+    ),
+    _m(
+        "name-map-param-prefix-not-stripped",
+        "models/name_map.py",
+        "param_name = self._strip(param_name)\n",
+        "\n",
+        ("test/integration/quantization/test_original_layouts.py",),
+        ("-k", "zimage and comfy"),
+        why="model.diffusion_model.x_pad_token splits as module 'model.diffusion_model': a "
+        "prefixed (ComfyUI) Z-Image file's top-level parameters reach nothing",
+    ),
+    _m(
+        "name-map-param-renames-ignored",
+        "models/name_map.py",
+        "for rename in self.param_renames:\n            out = rename.apply(param_name)",
+        "for rename in ():\n            out = rename.apply(param_name)",
+        ("test/integration/quantization/test_original_layouts.py",),
+        ("-k", "wan-ti2v and original_layout_file"),
+        why="whole-parameter renames skipped: Wan's modulation / head.modulation and BFL's "
+        "query_norm.scale reach nothing",
     ),
 ]
 

@@ -43,8 +43,12 @@ What a rename cannot do, so BFL names need more:
   ``norm_out.linear`` as ``(scale, shift)``: its rule carries ``row_order=(1, 0)``, and whoever
   loads output-row data under that name (weight/bias rows, a LoRA ``B`` and bias; never a LoRA
   ``A``) swaps the halves (the LoRA adapter does, through ``NameMap.row_order``).
-* BFL q/k norms call their parameter ``scale`` (``query_norm.scale``), ours ``weight``; the
-  module names map, the leaf does not (only matters for full BFL checkpoints, not for LoRA).
+* BFL q/k norms call their parameter ``scale`` (``query_norm.scale``), ours ``weight``: a module
+  rule keeps the leaf, so these six parameters are :class:`~sglang.multimodal_gen.models.name_map.
+  ParamRename` entries (``double_blocks.N.img_attn.norm.query_norm.scale`` ->
+  ``transformer_blocks.N.attn.norm_q.weight``, ``txt_attn`` -> ``norm_added_q|k``, single blocks'
+  ``norm.query_norm|key_norm.scale`` -> ``attn.norm_q|norm_k.weight``). Only full BFL checkpoints
+  have them (ComfyUI's single files included); no LoRA targets a norm.
 
 Rule order (``NameMap.resolve`` applies every rule in turn to the renamed name): first the BFL
 block prefixes (``double_blocks`` -> ``transformer_blocks``, ``single_blocks`` ->
@@ -56,7 +60,13 @@ single block, and a plain :class:`NameRule` cannot see which block it is in.
 
 from __future__ import annotations
 
-from sglang.multimodal_gen.models.name_map import BlockRule, NameMap, NameRule, ShardId
+from sglang.multimodal_gen.models.name_map import (
+    BlockRule,
+    NameMap,
+    NameRule,
+    ParamRename,
+    ShardId,
+)
 
 DOUBLE_BLOCKS = "transformer_blocks"
 SINGLE_BLOCKS = "single_transformer_blocks"
@@ -133,6 +143,33 @@ FLUX_NAME_MAP = NameMap(
         # adds to the q|k|v rows of linear1 only (not the mlp rows), proj_lora to linear2
         _single("processor.qkv_lora", "to_qkv_mlp", (0, 1, 2)),
         _single("processor.proj_lora", "proj_out"),
+    ),
+    # BFL RMSNorm parameters are called ``scale`` (ours ``weight``): whole-parameter renames
+    param_renames=(
+        ParamRename(
+            r"double_blocks\.(\d+)\.img_attn\.norm\.query_norm\.scale",
+            rf"{DOUBLE_BLOCKS}.\1.attn.norm_q.weight",
+        ),
+        ParamRename(
+            r"double_blocks\.(\d+)\.img_attn\.norm\.key_norm\.scale",
+            rf"{DOUBLE_BLOCKS}.\1.attn.norm_k.weight",
+        ),
+        ParamRename(
+            r"double_blocks\.(\d+)\.txt_attn\.norm\.query_norm\.scale",
+            rf"{DOUBLE_BLOCKS}.\1.attn.norm_added_q.weight",
+        ),
+        ParamRename(
+            r"double_blocks\.(\d+)\.txt_attn\.norm\.key_norm\.scale",
+            rf"{DOUBLE_BLOCKS}.\1.attn.norm_added_k.weight",
+        ),
+        ParamRename(
+            r"single_blocks\.(\d+)\.norm\.query_norm\.scale",
+            rf"{SINGLE_BLOCKS}.\1.attn.norm_q.weight",
+        ),
+        ParamRename(
+            r"single_blocks\.(\d+)\.norm\.key_norm\.scale",
+            rf"{SINGLE_BLOCKS}.\1.attn.norm_k.weight",
+        ),
     ),
     # ComfyUI / original single-file checkpoints wrap the names (the LoRA adapter strips these
     # itself as well; listing them here lets the base-weight loader read such files too)
