@@ -94,7 +94,8 @@ def load_tensors_into(
     Args:
         model: the module to fill (parameters may be uninitialised).
         tensors: iterable of ``(source, name, tensor)``; ``source`` (a file path) is used in errors.
-        name_map: checkpoint -> our names (``None``: identity).
+        name_map: checkpoint -> our names (``None``: identity); tensors it calls unused
+            (``NameMap.is_unused``) are skipped.
         strict: unknown tensors and parameters left unloaded are errors.
         where: names the checkpoint in the "missing tensors" error.
 
@@ -110,6 +111,8 @@ def load_tensors_into(
     loaded: dict[str, set] = defaultdict(set)
     n = 0
     for source, key, tensor in tensors:
+        if name_map is not None and name_map.is_unused(key):
+            continue  # carried by the checkpoint's layout, not used by the model
         ours, shard_id = name_map.resolve_param(key) if name_map else (key, None)
         param = params.get(ours)
         if param is None:

@@ -102,6 +102,9 @@ class NameMap:
             (``"model.diffusion_model."``, ...); removed before the rules run.
         param_renames: :class:`ParamRename` entries tried (in order) on whole parameter names
             by ``resolve_param`` before the module rules.
+        unused: regular expressions (fully matched, wrapper prefix stripped) naming tensors a
+            checkpoint layout carries but the model does not use (e.g. a parameter of a module
+            its forward never calls); the weight loader skips them (:meth:`is_unused`).
 
     ``resolve(name)`` accepts module names (no ``.weight``/``.bias`` suffix); ``resolve_param``
     accepts parameter names and keeps the suffix.
@@ -112,10 +115,12 @@ class NameMap:
         rules: Iterable[NameRule],
         strip_prefixes: Iterable[str] = (),
         param_renames: Iterable[ParamRename] = (),
+        unused: Iterable[str] = (),
     ):
         self.rules = tuple(rules)
         self.strip_prefixes = tuple(strip_prefixes)
         self.param_renames = tuple(param_renames)
+        self.unused = tuple(unused)
 
     def _strip(self, name: str) -> str:
         for p in self.strip_prefixes:
@@ -150,6 +155,12 @@ class NameMap:
         """The :attr:`NameRule.row_order` of the rules ``name`` resolves through (``None``: the
         source rows are in our order)."""
         return self._walk(name)[2]
+
+    def is_unused(self, param_name: str) -> bool:
+        """Whether the checkpoint tensor ``param_name`` is one the model does not use
+        (an ``unused`` pattern matches it)."""
+        stripped = self._strip(param_name)
+        return any(re.fullmatch(p, stripped) for p in self.unused)
 
     def resolve_param(self, param_name: str) -> tuple[str, ShardId | ShardGroup]:
         """Like :meth:`resolve` for a parameter name ``<module>.<param>`` (``weight``, ``bias``...).

@@ -6,7 +6,10 @@ transformer's weight loader and by the LoRA format adapter alike.
 Source for the original -> diffusers renames: diffusers'
 ``convert_z_image_transformer_checkpoint_to_diffusers`` (diffusers 0.42), which splits the
 original fused ``attention.qkv`` into equal thirds and renames ``attention.out``, ``q_norm``/``k_norm``,
-``x_embedder`` and ``final_layer``.
+``x_embedder`` and ``final_layer``, and drops ``norm_final.weight`` when present. Single files in
+the original layout may carry that norm (ComfyUI's Z-Image model declares it and reports it
+missing otherwise); no forward uses it (the final layer has its own norm), so the map lists it as
+``unused`` and the loader skips it.
 """
 
 from __future__ import annotations
@@ -30,4 +33,5 @@ ZIMAGE_NAME_MAP = NameMap(
         NameRule("feed_forward.w3", "feed_forward.w13", 1),
     ),
     strip_prefixes=("model.diffusion_model.",),
+    unused=(r"norm_final\.weight",),
 )
