@@ -1793,6 +1793,15 @@ MUTANTS: list[Mutant] = [
         why="whole-parameter renames skipped: Wan's modulation / head.modulation and BFL's "
         "query_norm.scale reach nothing",
     ),
+    _m(
+        "zimage-norm-final-not-unused",
+        "models/dits/zimage_names.py",
+        'unused=(r"norm_final\\.weight",),',
+        "unused=(),",
+        ("test/integration/quantization/test_original_layouts.py",),
+        ("-k", "zimage and original_layout_file"),
+        why="a Z-Image file in the original layout with its unused norm_final.weight is refused",
+    ),
 ]
 
 

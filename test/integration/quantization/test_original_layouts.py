@@ -36,9 +36,9 @@ qwen-image    1.9e-7                 1.9e-7 (0.035)
 ============  =====================  ==============================================
 
 (Z-Image's 1.9e-6 is its own: ours from the diffusers-layout folder is as far, bit for bit the
-same output.) Not covered: the original layouts' tensors that diffusers' converters drop or that
-our models refuse (Z-Image's ``norm_final.weight``, which the converter discards when present;
-Wan's I2V image branch ``img_emb`` / ``k_img``).
+same output.) Z-Image's file carries the unused ``norm_final.weight`` its converter drops (the
+name map's ``unused``). Not covered: Wan's I2V image branch (``img_emb``, ``k_img``), which our
+Wan refuses in any layout.
 """
 
 from __future__ import annotations
@@ -180,8 +180,12 @@ def wan_to_original(state: Tensors) -> Tensors:
 
 def zimage_to_original(state: Tensors) -> Tensors:
     """A diffusers Z-Image state dict in Tongyi's names: ``attention.qkv`` (q | k | v rows),
-    ``attention.out``, ``q_norm|k_norm``, ``x_embedder``, ``final_layer``."""
+    ``attention.out``, ``q_norm|k_norm``, ``x_embedder``, ``final_layer``, plus the unused
+    ``norm_final.weight`` such files may carry (diffusers' converter drops it; random values
+    here, so that loading it anywhere would show)."""
     state, out = dict(state), {}
+    dim = state["cap_pad_token"].shape[-1]
+    out["norm_final.weight"] = torch.randn(dim, generator=torch.Generator().manual_seed(7))
     for name in [k for k in state if k.endswith(".attention.to_q.weight")]:
         base = name[: -len("to_q.weight")]
         out[base + "qkv.weight"] = torch.cat([state.pop(f"{base}to_{s}.weight") for s in "qkv"])
