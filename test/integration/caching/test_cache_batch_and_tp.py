@@ -109,3 +109,17 @@ def test_tp2_equals_tp1(alone, tiny_flux_dev_dir):
         assert world == 2
         assert summary == single[0][1], f"rank {rank}: {summary} vs TP 1 {single[0][1]}"
         assert psnr(px, single[0][0]) >= MIN_PSNR
+
+
+def test_enable_refuses_what_cannot_be_cached(alone):
+    from types import SimpleNamespace
+
+    pipe, _ = alone
+    with pytest.raises(ValueError, match="--cache-fn 8 \\+ --cache-bn 0 leave none of the 4"):
+        pipe.enable_step_cache(StepCacheConfig.of("dbcache"))  # cache-dit's F8B0
+    assert pipe.step_cache == CACHE  # unchanged
+    other = SimpleNamespace(
+        denoisers={"transformer": torch.nn.Linear(2, 2)}, family=SimpleNamespace(display_name="Wan")
+    )
+    with pytest.raises(ValueError, match="the Wan denoiser 'transformer' does not support step"):
+        FluxPipeline.enable_step_cache(other, CACHE)

@@ -259,7 +259,8 @@ class StagedPipeline:
 
         Raises:
             ValueError: a denoiser of this family does not declare its blocks
-                (:class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`) yet.
+                (:class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`) yet, or
+                ``Fn + Bn`` leaves none of its blocks to cache.
         """
         if config is not None and config.enabled:
             for name, d in self.denoisers.items():
@@ -267,6 +268,12 @@ class StagedPipeline:
                     raise ValueError(
                         f"--cache-method {config.method}: the {self.family.display_name} "
                         f"denoiser {name!r} does not support step caching yet"
+                    )
+                n = d.block_sequence().num_blocks
+                if config.fn + config.bn >= n:
+                    raise ValueError(
+                        f"--cache-fn {config.fn} + --cache-bn {config.bn} leave none of the "
+                        f"{n} blocks of denoiser {name!r} to cache"
                     )
         self.step_cache = config if config is not None and config.enabled else None
 

@@ -270,13 +270,14 @@ class FluxTransformer(nn.Module):
             x, ctx = self.block_sequence(temb, (cos, sin), ctx.shape[1]).run((x, ctx))
         return xs.gather(self.proj_out(self.norm_out(x, temb))[0])
 
-    def block_sequence(self, temb: torch.Tensor, rope, n_txt: int) -> BlockSequence:
+    def block_sequence(self, temb=None, rope=None, n_txt: int = 0) -> BlockSequence:
         """The blocks as one :class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`
         on the canonical streams ``(image [B, S_img, D], text [B, S_txt, D])``: the dual-stream
         blocks, then the single-stream blocks on ``cat([text, image])`` (the reference
         concatenates and splits in every single block; doing it once around all of them is the
         same arithmetic). ``temb [B, D]`` is a row argument; ``rope`` (``(cos, sin)``) and
-        ``n_txt`` (local text tokens) are shared."""
+        ``n_txt`` (local text tokens) are shared. Without arguments: the declaration alone (its
+        block count), not runnable."""
         return BlockSequence(
             owner=self,
             stages=(

@@ -342,13 +342,14 @@ class ZImageTransformer(nn.Module):
         out = self.all_final_layer[key](u, adaln)
         return [self._unpatchify(out[i], grids[i], patch_size, f_patch_size) for i in range(bsz)]
 
-    def block_sequence(self, adaln, ucis, umask, lengths) -> BlockSequence:
+    def block_sequence(self, adaln=None, ucis=None, umask=None, lengths=None) -> BlockSequence:
         """The main ``layers`` as one
         :class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence` on the unified stream
         ``[B, S, dim]`` (the refiners stay outside, as diffusers' caches leave them). Row
         arguments: ``adaln [B, dim]``, RoPE ``ucis [B, S, head_dim / 2]`` complex64, key mask
         ``umask [B, S]`` bool or ``None``; ``lengths``: each row's unified tokens (``None`` under
-        sequence parallelism, where a rank holds chunks of both token kinds)."""
+        sequence parallelism, where a rank holds chunks of both token kinds). Without arguments:
+        the declaration alone (its block count), not runnable."""
         return BlockSequence(
             owner=self,
             stages=(
