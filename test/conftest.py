@@ -25,6 +25,13 @@ if TEST_ROOT not in sys.path:
 #: each), run by ``scripts/test.sh --all`` (``pytest --extended``) and not by CI's default run,
 #: which must stay under 20 minutes on 2 cores. Node ids without the ``test/`` prefix.
 EXTENDED = {
+    # TP 2 of ComfyUI FP8 files in the original layout, one scale over a fused q | k | v (TP 2 of
+    # per-source scales on fused Flux layers: test_quantized_parity's test_flux_tp2_equals_tp1
+    # [nvfp4]; one scale over a fused source at TP 1: this file's other tests)
+    "integration/quantization/test_original_layouts.py::"
+    "test_comfyui_fp8_original_layout_tp2_equals_tp1[flux]",
+    "integration/quantization/test_original_layouts.py::"
+    "test_comfyui_fp8_original_layout_tp2_equals_tp1[zimage]",
     # TP 4 of each DiT (TP 2 of every family: the conformance suite's engine test)
     "integration/families/test_flux_transformer_parity.py::test_tp2_and_tp4_equal_tp1",
     "integration/families/test_wan_transformer_parity.py::test_tp2_and_tp4_equal_tp1",
