@@ -415,8 +415,8 @@ def test_flux_dit_comfyui_fp8_original_layout_matches_diffusers(flux_dit, tmp_pa
     MLP rows share it) and a per-tensor scale under ``final_layer.adaLN_modulation.1``, whose
     rows the loader swaps (its 0-d scale must pass through untouched).
 
-    The q/k RMSNorm weights keep their diffusers names: BFL calls them ``...query_norm.scale``,
-    which the Flux name map does not rename (a full BFL checkpoint fails on them)."""
+    The q/k RMSNorm weights keep their diffusers names here (the whole BFL layout, norms
+    included, is test_original_layouts.py's)."""
     ref = flux_dit["ref"]
     cfg = ref.config
     own = {k: v.detach().clone() for k, v in ref.state_dict().items()}
