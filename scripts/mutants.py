@@ -1729,6 +1729,14 @@ MUTANTS: list[Mutant] = [
         why="a skipped step leaves the text stream of dual-stream blocks at the head output",
     ),
     _m(
+        "step-cache-lora-mapping-not-narrowed",
+        "layers/step_cache.py",
+        "with ctx.rows(RowMapping.of([ctx.mapping.compositions[i] for i in index])):",
+        "with ctx.rows(ctx.mapping):",
+        ("test/unit/layers/test_step_cache.py",),
+        why="the computing rows of a mixed call run under the whole batch's row mapping",
+    ),
+    _m(
         "step-cache-cfg-branches-share-one-state",
         "pipelines/base.py",
         'contexts = ["joint"] * rows if self.step_cache_joint_branches else ["cond", "uncond"]',

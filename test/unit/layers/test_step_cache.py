@@ -215,3 +215,34 @@ def test_config_presets_and_refusals():
     ):
         _ours(m, _steps(1, 1, 0.1, n=1), torch.ones(1, D),
               [CacheRow(RequestCache(StepCacheConfig.of("dbcache", fn=3, bn=1)))])  # fmt: skip
+
+
+def test_a_call_of_some_rows_narrows_the_lora_row_mapping(monkeypatch):
+    """Requests with other adapters share a call; when only some compute, the middle blocks run
+    on their rows with their rows' compositions (a LoRA layer needs one per input row)."""
+    from sglang.multimodal_gen.layers.lora.composition import RowMapping
+
+    m = _model()
+    ctx = m.lora_context = LoRAContext("transformer")
+    ca, cb = Composition.of([(1, 0.5)]), Composition.of([(2, 1.0)])
+    seen = []
+    forward = Single.forward
+
+    def recording(self, h, temb):
+        seen.append((h.shape[0], None if ctx.mapping is None else ctx.mapping.compositions))
+        return forward(self, h, temb)
+
+    monkeypatch.setattr(Single, "forward", recording)
+    steady, moving = _steps(1, 2, drift=0.04), _steps(2, 1, drift=None)
+    a, b = RequestCache(FB), RequestCache(FB)
+    temb = torch.ones(3, D)
+    with ctx.rows(RowMapping.of([ca, cb, ca])):
+        for x, y in zip(steady, moving):
+            streams = tuple(torch.cat([s[:1], t, s[1:]]) for s, t in zip(x, y))
+            with cache_rows([CacheRow(a), CacheRow(b), CacheRow(a)]):
+                _seq(m, temb).run(streams)
+    assert a.skipped > 0 and b.skipped == 0
+    partial = [comps for rows, comps in seen if rows == 1]
+    assert len(partial) == 2 * a.skipped  # two single blocks per call where only b computed
+    assert all(comps == (cb,) for comps in partial)
+    assert all(comps == (ca, cb, ca) for rows, comps in seen if rows == 3)
