@@ -1737,6 +1737,15 @@ MUTANTS: list[Mutant] = [
         why="the computing rows of a mixed call run under the whole batch's row mapping",
     ),
     _m(
+        "step-cache-cfg-branches-not-summed",
+        "layers/step_cache.py",
+        "        _all_reduce(stats, get_cfg_group())\n",
+        "        pass\n",
+        ("test/integration/caching/test_cache_parallel_layouts.py",),
+        ("--extended", "-k", "cfg2"),
+        why="under CFG parallelism a joint request's branches decide on their own rows",
+    ),
+    _m(
         "step-cache-cfg-branches-share-one-state",
         "pipelines/base.py",
         'contexts = ["joint"] * rows if self.step_cache_joint_branches else ["cond", "uncond"]',

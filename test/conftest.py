@@ -126,6 +126,12 @@ EXTENDED = {
     # unit/layers/lora/layer/test_quantized.py's test_tp2_pieces_equal_one_process)
     "integration/quantization/test_quantized_lora.py::test_tp2_unmerged_lora_equals_one_process"
     "[modelopt-fp8]",
+    # step caching under Ulysses 2 and CFG parallelism (the ranks' agreement at TP 2:
+    # integration/caching/test_cache_batch_and_tp.py::test_tp2_equals_tp1)
+    "integration/caching/test_cache_parallel_layouts.py::test_parallel_layout_equals_one_process"
+    "[flux-ulysses2]",
+    "integration/caching/test_cache_parallel_layouts.py::test_parallel_layout_equals_one_process"
+    "[zimage-cfg2]",
     # Flux FBCache parity under true CFG, one cache state per branch (the default tier: the
     # guidance case of the same test, and test_step_cache's states per branch context)
     "integration/caching/test_fbcache_parity.py::test_flux_fbcache_matches_diffusers[true-cfg]",
