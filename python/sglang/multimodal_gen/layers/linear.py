@@ -199,6 +199,11 @@ class ParallelLinear(nn.Module):
     def _name(self) -> str:
         return f"{type(self).__name__}({self.prefix or '<unnamed>'})"
 
+    @property
+    def display_name(self) -> str:
+        """``ClassName(prefix)``, how errors name the layer."""
+        return self._name()
+
     def _build_shard_map(self, tp_rank: int) -> tuple[ShardSpec, ...]:
         specs, full_off, local_off = [], 0, 0
         for shard_id, full_size, local_size, src_index in self._output_sections(tp_rank):
@@ -319,6 +324,37 @@ class ParallelLinear(nn.Module):
             delattr(self, name)
         self.quant_method = method
         method.create_weights(self, device)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``.to()``, ``.half()``, ``.cuda()``...) that only MOVES a
+        quantized method's tensors: a dtype cast would turn an FP8 weight, its fp32 scales or a
+        packed FP4 weight into something else (``float8_e4m3fn`` counts as floating point).
+        A cast changes the compute dtype (``params_dtype``) and the bias instead; unquantized
+        layers follow ``fn`` as usual."""
+        if self.quant_method.name == "unquantized":
+            return super()._apply(fn, recurse)
+        probe = fn(torch.empty(0, dtype=self.params_dtype, device=self.weight.device))
+        stores = (self._parameters, self._buffers)
+        orders = [list(store) for store in stores]
+        kept = [
+            {n: t for n, t in store.items() if t is not None and n != "bias"} for store in stores
+        ]
+        for store, held in zip(stores, kept):
+            for name in held:
+                del store[name]
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for store, held, order in zip(stores, kept, orders):
+                for t in held.values():
+                    if t.device != probe.device:
+                        t.data = t.data.to(probe.device)
+                rest = dict(store)
+                store.clear()
+                for name in order:  # the original order (state_dict, offloaders)
+                    store[name] = held[name] if name in held else rest[name]
+        self.params_dtype = probe.dtype  # the compute dtype follows a cast, the storage does not
+        return self
 
     def process_weights_after_loading(self) -> None:
         """Let the quantization method finish its tensors once the checkpoint is loaded."""

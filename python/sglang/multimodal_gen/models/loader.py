@@ -217,9 +217,9 @@ class WeightOptions:
         transformer_weights_path: a safetensors file or folder replacing the weights of the
             model's ``transformer/`` (its ``config.json`` kept; a quantization config may sit in
             the safetensors metadata) (``--transformer-weights-path``).
-        quantization: quantize a floating-point transformer while loading (``--quantization``;
-            ``"fp8"``).
-        component: the denoiser these apply to (``transformer``: the primary one; a
+        quantization: quantize the floating-point denoisers while loading (``--quantization``;
+            ``"fp8"``): every denoiser, both experts of a two-expert model.
+        component: the denoiser the two paths apply to (``transformer``: the primary one; a
             two-expert model's ``transformer_2`` keeps its own files).
     """
 
@@ -283,7 +283,8 @@ def load_denoiser(
         dtype, device: compute dtype and device (quantized layers store their own dtypes).
         tp_rank, tp_size: TP coordinates (default: the TP group's).
         weights_path: read the weights from this safetensors file or folder instead of
-            ``component_dir`` (whose ``config.json`` still describes the model).
+            ``component_dir`` (whose ``config.json`` still describes the model; a
+            ``quantization_config`` in the folder's own ``config.json`` applies).
         quantization: online quantization of a floating-point checkpoint (``"fp8"``).
 
     A quantized checkpoint (``models.quantization_config``) sets each linear layer's method
@@ -305,7 +306,14 @@ def load_denoiser(
     source = weights_path or component_dir
     files = weight_files(source)
     header = read_header(files, source)
-    qconfig = resolve_quantization(cfg_json, header, quantization, component_dir)
+    qsource, qwhere = cfg_json, component_dir
+    own_cfg = os.path.join(weights_path or "", "config.json")
+    if weights_path and os.path.isdir(weights_path) and os.path.isfile(own_cfg):
+        # a weights folder with its own config.json: its quantization_config applies
+        own = read_json(own_cfg)
+        if "quantization_config" in own and "quantization_config" not in cfg_json:
+            qsource, qwhere = {"quantization_config": own["quantization_config"]}, weights_path
+    qconfig = resolve_quantization(qsource, header, quantization, qwhere)
     name_map = resolve_object(spec.name_map)
     build_device = "cpu" if qconfig is not None else device
     model = build_denoiser(spec, cfg, dtype, build_device, tp_rank, tp_size)
@@ -315,11 +323,11 @@ def load_denoiser(
         tensors = quantized_tensors(qconfig, tensors)
         logger.info("%s: %d linear layers %s", spec.component, len(planned), qconfig.describe())
     n = load_tensors_into(model, tensors, name_map, where=source)
-    for m in model.modules():
-        if isinstance(m, ParallelLinear):
-            m.process_weights_after_loading()
     if qconfig is not None:
         model = model.to(device)
+    for m in model.modules():  # on the final device (the FP8 GEMM is probed there)
+        if isinstance(m, ParallelLinear):
+            m.process_weights_after_loading()
     model.quantization = qconfig.describe() if qconfig is not None else None
     logger.info("loaded %s: %d tensors from %d files", spec.component, n, len(files))
     return model.eval()

@@ -162,11 +162,25 @@ class QuantizationConfig:
                     "supported (row-major weight_scale only)"
                 )
         group = qc.get("group_size")
-        for g in (qc.get("config_groups") or {}).values():
-            weights = (g or {}).get("weights") or {}
-            if group is None and weights.get("group_size") is not None:
+        groups = qc.get("config_groups") or {}
+        if not isinstance(groups, dict):
+            raise ModelLoadError(
+                f"{where}: quantization_config.config_groups must be an object of groups"
+            )
+        for gname, g in groups.items():
+            weights = (g or {}).get("weights") if isinstance(g, dict) or g is None else None
+            if g is not None and (not isinstance(g, dict) or not isinstance(weights or {}, dict)):
+                raise ModelLoadError(
+                    f"{where}: quantization_config.config_groups.{gname} must be an object with "
+                    "a 'weights' object"
+                )
+            if group is None and (weights or {}).get("group_size") is not None:
                 group = weights["group_size"]
         group = 16 if group is None else group
+        if isinstance(group, bool) or not isinstance(group, int):
+            raise ModelLoadError(
+                f"{where}: quantization_config.group_size must be an integer, got {group!r}"
+            )
         if algo == "nvfp4" and group != 16:
             raise ModelLoadError(
                 f"{where}: quantization_config.group_size {group!r} is not supported for NVFP4 "
@@ -192,11 +206,13 @@ class QuantizationConfig:
 
     @classmethod
     def comfyui(cls, header: CheckpointHeader) -> QuantizationConfig:
-        """ComfyUI scaled FP8 (``scaled_fp8`` marker or ``comfy_quant`` layers).
+        """ComfyUI scaled FP8 (``scaled_fp8`` marker or ``comfy_quant`` layers). A layer is
+        quantized exactly when its weight is ``float8_e4m3fn`` with a scale; the ``comfy_quant``
+        markers' contents are not read, so another format (E5M2, NVFP4, INT8...) is refused by
+        :func:`plan_quantization`'s dtype and scale checks, naming the weight.
 
         Raises:
-            ModelLoadError: an E5M2 marker or a ``comfy_quant`` format other than
-                ``float8_e4m3fn`` (names the tensor).
+            ModelLoadError: an E5M2 ``scaled_fp8`` marker (names the tensor).
         """
         marker = header.dtypes.get("scaled_fp8")
         if marker is not None and marker != torch.float8_e4m3fn:
@@ -344,7 +360,13 @@ def plan_quantization(
                     "weight scale"
                 )
         else:
-            quantized = not config.ignores(module)
+            # the diffusers module name: without a wrapper prefix the name map strips
+            bare = module
+            for prefix in getattr(name_map, "strip_prefixes", ()):
+                if bare.startswith(prefix):
+                    bare = bare[len(prefix) :]
+                    break
+            quantized = not config.ignores(bare)
             if quantized and dtype != stored:
                 raise ModelLoadError(
                     f"{where}: tensor {key!r} is {_dtype_name(dtype)}, but quantization_config "

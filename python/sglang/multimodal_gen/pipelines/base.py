@@ -233,7 +233,8 @@ class StagedPipeline:
                     tp_rank=tp_rank,
                     tp_size=tp_size,
                     weights_path=opts.transformer_weights_path if opts else None,
-                    quantization=opts.quantization if opts else None,
+                    # online quantization: every denoiser (both experts of a two-expert model)
+                    quantization=weights.quantization if weights is not None else None,
                 )
             elif name in cls.text_components and not load_text:
                 continue

@@ -22,15 +22,21 @@ HALF_ULP, HALF_SUBNORMAL = 2.0**-4, 2.0**-10
 
 
 def test_dequantize_is_the_code_times_its_row_scale():
-    layer = ql.build("column", 0, 1, Fp8LinearMethod())
-    codes = torch.tensor([0.5, -1.5, 448.0, 2.0**-9]).repeat(96, 16)  # exact e4m3 values
-    scale = torch.arange(1, 97, dtype=torch.float32) / 7
-    layer.weight_loader(layer.weight, codes.to(torch.float8_e4m3fn), None)
-    layer.weight_loader(layer.weight_scale, scale, None)  # a per-row checkpoint scale
+    """Each source's per-tensor scale on its rows (q, k, v of a fused layer: three scales)."""
+    layer = ql.build("qkv", 0, 1, Fp8LinearMethod())
+    codes = torch.tensor([0.5, -1.5, 448.0, 2.0**-9])  # exact e4m3 values
+    scales = {"q": 3.0 / 7, "k": 11.0 / 7, "v": 0.125}
+    for sid, sc in scales.items():
+        rows = layer.shard_spec(sid).full_size
+        layer.weight_loader(
+            layer.weight, codes.repeat(rows, ql.IN // 4).to(torch.float8_e4m3fn), sid
+        )
+        layer.weight_loader(layer.weight_scale, torch.tensor(sc), sid)
     got = layer.quant_method.dequantize(layer, torch.float32)
-    for n in (0, 41, 95):  # one fp32 product per element
-        want = torch.tensor([0.5, -1.5, 448.0, 2.0**-9]) * scale[n]
-        assert torch.equal(got[n, :4], want)
+    for sid, sc in scales.items():  # one fp32 product per element
+        spec = layer.shard_spec(sid)
+        for n in (spec.local_offset, spec.local_offset + spec.local_size - 1):
+            assert torch.equal(got[n, :4], codes * torch.tensor(sc))
 
 
 def test_online_quantizer_error_bound_and_scales():
@@ -149,8 +155,10 @@ def test_wrong_shapes_and_dtypes_name_the_tensor():
     codes, s = quantize_fp8(torch.randn(32, ql.IN))
     with pytest.raises(ValueError, match="weight has dtype float32, expected float8_e4m3fn"):
         layer.weight_loader(layer.weight, codes.float(), "k")
-    with pytest.raises(ValueError, match=r"weight_scale for shard 'k' has shape \[3\]"):
+    with pytest.raises(ValueError, match=r"weight_scale has shape \[3\], expected a per-tensor"):
         layer.weight_loader(layer.weight_scale, torch.ones(3), "k")
+    with pytest.raises(ValueError, match="weight_scale has dtype bfloat16, expected float32"):
+        layer.weight_loader(layer.weight_scale, torch.ones((), dtype=torch.bfloat16), "k")
     with pytest.raises(ValueError, match="weight_scale has dtype int32"):
         layer.weight_loader(layer.weight_scale, torch.ones((), dtype=torch.int32), "k")
     with pytest.raises(ValueError, match=r"input_scale has shape \[2\]"):
@@ -180,3 +188,40 @@ def test_scaled_mm_matches_weight_only(static):
     want = F.linear(x.float(), torch.cat(list(deq.values())).cuda())
     rel = (got - want).norm() / want.norm()
     assert rel < 0.08, rel  # activations rounded to e4m3 (3 mantissa bits) and bf16 output
+
+
+def test_fp8_gemm_probe_once_per_device_and_dtype(monkeypatch, caplog):
+    """The FP8 GEMM is probed once per (device, dtype) with a tiny ``torch._scaled_mm``; a build
+    that refuses it (some refuse fp16 outputs) means weight-only for that pair, one warning, and
+    no further probe; capability < 8.9, non-CUDA devices and fp32 activations never probe."""
+    from sglang.multimodal_gen.layers.quantization import fp8 as fp8_mod
+
+    calls = []
+
+    def fake_scaled_mm(a, b, scale_a, scale_b, out_dtype=None, **kw):
+        calls.append(out_dtype)
+        if out_dtype == torch.float16:
+            raise RuntimeError("Only bf16 high precision output types are supported for row-wise")
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(fp8_mod, "_SCALED_MM_OK", {})
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(torch, "zeros", lambda *s, device=None, **kw: torch.empty(*s, **kw))
+    monkeypatch.setattr(torch, "ones", lambda *s, device=None, **kw: torch.empty(*s, **kw))
+    cuda = torch.device("cuda:0")
+    assert fp8_mod.fp8_gemm_available(cuda, torch.bfloat16)
+    with caplog.at_level("WARNING"):
+        assert not fp8_mod.fp8_gemm_available(cuda, torch.float16)
+        assert not fp8_mod.fp8_gemm_available(cuda, torch.float16)
+    assert calls == [torch.bfloat16, torch.float16]  # one probe each
+    assert sum("FP8 GEMM refused" in r.message for r in caplog.records) == 1
+    assert not fp8_mod.fp8_gemm_available(cuda, torch.float32)
+    assert not fp8_mod.fp8_gemm_available(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(fp8_mod, "_SCALED_MM_OK", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    assert not fp8_mod.fp8_gemm_available(cuda, torch.bfloat16)
+    assert len(calls) == 2
+    monkeypatch.setenv(fp8_mod.FP8_GEMM_ENV, "0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert not fp8_mod.fp8_gemm_available(cuda, torch.bfloat16)

@@ -1,5 +1,5 @@
 """Scale loading shared by the quantized methods (``layers/quantization/scales.py``): per-tensor
-scales fill their source's rows, per-row scales follow the weight's rows, per-source activation
+scales (fp32 ``[]`` or ``[1]``, nothing else) fill their source's rows, per-source activation
 scales land in their shard's entry; tensors and safetensors lazy slices alike."""
 
 from __future__ import annotations
@@ -26,31 +26,48 @@ def _qkv(rank=1, size=2):
 @pytest.mark.parametrize("shape", [(), (1,)])
 def test_per_tensor_scale_fills_only_its_source_rows(shape):
     layer, p = _qkv()
-    load_row_scale(layer, p, torch.full(shape, 3.0), "k", False, "weight_scale")
-    load_row_scale(layer, p, torch.full(shape, 5.0, dtype=torch.bfloat16), "v", False, "ws")
+    load_row_scale(layer, p, torch.full(shape, 3.0), "k", "weight_scale")
+    load_row_scale(layer, p, torch.full(shape, 5.0), "v", "ws")
     assert p[:32].eq(0).all() and p[32:48].eq(3).all() and p[48:].eq(5).all()
 
 
-@pytest.mark.parametrize("column", [False, True])
-def test_per_row_scale_follows_the_weight_rows(column):
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (torch.arange(64.0), r"weight_scale has shape \[64\], expected a per-tensor scale"),
+        (torch.ones(64, 1), r"weight_scale has shape \[64, 1\], expected a per-tensor scale"),
+        (torch.ones(1, 1), r"weight_scale has shape \[1, 1\], expected a per-tensor scale"),
+        (
+            torch.tensor(2.0, dtype=torch.bfloat16),
+            "weight_scale has dtype bfloat16, expected float32",
+        ),
+        (
+            torch.tensor(2.0, dtype=torch.float16),
+            "weight_scale has dtype float16, expected float32",
+        ),
+    ],
+)
+def test_anything_but_an_fp32_per_tensor_scale_is_refused(bad, message):
+    """The checkpoint contract: fp32 of shape ``[]`` or ``[1]``; per-row or per-channel scales,
+    other shapes and other dtypes are refused naming the tensor, and nothing is written."""
     layer, p = _qkv()
-    q = torch.arange(64, dtype=torch.float32)  # q has 64 full rows; rank 1 holds 32..63
-    load_row_scale(layer, p, q[:, None] if column else q, "q", False, "weight_scale")
-    assert p[:32].tolist() == list(range(32, 64))
-    with pytest.raises(ValueError, match=r"weight_scale for shard 'q' has shape \[63\]"):
-        load_row_scale(layer, p, q[:63], "q", False, "weight_scale")
+    with pytest.raises(ValueError, match=message):
+        load_row_scale(layer, p, bad, "q", "weight_scale")
+    assert p.eq(0).all()
 
 
-def test_lazy_slices_of_scalars_and_rows(tmp_path):
+def test_lazy_slices_of_scalars(tmp_path):
     path = str(tmp_path / "s.safetensors")
-    save_file({"s0": torch.tensor(2.0), "rows": torch.arange(32.0)}, path)
+    save_file({"s0": torch.tensor(2.0), "s1": torch.tensor([4.0]), "rows": torch.ones(32)}, path)
     layer, p = _qkv()
     with safe_open(path, "pt") as f:
-        load_row_scale(layer, p, f.get_slice("s0"), "v", False, "weight_scale")
-        load_row_scale(layer, p, f.get_slice("rows"), "k", False, "weight_scale")
+        load_row_scale(layer, p, f.get_slice("s0"), "v", "weight_scale")
+        load_row_scale(layer, p, f.get_slice("s1"), "k", "weight_scale")
+        with pytest.raises(ValueError, match=r"has shape \[32\]"):
+            load_row_scale(layer, p, f.get_slice("rows"), "q", "weight_scale")
         s_in = new_param(layer, (3,), torch.float32, "cpu", 0.0)
         load_shard_scalar(layer, s_in, f.get_slice("s0"), "v", "input_scale")
-    assert p[48:].eq(2).all() and p[32:48].tolist() == list(range(16, 32))
+    assert p[48:].eq(2).all() and p[32:48].eq(4).all() and p[:32].eq(0).all()
     assert s_in.tolist() == [0, 0, 2]
 
 

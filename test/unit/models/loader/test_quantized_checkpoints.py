@@ -290,3 +290,35 @@ def test_comfyui_export_loads(exports):
     )
     qkv = model.transformer_blocks[0].attn.to_qkv
     assert qkv.quant_method.name == "fp8" and not qkv.quant_method.static_input_scale
+
+
+@pytest.mark.parametrize("fmt", ["modelopt-fp8", "modelopt-nvfp4"])
+def test_weights_path_folder_brings_its_quantization_config(exports, fmt):
+    """``--transformer-weights-path DIR`` at a ModelOpt folder: the folder's own config.json
+    carries the quantization_config (the base's config.json describes the model)."""
+    model = load_denoiser(exports["src"], SPEC, weights_path=exports[fmt], tp_rank=0, tp_size=1)
+    assert model.quantization == f"modelopt {fmt.split('-')[1]}"
+    ref = load_denoiser(exports[fmt], SPEC, tp_rank=0, tp_size=1)
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("config_groups", [{"weights": {"group_size": 16}}], "config_groups"),
+        ("config_groups", {"g0": "NVFP4"}, "config_groups.g0"),
+        ("config_groups", {"g0": {"weights": [16]}}, "config_groups.g0"),
+        ("group_size", "abc", "group_size"),
+        ("group_size", 16.5, "group_size"),
+    ],
+)
+def test_malformed_config_fields_are_named(exports, tmp_path, field, value, named):
+    def config(qc):
+        qc[field] = value
+
+    # FP8: the group size is not used, yet a malformed one is still named (NVFP4 refuses any
+    # group size but 16 anyway)
+    path = _edited(exports, "modelopt-fp8", tmp_path, config=config)
+    with pytest.raises(ModelLoadError, match=rf"quantization_config\.{re.escape(named)}"):
+        load_denoiser(path, SPEC, tp_rank=0, tp_size=1)

@@ -10,9 +10,9 @@ TensorRT-Model-Optimizer; ComfyUI's ``scaled_fp8`` files store the same product 
 GEMM: on CUDA devices with FP8 tensor cores (compute capability 8.9 or higher)
 ``torch._scaled_mm`` with row-wise scales, activations quantized with the checkpoint's static
 ``input_scale`` (the largest of the fused sources', as vLLM does) or, without one, per token;
-elsewhere weight-only: the weight is dequantized to the compute dtype for each GEMM. A torch
-build whose row-wise FP8 kernel refuses the device or dtype (some refuse fp16 outputs) falls back
-to weight-only for that pair, with one warning.
+elsewhere weight-only: the weight is dequantized to the compute dtype for each GEMM. Whether a
+torch build runs the row-wise FP8 kernel for a device and dtype (some refuse fp16 outputs) is
+probed once with a tiny GEMM; a refusal means weight-only for that pair, with one warning.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch
 from sglang.multimodal_gen.layers.batch_invariant import linear_rows_invariant
 from sglang.multimodal_gen.layers.quantization.base import QuantizationMethod, tensor_dtype
 from sglang.multimodal_gen.layers.quantization.scales import (
-    SCALE_DTYPES,
     check_dtype,
     load_row_scale,
     load_shard_scalar,
@@ -56,19 +55,41 @@ def quantize_rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-# (device, activation dtype) pairs whose torch build refused the row-wise FP8 GEMM
-_SCALED_MM_REFUSED: set[tuple[str, torch.dtype]] = set()
+_FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# (device, activation dtype) -> whether this torch build runs the row-wise FP8 GEMM there
+_SCALED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _probe_scaled_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run one 16x16x16 row-wise ``torch._scaled_mm`` (some builds refuse a device or an
+    output dtype, e.g. fp16 with row-wise scales); one warning when refused."""
+    try:
+        a = torch.zeros(16, 16, device=device, dtype=torch.float8_e4m3fn)
+        b = torch.zeros(16, 16, device=device, dtype=torch.float8_e4m3fn)
+        one = torch.ones(16, 1, device=device, dtype=torch.float32)
+        torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one.view(1, -1), out_dtype=dtype)
+        return True
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        logger.warning("FP8 GEMM refused on %s for %s (%s): weight-only", device, dtype, first)
+        return False
 
 
 def fp8_gemm_available(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether :class:`Fp8LinearMethod` runs ``torch._scaled_mm`` for activations of ``dtype`` on
-    ``device``: CUDA with compute capability >= 8.9, not switched off with
-    ``SGLANG_DIFFUSION_FP8_GEMM=0``, and not refused by this torch build before."""
-    if device.type != "cuda" or os.environ.get(FP8_GEMM_ENV, "1") == "0":
+    ``device``: CUDA with compute capability >= 8.9, bf16 or fp16 activations, not switched off
+    with ``SGLANG_DIFFUSION_FP8_GEMM=0``, and accepted by this torch build (probed once per
+    device and dtype with a tiny GEMM; the answer is kept)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
-    if (str(device), dtype) in _SCALED_MM_REFUSED:
+    if os.environ.get(FP8_GEMM_ENV, "1") == "0":
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    key = (str(device), dtype)
+    ok = _SCALED_MM_OK.get(key)
+    if ok is None:
+        capable = torch.cuda.get_device_capability(device) >= (8, 9)
+        ok = _SCALED_MM_OK[key] = capable and _probe_scaled_mm(device, dtype)
+    return ok
 
 
 class Fp8LinearMethod(QuantizationMethod):
@@ -119,7 +140,7 @@ class Fp8LinearMethod(QuantizationMethod):
             check_dtype(loaded, (torch.float8_e4m3fn,), "weight")
             layer.load_output_rows(param, loaded, shard_id, pre_sharded, col_unit=1, what="weight")
         elif name == "weight_scale" and not self.online:
-            load_row_scale(layer, param, loaded, shard_id, pre_sharded, "weight_scale")
+            load_row_scale(layer, param, loaded, shard_id, "weight_scale")
         elif name == "input_scale" and self.static_input_scale:
             load_shard_scalar(layer, param, loaded, shard_id, "input_scale")
         else:
@@ -127,12 +148,17 @@ class Fp8LinearMethod(QuantizationMethod):
 
     def _load_online(self, layer, loaded, shard_id, pre_sharded):
         dtype = tensor_dtype(loaded)
-        if not (isinstance(dtype, torch.dtype) and dtype in SCALE_DTYPES + (torch.float64,)):
+        if dtype not in _FLOAT_WEIGHTS:
             raise ValueError(
                 f"weight has dtype {dtype}; --quantization fp8 quantizes a floating-point "
                 "checkpoint (a pre-quantized one carries its own quantization_config)"
             )
         if pre_sharded:
+            if layer.input_size_per_partition != layer.input_size:
+                raise ValueError(
+                    "--quantization fp8 reads whole rows to compute its scales; a pre-sharded "
+                    "piece of a layer whose input is split holds part of each row"
+                )
             rows = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
             q, scale = quantize_rows_fp8(rows)
             layer.load_output_rows(layer.weight, q, shard_id, True, col_unit=1, what="weight")
@@ -149,19 +175,14 @@ class Fp8LinearMethod(QuantizationMethod):
         w = layer.weight.to(torch.float32) * layer.weight_scale[:, None]
         return w.to(dtype)
 
+    def process_weights_after_loading(self, layer):
+        """Probe the FP8 GEMM for the layer's device and compute dtype now, outside any
+        compiled region (:func:`fp8_gemm_available`)."""
+        fp8_gemm_available(layer.weight.device, self.compute_dtype(layer))
+
     def apply(self, layer, x, bias):
         if fp8_gemm_available(x.device, x.dtype):
-            try:
-                y = self._scaled_mm(layer, x, bias)
-            except RuntimeError as e:  # a build without the row-wise kernel for this dtype
-                _SCALED_MM_REFUSED.add((str(x.device), x.dtype))
-                logger.warning(
-                    "FP8 GEMM unavailable on %s for %s (%s); using the weight-only path",
-                    x.device,
-                    x.dtype,
-                    str(e).splitlines()[0] if str(e) else type(e).__name__,
-                )
-                y = None
+            y = self._scaled_mm(layer, x, bias)
             if y is not None:
                 return y
         return linear_rows_invariant(x, self.dequantize(layer, x.dtype), bias)
@@ -170,7 +191,7 @@ class Fp8LinearMethod(QuantizationMethod):
         """``torch._scaled_mm`` with row-wise scales (``None`` when the shapes do not fit)."""
         w = layer.weight
         n, k = w.shape
-        if k % 16 or n % 16 or x.dtype not in (torch.bfloat16, torch.float16):
+        if k % 16 or n % 16:
             return None
         x2 = x.reshape(-1, k)
         if self.static_input_scale:

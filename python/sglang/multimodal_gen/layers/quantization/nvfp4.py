@@ -60,7 +60,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     if lut is None:
         lut = _LUT[packed.device] = torch.tensor(E2M1_VALUES, device=packed.device)
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-    return lut[codes.long()]
+    return lut[codes.int()]
 
 
 def dequantize_nvfp4(
@@ -69,10 +69,13 @@ def dequantize_nvfp4(
     """fp32 ``[N, K]`` from ``packed`` uint8 ``[N, K/2]``, ``block_scale`` e4m3 ``[N, K/16]``
     and ``global_scale`` fp32 (a scalar or one value per row ``[N]``)."""
     values = unpack_e2m1(packed)
-    scale = block_scale.to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=1)
+    n, k = values.shape
     g = global_scale.float()
-    g = g.reshape(-1, 1) if g.numel() > 1 else g.reshape(())
-    return values * scale * g
+    g = g.reshape(-1, 1, 1) if g.numel() > 1 else g.reshape(())
+    # block scales broadcast over a [N, K/16, 16] view (no [N, K] scale tensor); the code times
+    # its block scale is exact in fp32, so the global scale is the one rounding
+    blocks = values.view(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    return (blocks * block_scale.to(torch.float32).unsqueeze(-1) * g).view(n, k)
 
 
 class Nvfp4LinearMethod(QuantizationMethod):
@@ -99,7 +102,7 @@ class Nvfp4LinearMethod(QuantizationMethod):
         for start, size in layer.input_partitions:
             if start % NVFP4_BLOCK or size % NVFP4_BLOCK:
                 raise ValueError(
-                    f"{layer._name()}: NVFP4 needs the input columns of each rank in blocks of "
+                    f"{layer.display_name}: NVFP4 needs the input columns of each rank in blocks of "
                     f"{NVFP4_BLOCK}; this rank holds [{start}, {start + size}) of "
                     f"{layer.input_size} (another tp_size may fit)"
                 )
@@ -121,7 +124,7 @@ class Nvfp4LinearMethod(QuantizationMethod):
                 param, loaded, shard_id, pre_sharded, col_unit=NVFP4_BLOCK, what=name
             )
         elif name == "weight_scale_2":
-            load_row_scale(layer, param, loaded, shard_id, pre_sharded, "weight_scale_2")
+            load_row_scale(layer, param, loaded, shard_id, "weight_scale_2")
         elif name == "input_scale":
             load_shard_scalar(layer, param, loaded, shard_id, "input_scale")
         else:

@@ -21,8 +21,8 @@ ShardId = int | str | None
 
 __all__ = ["SCALE_DTYPES", "check_dtype", "load_row_scale", "load_shard_scalar", "new_param"]
 
-#: dtypes accepted for fp32 scales (ModelOpt writes float32; bf16/fp16 copies are widened)
-SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the dtype of a checkpoint's per-tensor scales (ModelOpt and ComfyUI write float32)
+SCALE_DTYPES = (torch.float32,)
 
 
 def new_param(layer: LinearLayer, shape, dtype, device, fill: float | None = None) -> nn.Parameter:
@@ -44,12 +44,21 @@ def check_dtype(loaded: Any, allowed: tuple[torch.dtype, ...], what: str) -> Non
         raise ValueError(f"{what} has dtype {shown}, expected {names}")
 
 
-def _numel(loaded: Any) -> int:
-    shape = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _shape(loaded: Any) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def _per_tensor(loaded: Any, what: str) -> torch.Tensor:
+    """The 0-d fp32 value of a per-tensor scale: fp32 of shape ``[]`` or ``[1]``, nothing else.
+
+    Raises:
+        ValueError: another dtype or shape (names ``what`` and both).
+    """
+    check_dtype(loaded, SCALE_DTYPES, what)
+    shape = _shape(loaded)
+    if shape not in ((), (1,)):
+        raise ValueError(f"{what} has shape {list(shape)}, expected a per-tensor scale [] or [1]")
+    return _value(loaded).reshape(())
 
 
 def _value(loaded: Any) -> torch.Tensor:
@@ -64,24 +73,15 @@ def load_row_scale(
     param: nn.Parameter,
     loaded: Any,
     shard_id: ShardId,
-    pre_sharded: bool,
     what: str,
 ) -> None:
-    """Fill ``param`` ``[out_local]`` (fp32) for shard ``shard_id``: a per-tensor scale (shape
-    ``[]`` or ``[1]``) fills the shard's rows, a per-row one (``[rows]`` or ``[rows, 1]``) is
-    sliced like the weight's rows.
+    """Fill the rows of shard ``shard_id`` of ``param`` ``[out_local]`` (fp32) with the source's
+    per-tensor scale ``loaded`` (fp32 ``[]`` or ``[1]``).
 
     Raises:
         ValueError: a wrong dtype or shape (the message names ``what``).
     """
-    check_dtype(loaded, SCALE_DTYPES, what)
-    if _numel(loaded) == 1:
-        layer.fill_shard_rows(param, _value(loaded).reshape(()).float(), shard_id)
-        return
-    shape = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
-    if len(shape) == 2 and shape[1] == 1:
-        loaded = _value(loaded).reshape(-1)
-    layer.load_output_rows(param, loaded, shard_id, pre_sharded, col_unit=None, what=what)
+    layer.fill_shard_rows(param, _per_tensor(loaded, what), shard_id)
 
 
 def load_shard_scalar(
@@ -93,11 +93,7 @@ def load_shard_scalar(
     Raises:
         ValueError: a wrong dtype or more than one element (names ``what``).
     """
-    check_dtype(loaded, SCALE_DTYPES, what)
-    if _numel(loaded) != 1:
-        shape = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else loaded.get_shape()
-        raise ValueError(f"{what} has shape {list(shape)}, expected a per-tensor scale [] or [1]")
-    value = _value(loaded).reshape(()).float()
+    value = _per_tensor(loaded, what)
     ids = layer.output_shard_ids
     fused = shard_id is None and len(ids) > 1
     index = range(len(ids)) if fused else [ids.index(layer.shard_spec(shard_id).shard_id)]
