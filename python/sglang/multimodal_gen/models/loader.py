@@ -26,7 +26,12 @@ from safetensors import safe_open
 from torch import nn
 
 from sglang.multimodal_gen.layers.linear import ParallelLinear
-from sglang.multimodal_gen.models.model_dir import ModelLoadError, find_weight_files, read_json
+from sglang.multimodal_gen.models.model_dir import (
+    DIFFUSERS_WEIGHT_STEMS,
+    ModelLoadError,
+    find_weight_files,
+    read_json,
+)
 from sglang.multimodal_gen.models.name_map import NameMap
 from sglang.multimodal_gen.models.quantization_config import (
     plan_quantization,
@@ -252,17 +257,15 @@ def weight_files(path: str) -> list[str]:
         if not path.endswith(".safetensors"):
             raise ModelLoadError(f"{path}: not a .safetensors file")
         return [path]
-    try:
+    if not os.path.isdir(path):
+        return find_weight_files(path)[0]  # names the missing path
+    names = os.listdir(path)
+    if any(n.startswith(DIFFUSERS_WEIGHT_STEMS) for n in names):
+        # a diffusers / transformers component: its index names the shards (a missing one is
+        # an error, not a reason to read whatever else lies there)
         return find_weight_files(path)[0]
-    except FileNotFoundError:
-        if not os.path.isdir(path):
-            raise
-        files = sorted(
-            os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")
-        )
-        if not files:
-            raise
-        return files
+    files = sorted(os.path.join(path, n) for n in names if n.endswith(".safetensors"))
+    return files or find_weight_files(path)[0]
 
 
 def load_denoiser(

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 
 __all__ = [
+    "DIFFUSERS_WEIGHT_STEMS",
     "MODEL_INDEX",
     "ModelIndex",
     "ModelLoadError",
@@ -33,6 +34,9 @@ __all__ = [
 MODEL_INDEX = "model_index.json"
 # weight file stems: diffusers models, then transformers models
 _WEIGHT_BASENAMES = ("diffusion_pytorch_model", "model")
+#: the file names (``<stem>.safetensors`` or ``<stem>.safetensors.index.json``) of a diffusers or
+#: transformers component's weights
+DIFFUSERS_WEIGHT_STEMS = tuple(f"{b}.safetensors" for b in _WEIGHT_BASENAMES)
 
 
 class ModelLoadError(ValueError):
