@@ -27,29 +27,13 @@ ShardId = int | str | None
 
 __all__ = ["QuantizationMethod", "UnquantizedLinearMethod", "tensor_dtype"]
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "BOOL": torch.bool,
-}
 
-
-def tensor_dtype(t: Any) -> torch.dtype | str:
-    """The dtype of a tensor or of a safetensors lazy slice (its safetensors name, e.g.
-    ``"F8_E4M3"``, mapped to torch; an unknown name is returned as the string)."""
+def tensor_dtype(t: Any) -> torch.dtype:
+    """The dtype of a tensor or of a safetensors lazy slice (read as an empty slice, or the one
+    element of a 0-d tensor: no data worth the name)."""
     if isinstance(t, torch.Tensor):
         return t.dtype
-    name = t.get_dtype()
-    return _SAFETENSORS_DTYPES.get(name, name)
+    return (t[0:0] if t.get_shape() else t[()]).dtype
 
 
 class QuantizationMethod:
