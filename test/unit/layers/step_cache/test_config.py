@@ -1,0 +1,50 @@
+"""``StepCacheConfig.of``: each method's presets, its knobs, and the refusals naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures import toy_block_sequence as toy
+from sglang.multimodal_gen.layers.step_cache import CacheRow, RequestCache, StepCacheConfig
+
+
+def test_presets():
+    assert StepCacheConfig.of("fbcache") == StepCacheConfig("fbcache", 0.05, 1, 0, 0)
+    assert StepCacheConfig.of("dbcache") == StepCacheConfig("dbcache", 0.08, 8, 0, 8)
+    ts = StepCacheConfig.of("taylorseer")  # diffusers' TaylorSeerCacheConfig defaults
+    assert (ts.fn, ts.bn, ts.warmup, ts.interval, ts.order, ts.stop, ts.target) == (
+        0, 0, 3, 5, 1, None, "residual"
+    )  # fmt: skip
+    assert StepCacheConfig.of("taylorseer", order=2, interval=3, stop=20, bn=1).order == 2
+    assert not StepCacheConfig.of("none").enabled
+    assert ts.scheduled and not StepCacheConfig.of("dbcache").scheduled
+
+
+REFUSALS = [
+    (("teacache",), {}, "--cache-method 'teacache' is not implemented yet"),
+    (("magcache",), {}, "--cache-method 'magcache' is not implemented yet"),
+    (("fastcache",), {}, "--cache-method 'fastcache' is unknown"),
+    (("dbcache",), dict(fn=0), "--cache-fn must be >= 1, got 0"),
+    (("fbcache",), dict(threshold=-1), "--cache-threshold must be >= 0"),
+    (("taylorseer",), dict(fn=-1), "--cache-fn must be >= 0, got -1"),
+    (("taylorseer",), dict(interval=0), "--cache-interval must be >= 1, got 0"),
+    (("taylorseer",), dict(order=-1), "--cache-order must be >= 0, got -1"),
+    (("taylorseer",), dict(target="x"), "--cache-taylor-target must be one of residual, output"),
+    (("taylorseer",), dict(threshold=0.1), "--cache-threshold does not apply to --cache-method "),
+    (("dbcache",), dict(interval=2), "--cache-interval does not apply to --cache-method dbcache"),
+]
+
+
+@pytest.mark.parametrize("args, knobs, message", REFUSALS)
+def test_refusals(args, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        StepCacheConfig.of(*args, **knobs)
+
+
+def test_fn_and_bn_must_leave_a_middle_block():
+    cfg = StepCacheConfig.of("dbcache", fn=3, bn=1)
+    with pytest.raises(
+        ValueError, match="Fn=3 \\+ Bn=1 leaves no block to cache in a sequence of 4"
+    ):
+        toy.ours(toy.model(), toy.steps(1, 1, 0.1, n=1), torch.ones(1, toy.D),
+                 [CacheRow(RequestCache(cfg))])  # fmt: skip
