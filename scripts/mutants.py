@@ -1746,6 +1746,39 @@ MUTANTS: list[Mutant] = [
         why="under CFG parallelism a joint request's branches decide on their own rows",
     ),
     _m(
+        "taylorseer-schedule-off-by-one",
+        "layers/step_cache/taylorseer.py",
+        "return (t - config.warmup - 1) % config.interval == 0",
+        "return (t - config.warmup) % config.interval == 0",
+        ("test/unit/layers/step_cache/test_taylorseer.py",),
+        why="the first call after the warmup computes (diffusers predicts it), every schedule shifts",
+    ),
+    _m(
+        "taylorseer-differences-not-divided",
+        "layers/step_cache/taylorseer.py",
+        "factors.append((factors[j] - prev[j]) / d)",
+        "factors.append(factors[j] - prev[j])",
+        ("test/unit/layers/step_cache/test_taylorseer.py",),
+        why="the derivative ignores the calls between updates: a line is extrapolated too steeply",
+    ),
+    _m(
+        "taylorseer-residual-not-added-to-head",
+        "layers/step_cache/taylorseer.py",
+        "out.append(h + pred.to(h.dtype))",
+        "out.append(pred.to(h.dtype))",
+        ("test/unit/layers/step_cache/test_taylorseer.py",),
+        why="a predicted residual replaces the middle output instead of adding to the head output",
+    ),
+    _m(
+        "taylorseer-no-factorial",
+        "layers/step_cache/taylorseer.py",
+        "pred = pred + factors[j] * (s**j / math.factorial(j))",
+        "pred = pred + factors[j] * s**j",
+        ("test/integration/caching/test_taylorseer_parity.py",),
+        ("-k", "matches_diffusers"),
+        why="the second-order term of the expansion is twice what Taylor (and diffusers) say",
+    ),
+    _m(
         "step-cache-cfg-branches-share-one-state",
         "pipelines/base.py",
         'contexts = ["joint"] * rows if self.step_cache_joint_branches else ["cond", "uncond"]',
@@ -1869,6 +1902,26 @@ MUTANTS: list[Mutant] = [
         "    if len(shape) > 2:",
         ("test/unit/layers/quantization/test_scales.py",),
         why="a per-row or [1, 1] scale loads where the checkpoint contract says per-tensor only",
+    ),
+    # ------------------------------------------------------------------ Ulysses, uneven heads
+    _m(
+        "ulysses-uneven-heads-reversed",
+        "distributed/sequence.py",
+        "inp = torch.cat([c.reshape(-1) for c in x.split(list(hs), 2)])",
+        "inp = torch.cat([c.reshape(-1) for c in x.flip(2).split(list(hs), 2)])",
+        ("test/unit/layers/test_attention.py",),
+        ("-k", "uneven and ulysses4"),
+        why="uneven Ulysses heads are sent from the wrong end (rank i attends another's heads)",
+    ),
+    _m(
+        "ulysses-uneven-return-scrambled",
+        "distributed/sequence.py",
+        "return torch.cat([p.view(b, s, n, d) for p, n in zip(out.split(recv), hs)], 2)",
+        "return torch.cat([p.view(b, n, s, d).transpose(1, 2) for p, n in zip(out.split(recv), "
+        "hs)], 2)",
+        ("test/unit/layers/test_attention.py",),
+        ("-k", "uneven and ulysses4"),
+        why="the returning uneven head chunks are re-shaped token-major (heads and tokens mixed)",
     ),
 ]
 

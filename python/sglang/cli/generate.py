@@ -322,7 +322,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     quiet_library_progress_bars()
     check_weight_flags(args.transformer_path, args.transformer_weights_path, args.quantization)
     step_cache = step_cache_config(
-        args.cache_method, args.cache_threshold, args.cache_fn, args.cache_bn, args.cache_warmup
+        args.cache_method,
+        args.cache_threshold,
+        args.cache_fn,
+        args.cache_bn,
+        args.cache_warmup,
+        interval=args.cache_interval,
+        order=args.cache_order,
+        stop=args.cache_stop,
+        target=args.cache_taylor_target,
     )  # a bad --cache-* value: one error before loading
     loras = lora_pairs(args.lora_path, args.lora_scale)
     layout = layout_from_args(args)  # contradictory degrees: one error before loading

@@ -125,8 +125,9 @@ class ServerArgs:
             ``transformer_path``.
         quantization: quantize the floating-point transformer while loading
             (``--quantization``; one of :data:`QUANTIZATIONS`, ``None``: as the checkpoint is).
-        cache_method, cache_threshold, cache_fn, cache_bn, cache_warmup: step caching of the
-            DiT blocks (``--cache-method`` ...; :attr:`step_cache`).
+        cache_method, cache_threshold, cache_fn, cache_bn, cache_warmup, cache_interval,
+            cache_order, cache_stop, cache_taylor_target: step caching of the DiT blocks
+            (``--cache-method`` ...; :attr:`step_cache`).
         host, port: where uvicorn listens.
         tp_size: tensor-parallel size (``--tp-size``; see ``configs.parallel`` for how
             ``--num-gpus`` fills it).
@@ -213,6 +214,10 @@ class ServerArgs:
     cache_fn: int | None = None
     cache_bn: int | None = None
     cache_warmup: int | None = None
+    cache_interval: int | None = None
+    cache_order: int | None = None
+    cache_stop: int | None = None
+    cache_taylor_target: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
@@ -400,7 +405,8 @@ class ServerArgs:
         """
         return step_cache_config(
             self.cache_method, self.cache_threshold, self.cache_fn, self.cache_bn,
-            self.cache_warmup,
+            self.cache_warmup, interval=self.cache_interval, order=self.cache_order,
+            stop=self.cache_stop, target=self.cache_taylor_target,
         )  # fmt: skip
 
     @property
@@ -909,8 +915,9 @@ def add_cache_args(parser) -> None:
         metavar="{" + ",".join(CACHE_METHODS) + "}",
         help="step caching of the DiT blocks (default none). fbcache: first-block cache "
         "(diffusers' FirstBlockCacheConfig; DBCache F1B0); dbcache: dual-block cache "
-        "(cache-dit's DBCache, F8B0, 8 warmup steps). teacache, magcache, taylorseer: not "
-        "implemented yet (refused)",
+        "(cache-dit's DBCache, F8B0, 8 warmup steps); taylorseer: Taylor-extrapolated middle "
+        "blocks on a fixed schedule (diffusers' TaylorSeerCacheConfig defaults). teacache, "
+        "magcache: not implemented yet (refused)",
     )
     parser.add_argument(
         "--cache-threshold",
@@ -929,7 +936,31 @@ def add_cache_args(parser) -> None:
         "--cache-warmup",
         type=int,
         default=None,
-        help="steps always computed at the start (default 0 fbcache, 8 dbcache)",
+        help="steps always computed at the start (default 0 fbcache, 8 dbcache, 3 taylorseer)",
+    )
+    parser.add_argument(
+        "--cache-interval",
+        type=int,
+        default=None,
+        help="taylorseer: one computed step every this many after the warmup (default 5)",
+    )
+    parser.add_argument(
+        "--cache-order",
+        type=int,
+        default=None,
+        help="taylorseer: highest order of the Taylor expansion (default 1)",
+    )
+    parser.add_argument(
+        "--cache-stop",
+        type=int,
+        default=None,
+        help="taylorseer: steps from this index on are always computed (default: none)",
+    )
+    parser.add_argument(
+        "--cache-taylor-target",
+        default=None,
+        choices=("residual", "output"),
+        help="taylorseer: extrapolate the middle blocks' residual (default) or their output",
     )
 
 
@@ -937,11 +968,24 @@ def cache_fields(args) -> dict:
     """The ``cache_*`` fields of a namespace filled by :func:`add_cache_args`."""
     return {
         k: getattr(args, k, None)
-        for k in ("cache_method", "cache_threshold", "cache_fn", "cache_bn", "cache_warmup")
+        for k in (
+            "cache_method",
+            "cache_threshold",
+            "cache_fn",
+            "cache_bn",
+            "cache_warmup",
+            "cache_interval",
+            "cache_order",
+            "cache_stop",
+            "cache_taylor_target",
+        )
     } | {"cache_method": getattr(args, "cache_method", None) or "none"}
 
 
-def step_cache_config(method, threshold=None, fn=None, bn=None, warmup=None):
+def step_cache_config(
+    method, threshold=None, fn=None, bn=None, warmup=None, *, interval=None, order=None,
+    stop=None, target=None,
+):  # fmt: skip
     """The :class:`~sglang.multimodal_gen.layers.step_cache.StepCacheConfig` of the ``--cache-*``
     values, ``None`` for ``none``.
 
@@ -950,7 +994,10 @@ def step_cache_config(method, threshold=None, fn=None, bn=None, warmup=None):
     """
     from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
 
-    cfg = StepCacheConfig.of(method or "none", threshold, fn, bn, warmup)
+    cfg = StepCacheConfig.of(
+        method or "none", threshold, fn, bn, warmup,
+        interval=interval, order=order, stop=stop, target=target,
+    )  # fmt: skip
     return cfg if cfg.enabled else None
 
 

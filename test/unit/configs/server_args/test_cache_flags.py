@@ -28,6 +28,12 @@ def test_serve_flags_set_the_configuration(tmp_path):
     b = _parse([*model, "--cache-method", "dbcache", "--cache-fn", "4", "--cache-bn", "2",
                 "--cache-warmup", "3"])  # fmt: skip
     assert b.step_cache == StepCacheConfig("dbcache", 0.08, 4, 2, 3)
+    c = _parse([*model, "--cache-method", "taylorseer", "--cache-interval", "4", "--cache-order",
+                "2", "--cache-stop", "20", "--cache-taylor-target", "output"])  # fmt: skip
+    assert c.step_cache == StepCacheConfig.of(
+        "taylorseer", interval=4, order=2, stop=20, target="output"
+    )
+    assert (c.step_cache.warmup, c.step_cache.fn) == (3, 0)  # the preset's
 
 
 BAD = [
@@ -35,6 +41,7 @@ BAD = [
     (["--cache-method", "magic"], "--cache-method 'magic' is unknown"),
     (["--cache-method", "dbcache", "--cache-fn", "0"], "--cache-fn must be >= 1, got 0"),
     (["--cache-method", "fbcache", "--cache-threshold", "-1"], "--cache-threshold must be >= 0"),
+    (["--cache-method", "taylorseer", "--cache-interval", "0"], "--cache-interval must be >= 1"),
 ]
 
 
