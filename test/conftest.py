@@ -45,6 +45,16 @@ EXTENDED = {
     "integration/parallel/test_sequence_parallel_engine.py::test_layout_equals_one_process"
     "[tp2_ulysses2]",
     "integration/parallel/test_sequence_parallel_engine.py::test_heads_that_do_not_divide",
+    # Ulysses over heads it does not divide (the uneven head split at the attention layer:
+    # test_attention's [ulysses4_h6_h3]; a DiT over it: test_sequence_parallel_dits'
+    # test_zimage_uneven_heads_equal_one_process[ulysses4])
+    "unit/layers/test_attention.py::test_sp_attention_uneven_heads_matches_one_process"
+    "[tp2_ulysses2_h6]",
+    "unit/layers/test_attention.py::test_sp_attention_uneven_heads_matches_one_process[usp2x2_h3]",
+    "integration/parallel/test_sequence_parallel_dits.py::test_zimage_uneven_heads_equal_one_process"
+    "[tp2_ulysses2]",
+    "integration/parallel/test_sequence_parallel_dits.py::test_sequence_parallel_equals_one_process"
+    "[ulysses3]",
     "integration/lora/test_mixed_lora_batch.py::test_parallel_mixed_batch_equals_one_process[cfg2]",
     # torchrun's environment (the --nnodes path: the nodes case and the serving test)
     "integration/parallel/test_multinode.py::test_generate_across_processes_equals_one_process"
@@ -106,6 +116,10 @@ EXTENDED = {
     # LTX-2's DiT at SP 4 (Ulysses 2 x ring 2; both streams sharded: the default tier's Ulysses 2
     # and ring 2 of the same test)
     "integration/families/test_ltx2_transformer_parity.py::test_sequence_parallel_equals_one_process[ulysses2_ring2]",
+    # LTX-2 at Ulysses 4: 4 video heads even, 2 audio heads uneven (two ranks attend none; the
+    # uneven head split: test_attention's [ulysses4_h6_h3], a DiT over it: test_sequence_parallel_
+    # dits' test_zimage_uneven_heads_equal_one_process[ulysses4])
+    "integration/families/test_ltx2_transformer_parity.py::test_sequence_parallel_equals_one_process[ulysses4]",
     # quantized checkpoints: Flux ModelOpt FP8 and online FP8 at TP 2 (TP 2 of the quantized
     # loader: test_flux_tp2_equals_tp1[nvfp4], whose row-parallel block scales are the hardest
     # split), and the FP8 pipelines against diffusers (each family's loader, name map and ignore

@@ -56,11 +56,11 @@ def _perturbed(ref):
     return ref.eval()
 
 
-def _zimage_case():
+def _zimage_case(**arch):
     from diffusers import ZImageTransformer2DModel
 
     torch.manual_seed(0)
-    ref = _perturbed(ZImageTransformer2DModel(**ZIMAGE_TINY))
+    ref = _perturbed(ZImageTransformer2DModel(**dict(ZIMAGE_TINY, **arch)))
     g = torch.Generator().manual_seed(123)
     # image tokens 15 and 4 (padded to 32 each), captions 9 and 40 tokens (padded to 32 / 64)
     x = [torch.randn(16, 1, h, w, generator=g) for h, w in ((6, 10), (4, 4))]
@@ -166,6 +166,7 @@ LAYOUTS = {
     "ring2": ParallelLayout(ring_degree=2),
     "usp2x2": ParallelLayout(ulysses_degree=2, ring_degree=2),
     "tp2_ulysses2": ParallelLayout(tp_size=2, ulysses_degree=2),
+    "ulysses3": ParallelLayout(ulysses_degree=3),  # 4 heads split 2 / 1 / 1 (uneven)
 }
 
 
@@ -196,3 +197,37 @@ def test_nearby_wrong_input_is_far(runs_and_expected):
         inp[key] = inp[key] + (1e-3 if family in ("zimage", "flux", "qwen-image") else 1.0)
         ref = _rank_fn(0, [(family, config, state, [inp])])[0][0][0]
         assert rel_err(ref, outs1[0]) > 10 * MAX_REL_ERR, family
+
+
+# Z-Image with 6 heads (dim 96, head dim 16): heads per TP rank that the Ulysses degree does not
+# divide are split unevenly over the Ulysses ranks (6 over 4: 2 / 2 / 1 / 1; 3 per TP rank over 2:
+# 2 / 1), and the DiT still equals one process.
+UNEVEN_HEADS = {
+    "ulysses4": ParallelLayout(ulysses_degree=4),
+    "tp2_ulysses2": ParallelLayout(tp_size=2, ulysses_degree=2),
+}
+
+
+@pytest.fixture(scope="module")
+def zimage_six_heads():
+    family, ref, inputs = _zimage_case(dim=96, n_heads=6, n_kv_heads=6)
+    ours = denoiser_from_module(ref, get_family(family).denoiser(), tp_rank=0, tp_size=1)
+    with torch.no_grad():
+        expected = [_model_out(ours, inp) for inp in inputs]
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    return [(family, dict(ref.config), state, inputs)], expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(UNEVEN_HEADS))
+def test_zimage_uneven_heads_equal_one_process(name, zimage_six_heads):
+    layout = UNEVEN_HEADS[name]
+    runs, expected = zimage_six_heads
+    results = launch_processes(_rank_fn, layout.world_size, (runs,), layout=layout)
+    for rank, ((outs,), tp, sp, seen) in enumerate(results):
+        assert (tp, sp) == (layout.tp_size, layout.sp_degree)
+        assert seen and all(q == k == mine < total for q, k, mine, total in seen), seen[:3]
+        for out, out1 in zip(outs, expected):
+            err = rel_err(out, out1)
+            print(f"{name} rank {rank} zimage 6 heads: rel err {err:.3g}")
+            assert err <= MAX_REL_ERR, f"{name} rank {rank}: {err}"

@@ -211,9 +211,9 @@ class LTX2ArchConfig(DiffusersConfig):
 def ltx2_tp_divisors(cfg: LTX2ArchConfig) -> dict[str, int]:
     """The numbers every TP size must divide (for the family's ``tp_divisors``): the video heads
     (self-attention, text cross-attention, FFN) and the audio heads (audio attentions and both
-    audio-video cross-attentions). The video heads come first (the family's layout check bounds
-    Ulysses by them); both streams' self-attentions run Ulysses, and the DiT also refuses a
-    Ulysses degree that does not divide the audio heads per TP rank."""
+    audio-video cross-attentions). The video heads come first (the automatic Ulysses degree
+    prefers one that divides them); both streams' self-attentions run Ulysses, with any degree
+    (heads it does not divide are split unevenly over its ranks)."""
     return {
         "num_attention_heads": cfg.num_attention_heads,
         "audio_num_attention_heads": cfg.audio_num_attention_heads,

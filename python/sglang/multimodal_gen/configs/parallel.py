@@ -11,7 +11,10 @@ mean the same layout everywhere. Flags, as SGLang names them:
 
 When only ``--sp-degree`` is given, the Ulysses degree is the largest divisor of it that also
 divides the attention heads left on each TP rank (when the model is known) and the rest goes to
-ring attention: Z-Image-Turbo's 30 heads with ``--sp-degree 4`` run as Ulysses 2 x ring 2.
+ring attention: Z-Image-Turbo's 30 heads with ``--sp-degree 4`` run as Ulysses 2 x ring 2 (every
+Ulysses rank attends as many heads). An explicit ``--ulysses-degree`` may be any number: heads it
+does not divide are split unevenly over its ranks (``layers.attention``), so ``--ulysses-degree
+4`` serves the same model at ``ceil(30 / 4) / (30 / 4)`` of the even attention time.
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ def resolve_layout(
     """The layout the flags describe.
 
     Args:
-        heads: the model's attention heads, when known: bounds the automatic Ulysses degree.
+        heads: the model's attention heads, when known: the automatic Ulysses degree divides the
+            heads per TP rank (an explicit one need not).
 
     Returns:
         A :class:`ParallelLayout` whose ``world_size`` equals ``num_gpus`` when given.

@@ -141,21 +141,40 @@ def active_split() -> SeqSplit | None:
 
 
 # ------------------------------------------------------------------ Ulysses all-to-all
+def head_split(heads: int, ulysses: int) -> tuple[int, ...]:
+    """Heads each Ulysses rank attends over: ``heads / ulysses`` each when that divides, else
+    :func:`even_split`'s rule (the first ``heads % ulysses`` ranks take one head more; a rank may
+    take none when ``ulysses > heads``). Rank ``i`` takes the contiguous heads starting at
+    ``sum(head_split(...)[:i])``.
+    """
+    return even_split(heads, ulysses)
+
+
 def seq_to_heads(
-    x: torch.Tensor, sizes: tuple[int, ...], group: dist.ProcessGroup | None
+    x: torch.Tensor,
+    sizes: tuple[int, ...],
+    group: dist.ProcessGroup | None,
+    rank: int | None = None,
 ) -> torch.Tensor:
     """All-to-all from sequence-sharded to head-sharded (DeepSpeed-Ulysses, Jacobs et al. 2023).
 
     Args:
-        x: ``[B, sizes[me], H, D]`` this rank's tokens, all heads.
+        x: ``[B, sizes[me], H, D]`` this rank's tokens, all heads (any ``H``: when ``u`` does not
+            divide it the heads are split unevenly, :func:`head_split`).
         sizes: tokens held by each rank of ``group`` (rank order).
+        rank: this process's rank in ``group`` (default: asked from ``group``); only needed when
+            ``u`` does not divide ``H``.
 
     Returns:
-        ``[B, sum(sizes), H / u, D]``: every token, heads ``[i * H/u, (i+1) * H/u)`` for group
-        rank ``i``. Bytes moved per rank: ``(u - 1) / u`` of ``x``.
+        ``[B, sum(sizes), head_split(H, u)[me], D]``: every token, the heads of group rank ``me``
+        (``[me * H/u, (me+1) * H/u)`` when ``u`` divides ``H``). Bytes moved per rank: ``(u - 1) /
+        u`` of ``x`` when ``u`` divides ``H``; otherwise the heads of the other ranks, never a
+        padding element.
     """
     u = len(sizes)
     b, s, h, d = x.shape
+    if h % u:
+        return _seq_to_heads_uneven(x, sizes, group, rank)
     hh = h // u
     inp = x.reshape(b, s, u, hh, d).permute(2, 0, 1, 3, 4).reshape(u * b * s, hh, d)
     out = x.new_empty(b * sum(sizes), hh, d)
@@ -165,17 +184,65 @@ def seq_to_heads(
 
 
 def heads_to_seq(
-    x: torch.Tensor, sizes: tuple[int, ...], rank: int, group: dist.ProcessGroup | None
+    x: torch.Tensor,
+    sizes: tuple[int, ...],
+    rank: int,
+    group: dist.ProcessGroup | None,
+    heads: int | None = None,
 ) -> torch.Tensor:
-    """The inverse of :func:`seq_to_heads`: ``[B, sum(sizes), H/u, D]`` -> ``[B, sizes[rank], H,
-    D]``."""
+    """The inverse of :func:`seq_to_heads`: ``[B, sum(sizes), head_split(H, u)[rank], D]`` ->
+    ``[B, sizes[rank], H, D]``.
+
+    Args:
+        heads: ``H``, the heads of all ranks together; default ``u`` times this rank's (right
+            only when ``u`` divides ``H``: pass it whenever the split may be uneven).
+    """
     u = len(sizes)
     b, _, hh, d = x.shape
+    h = u * hh if heads is None else int(heads)
+    if h % u:
+        return _heads_to_seq_uneven(x, sizes, rank, group, h)
     s = sizes[rank]
     inp = torch.cat([c.reshape(b * c.shape[1], hh, d) for c in x.split(list(sizes), 1)], 0)
     out = x.new_empty(u * b * s, hh, d)
     dist.all_to_all_single(out, inp, [b * s] * u, [b * n for n in sizes], group=group)
     return out.view(u, b, s, hh, d).permute(1, 2, 0, 3, 4).reshape(b, s, u * hh, d)
+
+
+# Uneven heads: the all-to-all chunks differ in head count as well as in tokens, so they travel
+# as flat element runs (one all_to_all_single with per-rank element counts) and are re-shaped on
+# arrival. Chosen over padding the heads to a multiple of ``u`` with zeros: no zero heads cross
+# the network or run through the kernel, and the busiest rank attends ``ceil(H / u)`` heads either
+# way.
+def _seq_to_heads_uneven(x, sizes, group, rank):
+    u = len(sizes)
+    b, s, h, d = x.shape
+    me = dist.get_rank(group) if rank is None else rank
+    hs = head_split(h, u)
+    mine = hs[me]
+    inp = torch.cat([c.reshape(-1) for c in x.split(list(hs), 2)])
+    recv = [b * n * mine * d for n in sizes]
+    out = x.new_empty(sum(recv))
+    dist.all_to_all_single(out, inp, recv, [b * s * n * d for n in hs], group=group)
+    parts = [p.view(b, n, mine, d) for p, n in zip(out.split(recv), sizes)]
+    return torch.cat(parts, 1)
+
+
+def _heads_to_seq_uneven(x, sizes, rank, group, h):
+    u = len(sizes)
+    b, _, mine, d = x.shape
+    hs = head_split(h, u)
+    if mine != hs[rank]:
+        raise ValueError(
+            f"heads_to_seq got {mine} heads but {h} heads over {u} Ulysses ranks give rank "
+            f"{rank} {hs[rank]}"
+        )
+    s = sizes[rank]
+    inp = torch.cat([c.reshape(-1) for c in x.split(list(sizes), 1)])
+    recv = [b * s * n * d for n in hs]
+    out = x.new_empty(sum(recv))
+    dist.all_to_all_single(out, inp, recv, [b * n * mine * d for n in sizes], group=group)
+    return torch.cat([p.view(b, s, n, d) for p, n in zip(out.split(recv), hs)], 2)
 
 
 def gather_key_mask(

@@ -6,7 +6,12 @@ communication. Under sequence parallelism (SP) each rank holds a chunk of the to
 
 * **Ulysses** (DeepSpeed-Ulysses, Jacobs et al. 2023): one all-to-all turns "my tokens, all heads"
   into "all tokens, my heads", the local kernel runs on the whole sequence, and a second
-  all-to-all turns the output back. Needs the local head count divisible by the Ulysses degree.
+  all-to-all turns the output back. Any head count: when the Ulysses degree ``u`` does not
+  divide the local heads ``H``, Ulysses rank ``i`` attends ``distributed.sequence.head_split(H,
+  u)[i]`` heads (the first ``H % u`` ranks one more), so the busiest rank runs ``ceil(H / u)``
+  heads where ``H / u`` would be ideal; layouts where ``u`` divides ``H`` are unchanged. Uneven
+  chunks rather than zero padding heads (see ``distributed.sequence``): nothing is sent or
+  computed for heads that do not exist.
 * **Ring** (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): key/value blocks are
   passed around the ring while each rank attends its queries to the block it holds; block results
   are combined with the online-softmax rule (FlashAttention's log-sum-exp merge). Any degree.
@@ -142,8 +147,9 @@ def attention(
         ``[B, S_local, H * D]`` in ``q.dtype``.
 
     Raises:
-        ValueError: the local head count is not divisible by the Ulysses degree, or the chunk
-            does not match the declared split.
+        ValueError: the chunk does not match the declared split, or the Ulysses degree does not
+            divide the heads and ``q`` and ``k``/``v`` differ in head count (the uneven head
+            split needs the same heads in all three).
     """
     split = active_split()
     if split is None or split.world == 1:
@@ -154,22 +160,28 @@ def attention(
             f"{split.sizes[split.rank]}"
         )
     u = get_ulysses_world_size()
+    heads = q.shape[2]
     if u > 1:
-        if q.shape[2] % u or k.shape[2] % u:
+        uneven = heads % u or k.shape[2] % u or v.shape[2] % u
+        if uneven and not heads == k.shape[2] == v.shape[2]:
             raise ValueError(
-                f"{q.shape[2]} query / {k.shape[2]} key heads per rank are not divisible by "
-                f"ulysses_degree={u}"
+                f"{heads} query / {k.shape[2]} key / {v.shape[2]} value heads per rank: "
+                f"ulysses_degree={u} splits uneven heads only when the three are equal"
             )
-        sizes, group = split.ulysses_sizes(), get_ulysses_group()
-        q, k, v = (seq_to_heads(t, sizes, group) for t in (q, k, v))
+        sizes, group, me = split.ulysses_sizes(), get_ulysses_group(), get_ulysses_rank()
+        q, k, v = (seq_to_heads(t, sizes, group, me) for t in (q, k, v))
         if key_mask is not None:
             key_mask = gather_key_mask(key_mask, sizes, group)
-    if get_ring_world_size() > 1:
+    if q.shape[2] == 0:
+        # more Ulysses ranks than heads: this rank (and its whole ring group, which shares its
+        # Ulysses rank) attends none; it still takes part in both all-to-alls
+        out = q.new_empty(q.shape)
+    elif get_ring_world_size() > 1:
         out = ring_attention(q, k, v, key_mask, split.ring_sizes())
     else:
         out = sdpa_bshd(q, k, v, key_mask).unflatten(-1, (q.shape[2], q.shape[3]))
     if u > 1:
-        out = heads_to_seq(out, split.ulysses_sizes(), get_ulysses_rank(), get_ulysses_group())
+        out = heads_to_seq(out, split.ulysses_sizes(), me, get_ulysses_group(), heads)
     return out.flatten(2)
 
 

@@ -128,7 +128,7 @@ class ModelFamily:
             the HTTP schema, the CLI flags and ``/v1/models`` derive from it.
         tp_divisors: ``fn(arch_config) -> {what: number}``: every TP size must divide each number
             (attention heads, FFN hidden size...); the entry whose name mentions "heads" also
-            bounds the Ulysses degree.
+            guides the automatic Ulysses degree (``configs.parallel.resolve_layout``).
         build_tiny: ``"module:function"`` writing a tiny random-weight model directory
             (``fn(path, seed=...) -> path``), for tests, and the default model of a family
             without :attr:`embedded_model`.
@@ -243,27 +243,15 @@ class ModelFamily:
     def check_parallel_layout(self, arch_config: Any, layout: Any) -> None:
         """Check a :class:`~sglang.multimodal_gen.distributed.ParallelLayout` against the model.
 
-        TP must divide every number of :attr:`tp_divisors`; Ulysses must divide the heads left on
-        each TP rank (the entry of :attr:`tp_divisors` whose name mentions heads). Ring and CFG
-        degrees fit any model.
+        TP must divide every number of :attr:`tp_divisors` (each TP rank holds a whole share of
+        the heads and FFN units). Ulysses, ring and CFG degrees fit any model: a Ulysses degree
+        that does not divide the heads left on each TP rank splits them unevenly over its ranks
+        (``layers.attention``).
 
         Raises:
-            ValueError: naming the number that does not divide and the degrees that would.
+            ValueError: naming the number the TP size does not divide and the TP sizes that do.
         """
         self.check_tp_size(arch_config, layout.tp_size)
-        u = layout.ulysses_degree
-        heads = self.attention_heads(arch_config)
-        if u == 1 or heads is None:
-            return
-        local = heads // layout.tp_size
-        if local % u:
-            good = [d for d in range(1, local + 1) if local % d == 0 and d <= 8]
-            raise ValueError(
-                f"{self.display_name}: {heads} attention heads / tp_size={layout.tp_size} = "
-                f"{local} heads per rank, not divisible by ulysses_degree={u}; use "
-                f"--ulysses-degree in {good} and --ring-degree for the rest of the sequence "
-                f"parallelism (ring attention has no head constraint)"
-            )
 
     def pipeline_class(self) -> type:
         return resolve_object(self.pipeline)

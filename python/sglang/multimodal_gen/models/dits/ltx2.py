@@ -55,7 +55,6 @@ from torch import nn
 
 from sglang.multimodal_gen.configs.ltx2 import LTX2ArchConfig, check_ltx2_tp_size
 from sglang.multimodal_gen.distributed import get_tp_rank, get_tp_world_size
-from sglang.multimodal_gen.distributed.parallel_state import get_ulysses_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
@@ -81,21 +80,6 @@ def _mods(table: torch.Tensor, temb: torch.Tensor, batch: int) -> tuple[torch.Te
     ``get_mod_params``)."""
     n = table.shape[0]
     return (table[None, None] + temb.reshape(batch, temb.shape[1], n, -1)).unbind(dim=2)
-
-
-def _check_ulysses(cfg: LTX2ArchConfig, tp: int, ulysses: int) -> None:
-    """Both streams' self-attentions run Ulysses: the heads left on a TP rank, video and audio,
-    must divide by the Ulysses degree (``ValueError`` naming the field otherwise)."""
-    for what, heads in (
-        ("num_attention_heads", cfg.num_attention_heads),
-        ("audio_num_attention_heads", cfg.audio_num_attention_heads),
-    ):
-        if (heads // tp) % ulysses:
-            raise ValueError(
-                f"LTX-2: {what}={heads} / tp_size={tp} = {heads // tp} heads per rank, not "
-                f"divisible by ulysses_degree={ulysses} (both streams' self-attention run "
-                "Ulysses; ring attention has no head constraint)"
-            )
 
 
 def _param(*shape, dtype) -> nn.Parameter:
@@ -252,8 +236,8 @@ class LTX2Transformer(nn.Module):
 
     Raises:
         ValueError: ``num_attention_heads`` or ``audio_num_attention_heads`` not divisible by the
-            TP size, or their heads per TP rank by the Ulysses degree (the message names the
-            field).
+            TP size (the message names the field). Any Ulysses degree is served: heads per TP
+            rank that it does not divide are split unevenly (``layers.attention``).
 
     Parameters are allocated uninitialised (zeros; norm weights 1); load them with
     ``models.loader.load_tensors_into(..., LTX2_NAME_MAP)`` or :func:`ltx2_from_diffusers_module`.
@@ -270,7 +254,6 @@ class LTX2Transformer(nn.Module):
         super().__init__()
         tp = get_tp_world_size() if tp_size is None else tp_size
         check_ltx2_tp_size(cfg, tp)
-        _check_ulysses(cfg, tp, get_ulysses_world_size())
         self.cfg = cfg
         self.tp_size = tp
         self.tp_rank = (get_tp_rank() if tp > 1 else 0) if tp_rank is None else tp_rank
