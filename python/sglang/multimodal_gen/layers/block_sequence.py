@@ -74,7 +74,13 @@ class BlockSequence:
             every token. A cache measures a request's statistic over its rows up to the longest
             of their lengths, so that the padding another request brings into a batch does not
             change it.
-        name: tells several sequences of one DiT apart (a cache keys its state on it).
+        name: tells several sequences of one DiT apart (a cache keys its state on it). A call
+            whose flags change what the blocks compute (a perturbed guidance pass, isolated
+            modalities) names them (:meth:`variant`), so that a cache never reuses a residual
+            computed under other flags.
+        cacheable: ``False``: :meth:`run` runs every block plainly even under an interceptor (a
+            call whose blocks depend on something the declaration cannot key, e.g. per-row
+            weights given by the caller).
     """
 
     owner: nn.Module
@@ -82,6 +88,16 @@ class BlockSequence:
     row_args: dict[str, torch.Tensor | None] = field(default_factory=dict)
     lengths: Sequence[int] | None = None
     name: str = "blocks"
+    cacheable: bool = True
+
+    @staticmethod
+    def variant(name: str, **flags: Any) -> str:
+        """``name`` with the flags that change the blocks' arithmetic, e.g.
+        ``variant("blocks", stg=(3,))`` -> ``"blocks[stg=(3,)]"``; flags equal to ``None``,
+        ``False`` or empty are left out (``variant("blocks")`` is ``"blocks"``). Flag values
+        must have a stable ``repr`` (ints, bools, tuples)."""
+        kept = [f"{k}={v!r}" for k, v in sorted(flags.items()) if v not in (None, False, (), [])]
+        return f"{name}[{','.join(kept)}]" if kept else name
 
     @property
     def num_blocks(self) -> int:
@@ -98,7 +114,7 @@ class BlockSequence:
             Canonical output streams, same shapes.
         """
         interceptor = _INTERCEPTOR.get()
-        if interceptor is None:
+        if interceptor is None or not self.cacheable:
             return self.run_range(streams, 0, self.num_blocks)
         return interceptor(self, streams)
 
@@ -134,6 +150,7 @@ class BlockSequence:
             },
             lengths=None if self.lengths is None else [self.lengths[i] for i in rows],
             name=self.name,
+            cacheable=self.cacheable,
         )
 
 

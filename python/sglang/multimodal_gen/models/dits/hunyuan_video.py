@@ -49,6 +49,7 @@ from sglang.multimodal_gen.configs.hunyuan_video import (
 )
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.mmdit import SingleStreamBlock
 from sglang.multimodal_gen.layers.norm import AdaLayerNormContinuous
@@ -252,15 +253,33 @@ class HunyuanVideoTransformer(nn.Module):
             key_mask = torch.cat([vid_keys, ts.local(txt_keys)], dim=1)
 
         with sequence_split(xs + ts):
-            for block in self.transformer_blocks:
-                x, ctx = block(x, ctx, temb, rope, key_mask)
-            # the reference concatenates and splits [video, text] in every single block; doing
-            # it once around all of them is the same arithmetic
-            joint = torch.cat([x, ctx], dim=1)
-            for block in self.single_transformer_blocks:
-                joint = block(joint, temb, rope, key_mask)
-        x = joint[:, : x.shape[1]]
+            x, ctx = self.block_sequence(temb, rope, key_mask, x.shape[1]).run((x, ctx))
         out = xs.gather(self.proj_out(self.norm_out(x, temb))[0])
         out = out.reshape(b, *grid, cfg.out_channels, pt, p, p)
         out = out.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, cfg.out_channels, f, h, w)
         return out.to(out_dtype)
+
+    def block_sequence(self, temb=None, rope=None, key_mask=None, n_vid: int = 0) -> BlockSequence:
+        """The blocks as one :class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`
+        on the canonical streams ``(video [B, S_vid, D], text [B, S_txt, D])``: the dual-stream
+        blocks, then the single-stream blocks on ``cat([video, text])`` (the reference
+        concatenates and splits in every single block; doing it once around all of them is the
+        same arithmetic). Row arguments: ``temb [B, D]``, ``key_mask [B, S_vid + S_txt]`` bool
+        or ``None``. Shared: ``rope`` (``(cos, sin)``) and ``n_vid`` (local video tokens).
+        Without arguments: the declaration alone (its block count), not runnable."""
+        return BlockSequence(
+            owner=self,
+            stages=(
+                BlockStage(
+                    self.transformer_blocks,
+                    lambda blk, s, a: blk(s[0], s[1], a["temb"], rope, a["key_mask"]),
+                ),
+                BlockStage(
+                    self.single_transformer_blocks,
+                    lambda blk, s, a: (blk(s[0], a["temb"], rope, a["key_mask"]),),
+                    enter=lambda s: (torch.cat([s[0], s[1]], dim=1),),
+                    leave=lambda s: (s[0][:, :n_vid], s[0][:, n_vid:]),
+                ),
+            ),
+            row_args={"temb": temb, "key_mask": key_mask},
+        )

@@ -45,6 +45,7 @@ from torch import nn
 from sglang.multimodal_gen.configs.hunyuan_video15 import HunyuanVideo15ArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.norm import AdaLayerNormContinuous
 from sglang.multimodal_gen.models.dits.hunyuan_video import check_hunyuan_video_tp_size
@@ -281,10 +282,26 @@ class HunyuanVideo15Transformer(nn.Module):
             key_mask = torch.cat([ones, valid], dim=1)
 
         with sequence_split(xs + ts):
-            for block in self.transformer_blocks:
-                x, ctx = block(x, ctx, temb, (cos, sin), key_mask)
+            x, ctx = self.block_sequence(temb, (cos, sin), key_mask).run((x, ctx))
 
         x = xs.gather(self.proj_out(self.norm_out(x, temb))[0])  # [B, S, C_out * p_t * p * p]
         x = x.reshape(b, ppf, pph, ppw, -1, p_t, p, p)
         x = x.permute(0, 4, 1, 5, 2, 6, 3, 7)
         return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def block_sequence(self, temb=None, rope=None, key_mask=None) -> BlockSequence:
+        """The blocks as one :class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`
+        on the canonical streams ``(video [B, S_vid, D], conditioning [B, S_ctx, D])``. Row
+        arguments: ``temb [B, D]``, ``key_mask [B, S_vid + S_ctx]`` bool or ``None``. Shared:
+        ``rope`` (``(cos, sin)``). Without arguments: the declaration alone (its block count),
+        not runnable."""
+        return BlockSequence(
+            owner=self,
+            stages=(
+                BlockStage(
+                    self.transformer_blocks,
+                    lambda blk, s, a: blk(s[0], s[1], a["temb"], rope, a["key_mask"]),
+                ),
+            ),
+            row_args={"temb": temb, "key_mask": key_mask},
+        )

@@ -44,6 +44,7 @@ from sglang.multimodal_gen.configs.qwen_image import QwenImageArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.attention import attention
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
     QKVParallelLinear,
@@ -419,16 +420,54 @@ class QwenImageTransformer(nn.Module):
         if cond_index is not None:  # follows the image tokens it describes
             cond_index = xs.local(cond_index).unsqueeze(-1)
 
-        n_blocks = len(self.transformer_blocks)
-        interval = None
-        if controlnet_block_samples is not None:
-            interval = int(math.ceil(n_blocks / len(controlnet_block_samples)))
+        control = None
+        if controlnet_block_samples is not None:  # [B, n, S_img local, D]
+            control = torch.stack([xs.local(c) for c in controlnet_block_samples], dim=1)
+        temb_zero = None
+        if cond_index is not None:  # the rows of [t, 0]'s embedding, each batch-major
+            block_temb, temb_zero = block_temb.chunk(2, dim=0)
+        seq = self.block_sequence(
+            block_temb, temb_zero, (img_freqs, txt_freqs), key_mask, cond_index, control
+        )
         with sequence_split(ts + xs):
-            for i, block in enumerate(self.transformer_blocks):
-                ctx, x = block(x, ctx, block_temb, img_freqs, txt_freqs, key_mask, cond_index)
-                if interval is not None:
-                    x = x + xs.local(controlnet_block_samples[i // interval])
+            x, ctx = seq.run((x, ctx))
         return xs.gather(self.proj_out(self.norm_out(x, temb))[0])
+
+    def block_sequence(
+        self, temb=None, temb_zero=None, rope=None, key_mask=None, cond_index=None, control=None
+    ) -> BlockSequence:
+        """The blocks as one :class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`
+        on the canonical streams ``(image [B, S_img, D], text [B, S_txt, D])``.
+
+        Row arguments: ``temb [B, D]``; ``temb_zero [B, D]`` (``zero_cond_t``: the embedding of
+        timestep 0, which the blocks take as the second half of ``cat([temb, temb_zero])``, else
+        ``None``); ``key_mask [B, S_txt + S_img]`` bool or ``None``; ``cond_index [B, S_img, 1]``
+        bool or ``None``; ``control [B, n, S_img, D]`` or ``None``: ControlNet residuals, block
+        ``i`` adds ``control[:, i // ceil(L / n)]`` to the image stream (diffusers' interval
+        rule). Shared: ``rope = (img_freqs, txt_freqs)``. Without arguments: the declaration alone
+        (its block count), not runnable."""
+        blocks = self.transformer_blocks
+        index = {id(b): i for i, b in enumerate(blocks)}
+
+        def call(blk, s, a):
+            t = a["temb"] if a["temb_zero"] is None else torch.cat([a["temb"], a["temb_zero"]])
+            ctx, x = blk(s[0], s[1], t, rope[0], rope[1], a["key_mask"], a["cond_index"])
+            c = a["control"]
+            if c is not None:
+                x = x + c[:, index[id(blk)] // int(math.ceil(len(blocks) / c.shape[1]))]
+            return x, ctx
+
+        return BlockSequence(
+            owner=self,
+            stages=(BlockStage(blocks, call),),
+            row_args={
+                "temb": temb,
+                "temb_zero": temb_zero,
+                "key_mask": key_mask,
+                "cond_index": cond_index,
+                "control": control,
+            },  # fmt: skip
+        )
 
 
 def qwen_image_from_diffusers_module(

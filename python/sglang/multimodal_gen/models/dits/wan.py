@@ -50,6 +50,7 @@ from sglang.multimodal_gen.configs.wan import WanArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.attention import attention, sdpa_bshd
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
     ColumnParallelLinear,
@@ -379,8 +380,7 @@ class WanTransformer(nn.Module):
             tproj, temb = xs.local(tproj), xs.local(temb)
 
         with sequence_split(xs):
-            for block in self.blocks:
-                x = block(x, ctx, tproj, cos, sin)
+            (x,) = self.block_sequence(ctx, tproj, (cos, sin)).run((x,))
 
         if per_token:  # temb [B, S, D]
             shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
@@ -393,6 +393,23 @@ class WanTransformer(nn.Module):
         x = x.reshape(b, ppf, pph, ppw, p_t, p_h, p_w, -1)
         x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def block_sequence(self, ctx=None, tproj=None, rope=None) -> BlockSequence:
+        """The blocks as one :class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`
+        on the video stream ``[B, S, D]`` (the text tokens are not a stream: the blocks only read
+        them). Row arguments: ``ctx [B, S_txt, D]`` (the embedded text),
+        ``tproj [B, 6, D]`` or per token ``[B, S, 6, D]``. Shared: ``rope = (cos, sin)``.
+        Without arguments: the declaration alone (its block count), not runnable."""
+        return BlockSequence(
+            owner=self,
+            stages=(
+                BlockStage(
+                    self.blocks,
+                    lambda blk, s, a: (blk(s[0], a["ctx"], a["tproj"], rope[0], rope[1]),),
+                ),
+            ),
+            row_args={"ctx": ctx, "tproj": tproj},
+        )
 
 
 def wan_from_diffusers_module(
