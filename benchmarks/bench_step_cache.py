@@ -30,6 +30,14 @@ from sglang.multimodal_gen.models.families.tiny.zimage import (
 from sglang.multimodal_gen.pipelines.flux import FluxPipeline
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
 
+TAYLORSEER = [
+    ("taylorseer", {}),  # diffusers' defaults: warmup 3, interval 5, order 1, residual
+    ("taylorseer", dict(interval=3)),
+    ("taylorseer", dict(order=2)),
+    ("taylorseer", dict(order=0)),
+    ("taylorseer", dict(target="output")),
+    ("taylorseer", dict(fn=1, bn=1)),
+]
 SETTINGS = {
     "flux": [
         ("none", {}),
@@ -37,6 +45,7 @@ SETTINGS = {
         ("fbcache", dict(threshold=0.5)),
         ("fbcache", dict(threshold=0.8)),
         ("dbcache", dict(threshold=0.5, fn=2, bn=2, warmup=2)),
+        *TAYLORSEER,
     ],
     "zimage": [
         ("none", {}),
@@ -44,6 +53,7 @@ SETTINGS = {
         ("fbcache", dict(threshold=0.8)),
         ("fbcache", dict(threshold=1.0)),
         ("dbcache", dict(threshold=1.0, fn=2, bn=2, warmup=2)),
+        *TAYLORSEER,
     ],
 }
 
