@@ -315,6 +315,21 @@ def _check_output_target(path: str, count: int) -> None:
         raise
 
 
+def step_cache_line(outputs: list) -> str | None:
+    """One line on the step caching the request ran with (the counts its first output carries
+    under ``outputs.STEP_CACHE_INFO``), or ``None`` without step caching."""
+    from sglang.multimodal_gen.outputs import STEP_CACHE_INFO
+
+    s = getattr(outputs[0], "info", {}).get(STEP_CACHE_INFO) if outputs else None
+    if not s:
+        return None
+    done, skipped = s["steps_computed"], s["steps_skipped"]
+    return (
+        f"step cache ({s['method']}): {done} of {done + skipped} DiT steps computed, {skipped} "
+        f"skipped; {s['blocks_computed']} blocks computed, {s['blocks_skipped']} skipped"
+    )
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from sglang.multimodal_gen.runtime.worker import quiet_library_progress_bars
@@ -395,8 +410,12 @@ def _run_generate(args: argparse.Namespace) -> int:
             )
         targets = output_targets(args.output_path, count, engine.modality)
         progress = False if args.no_progress else None
-        for item, (path, fmt) in zip(engine.generate(params, progress=progress), targets):
+        outputs = engine.generate(params, progress=progress)
+        for item, (path, fmt) in zip(outputs, targets):
             write_output(item, path, fmt)
+        summary = step_cache_line(outputs)
+        if summary:
+            print(summary, file=sys.stderr)
     finally:
         if engine is not None:
             try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import os
 import wave
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ import numpy as np
 __all__ = [
     "IMAGE_EXTENSIONS",
     "IMAGE_FORMATS",
+    "STEP_CACHE_INFO",
     "VIDEO_EXTENSIONS",
     "Audio",
     "Video",
@@ -76,6 +77,14 @@ class Audio:
         return np.round(x * 32767.0).astype(np.int16).T.copy()
 
 
+#: The ``info`` key (PIL ``Image.info`` of an image, :attr:`Video.info` of a video) under
+#: which a generated output carries its request's step-cache counts: ``{"method",
+#: "steps_computed", "steps_skipped", "blocks_computed", "blocks_skipped"}``
+#: (``RequestCache.summary()`` of :mod:`sglang.multimodal_gen.layers.step_cache`); absent when
+#: the request ran without step caching.
+STEP_CACHE_INFO = "step_cache"
+
+
 @dataclass
 class Video:
     """A generated video.
@@ -84,11 +93,14 @@ class Video:
         frames: uint8 ``[F, H, W, 3]`` (RGB).
         fps: frames per second.
         audio: the sound track, or ``None``.
+        info: facts about how it was made, as PIL's ``Image.info`` holds them for an image
+            (:data:`STEP_CACHE_INFO`); not written into the file.
     """
 
     frames: np.ndarray
     fps: int
     audio: Audio | None = None
+    info: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_frames(self) -> int:

@@ -80,6 +80,7 @@ WRONG = {
     "fraction": [0, 0.0, 1.5, -0.1, float("nan"), True, "0.5"],
     "flag": [1, 0, "true"],
     "indices": [[-1], [1.5], [True], "28", 28],
+    "cache": ["teacache", {"method": "fbcache", "threshold": -1}, {"fn": 2}, 3],
 }
 FIELD_CASES = [
     (cls, f.name, f.metadata["kind"], value)
@@ -178,7 +179,8 @@ def test_resolve_fills_the_models_defaults_and_checks():
         "image",
         "mask_image",
         "strength",
-    }  # no model default: CFG without one, no adapters
+        "cache",
+    }  # no model default: CFG without one, no adapters; the pipeline's spec fills cache
     assert not SamplingParams(prompt="p").resolved
     with pytest.raises(InvalidRequestError) as e:
         ZIMAGE.resolve(SamplingParams(prompt="p", height=40))
@@ -354,8 +356,9 @@ def test_cli_flags_derive_from_every_familys_declarations():
     no_cli = {f.name for c in FAMILY_CLASSES for f in dataclasses.fields(c)
               if not f.metadata.get("cli", True)}  # fmt: skip
     owners = {n: fams for n, fams in _owners().items() if n not in no_cli}
-    # images: --image-path / --mask-path (files, decoded at the edge)
-    files = {"lora", "image", "mask_image"}
+    # images: --image-path / --mask-path (files, decoded at the edge); cache: --cache-method
+    # and its knobs (the engine's, which the CLI's one request runs with)
+    files = {"lora", "image", "mask_image", "cache"}
     assert set(flags) == (set(SamplingParams.field_names()) - files) | set(owners)
     for name, fams in owners.items():
         assert list(flags[name][1]) == fams, name

@@ -27,6 +27,11 @@ Field kinds (``param(kind=...)``) and their rules, checked by :meth:`SamplingPar
 ``fraction`` a finite number in ``(0, 1]`` (an edit ``strength``)
 ``flag``    ``true`` or ``false`` (a switch)
 ``indices`` a list of integers >= 0 (e.g. block indices); kept as a tuple
+``cache``   step caching of the DiT blocks (:func:`step_cache_value`): a method name
+            (``"none"``, ``"fbcache"``, ``"dbcache"``) or ``{method, threshold, fn, bn,
+            warmup}``; resolved to a ``StepCacheConfig``, supported by the model (its
+            :attr:`RequestSpec.cache_blocks`) and allowed by the server
+            (:attr:`RequestSpec.request_cache`)
 ==========  =========================================================================
 
 Conditioning beyond text is declared by the model (:attr:`RequestSpec.inputs`, e.g. ``("text",
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -56,9 +62,11 @@ __all__ = [
     "RequestSpec",
     "SamplingParams",
     "VideoSamplingParams",
+    "cache_json",
     "check_size",
     "check_text",
     "param",
+    "step_cache_value",
 ]
 
 #: Longest accepted ``prompt`` / ``negative_prompt`` (characters).
@@ -70,6 +78,7 @@ MAX_FPS = 120
 
 _KINDS = (
     "text", "size", "count", "scale", "seed", "lora", "image", "fraction", "flag", "indices",
+    "cache",
 )  # fmt: skip
 
 
@@ -255,6 +264,141 @@ def check_indices(value: Any, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def step_cache_value(value: Any, name: str = "cache"):
+    """A request's step-cache choice as a ``StepCacheConfig``
+    (:mod:`sglang.multimodal_gen.layers.step_cache`): the method's preset with the knobs given.
+
+    Args:
+        value: a method name (``"none"``, ``"fbcache"``, ``"dbcache"``, ...), a mapping
+            ``{"method", <knob>: value, ...}`` whose knobs are ``StepCacheConfig``'s fields
+            (``threshold``, ``fn``, ``bn``, ``warmup``, ...; each optional, ``method``
+            required), or a ``StepCacheConfig`` (checked the same way). The knobs' ranges and
+            which methods take them are ``StepCacheConfig.of``'s (the ``--cache-*`` flags'
+            rules).
+        name: the field, named by every error.
+
+    Returns:
+        The ``StepCacheConfig`` (method ``"none"``: no caching).
+
+    Raises:
+        InvalidRequestError: ``param=name``, the message starting with ``name`` (a knob as
+            ``name.knob``): another type, an unknown key, a method that is unknown or not
+            implemented, knobs given with ``"none"``, a knob of the wrong type, out of its range
+            or of another method.
+    """
+    from sglang.multimodal_gen.layers.step_cache import (
+        CACHE_METHODS,
+        IMPLEMENTED_CACHE_METHODS,
+        StepCacheConfig,
+    )
+
+    def bad(message: str) -> InvalidRequestError:
+        return InvalidRequestError(message, param=name)
+
+    def shown(v: Any) -> str:  # a client's value, kept short in the message
+        text = repr(v)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    types = {f.name: str(f.type) for f in fields(StepCacheConfig) if f.name != "method"}
+    if isinstance(value, StepCacheConfig):
+        method, knobs = value.method, {}
+        if value.enabled and method in IMPLEMENTED_CACHE_METHODS:
+            # the knobs that differ from the method's preset or the class defaults (those of
+            # another method keep the class defaults: not given)
+            preset, base = StepCacheConfig.of(method), StepCacheConfig()
+            knobs = {
+                k: getattr(value, k)
+                for k in types
+                if getattr(value, k) not in (getattr(preset, k), None)
+                or getattr(value, k) != getattr(base, k)
+            }
+    elif isinstance(value, str):
+        method, knobs = value, {}
+    elif isinstance(value, Mapping):
+        unknown = [k for k in value if k != "method" and k not in types]
+        if unknown:
+            raise bad(
+                f"{name} has no key {shown(unknown[0])}; its keys: method, {', '.join(types)}"
+            )
+        method = value.get("method")
+        if not isinstance(method, str):
+            raise bad(f"{name}.method is required: one of {', '.join(IMPLEMENTED_CACHE_METHODS)}")
+        knobs = {k: value[k] for k in types if value.get(k) is not None}
+    else:
+        raise bad(
+            f"{name} must be a method name or an object {{method, {', '.join(types)}}}, got "
+            f"{type(value).__name__}"
+        )
+    if method not in CACHE_METHODS:
+        raise bad(
+            f"{name}.method {shown(method)} is unknown; choose from {', '.join(CACHE_METHODS)}"
+        )
+    if method not in IMPLEMENTED_CACHE_METHODS:
+        raise bad(
+            f"{name}.method {method!r} is not implemented yet; implemented: "
+            f"{', '.join(IMPLEMENTED_CACHE_METHODS)}"
+        )
+    if method == "none":
+        if knobs:
+            raise bad(f"{name}: method 'none' takes no {', '.join(knobs)}")
+        return StepCacheConfig()
+    for k, v in knobs.items():  # JSON types; the ranges are StepCacheConfig.of's
+        t = types[k]
+        ok = (
+            _is_number(v) and math.isfinite(v)
+            if t.startswith("float")
+            else _is_int(v)
+            if t.startswith("int")
+            else isinstance(v, str)
+            if t.startswith("str")
+            else True
+        )
+        if not ok:
+            what = "a finite number" if t.startswith("float") else t.split(" ")[0]
+            what = {"int": "an integer", "str": "a string"}.get(what, what)
+            raise bad(f"{name}.{k} must be {what}, got {shown(v)}")
+    try:
+        return StepCacheConfig.of(method, **knobs)
+    except ValueError as e:  # its messages name the --cache-* flags: name the request's keys
+        message = re.sub(r"--cache-method\b", f"{name}.method", str(e))
+        message = re.sub(r"--cache-(?:taylor-)?([a-z]+)", rf"{name}.\1", message)
+        raise bad(message) from None
+
+
+def cache_json(value: Any) -> Any:
+    """A ``cache`` value as JSON: a ``StepCacheConfig``'s fields (``{"method": "none"}`` when
+    off), other values as they are."""
+    if hasattr(value, "method") and hasattr(value, "enabled"):
+        return dataclasses.asdict(value) if value.enabled else {"method": "none"}
+    return value
+
+
+def _check_cache(value: Any, name: str, spec: RequestSpec) -> None:
+    """A ``cache`` value's own rules (:func:`step_cache_value`) and the model's: caching needs
+    DiT blocks the model declares (:attr:`RequestSpec.cache_blocks`), ``fn + bn`` fewer than
+    them.
+
+    Raises:
+        InvalidRequestError: ``param=name``.
+    """
+    cfg = step_cache_value(value, name)
+    blocks = spec.cache_blocks
+    if not cfg.enabled or blocks is None:
+        return
+    if blocks == 0:
+        raise InvalidRequestError(
+            f"{name}: {spec.display_name} models do not support step caching; send "
+            f'{name}: "none" or leave it out',
+            param=name,
+        )
+    if cfg.fn + cfg.bn >= blocks:
+        raise InvalidRequestError(
+            f"{name}: fn {cfg.fn} + bn {cfg.bn} leave none of this model's {blocks} blocks to "
+            "cache; lower fn or bn",
+            param=name,
+        )
+
+
 def _check_images(value: Any, name: str, high: int | None) -> None:
     from sglang.multimodal_gen.image_inputs import InputImage
 
@@ -350,6 +494,10 @@ class SamplingParams:
         strength: how much of the input image is re-noised (diffusers' ``strength``: 1 starts
             from pure noise, 0.3 keeps most of the image; ``strength x num_inference_steps``
             steps run).
+        cache: this request's step caching of the DiT blocks: a method name or ``{method,
+            threshold, fn, bn, warmup}`` (:func:`step_cache_value`), resolved to a
+            ``StepCacheConfig``; ``None`` takes the served model's (``--cache-method``). The
+            server may refuse the field (:attr:`RequestSpec.request_cache`).
     """
 
     prompt: str = param("text", "the text prompt", per_row=True)
@@ -391,6 +539,12 @@ class SamplingParams:
     strength: float | None = param(
         "fraction",
         "how much of the input image is re-noised: 1 starts from noise, lower keeps more of it",
+    )
+    cache: Any = param(
+        "cache",
+        "step caching of the DiT blocks for this request: a method (none, fbcache, dbcache) or "
+        "{method, threshold, fn, bn, warmup}; null: the server's",
+        cli=False,
     )
 
     # ------------------------------------------------------------------ declarations
@@ -471,6 +625,8 @@ class SamplingParams:
                 check_flag(value, f.name)
             elif kind == "indices":
                 check_indices(value, f.name)
+            elif kind == "cache":
+                _check_cache(value, f.name, spec)
         self._check_budget(limits)
         self.check(spec)
 
@@ -513,9 +669,15 @@ class SamplingParams:
     def batch_key(self) -> tuple:
         """Requests with equal keys can share a denoising loop: every field must match but the
         per-row ones (prompts, seed, adapters, input images); the presence of a negative prompt
-        and the sizes of the input images and mask count too (they change CFG and the shapes)."""
-        per_row = self.per_row_fields()
-        fixed = tuple((n, getattr(self, n)) for n in self.field_names() if n not in per_row)
+        and the sizes of the input images and mask count too (they change CFG and the shapes).
+        Of a ``cache`` only what one DiT call needs common counts: on or off and, when on,
+        ``fn`` and ``bn`` (the step cache decides per request, with each request's method,
+        threshold and warmup, so those may differ within a batch)."""
+        fixed = tuple(
+            (f.name, _batch_part(f, getattr(self, f.name)))
+            for f in fields(self)
+            if not f.metadata.get("per_row")
+        )
         shapes = tuple(x.size for x in self.image or ())
         mask = self.mask_image.size if self.mask_image is not None else None
         return (type(self), fixed, self.negative_prompt is None, shapes, mask)
@@ -527,6 +689,14 @@ class SamplingParams:
             for f in fields(self)
             if f.metadata.get("kind") == "scale" and getattr(self, f.name) is not None
         }
+
+
+def _batch_part(f: dataclasses.Field, value: Any) -> Any:
+    """What of a non-per-row field's value requests sharing a denoising loop must agree on: a
+    resolved ``cache`` only its ``(fn, bn)`` (``None``: off), any other field all of it."""
+    if f.metadata.get("kind") != "cache" or not hasattr(value, "enabled"):
+        return value
+    return (value.fn, value.bn) if value.enabled else None
 
 
 @dataclass(frozen=True)
@@ -571,6 +741,13 @@ class RequestSpec:
             model adds ``"image"``).
         frame_step: a video model makes ``frame_step x k + 1`` frames (its VAE's temporal
             compression); other frame counts are rounded down to that form when resolved.
+        cache_blocks: the blocks step caching may span (the fewest of the model's denoisers'
+            block sequences); 0: the model does not support step caching (a request asking
+            for it is refused), ``None``: not known (no check).
+        request_cache: whether a request may choose its own step caching (the ``cache``
+            field); ``False`` (``sglang serve --cache-request-policy deny``) refuses a request
+            that sets it, and every request runs with the model's default (the server's
+            ``--cache-method``).
     """
 
     family: str
@@ -583,6 +760,8 @@ class RequestSpec:
     inputs: tuple[str, ...] = ("text",)
     frame_step: int = 1
     required_inputs: tuple[str, ...] = ("text",)
+    cache_blocks: int | None = None
+    request_cache: bool = True
 
     @classmethod
     def generic(cls) -> RequestSpec:
@@ -658,6 +837,7 @@ class RequestSpec:
             return params
         params = _images_as_inputs(self.convert(params))
         self._check_inputs(params)
+        self._check_cache_choice(params)
         fill = {
             f.name: getattr(self.defaults, f.name)
             for f in fields(params)
@@ -679,9 +859,29 @@ class RequestSpec:
             value = getattr(params, f.name)
             if f.metadata.get("kind") == "lora" and value is not None:
                 changes[f.name] = tuple(validate_composition(value, f.name))
+        for f in fields(params):  # ``cache``: the StepCacheConfig it stands for
+            value = changes.get(f.name, getattr(params, f.name))
+            if f.metadata.get("kind") == "cache" and value is not None:
+                changes[f.name] = step_cache_value(value, f.name)
         params = dataclasses.replace(params, **changes)  # a new object, never the caller's
         object.__setattr__(params, "_resolved_for", (self.key, self.limits))
         return params
+
+    def _check_cache_choice(self, params: SamplingParams) -> None:
+        """A ``cache`` the request sets itself, on a server that does not allow it.
+
+        Raises:
+            InvalidRequestError: ``param`` the field.
+        """
+        if self.request_cache:
+            return
+        for f in fields(params):
+            if f.metadata.get("kind") == "cache" and getattr(params, f.name) is not None:
+                raise InvalidRequestError(
+                    f"{f.name}: this server does not let a request choose its step caching "
+                    f"(--cache-request-policy deny); leave {f.name} out",
+                    param=f.name,
+                )
 
     def _check_inputs(self, params: SamplingParams) -> None:
         """The conditioning of a request against what the model takes and requires."""
@@ -747,7 +947,7 @@ class RequestSpec:
         """``[{name, kind, help, default}]`` of this model's fields (``/v1/models``)."""
         out = []
         for f in fields(self.params_class):
-            default = getattr(self.defaults, f.name)
+            default = cache_json(getattr(self.defaults, f.name))
             out.append(
                 {
                     "name": f.name,
@@ -763,7 +963,7 @@ class RequestSpec:
         every field's default, ``max_image_size``, ``max_num_frames``,
         ``max_sequence_length_limit``, ``modality`` (``outputs``) and ``inputs``."""
         out = {
-            f.name: getattr(self.defaults, f.name)
+            f.name: cache_json(getattr(self.defaults, f.name))
             for f in fields(self.params_class)
             if f.name not in ("prompt", "lora", "seed", "image", "mask_image")
         }

@@ -41,6 +41,8 @@ DEFAULT_MAX_INFERENCE_STEPS = 1000
 DEFAULT_MAX_IMAGE_SIZE = 2048
 # n x width x height x steps: 1 x 1024^2 x 256 steps, or 8 x 1024^2 x 32 (8 x 1024^2 x 50 is over)
 DEFAULT_MAX_PIXEL_STEPS = 1024 * 1024 * 256
+#: ``--cache-request-policy`` values: may a request choose its own step caching (``cache``)
+CACHE_REQUEST_POLICIES = ("allow", "deny")
 # input images (/v1/images/edits, /v1/videos' input_reference): the ImageLimits defaults
 DEFAULT_MAX_INPUT_IMAGE_BYTES = 20 << 20
 DEFAULT_MAX_INPUT_BYTES = 64 << 20
@@ -164,6 +166,11 @@ class ServerArgs:
             maximum when that is smaller.
         max_images_per_request: upper bound of ``n`` (``--max-n``).
         max_inference_steps: upper bound of ``num_inference_steps`` (``--max-steps``).
+        cache_request_policy: whether a request may choose its own step caching (its ``cache``
+            field; ``--cache-request-policy``): ``"allow"`` (default: a request's choice costs
+            at most what the request costs uncached, which the other bounds limit) or
+            ``"deny"`` (a request that sets ``cache`` is refused with HTTP 400; every request
+            runs with ``--cache-method``).
         max_pixel_steps: upper bound of ``n x num_frames x width x height x
             num_inference_steps`` per request (0: no bound; ``None``: 1024x1024 x 256, or 4x the
             model's default request when larger).
@@ -241,6 +248,7 @@ class ServerArgs:
     max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
     max_inference_steps: int = DEFAULT_MAX_INFERENCE_STEPS
     max_pixel_steps: int | None = None
+    cache_request_policy: str = "allow"
     max_input_image_bytes: int = DEFAULT_MAX_INPUT_IMAGE_BYTES
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
     max_input_images: int = DEFAULT_MAX_INPUT_IMAGES
@@ -308,6 +316,11 @@ class ServerArgs:
             raise ValueError(f"--max-n must be >= 1, got {self.max_images_per_request}")
         if int(self.max_inference_steps) < 1:
             raise ValueError(f"--max-steps must be >= 1, got {self.max_inference_steps}")
+        if self.cache_request_policy not in CACHE_REQUEST_POLICIES:
+            raise ValueError(
+                f"--cache-request-policy must be one of {', '.join(CACHE_REQUEST_POLICIES)}, "
+                f"got {self.cache_request_policy!r}"
+            )
         if self.max_pixel_steps is not None and int(self.max_pixel_steps) < 0:
             raise ValueError(f"--max-pixel-steps must be >= 0, got {self.max_pixel_steps}")
         for flag, value in (
@@ -532,6 +545,14 @@ class ServerArgs:
             help=f"largest num_inference_steps (default {DEFAULT_MAX_INFERENCE_STEPS})",
         )
         g.add_argument(
+            "--cache-request-policy",
+            default="allow",
+            choices=CACHE_REQUEST_POLICIES,
+            help="whether a request may choose its own step caching (its cache field): allow "
+            "(default) or deny (a request setting cache gets HTTP 400; every request runs with "
+            "--cache-method)",
+        )
+        g.add_argument(
             "--max-pixel-steps",
             type=int,
             default=None,
@@ -725,6 +746,7 @@ class ServerArgs:
             max_images_per_request=args.max_n,
             max_inference_steps=args.max_steps,
             max_pixel_steps=args.max_pixel_steps,
+            cache_request_policy=getattr(args, "cache_request_policy", "allow"),
             max_input_image_bytes=getattr(
                 args, "max_input_image_bytes", DEFAULT_MAX_INPUT_IMAGE_BYTES
             ),

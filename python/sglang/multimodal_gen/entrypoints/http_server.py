@@ -23,6 +23,7 @@ Connections are bounded below the app, in uvicorn's protocol (:mod:`.transport`)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -63,12 +64,15 @@ logger = logging.getLogger(__name__)
 
 def server_spec(engine_spec: RequestSpec, args: ServerArgs) -> RequestSpec:
     """The engine's request spec with the server's bounds on top (``--max-image-size``,
-    ``--max-n``, ``--max-steps``, ``--max-pixel-steps``, ``--max-input-images``).
+    ``--max-n``, ``--max-steps``, ``--max-pixel-steps``, ``--max-input-images``) and whether a
+    request may choose its step caching (``--cache-request-policy``).
 
     Raises:
         ValueError: ``--max-image-size`` above the model's maximum.
     """
     defaults = engine_spec.as_dict()
+    policy = getattr(args, "cache_request_policy", "allow")
+    engine_spec = dataclasses.replace(engine_spec, request_cache=policy == "allow")
     return engine_spec.with_limits(
         RequestLimits(
             max_image_size=resolve_max_image_size(args.max_image_size, defaults),

@@ -1,6 +1,7 @@
 """Images: PNG/JPEG/WebP encoding, the store behind ``response_format="url"``, and the routes
 ``POST /v1/images/generations`` (OpenAI Images API + seed, steps, guidance, negative_prompt,
-lora), ``POST /v1/images/edits`` (the same with input images and a mask, as a multipart form as
+lora, cache; the answer adds ``seed`` and, when the request ran with step caching, its
+``step_cache`` counts), ``POST /v1/images/edits`` (the same with input images and a mask, as a multipart form as
 OpenAI defines it or a JSON body with base64 images) and ``GET /v1/images/files/{name}``.
 
 Both generation routes run the engine's ``generate`` command (:data:`~..engine_ops.OPS`, which
@@ -49,7 +50,7 @@ from sglang.multimodal_gen.entrypoints.request_log import lora_summary, record_o
 from sglang.multimodal_gen.entrypoints.routing import RouteContext, principal_of
 from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError
 from sglang.multimodal_gen.image_inputs import ImageBudget
-from sglang.multimodal_gen.outputs import IMAGE_FORMATS, encode_image
+from sglang.multimodal_gen.outputs import IMAGE_FORMATS, STEP_CACHE_INFO, encode_image
 
 #: The path of ``POST /v1/images/edits`` (it runs the ``generate`` command, as generations do).
 EDITS_PATH = "/v1/images/edits"
@@ -145,12 +146,14 @@ def add_image_routes(
                 data.append(ImageData(url=f"{base}/v1/images/files/{name}"))
             else:
                 data.append(ImageData(b64_json=base64.b64encode(blob).decode("ascii")))
+        counts = getattr(pil_images[0], "info", {}) if pil_images else {}
         body = ImageGenerationResponse(
             created=int(time.time()),
             data=data,
             output_format=job.output_format,
             size=job.size,
             seed=job.params.seed,
+            step_cache=counts.get(STEP_CACHE_INFO),
         ).model_dump(exclude_none=True)
         metrics.images.inc(len(data))
         metrics.e2e.observe(time.perf_counter() - t0)

@@ -23,6 +23,7 @@ are declared so that the official client's requests validate. Nothing here impor
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,9 @@ _KIND_TYPES = {
     "flag": bool,
     "indices": list[int],
     "lora": LoRASpec | list[LoRASpec],
+    # a method name or {method, threshold, fn, bn, warmup}: every rule is a value rule (400
+    # naming the field), so the object's keys and types are checked there
+    "cache": str | dict[str, Any],
 }
 #: Generation fields whose HTTP spelling is another (``n``, ``size``, ``seconds``).
 _HTTP_SPELLED = ("prompt", "num_outputs_per_prompt", "height", "width")
@@ -213,6 +217,9 @@ class ImageGenerationResponse(BaseModel):
     output_format: str
     size: str
     seed: int | None = None
+    # the request's step caching, when it ran with one: {"method", "steps_computed",
+    # "steps_skipped", "blocks_computed", "blocks_skipped"}
+    step_cache: dict[str, Any] | None = None
 
 
 class StatusResponse(BaseModel):
@@ -367,6 +374,8 @@ def sampling_params(
         if _GENERATION_FIELDS[name].metadata.get("kind") == "lora":  # lora, stage_2_lora
             items = value if isinstance(value, list) else [value]
             value = [item.as_pair() for item in items]
+        elif _GENERATION_FIELDS[name].metadata.get("kind") == "cache":
+            value = _cache_text(value, name)
         values[name] = float(value) if isinstance(value, int) and _is_scale(name) else value
     if size is not None:
         values["width"], values["height"] = size
@@ -378,6 +387,25 @@ def sampling_params(
         if e.param in ("height", "width") and size is not None:
             raise _size_error(f"{size[0]}x{size[1]}", size[0], size[1], spec) from None
         raise
+
+
+def _cache_text(value: Any, name: str) -> Any:
+    """A ``cache`` sent as the text of a JSON object (a form field: ``cache={"method":
+    "fbcache"}``) as that object; other values as they are.
+
+    Raises:
+        InvalidRequestError: text that starts like an object but is not JSON (``param=name``).
+    """
+    if not isinstance(value, str) or not value.lstrip().startswith("{"):
+        return value
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        raise InvalidRequestError(
+            f"{name} must be a method name or a JSON object {{method, threshold, fn, bn, "
+            f"warmup}}, got {value[:60]!r}",
+            param=name,
+        ) from None
 
 
 #: Every generation field any registered family declares (HTTP spelling aside).

@@ -4,7 +4,8 @@
 answers at once with a job object ``{id, object: "video", status, progress, ...}``;
 ``GET /v1/videos/{id}`` polls it, ``GET /v1/videos/{id}/content`` returns the MP4 once
 ``status`` is ``completed``, ``GET /v1/videos`` lists the jobs and ``DELETE /v1/videos/{id}``
-removes one (a queued job is dropped before it runs). Jobs live in memory: their number and the
+removes one (a queued job is dropped before it runs). A completed job's ``step_cache`` gives the
+counts of its step caching (``null`` without). Jobs live in memory: their number and the
 bytes of their videos are bounded (the oldest finished jobs go first) and finished jobs expire.
 A job survives its client's disconnect; failures are reported in the job as an OpenAI error
 object.
@@ -56,7 +57,7 @@ from sglang.multimodal_gen.entrypoints.request_log import lora_summary, record_o
 from sglang.multimodal_gen.entrypoints.routing import RouteContext, principal_of
 from sglang.multimodal_gen.errors import InvalidRequestError, NotFoundError, SGLangError
 from sglang.multimodal_gen.image_inputs import ImageBudget
-from sglang.multimodal_gen.outputs import encode_video
+from sglang.multimodal_gen.outputs import STEP_CACHE_INFO, encode_video
 
 __all__ = ["VideoGenerationRequest", "VideoJobStore", "add_video_routes"]
 
@@ -116,6 +117,9 @@ class VideoJob:
     total_steps: int | None = None  # denoising steps of the job (its progress' 100 %)
     steps_done: Callable[[Future], float | None] | None = None  # the scheduler's count
     owner: str | None = None  # the creating key's owner id (auth.key_owner); None: no key
+    # the request's step-cache counts once completed (outputs.STEP_CACHE_INFO); None: not (yet)
+    # known, or no step caching
+    step_cache: dict | None = None
 
     def progress(self, status: str) -> int:
         """0-100: 100 once completed; while running, the share of its denoising steps done
@@ -152,6 +156,7 @@ class VideoJob:
             "seed": self.seed,
             "prompt": self.prompt,
             "error": self.error,
+            "step_cache": self.step_cache,
         }
 
 
@@ -360,7 +365,9 @@ def add_video_routes(
             if fut.cancelled():
                 return
             try:
-                content = encode_video(fut.result()[0], fmt="mp4")
+                video = fut.result()[0]
+                job.step_cache = getattr(video, "info", {}).get(STEP_CACHE_INFO)
+                content = encode_video(video, fmt="mp4")
             except BaseException as e:
                 _, body, _ = describe_exception(e)
                 body["error"]["message"] = ctx.public_paths.scrub(body["error"]["message"])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import sys
 import time
@@ -46,7 +47,7 @@ from sglang.multimodal_gen.models.components import load_component
 from sglang.multimodal_gen.models.loader import WeightOptions, load_denoiser
 from sglang.multimodal_gen.models.model_dir import ModelLoadError, read_json, read_model_index
 from sglang.multimodal_gen.models.registry import ModelFamily, SamplingDefaults
-from sglang.multimodal_gen.outputs import Video
+from sglang.multimodal_gen.outputs import STEP_CACHE_INFO, Video
 from sglang.multimodal_gen.pipelines.batching import StepBatcher
 from sglang.multimodal_gen.pipelines.cfg_parallel import STEP_CACHE_ARG, cfg_parallel_call
 from sglang.multimodal_gen.pipelines.common import (
@@ -170,7 +171,9 @@ class StagedPipeline:
             outputs=d.outputs,
             inputs=tuple(d.inputs),
             required_inputs=tuple(d.required_inputs),
+            cache_blocks=self._cache_blocks(),
         )
+        self._set_default_cache(None)
         # where the initial noise is drawn (diffusers' examples seed a generator of the
         # execution device); the runner may set "cpu" to reproduce a CPU-seeded run
         self.generator_device = str(self.device) if self.device.type == "cuda" else self.device.type
@@ -276,7 +279,26 @@ class StagedPipeline:
                         f"--cache-fn {config.fn} + --cache-bn {config.bn} leave none of the "
                         f"{n} blocks of denoiser {name!r} to cache"
                     )
+        self._set_default_cache(config)
+
+    def _cache_blocks(self) -> int:
+        """The blocks step caching may span: the fewest of the denoisers' block sequences (0
+        when a denoiser does not declare its blocks)."""
+        counts = [
+            d.block_sequence().num_blocks if hasattr(d, "block_sequence") else 0
+            for d in self.denoisers.values()
+        ]
+        return min(counts, default=0)
+
+    def _set_default_cache(self, config: StepCacheConfig | None) -> None:
+        """``config`` (``None`` or method ``"none"``: off) as :attr:`step_cache` and as the
+        default ``cache`` of the requests :attr:`spec` resolves (a request may choose its own:
+        :func:`~sglang.multimodal_gen.configs.sampling_params.step_cache_value`)."""
         self.step_cache = config if config is not None and config.enabled else None
+        default = self.step_cache or StepCacheConfig()
+        self.spec = dataclasses.replace(
+            self.spec, defaults=self.spec.defaults.replace(cache=default)
+        )
 
     # ------------------------------------------------------------------ geometry
     def compute_vae_scale_factor(self) -> int:
@@ -572,7 +594,8 @@ class StagedPipeline:
         params = self.spec.resolve(params)
         if generator is None:
             generator = torch.Generator(self.generator_device).manual_seed(int(params.seed))
-        cache = RequestCache(self.step_cache) if self.step_cache is not None else None
+        cfg = params.cache  # resolved: a StepCacheConfig (the request's, or the model's default)
+        cache = RequestCache(cfg) if cfg is not None and cfg.enabled else None
         return Generation(params=params, generator=generator, lora=lora, batch=batch, cache=cache)
 
     @torch.no_grad()
@@ -684,6 +707,9 @@ class StagedPipeline:
         if output_type == "np":
             return pixels
         media = self.to_media(pixels, g)
+        if g.cache is not None:  # the request's counts travel with its outputs
+            for item in media:
+                item.info[STEP_CACHE_INFO] = g.cache.summary()
         if output_type == "pil" and pixels.ndim == 5:  # videos as lists of frames
             from PIL import Image
 
