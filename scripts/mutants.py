@@ -1923,6 +1923,49 @@ MUTANTS: list[Mutant] = [
         ("-k", "uneven and ulysses4"),
         why="the returning uneven head chunks are re-shaped token-major (heads and tokens mixed)",
     ),
+    # ---- per-request step caching (the cache field, its policy, its batch key, its counts)
+    _m(
+        "request-cache-field-ignored",
+        "pipelines/base.py",
+        "cfg = params.cache  # resolved",
+        "cfg = self.step_cache  # resolved",
+        ("test/integration/caching/test_request_cache.py",),
+        ("-k", "skips_steps"),
+        why="a request's cache is resolved and reported valid, but the server's default runs",
+    ),
+    _m(
+        "request-cache-policy-not-enforced",
+        "configs/sampling_params.py",
+        "        if self.request_cache:\n            return\n",
+        "        if True:\n            return\n",
+        ("test/unit/configs/sampling_params/test_cache.py",),
+        why="--cache-request-policy deny lets a request choose its step caching anyway",
+    ),
+    _m(
+        "request-cache-batch-key-without-fn-bn",
+        "configs/sampling_params.py",
+        "return (value.fn, value.bn) if value.enabled else None",
+        "return value.enabled",
+        ("test/unit/configs/sampling_params/test_cache.py",),
+        why="requests with different Fn/Bn share a DiT call, which the step cache refuses",
+    ),
+    _m(
+        "request-cache-fn-bn-bound-off-by-one",
+        "configs/sampling_params.py",
+        "if cfg.fn + cfg.bn >= blocks:",
+        "if cfg.fn + cfg.bn > blocks:",
+        ("test/unit/configs/sampling_params/test_cache.py",),
+        why="fn + bn equal to the block count is queued and fails in the DiT call (500, not 400)",
+    ),
+    _m(
+        "request-cache-counts-not-answered",
+        "entrypoints/images.py",
+        "step_cache=counts.get(STEP_CACHE_INFO),",
+        "step_cache=None,",
+        ("test/integration/caching/test_request_cache.py",),
+        ("-k", "skips_steps"),
+        why="the image answer drops the request's step-cache counts",
+    ),
 ]
 
 
