@@ -5,6 +5,8 @@
   counts; its image is the Python API's for the same request (``engine.generate(cache=...)``,
   whose output carries the same counts). The same request without ``cache`` computes every step
   (no ``step_cache``), and its image is the uncached one.
+* ``/v1/videos`` (tiny Wan2.2 TI2V): a form's ``cache`` (JSON text) runs, the completed job
+  reports the Python API's counts, a job without it ``null``.
 * ``--cache-request-policy deny`` refuses a request that sets ``cache`` (400 naming it) before
   anything runs; a request without it is served.
 * Invalid values (method, knobs, ``fn + bn`` over the model's blocks) are 400 naming ``cache``.
@@ -161,3 +163,47 @@ def test_a_batch_mixing_cached_and_uncached_requests_each_equals_alone(engine, m
     assert STEP_CACHE_INFO not in alone[2].info
     # request 0 skipped 2 steps in calls it shared with request 1, which computed them
     assert len(partial) == 2
+
+
+def test_a_video_job_with_cache_in_a_form_reports_its_counts(tiny_wan_ti2v_dir):
+    """``/v1/videos`` (tiny Wan2.2 TI2V, one expert, CFG: each branch decides alone): the
+    form's ``cache`` (JSON text) runs, and the completed job reports the Python API's counts;
+    a job without it reports ``null``."""
+    import time
+
+    import httpx
+
+    body = dict(prompt="a paper boat", size="32x32", num_frames=5, fps=8, seed=11)
+    body.update(num_inference_steps=3, guidance_scale=3.0)
+    cache = {"method": "fbcache", "threshold": 100.0}  # every step after the first skipped
+
+    def finished(url, job):
+        assert job["step_cache"] is None  # not known while queued
+        deadline = time.monotonic() + 120
+        while job["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+            time.sleep(0.1)
+            job = httpx.get(f"{url}/v1/videos/{job['id']}", timeout=30).json()
+        assert job["status"] == "completed", job
+        return job
+
+    with DiffusionEngine(model_path=tiny_wan_ti2v_dir, device="cpu") as engine:
+        fields = dict(body, height=32, width=32)
+        del fields["size"]
+        counts = engine.generate(**fields, cache=cache)[0].info[STEP_CACHE_INFO]
+        with running_server(engine, ServerArgs(model_path=tiny_wan_ti2v_dir)) as (url, _, _):
+            form = {k: (None, str(v)) for k, v in body.items()}
+            form["cache"] = (None, '{"method": "fbcache", "threshold": 100.0}')
+            cached = httpx.post(f"{url}/v1/videos", files=form, timeout=30)
+            assert cached.status_code == 200, cached.text
+            plain = httpx.post(f"{url}/v1/videos", json=body, timeout=30)
+            cached, plain = finished(url, cached.json()), finished(url, plain.json())
+    # cond and uncond are two states: 3 steps x 2 calls, the first of each computed
+    assert counts == {
+        "method": "fbcache",
+        "steps_computed": 2,
+        "steps_skipped": 4,
+        "blocks_computed": 2 * 2 + 4 * 1,
+        "blocks_skipped": 4,
+    }
+    assert cached["step_cache"] == counts
+    assert plain["step_cache"] is None
