@@ -267,7 +267,9 @@ class LTX2Pipeline(StagedPipeline):
     # ------------------------------------------------------------------ calls
     def new_generation(self, params, generator=None, lora=None, batch=None) -> LTX2Generation:
         g = super().new_generation(params, generator, lora, batch)
-        return LTX2Generation(params=g.params, generator=g.generator, lora=g.lora, batch=g.batch)
+        return LTX2Generation(
+            params=g.params, generator=g.generator, lora=g.lora, batch=g.batch, cache=g.cache
+        )
 
     # ------------------------------------------------------------------ text
     @staticmethod

@@ -56,6 +56,7 @@ from torch import nn
 from sglang.multimodal_gen.configs.ltx2 import LTX2ArchConfig, check_ltx2_tp_size
 from sglang.multimodal_gen.distributed import get_tp_rank, get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
 from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
@@ -626,6 +627,7 @@ class LTX2Transformer(nn.Module):
             raise ValueError(
                 f"spatio_temporal_guidance_blocks {sorted(bad)} out of range [0, {cfg.num_layers})"
             )
+        explicit_mask = perturbation_mask is not None
         if stg_blocks and perturbation_mask is None:
             perturbation_mask = torch.zeros((b,), device=dev)
         if perturbation_mask is not None:
@@ -651,12 +653,13 @@ class LTX2Transformer(nn.Module):
         if audio_emb_t.shape[1] != 1:
             audio_emb_t = axs.local(audio_emb_t)
 
+        seq = self.block_sequence(
+            ctx, actx, m, ropes, masks, isolate_modalities, (xs, axs), stg, tuple(stg_blocks), b
+        )
+        # caller-given per-row STG weights are not part of a cache key: such calls run plainly
+        seq.cacheable = not (stg_blocks and explicit_mask)
         with sequence_split(xs):
-            for i, block in enumerate(self.transformer_blocks):
-                x, ax = block(
-                    x, ax, ctx, actx, m, ropes, masks, not isolate_modalities, (xs, axs),
-                    stg if i in stg_blocks else None,
-                )  # fmt: skip
+            x, ax = seq.run((x, ax))
 
         # ---- output heads
         shift, scale = (self.scale_shift_table[None, None] + emb_t[:, :, None]).unbind(2)
@@ -668,6 +671,72 @@ class LTX2Transformer(nn.Module):
         ax = self.audio_norm_out(ax) * (1 + a_scale) + a_shift
         ax = axs.gather(self.audio_proj_out(ax)[0])
         return x.to(out_dtype), ax.to(audio_out_dtype)
+
+    def block_sequence(
+        self,
+        ctx=None,
+        actx=None,
+        m: dict | None = None,
+        ropes: dict | None = None,
+        masks=(None, None),
+        isolate_modalities: bool = False,
+        splits=None,
+        stg: Perturbation | None = None,
+        stg_blocks: tuple[int, ...] = (),
+        batch: int = 0,
+    ) -> BlockSequence:
+        """The blocks as one :class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`
+        on the canonical streams ``(video [B, Sv, D], audio [B, Sa, Da])`` (the video stream is
+        the main one: a cache measures its change there).
+
+        Row arguments: the prompt contexts ``ctx [B, L, D]`` / ``actx [B, L, Da]``, their key
+        masks ``[B, L]`` bool or ``None``, every modulation of ``m`` (``[B, 1 or S, n * D]``,
+        as ``m.<name>``), the RoPE tables built per item (``[B, S, C]``, as
+        ``rope.<name>.<0|1>``; tables of batch 1 are shared) and the STG mask ``[B, 1, 1]``.
+        Shared: the rest of ``ropes``, the sequence ``splits`` and ``stg.all_perturbed``.
+
+        The flags that change what the blocks compute, ``isolate_modalities`` (no audio-video
+        attention) and the STG blocks, name the sequence (:meth:`BlockSequence.variant`): a cache
+        keeps their residuals apart from the plain pass's. Without arguments: the declaration
+        alone (its block count), not runnable."""
+        m, ropes = m or {}, ropes or {}
+        stg_ids = {id(self.transformer_blocks[i]) for i in stg_blocks}
+        tables = {
+            (k, j): t
+            for k, v in ropes.items()
+            if isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v)
+            for j, t in enumerate(v)
+        }
+        per_row = {f"rope.{k}.{j}": t for (k, j), t in tables.items() if t.shape[0] == batch > 1}
+        row_args = {"ctx": ctx, "actx": actx, "mask": masks[0], "audio_mask": masks[1]}
+        row_args |= {f"m.{k}": v for k, v in m.items()}
+        row_args |= per_row
+        row_args["stg_mask"] = None if stg is None else stg.mask
+
+        def call(blk, s, a):
+            mods = {k[2:]: v for k, v in a.items() if k.startswith("m.")}
+            r = ropes
+            if per_row:  # this call's rows of the per-item tables
+                r = dict(ropes)
+                for k in {k for k, _ in tables}:
+                    r[k] = tuple(a.get(f"rope.{k}.{i}", u) for i, u in enumerate(ropes[k]))
+            p = None
+            if stg is not None and id(blk) in stg_ids:
+                p = Perturbation(a["stg_mask"], stg.all_perturbed)
+            return blk(
+                s[0], s[1], a["ctx"], a["actx"], mods, r, (a["mask"], a["audio_mask"]),
+                not isolate_modalities, splits, p,
+            )  # fmt: skip
+
+        name = BlockSequence.variant(
+            "blocks", isolate_modalities=isolate_modalities, stg=tuple(sorted(stg_blocks))
+        )
+        return BlockSequence(
+            owner=self,
+            stages=(BlockStage(self.transformer_blocks, call),),
+            row_args=row_args,
+            name=name,
+        )
 
 
 def ltx2_from_diffusers_module(
