@@ -1479,8 +1479,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "quant-per-tensor-scale-fills-whole-layer",
         "layers/quantization/scales.py",
-        "layer.fill_shard_rows(param, _value(loaded).reshape(()).float(), shard_id)",
-        "layer.fill_shard_rows(param, _value(loaded).reshape(()).float(), None)",
+        "layer.fill_shard_rows(param, _per_tensor(loaded, what), shard_id)",
+        "layer.fill_shard_rows(param, _per_tensor(loaded, what), None)",
         ("test/unit/layers/quantization/test_fp8.py",),
         why="a fused layer's q/k/v per-tensor scales overwrite each other: the last source's "
         "scale on every row",
@@ -1651,7 +1651,7 @@ MUTANTS: list[Mutant] = [
     _m(
         "nvfp4-row-global-scale-ignored",
         "layers/quantization/nvfp4.py",
-        "g = g.reshape(-1, 1) if g.numel() > 1 else g.reshape(())",
+        "g = g.reshape(-1, 1, 1) if g.numel() > 1 else g.reshape(())",
         "g = g.reshape(-1)[0]",
         ("test/integration/quantization/test_quantized_parity.py",),
         ("-k", "flux_dit_modelopt and nvfp4"),
