@@ -295,9 +295,9 @@ class StagedPipeline:
         default ``cache`` of the requests :attr:`spec` resolves (a request may choose its own:
         :func:`~sglang.multimodal_gen.configs.sampling_params.step_cache_value`)."""
         self.step_cache = config if config is not None and config.enabled else None
-        default = self.step_cache or StepCacheConfig()
+        # off: no default (the resolved request's cache stays None, a field it does not set)
         self.spec = dataclasses.replace(
-            self.spec, defaults=self.spec.defaults.replace(cache=default)
+            self.spec, defaults=self.spec.defaults.replace(cache=self.step_cache)
         )
 
     # ------------------------------------------------------------------ geometry
@@ -594,7 +594,7 @@ class StagedPipeline:
         params = self.spec.resolve(params)
         if generator is None:
             generator = torch.Generator(self.generator_device).manual_seed(int(params.seed))
-        cfg = params.cache  # resolved: a StepCacheConfig (the request's, or the model's default)
+        cfg = params.cache  # resolved: the request's StepCacheConfig, the model's default, or None
         cache = RequestCache(cfg) if cfg is not None and cfg.enabled else None
         return Generation(params=params, generator=generator, lora=lora, batch=batch, cache=cache)
 
