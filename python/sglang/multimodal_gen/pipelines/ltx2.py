@@ -228,6 +228,9 @@ class LTX2Pipeline(StagedPipeline):
     """
 
     family_name = "ltx2"
+    # diffusers runs cond and uncond in one forward under one cache context ("cond_uncond"); its
+    # STG and modality passes have their own, as the DiT's flag-named block sequences do here
+    step_cache_joint_branches = True
     text_components = ("text_encoder", "tokenizer", "connectors")
     shifted_schedule = _LTX2_MODULE
 
