@@ -1966,6 +1966,34 @@ MUTANTS: list[Mutant] = [
         ("-k", "skips_steps"),
         why="the image answer drops the request's step-cache counts",
     ),
+    # ---- step caching of every family: flag-named passes, experts
+    _m(
+        "ltx2-guidance-flags-not-in-cache-key",
+        "models/dits/ltx2.py",
+        '"blocks", isolate_modalities=isolate_modalities, stg=tuple(sorted(stg_blocks))',
+        '"blocks"',
+        ("test/integration/caching/test_families_video.py",),
+        ("-k", "guidance_passes"),
+        why="LTX-2's STG pass reuses the conditional pass's state and skips: STG adds nothing",
+    ),
+    _m(
+        "ltx2-isolation-not-in-cache-key",
+        "models/dits/ltx2.py",
+        '"blocks", isolate_modalities=isolate_modalities, stg=tuple(sorted(stg_blocks))',
+        '"blocks", stg=tuple(sorted(stg_blocks))',
+        ("test/integration/caching/test_families_video.py",),
+        ("-k", "guidance_passes"),
+        why="LTX-2's modality-isolation pass shares the conditional pass's cache state",
+    ),
+    _m(
+        "step-cache-experts-share-states",
+        "layers/step_cache/base.py",
+        "state_key = (seq.name, id(seq.owner), row.context, comp)",
+        "state_key = (seq.name, 0, row.context, comp)",
+        ("test/integration/caching/test_families_wan.py",),
+        ("-k", "a14b"),
+        why="Wan2.2's low-noise expert compares with (and reuses) the high-noise expert's state",
+    ),
 ]
 
 
