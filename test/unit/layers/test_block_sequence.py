@@ -119,3 +119,20 @@ def test_interceptor_replaces_the_run_and_bad_ranges_fail():
     assert not torch.equal(seq.run((x, c))[0], out[0])  # gone after the block
     with pytest.raises(ValueError, match="block range 3:6 of a sequence of 5 blocks"):
         seq.run_range((x, c), 3, 6)
+
+
+def test_variant_names_flags_and_cacheable_false_runs_plainly():
+    assert BlockSequence.variant("blocks") == "blocks"
+    assert BlockSequence.variant("blocks", stg=(), isolate=False, mask=None) == "blocks"
+    named = BlockSequence.variant("blocks", stg=(3, 1), isolate=True)
+    assert named == "blocks[isolate=True,stg=(3, 1)]"
+    assert named != BlockSequence.variant("blocks", stg=(3,), isolate=True)
+    m = _model()
+    x, c, temb = _inputs()
+    seq = _sequence(m, temb, 4)
+    seq.cacheable = False
+    seen = []
+    with intercept_blocks(lambda s, streams: seen.append(s) or streams):
+        out = seq.run((x, c))
+    assert seen == [] and torch.equal(out[0], _plain(m, x, c, temb)[0])
+    assert seq.select_rows(torch.tensor([1])).cacheable is False
