@@ -1994,6 +1994,15 @@ MUTANTS: list[Mutant] = [
         ("-k", "a14b"),
         why="Wan2.2's low-noise expert compares with (and reuses) the high-noise expert's state",
     ),
+    _m(
+        "registry-listing-in-import-order",
+        "models/registry.py",
+        "    return sorted(_FAMILIES.values(), key=lambda f: f.name)",
+        "    return list(_FAMILIES.values())",
+        ("test/unit/models/test_registry.py",),
+        ("-k", "import_order"),
+        why="the CLI help and /v1/models list families in whatever order a program imported them",
+    ),
 ]
 
 

@@ -22,3 +22,20 @@ def test_model_check_accepts_any_ulysses_and_names_the_tp_divisor():
     fam.check_parallel_layout(cfg, ParallelLayout(tp_size=2, ulysses_degree=2))
     with pytest.raises(ValueError, match=r"n_heads=30 is not divisible by tp_size=4.*\[1, 2, 5\]"):
         fam.check_parallel_layout(cfg, ParallelLayout(tp_size=4))
+
+
+def test_list_families_does_not_depend_on_import_order():
+    """A program that imports one family's declaration first (a test module building a tiny Wan,
+    a plugin) registers it first; the listing (CLI help, /v1/models, docs) stays sorted by name."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sglang.multimodal_gen.models.families.wan\n"
+        "from sglang.multimodal_gen.models.registry import list_families\n"
+        "print(','.join(f.name for f in list_families()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    names = out.stdout.strip().split(",")
+    assert "wan" in names and names == sorted(names)

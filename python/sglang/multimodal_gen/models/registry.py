@@ -283,9 +283,10 @@ def _ensure_loaded() -> None:
 
 
 def list_families() -> list[ModelFamily]:
-    """Every registered family, in registration order."""
+    """Every registered family, sorted by name (registration follows import order, which a
+    program that imports one family's module first would change)."""
     _ensure_loaded()
-    return list(_FAMILIES.values())
+    return sorted(_FAMILIES.values(), key=lambda f: f.name)
 
 
 def get_family(name: str) -> ModelFamily:
