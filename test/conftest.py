@@ -45,14 +45,15 @@ EXTENDED = {
     "integration/parallel/test_sequence_parallel_engine.py::test_layout_equals_one_process"
     "[tp2_ulysses2]",
     "integration/parallel/test_sequence_parallel_engine.py::test_heads_that_do_not_divide",
-    # Ulysses over heads it does not divide (the uneven head split at the attention layer:
-    # test_attention's [ulysses4_h6_h3]; a DiT over it: test_sequence_parallel_dits'
-    # test_zimage_uneven_heads_equal_one_process[ulysses4])
+    # Ulysses over heads it does not divide (the uneven head split at the attention layer, one
+    # rank with no head, masked and unmasked: test_attention's [ulysses4_h6_h3])
     "unit/layers/test_attention.py::test_sp_attention_uneven_heads_matches_one_process"
     "[tp2_ulysses2_h6]",
     "unit/layers/test_attention.py::test_sp_attention_uneven_heads_matches_one_process[usp2x2_h3]",
     "integration/parallel/test_sequence_parallel_dits.py::test_zimage_uneven_heads_equal_one_process"
     "[tp2_ulysses2]",
+    "integration/parallel/test_sequence_parallel_dits.py::test_zimage_uneven_heads_equal_one_process"
+    "[ulysses4]",
     "integration/parallel/test_sequence_parallel_dits.py::test_sequence_parallel_equals_one_process"
     "[ulysses3]",
     "integration/lora/test_mixed_lora_batch.py::test_parallel_mixed_batch_equals_one_process[cfg2]",
@@ -117,8 +118,7 @@ EXTENDED = {
     # and ring 2 of the same test)
     "integration/families/test_ltx2_transformer_parity.py::test_sequence_parallel_equals_one_process[ulysses2_ring2]",
     # LTX-2 at Ulysses 4: 4 video heads even, 2 audio heads uneven (two ranks attend none; the
-    # uneven head split: test_attention's [ulysses4_h6_h3], a DiT over it: test_sequence_parallel_
-    # dits' test_zimage_uneven_heads_equal_one_process[ulysses4])
+    # uneven head split: test_attention's [ulysses4_h6_h3])
     "integration/families/test_ltx2_transformer_parity.py::test_sequence_parallel_equals_one_process[ulysses4]",
     # quantized checkpoints: Flux ModelOpt FP8 and online FP8 at TP 2 (TP 2 of the quantized
     # loader: test_flux_tp2_equals_tp1[nvfp4], whose row-parallel block scales are the hardest
@@ -135,11 +135,14 @@ EXTENDED = {
     # processes; one process: test_cli_flags' other tests, the multi-node fingerprint:
     # unit/configs/test_launch_plan.py)
     "integration/quantization/test_cli_flags.py::test_tp2_workers_load_the_transformer_path",
-    # an FP8 base with an unmerged LoRA at TP 2 (the NVFP4 base, sharded blocks and per-row
-    # scales: the same test's [modelopt-nvfp4] case; FP8's sharded scales at TP 2 in one process:
-    # unit/layers/lora/layer/test_quantized.py's test_tp2_pieces_equal_one_process)
+    # an FP8 / NVFP4 base with an unmerged LoRA at TP 2 (the sharded scales and the LoRA pieces
+    # at TP 2 in one process: unit/layers/lora/layer/test_quantized.py's
+    # test_tp2_pieces_equal_one_process; a quantized NVFP4 Flux at TP 2 over gloo:
+    # integration/quantization/test_quantized_parity.py's test_flux_tp2_equals_tp1[nvfp4])
     "integration/quantization/test_quantized_lora.py::test_tp2_unmerged_lora_equals_one_process"
     "[modelopt-fp8]",
+    "integration/quantization/test_quantized_lora.py::test_tp2_unmerged_lora_equals_one_process"
+    "[modelopt-nvfp4]",
     # step caching under Ulysses 2 and CFG parallelism (the ranks' agreement at TP 2:
     # integration/caching/test_cache_batch_and_tp.py::test_tp2_equals_tp1)
     "integration/caching/test_cache_parallel_layouts.py::test_parallel_layout_equals_one_process"
