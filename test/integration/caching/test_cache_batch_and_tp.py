@@ -14,15 +14,13 @@ uncached image misses (55 dB, ``test_fbcache_parity``).
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from fixtures.step_cache_runs import run_requests
 from fixtures.tiny_models import psnr
 from sglang.multimodal_gen.distributed import get_tp_world_size, launch_processes
 from sglang.multimodal_gen.layers.block_sequence import BlockSequence
 from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
-from sglang.multimodal_gen.pipelines.batching import StepBatcher
 from sglang.multimodal_gen.pipelines.flux import FluxPipeline
 
 MIN_PSNR = 70.0
@@ -42,34 +40,8 @@ def _pipe(model_dir):
 
 def _run(pipe, requests, batched):
     """``[(pixels, cache summary)]`` per request, alone or as one batch."""
-    caches = {}
-    new_generation = pipe.new_generation
-
-    def recording(*a, **k):
-        g = new_generation(*a, **k)
-        caches[threading.get_ident()] = g.cache
-        return g
-
-    pipe.new_generation = recording
-    out = [None] * len(requests)
-
-    def body(i, batch=None):
-        r = requests[i]
-        gen = torch.Generator().manual_seed(r["seed"])
-        px = pipe(r["prompt"], generator=gen, output_type="np", batch=batch,
-                  guidance_scale=r["guidance_scale"], **KW)  # fmt: skip
-        out[i] = (px, caches[threading.get_ident()].summary())
-
-    try:
-        if batched:
-            batcher = StepBatcher(len(requests))
-            batcher.run([lambda i=i: body(i, (batcher, i)) for i in range(len(requests))])
-        else:
-            for i in range(len(requests)):
-                body(i)
-    finally:
-        del pipe.new_generation
-    return out
+    out = run_requests(pipe, requests, batched, output_type="np", **KW)
+    return [(px, cache.summary()) for px, cache in out]
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,12 @@ target: 51 dB from the uncached image). Bar: 70 dB.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from fixtures.step_cache_runs import run_requests
 from fixtures.tiny_flux import reference_flux, reference_flux_images
 from fixtures.tiny_models import psnr
 from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
-from sglang.multimodal_gen.pipelines.batching import StepBatcher
 from sglang.multimodal_gen.pipelines.flux import FluxPipeline
 
 MIN_PSNR = 70.0
@@ -36,34 +34,9 @@ KNOBS = dict(warmup=2, interval=3, order=2)
 
 def _generate(pipe, requests, batched=False):
     """``[(pixels, the request's cache summary)]`` per ``(prompt, seed)``, alone or batched."""
-    caches = {}
-    new_generation = pipe.new_generation
-
-    def recording(*a, **k):
-        g = new_generation(*a, **k)
-        caches[threading.get_ident()] = g.cache
-        return g
-
-    pipe.new_generation = recording
-    out = [None] * len(requests)
-
-    def body(i, batch=None):
-        prompt, seed = requests[i]
-        gen = torch.Generator().manual_seed(seed)
-        px = pipe(prompt, generator=gen, output_type="np", batch=batch, **KW)
-        cache = caches[threading.get_ident()]
-        out[i] = (px, cache.summary() if cache else None)
-
-    try:
-        if batched:
-            batcher = StepBatcher(len(requests))
-            batcher.run([lambda i=i: body(i, (batcher, i)) for i in range(len(requests))])
-        else:
-            for i in range(len(requests)):
-                body(i)
-    finally:
-        del pipe.new_generation
-    return out
+    rows = [dict(prompt=p, seed=seed) for p, seed in requests]
+    out = run_requests(pipe, rows, batched, output_type="np", **KW)
+    return [(px, cache.summary() if cache else None) for px, cache in out]
 
 
 @pytest.fixture(scope="module")
