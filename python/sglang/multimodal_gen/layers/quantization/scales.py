@@ -13,11 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sglang.multimodal_gen.layers.quantization.base import tensor_dtype
-
-# the layer (layers.linear.ParallelLinear) imports this module: it is typed structurally here
-LinearLayer = nn.Module  # a layers.linear.ParallelLinear
-ShardId = int | str | None
+from sglang.multimodal_gen.layers.quantization.base import LinearLayer, ShardId, tensor_dtype
 
 __all__ = ["SCALE_DTYPES", "check_dtype", "load_row_scale", "load_shard_scalar", "new_param"]
 
