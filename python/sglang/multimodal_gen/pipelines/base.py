@@ -595,7 +595,9 @@ class StagedPipeline:
         if generator is None:
             generator = torch.Generator(self.generator_device).manual_seed(int(params.seed))
         cfg = params.cache  # resolved: the request's StepCacheConfig, the model's default, or None
-        cache = RequestCache(cfg) if cfg is not None and cfg.enabled else None
+        cache = None
+        if cfg is not None and cfg.enabled:
+            cache = RequestCache(cfg, num_steps=int(params.num_inference_steps))
         return Generation(params=params, generator=generator, lora=lora, batch=batch, cache=cache)
 
     @torch.no_grad()
