@@ -76,15 +76,12 @@ class RequestCache:
         blocks_computed, blocks_skipped: blocks run / skipped over those calls.
         num_steps: the request's denoising steps (``num_inference_steps``; ``None``: unknown),
             for the policies whose rule names the last step (TeaCache forces it).
-        num_steps: the request's denoising steps (``num_inference_steps``; ``None``: unknown),
-            for the policies whose rule names the last step (TeaCache forces it).
     """
 
     config: StepCacheConfig
     states: dict[Any, CacheState] = field(default_factory=dict)
     computed: int = 0
     skipped: int = 0
-    num_steps: int | None = None
     blocks_computed: int = 0
     blocks_skipped: int = 0
     num_steps: int | None = None
