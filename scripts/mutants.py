@@ -2003,6 +2003,14 @@ MUTANTS: list[Mutant] = [
         ("-k", "import_order"),
         why="the CLI help and /v1/models list families in whatever order a program imported them",
     ),
+    _m(
+        "batch-invariant-short-inputs-unpadded",
+        "layers/batch_invariant.py",
+        "return rows, head if head >= MIN_CPU_GEMM_ROWS else 0",
+        "return rows, rows",
+        ("test/unit/layers/test_batch_invariant.py",),
+        why="1-3-row conditioning GEMMs run unpadded: a request's image changes in a batch",
+    ),
 ]
 
 

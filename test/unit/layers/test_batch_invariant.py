@@ -6,7 +6,8 @@ VM at 2 threads: 1-3, 5-7 and 9-11 rows differ from the same rows of a 64-row GE
 (timestep embedding, adaLN modulation) have one row per image, so without care an image would
 change when its request joins a batch. ``layers.batch_invariant.linear_rows_invariant`` (used by
 ``ParallelLinear.apply_gemm`` and the LoRA paths) runs an input as its largest multiple of 4
-rows plus a zero-padded remainder of 16 rows. Reference: ``F.linear`` on 40 rows (a multiple of
+rows plus a zero-padded remainder (short inputs: padded whole to a multiple of 4, at least
+``MIN_CPU_GEMM_ROWS``). Reference: ``F.linear`` on 40 rows (a multiple of
 4, the form every input is reduced to), compared bit for bit.
 """
 
@@ -48,7 +49,8 @@ def test_lora_terms_of_short_inputs_equal_the_rows_of_a_tall_batch():
     layer = wrap_with_lora(load(build_layer("replicated"), w, b))
     layer.add_adapter("a", random_adapter("replicated", 4, ranks=(5,)))
     layer.add_adapter("b", random_adapter("replicated", 5, ranks=(3,)))
-    x = torch.randn(MIN_CPU_GEMM_ROWS, IN, generator=torch.Generator().manual_seed(6))
+    tall_rows = 4 * MIN_CPU_GEMM_ROWS + 4  # taller than any padded short input
+    x = torch.randn(tall_rows, IN, generator=torch.Generator().manual_seed(6))
     comps = [[("a", 0.8)], [("b", 1.3)], [], [("a", 0.5), ("b", 0.5)]]
     with torch.no_grad():
         layer.set_active([("a", 0.8), ("b", -0.4)])
@@ -57,7 +59,7 @@ def test_lora_terms_of_short_inputs_equal_the_rows_of_a_tall_batch():
             out, _ = layer(x[:rows])
             assert torch.equal(out, tall[:rows]), rows
         layer.set_active([])
-        plan = [layer.composition(comps[i % len(comps)]) for i in range(MIN_CPU_GEMM_ROWS)]
+        plan = [layer.composition(comps[i % len(comps)]) for i in range(tall_rows)]
         with layer.lora_context.rows(RowMapping.of(plan)):
             tall_rows, _ = layer(x)
         assert not torch.equal(tall_rows, tall)  # the per-row compositions matter
@@ -81,7 +83,7 @@ def test_rows_stay_invariant_when_the_blas_splits_rows_over_many_threads():
     try:
         with torch.no_grad():
             tall = F.linear(x, layer.weight, layer.bias)
-            for rows in (6, 17, 18, 19, 25, 26, 27, 37):
+            for rows in (1, 2, 3, 6, 17, 18, 19, 25, 26, 27, 37):
                 out, _ = layer(x[:rows])
                 assert torch.equal(out, tall[:rows]), rows
     finally:

@@ -3,8 +3,9 @@
 The CPU BLAS rounds a row differently depending on the GEMM's row count: measured on an AMD EPYC
 VM, 1-3, 5-7 and 9-11 rows at 2 threads differ from the same rows of a taller GEMM by up to 1e-5;
 at 16+ threads more counts do (17-19, 25-27, ... up to 171 rows at 64), never a multiple of 4
-from 16 rows on. Per-image conditioning vectors (timestep embedding, adaLN modulation: one row
-per image) would otherwise make a request's image change when it joins a batch. Every linear
+(4, 8 and 12 rows included: re-measured at 1-64 threads over 80 shapes, ``F.linear`` and
+``addmm_``, against 16-200-row GEMMs). Per-image conditioning vectors (timestep embedding, adaLN
+modulation: one row per image) would otherwise make a request's image change when it joins a batch. Every linear
 layer (``ParallelLinear.apply_gemm``) and the LoRA paths (``layers/lora``) go through these.
 """
 
@@ -21,12 +22,13 @@ __all__ = [
 ]
 
 # Batch invariance of CPU GEMMs (see ParallelLinear.apply_gemm): inputs run as a multiple of
-# CPU_GEMM_ROW_BLOCK rows, and at least MIN_CPU_GEMM_ROWS
-MIN_CPU_GEMM_ROWS = 16
+# CPU_GEMM_ROW_BLOCK rows, and at least MIN_CPU_GEMM_ROWS (one block: a 1-2-row conditioning
+# GEMM padded to 4 rows costs about half of one padded to 16 and rounds its rows alike)
+MIN_CPU_GEMM_ROWS = 4
 CPU_GEMM_ROW_BLOCK = 4
 # below this many rows an input that needs padding is padded whole (e.g. 18 audio tokens: one
-# 20-row GEMM instead of 16 rows plus a 16-row padded tail and a concatenation; the same bits,
-# every multiple of CPU_GEMM_ROW_BLOCK from MIN_CPU_GEMM_ROWS on rounding a row alike)
+# 20-row GEMM instead of 16 rows plus a padded 4-row tail and a concatenation; the same bits,
+# every multiple of CPU_GEMM_ROW_BLOCK rounding a row alike)
 SMALL_CPU_GEMM_ROWS = 64
 
 
@@ -56,9 +58,9 @@ def linear_rows_invariant(
     """``F.linear(x, weight, bias)`` whose every row is computed as it would be among other
     rows, on the CPU: the BLAS rounds a row differently depending on the GEMM's row count
     (measured on an AMD EPYC VM: 1-3, 5-7, 9-11 rows at 2 threads; more counts at 16+ threads,
-    up to 171 rows at 64; never a multiple of 4 from 16 rows on), so the input runs as its
+    up to 171 rows at 64; never a multiple of 4), so the input runs as its
     largest multiple of :data:`CPU_GEMM_ROW_BLOCK` rows plus a zero-padded remainder of
-    :data:`MIN_CPU_GEMM_ROWS` rows (or all of it padded to a multiple of
+    :data:`MIN_CPU_GEMM_ROWS` rows (all of it padded to a multiple of
     :data:`CPU_GEMM_ROW_BLOCK` when shorter than :data:`SMALL_CPU_GEMM_ROWS`).
 
     Args:
@@ -72,7 +74,7 @@ def linear_rows_invariant(
     if head == rows:
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
-    if rows < SMALL_CPU_GEMM_ROWS:  # one padded GEMM, not a head GEMM plus a 16-row tail
+    if rows < SMALL_CPU_GEMM_ROWS:  # one padded GEMM, not a head GEMM plus a padded tail
         head = 0
     y = F.linear(_padded_tail(x2[head:]), weight, bias)[: rows - head]
     if head:
