@@ -116,7 +116,7 @@ def test_the_server_may_forbid_a_request_cache(engine, tiny_zimage_dir):
 @pytest.mark.parametrize(
     "value,words",
     [
-        ("teacache", "cache.method 'teacache' is not implemented"),
+        ({"method": "teacache", "fn": 1}, "cache.fn does not apply to cache.method teacache"),
         ({"method": "fbcache", "threshold": -0.5}, "cache.threshold must be >= 0"),
         ({"method": "fbcache", "threshold": "high"}, "cache.threshold must be a finite number"),
         ({"method": "fbcache", "warmup": 1.5}, "cache.warmup must be an integer"),

@@ -80,7 +80,7 @@ WRONG = {
     "fraction": [0, 0.0, 1.5, -0.1, float("nan"), True, "0.5"],
     "flag": [1, 0, "true"],
     "indices": [[-1], [1.5], [True], "28", 28],
-    "cache": ["teacache", {"method": "fbcache", "threshold": -1}, {"fn": 2}, 3],
+    "cache": ["fastcache", {"method": "fbcache", "threshold": -1}, {"fn": 2}, 3],
 }
 FIELD_CASES = [
     (cls, f.name, f.metadata["kind"], value)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BlockSequence", "BlockStage", "Streams", "intercept_blocks"]
+__all__ = ["BlockSequence", "BlockStage", "ModulatedInput", "Streams", "intercept_blocks"]
 
 #: The streams a block sequence carries (``streams[0]``: the main hidden stream ``[B, S, D]``).
 Streams = tuple[torch.Tensor, ...]
@@ -61,6 +61,34 @@ class BlockStage:
     leave: Callable[[Streams], Streams] | None = None
 
 
+@dataclass(frozen=True)
+class ModulatedInput:
+    """A family's TeaCache declaration: the timestep-modulated input of its first block and the
+    published rescaling of its change (Liu et al., "Timestep Embedding Tells: It's Time to Cache
+    for Video Diffusion Model", 2024; ali-vilab/TeaCache).
+
+    Attributes:
+        compute: ``compute(streams, row_args) -> m``: what TeaCache compares across steps, from
+            the canonical input streams and the row arguments of the sequence (Flux: block 0's
+            ``norm1(image, temb)[0]``, ``[B, S, D]``; Wan: the projected timestep ``[B, 6, D]``).
+            It must run no collective (every rank calls it once per call).
+        coefficients: ``np.poly1d`` coefficients, highest power first, mapping the relative L1
+            change of ``m`` to the estimated change of the output; ``(1.0, 0.0)`` (identity)
+            where the TeaCache repository publishes none for the family.
+        threshold: the family's default ``rel_l1_thresh`` (``--cache-threshold`` replaces it).
+        warmup: the family's default count of first calls that always compute (TeaCache's
+            ``ret_steps``; ``--cache-warmup`` replaces it).
+        per_token: ``m`` is ``[B, S, ...]`` aligned with the tokens of ``streams[0]`` (a cache
+            measures a request's rows up to its length); ``False``: ``[B, ...]`` per row.
+    """
+
+    compute: Callable[[Streams, dict[str, Any]], torch.Tensor]
+    coefficients: tuple[float, ...] = (1.0, 0.0)
+    threshold: float = 0.15
+    warmup: int = 1
+    per_token: bool = True
+
+
 @dataclass
 class BlockSequence:
     """A DiT's repeated blocks (see the module docstring).
@@ -81,6 +109,8 @@ class BlockSequence:
         cacheable: ``False``: :meth:`run` runs every block plainly even under an interceptor (a
             call whose blocks depend on something the declaration cannot key, e.g. per-row
             weights given by the caller).
+        modulated_input: the family's TeaCache declaration (:class:`ModulatedInput`), ``None``:
+            the family does not declare one (``--cache-method teacache`` is refused).
     """
 
     owner: nn.Module
@@ -89,6 +119,7 @@ class BlockSequence:
     lengths: Sequence[int] | None = None
     name: str = "blocks"
     cacheable: bool = True
+    modulated_input: ModulatedInput | None = None
 
     @staticmethod
     def variant(name: str, **flags: Any) -> str:
@@ -151,6 +182,7 @@ class BlockSequence:
             lengths=None if self.lengths is None else [self.lengths[i] for i in rows],
             name=self.name,
             cacheable=self.cacheable,
+            modulated_input=self.modulated_input,
         )
 
 

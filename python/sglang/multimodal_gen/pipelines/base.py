@@ -264,6 +264,7 @@ class StagedPipeline:
         Raises:
             ValueError: a denoiser of this family does not declare its blocks
                 (:class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`) yet, or
+                (``teacache``) their modulated input, or
                 ``Fn + Bn`` leaves none of its blocks to cache.
         """
         if config is not None and config.enabled:
@@ -272,6 +273,12 @@ class StagedPipeline:
                     raise ValueError(
                         f"--cache-method {config.method}: the {self.family.display_name} "
                         f"denoiser {name!r} does not support step caching yet"
+                    )
+                if config.method == "teacache" and d.block_sequence().modulated_input is None:
+                    raise ValueError(
+                        f"--cache-method teacache: the {self.family.display_name} denoiser "
+                        f"{name!r} ({type(d).__name__}) declares no modulated input of its first "
+                        "block (BlockSequence.modulated_input); choose another --cache-method"
                     )
                 n = d.block_sequence().num_blocks
                 if config.fn + config.bn >= n:

@@ -37,7 +37,7 @@ def test_serve_flags_set_the_configuration(tmp_path):
 
 
 BAD = [
-    (["--cache-method", "teacache"], "--cache-method 'teacache' is not implemented yet"),
+    (["--cache-method", "teacache", "--cache-fn", "1"], "--cache-fn does not apply to --cache-"),
     (["--cache-method", "magic"], "--cache-method 'magic' is unknown"),
     (["--cache-method", "dbcache", "--cache-fn", "0"], "--cache-fn must be >= 1, got 0"),
     (["--cache-method", "fbcache", "--cache-threshold", "-1"], "--cache-threshold must be >= 0"),

@@ -21,7 +21,7 @@ def test_presets():
 
 
 REFUSALS = [
-    (("teacache",), {}, "--cache-method 'teacache' is not implemented yet"),
+    (("teacache",), dict(fn=1), "--cache-fn does not apply to --cache-method teacache"),
     (("magcache",), {}, "--cache-method 'magcache' is not implemented yet"),
     (("fastcache",), {}, "--cache-method 'fastcache' is unknown"),
     (("dbcache",), dict(fn=0), "--cache-fn must be >= 1, got 0"),

@@ -124,6 +124,10 @@ class Group:
         cache: their request's cache.
         length: tokens of ``streams[0]`` their region covers (``None``: all).
         compute: whether the middle blocks run for them in this call (set by the policy).
+        key: their state's key in ``cache.states``.
+        sequence: the block sequence being run (a policy reading its declarations, e.g.
+            TeaCache's :attr:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence.
+            modulated_input`).
     """
 
     rows: list[int]
@@ -131,6 +135,8 @@ class Group:
     cache: RequestCache
     length: int | None
     compute: bool = True
+    key: Any = None
+    sequence: BlockSequence | None = None
 
 
 def _row_compositions(owner, n: int) -> list[Any]:
@@ -175,7 +181,7 @@ def groups_of(seq: BlockSequence, rows: Sequence[CacheRow], new_state) -> list[G
             state = row.cache.states.get(state_key)
             if state is None:
                 state = row.cache.states[state_key] = new_state(row.cache.config)
-            g = order[key] = Group([], state, row.cache, None)
+            g = order[key] = Group([], state, row.cache, None, key=state_key, sequence=seq)
         g.rows.append(i)
     for g in order.values():
         if seq.lengths is not None:

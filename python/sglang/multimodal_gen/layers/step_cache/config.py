@@ -8,13 +8,16 @@ method     threshold Fn   Bn   warmup interval order stop target
 fbcache    0.05      1    0    0      --       --    --   --
 dbcache    0.08      8    0    8      --       --    --   --
 taylorseer --        0    0    3      5        1     None residual
+teacache   family    0    0    family --       --    --   --
 ========== ========= ==== ==== ====== ======== ===== ==== ========
 
 ``fbcache`` is diffusers' ``FirstBlockCacheConfig`` default, ``dbcache`` cache-dit's DBCache
 default (F8B0), ``taylorseer`` diffusers' ``TaylorSeerCacheConfig`` default
 (``cache_interval=5``, ``disable_cache_before_step=3``, ``max_order=1``,
-``disable_cache_after_step=None``). A knob of another method (``--cache-threshold`` with
-``taylorseer``, ``--cache-interval`` with ``dbcache``) is refused.
+``disable_cache_after_step=None``), ``teacache`` the family's declared ``rel_l1_thresh`` and
+``ret_steps`` (:class:`~sglang.multimodal_gen.layers.block_sequence.ModulatedInput`; Flux: 0.6
+and 1, TeaCache4FLUX's script) over the whole block span. A knob of another method
+(``--cache-threshold`` with ``taylorseer``, ``--cache-interval`` with ``dbcache``) is refused.
 """
 
 from __future__ import annotations
@@ -26,23 +29,25 @@ __all__ = ["CACHE_METHODS", "IMPLEMENTED_CACHE_METHODS", "TAYLOR_TARGETS", "Step
 #: ``--cache-method`` values of the full contract (``fbcache`` is DBCache's F1B0 preset).
 CACHE_METHODS = ("none", "fbcache", "dbcache", "teacache", "magcache", "taylorseer")
 #: The values implemented so far.
-IMPLEMENTED_CACHE_METHODS = ("none", "fbcache", "dbcache", "taylorseer")
+IMPLEMENTED_CACHE_METHODS = ("none", "fbcache", "dbcache", "taylorseer", "teacache")
 #: What TaylorSeer extrapolates: the middle blocks' residual (middle output - head output) or
 #: their output itself (diffusers' rule for a hooked module).
 TAYLOR_TARGETS = ("residual", "output")
 
 _THRESHOLD_METHODS = ("fbcache", "dbcache")
 _SCHEDULE_METHODS = ("taylorseer",)
+_TEACACHE = ("teacache",)  # the whole span (Fn = Bn = 0); threshold / warmup: the family's
 _PRESETS = {  # method -> knob defaults
     "fbcache": dict(threshold=0.05, fn=1, bn=0, warmup=0),  # diffusers' FirstBlockCacheConfig
     "dbcache": dict(threshold=0.08, fn=8, bn=0, warmup=8),  # cache-dit's DBCache (F8B0)
     "taylorseer": dict(fn=0, bn=0, warmup=3, interval=5, order=1, stop=None, target="residual"),
+    "teacache": dict(threshold=None, fn=0, bn=0, warmup=None),
 }
 _FLAGS = {  # knob -> (flag, lowest value, methods it applies to)
-    "threshold": ("--cache-threshold", 0, _THRESHOLD_METHODS),
+    "threshold": ("--cache-threshold", 0, _THRESHOLD_METHODS + _TEACACHE),
     "fn": ("--cache-fn", None, _THRESHOLD_METHODS + _SCHEDULE_METHODS),
     "bn": ("--cache-bn", 0, _THRESHOLD_METHODS + _SCHEDULE_METHODS),
-    "warmup": ("--cache-warmup", 0, _THRESHOLD_METHODS + _SCHEDULE_METHODS),
+    "warmup": ("--cache-warmup", 0, _THRESHOLD_METHODS + _SCHEDULE_METHODS + _TEACACHE),
     "interval": ("--cache-interval", 1, _SCHEDULE_METHODS),
     "order": ("--cache-order", 0, _SCHEDULE_METHODS),
     "stop": ("--cache-stop", 0, _SCHEDULE_METHODS),
@@ -57,12 +62,13 @@ class StepCacheConfig:
     Attributes:
         method: one of :data:`IMPLEMENTED_CACHE_METHODS`.
         threshold: fbcache / dbcache: skip when the relative L1 change of the head residual is
-            ``<=`` this.
+            ``<=`` this. teacache: ``rel_l1_thresh``, skip while the accumulated rescaled
+            change stays below it; ``None``: the family's declared value.
         fn: blocks that always run first (``Fn``; >= 1 for fbcache / dbcache, whose head
             decides; >= 0 for taylorseer).
         bn: blocks that always run last (``Bn``, >= 0).
         warmup: the first calls of each state that always compute (taylorseer: diffusers'
-            ``disable_cache_before_step``).
+            ``disable_cache_before_step``; teacache: ``ret_steps``, ``None``: the family's).
         interval: taylorseer: a full computation every ``interval`` calls after the warmup
             (diffusers' ``cache_interval``, >= 1).
         order: taylorseer: the highest order of the Taylor expansion (``max_order``, >= 0).

@@ -32,6 +32,7 @@ from sglang.multimodal_gen.layers.step_cache.base import (
 from sglang.multimodal_gen.layers.step_cache.dbcache import DBCachePolicy
 from sglang.multimodal_gen.layers.step_cache.policy import CachePolicy
 from sglang.multimodal_gen.layers.step_cache.taylorseer import TaylorSeerPolicy
+from sglang.multimodal_gen.layers.step_cache.teacache import TeaCachePolicy
 
 __all__ = ["POLICIES", "cache_rows"]
 
@@ -40,6 +41,7 @@ POLICIES: dict[str, CachePolicy] = {
     "fbcache": DBCachePolicy(),
     "dbcache": DBCachePolicy(),
     "taylorseer": TaylorSeerPolicy(),
+    "teacache": TeaCachePolicy(),
 }
 
 _ROWS: contextvars.ContextVar[Sequence[CacheRow] | None] = contextvars.ContextVar(

@@ -40,7 +40,7 @@ from torch import nn
 from sglang.multimodal_gen.configs.flux import FluxArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
-from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage, ModulatedInput
 from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding, timestep_sinusoid
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.mmdit import DualStreamBlock, SingleStreamBlock
@@ -55,6 +55,19 @@ __all__ = [
     "flux_from_diffusers_module",
     "flux_single_block",
 ]
+
+
+#: TeaCache's rescaling of Flux.1's modulated-input change (``np.poly1d`` order) and its
+#: ``rel_l1_thresh`` default (ali-vilab/TeaCache, TeaCache4FLUX: 0.25 ~1.5x, 0.4 ~1.8x, 0.6 ~2.0x,
+#: 0.8 ~2.25x on FLUX.1-dev, 28 steps).
+FLUX_TEACACHE_COEFFICIENTS = (
+    4.98651651e02,
+    -2.83781631e02,
+    5.58554382e01,
+    -3.82021401e00,
+    2.64230861e-01,
+)
+FLUX_TEACACHE_THRESHOLD = 0.6
 
 
 # ------------------------------------------------------------------------------ conditioning
@@ -276,8 +289,10 @@ class FluxTransformer(nn.Module):
         blocks, then the single-stream blocks on ``cat([text, image])`` (the reference
         concatenates and splits in every single block; doing it once around all of them is the
         same arithmetic). ``temb [B, D]`` is a row argument; ``rope`` (``(cos, sin)``) and
-        ``n_txt`` (local text tokens) are shared. Without arguments: the declaration alone (its
-        block count), not runnable."""
+        ``n_txt`` (local text tokens) are shared. TeaCache's modulated input is dual-stream block
+        0's ``norm1(image, temb)[0]`` (TeaCache4FLUX). Without arguments: the declaration alone
+        (its block count), not runnable."""
+        first = self.transformer_blocks[0] if len(self.transformer_blocks) else None
         return BlockSequence(
             owner=self,
             stages=(
@@ -293,6 +308,13 @@ class FluxTransformer(nn.Module):
                 ),
             ),
             row_args={"temb": temb},
+            modulated_input=None
+            if first is None
+            else ModulatedInput(
+                lambda s, a: first.norm1(s[0], a["temb"])[0],
+                FLUX_TEACACHE_COEFFICIENTS,
+                FLUX_TEACACHE_THRESHOLD,
+            ),
         )
 
 
