@@ -302,6 +302,19 @@ class _Counting:
         self.batches.append(len(reqs))
         return self.engine.generate_batch(reqs, progress)
 
+    def generate_continuous(self, reqs, admit, on_done, progress=None):
+        """A continuous batch counts as large as it grows (its first requests, then each
+        join with the requests running)."""
+        self.batches.append(len(reqs))
+
+        def counted(running):
+            joined = admit(running)
+            if joined:
+                self.batches.append(running + len(joined))
+            return joined
+
+        return self.engine.generate_continuous(reqs, counted, on_done, progress)
+
 
 def _post_all(url, bodies):
     out = [None] * len(bodies)

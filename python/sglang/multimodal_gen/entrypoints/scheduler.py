@@ -33,6 +33,21 @@ for more to arrive; the engine runs them in one denoising loop (``engine.generat
 with its own seed, prompts and LoRA composition. Only generations queued before the first waiting admin call can
 join, so admin changes stay ordered with generations exactly as without batching.
 
+Continuous batching (the default with ``max_batch_size > 1``, on an engine whose
+``continuous_batching`` is true: one process): the loop is not closed when it starts. At every
+denoising step boundary the engine asks the scheduler for more (``engine.generate_continuous``);
+the generations at the head of the queue whose settings match the running loop's, but for the
+number of steps (:func:`_join_key`), join it while there is room (``max_batch_size`` requests in
+the loop), each with its own timestep from then on; a finished generation's future resolves at
+once while the others go on. Admission is strictly first come first served: it stops at the first
+waiting task that cannot join (an admin call, or a generation with other settings), so a running
+loop never overtakes a waiting task (a new loop gathers its first generations as request batching
+does, above), an admin call runs as soon as the generations in the loop (all queued before it)
+have finished, and no running loop sees a weight change. A
+single generation runs this way too, so that others can join it. Engines with worker processes
+(TP, sequence or CFG parallelism) batch whole requests only: a join would have to be decided on
+rank 0 and broadcast with the step to every rank, which is not built.
+
 Adapters: a generation naming adapters (its own ``lora``) that will not be loaded when it runs is
 refused as it is queued (``NotFoundError``, 404 naming ``lora``), by the scheduler's
 :class:`~.adapter_ledger.AdapterLedger` (``scheduler.adapters``), which counts the LoRA commands
@@ -139,6 +154,14 @@ class SchedulerMetrics:
         pass
 
 
+def _join_key(task: _Task) -> tuple:
+    """Generations with equal keys can share a continuous loop: :func:`_batch_key` but for the
+    number of steps (a joining request is at another step anyway: its timestep is its own row
+    of the DiT call, so the calls still concatenate)."""
+    kind, fixed, *rest = _batch_key(task)
+    return (kind, tuple(f for f in fixed if f[0] != "num_inference_steps"), *rest)
+
+
 def _batch_key(task: _Task) -> tuple:
     """Generations with equal keys can share a denoising loop: every field of the request must
     match but the per-row ones (prompts, seed, adapters; a negative prompt's presence, not its
@@ -161,6 +184,9 @@ class Scheduler:
         batch_wait_s: how long a batch that is not full waits for more requests (seconds).
         adapters: the account of loaded adapters generations are checked against (a new
             :class:`~.adapter_ledger.AdapterLedger` when omitted).
+        continuous_batching: with ``max_batch_size > 1``, let generations join a running loop
+            at its step boundaries (see the module docstring; only on an engine whose
+            ``continuous_batching`` is true); ``False``: whole batches only.
     """
 
     ADMIN_METHODS = SCHEDULER_CALLS  # the op table's scheduled commands
@@ -176,6 +202,7 @@ class Scheduler:
         max_batch_size: int = 1,
         batch_wait_s: float = 0.0,
         adapters: AdapterLedger | None = None,
+        continuous_batching: bool = True,
     ):
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}")
@@ -183,6 +210,7 @@ class Scheduler:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = int(max_batch_size)
         self.batch_wait_s = max(0.0, float(batch_wait_s))
+        self.continuous_batching = bool(continuous_batching)
         self.engine = engine
         self.max_queue_size = max_queue_size
         self.metrics = metrics or SchedulerMetrics()
@@ -431,16 +459,26 @@ class Scheduler:
             self._queue_changed_locked()
             return batch
 
+    def _continuous(self) -> bool:
+        """Whether generations run as continuous batches (see the module docstring)."""
+        return (
+            self.continuous_batching
+            and self.max_batch_size > 1
+            and getattr(self.engine, "continuous_batching", False) is True
+            and hasattr(self.engine, "generate_continuous")
+        )
+
     def _take_batch_locked(self, batch: list[_Task]) -> None:
         """Add to ``batch`` the waiting generations that can share its loop (see the module
         docstring), waiting up to ``batch_wait_s`` while it is not full."""
-        key = _batch_key(batch[0])
+        key_of = _join_key if self._continuous() else _batch_key
+        key = key_of(batch[0])
         deadline = time.monotonic() + self.batch_wait_s
         while True:
             for t in list(self._queue):
                 if len(batch) >= self.max_batch_size or t.kind != "generate":
                     break  # nothing after an admin call may move ahead of it
-                if _batch_key(t) == key:
+                if key_of(t) == key:
                     self._queue.remove(t)
                     batch.append(t)
             left = deadline - time.monotonic()
@@ -481,7 +519,9 @@ class Scheduler:
                 live = [t for t in batch if t.future.set_running_or_notify_cancel()]
                 gens = [t.future for t in live if t.kind == "generate"]
                 self.health.task_started(batch[0].kind, gens)
-                if len(live) > 1:
+                if gens and len(gens) == len(live) and self._continuous():
+                    self._run_continuous(live)
+                elif len(live) > 1:
                     self._run_batch(live)
                 elif live:
                     self._run(live[0])
@@ -492,6 +532,79 @@ class Scheduler:
                     self._cond.notify_all()
             if self.health.dead_reason is not None:
                 break
+
+    def _run_continuous(self, tasks: list[_Task]) -> None:
+        """Generations in one continuous loop (``engine.generate_continuous``): more join it
+        at its step boundaries (:meth:`_admit`); each future resolves when its request
+        finished."""
+        key = _join_key(tasks[0])
+        session: list[_Task] = list(tasks)  # the engine's request index -> task
+        begun: list[float] = [time.perf_counter()] * len(tasks)
+        for t in tasks:
+            t.started(begun[0])
+
+        def admit(running: int) -> list:
+            joined = self._admit(key, running)
+            now = time.perf_counter()
+            for t in joined:
+                t.started(now)
+                session.append(t)
+                begun.append(now)
+            return [t.args[0] for t in joined]
+
+        def on_done(index: int, result: Any) -> None:
+            t, end = session[index], time.perf_counter()
+            t.ended(end)
+            run_s = end - begun[index]
+            self.health.generation_finished(run_s)
+            steps = getattr(t.args[0], "num_inference_steps", None)
+            self.metrics.observe_generation(begun[index] - t.enqueued_at, run_s, steps)
+            if isinstance(result, BaseException):
+                t.future.set_exception(result)
+            else:
+                t.future.set_result(result)
+
+        try:
+            self.engine.generate_continuous([t.args[0] for t in tasks], admit, on_done)
+        except BaseException as e:
+            for t in session:
+                if not t.future.done():
+                    t.ended(time.perf_counter())
+                    t.future.set_exception(e)
+            try:
+                alive = not isinstance(e, EngineDeadError) and bool(self.engine.is_alive())
+            except Exception:
+                alive = False
+            if not alive:
+                self._mark_dead(getattr(e, "message", None) or type(e).__name__)
+            return
+        for t in session:  # an engine that skipped one: its caller must not wait forever
+            if not t.future.done():
+                t.future.set_exception(RuntimeError("the engine returned no result"))
+
+    def _admit(self, key: tuple, running: int) -> list[_Task]:
+        """The waiting generations that join a running loop of ``key`` now (asked by the engine
+        at a step boundary; ``running``: requests in the loop): from the head of the queue,
+        while they match and there is room; the first task that cannot join stops it (first
+        come first served: an admin call waits only for the loop to drain)."""
+        taken: list[_Task] = []
+        with self._cond:
+            if self.health.dead_reason is not None:
+                return taken
+            popped = False
+            while self._queue and len(taken) < self.max_batch_size - running:
+                t = self._queue[0]
+                if t.kind != "generate" or _join_key(t) != key:
+                    break
+                self._queue.popleft()
+                self._waiting_generations -= 1
+                popped = True
+                if t.future.set_running_or_notify_cancel():  # skip a client that went away
+                    taken.append(t)
+            if popped:
+                self._queue_changed_locked()
+                self.health.generations_joined([t.future for t in taken], running + len(taken))
+        return taken
 
     def _run_batch(self, tasks: list[_Task]) -> None:
         """Generations that share one denoising loop; each future gets its own result."""

@@ -77,6 +77,14 @@ class HealthMonitor:
         self._running = kind
         self._progress_at = self._clock()
 
+    def generations_joined(self, generations: Sequence[Future], rows: int) -> None:
+        """``generations`` joined the running denoising loop (continuous batching), which now
+        runs ``rows`` generations."""
+        steps = self._engine_steps()
+        for f in generations:
+            self._running_gens[id(f)] = (steps, rows)
+        self._progress_at = self._clock()
+
     def task_finished(self) -> None:
         """The running task finished (with a result or an error)."""
         self._running_gens = {}

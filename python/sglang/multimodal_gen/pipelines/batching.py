@@ -22,12 +22,25 @@ order. Requests with different LoRA compositions share a call: each call carries
 LoRA selection, and the batched call gives every row its own request's adapters
 (:mod:`.lora_rows`). Decoding is one call for the batch too, which also keeps two decodes from
 running at once (some VAEs keep a causal-convolution cache on the module while decoding).
+
+Continuous batching (:meth:`StepBatcher.run` with ``admit``): a batch is not fixed when it starts.
+At every step boundary (every request of the batch waits at a module call, none of them runs) the
+executor asks ``admit`` for new requests; each one JOINS as the next request index, starts its
+thread, and its first module calls (its prompt encoding, then its first DiT step) meet the
+running requests' next calls. A joined request is usually at another denoising step than the
+others: every family passes its timestep as a batched argument (one value per row, ``[B]`` or
+``[B, tokens]``), so its DiT call still concatenates with theirs when the other arguments line
+up (same size, frames, CFG layout, denoiser), and runs beside them in the same step when they do
+not. A request that finishes LEAVES: its decode is one more call at the next boundary, then its
+body returns (the caller hands its result out at once) while the others go on. The batch ends
+when no request is left and ``admit`` gives none.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -76,10 +89,23 @@ class StepBatcher:
         self.prologued: set[int] = set()
         self.broken = False  # the executor left (interrupted): every wait and call fails
 
-    def run(self, bodies: list[Callable[[], None]]) -> None:
+    def run(
+        self,
+        bodies: list[Callable[[], None]],
+        admit: Callable[[int], Sequence[Callable[[int], None]]] | None = None,
+    ) -> None:
         """Run ``bodies[i]`` as request ``i``, each in its own thread, and their module calls
-        (:meth:`submit`) on this thread, step by step; return when every body returned.
-        A body's exception is its own business: catch it inside the body."""
+        (:meth:`submit`) on this thread, step by step; return when every body returned (and
+        ``admit`` gave no more). A body's exception is its own business: catch it inside the
+        body.
+
+        Args:
+            admit: continuous batching (see the module docstring): called on this thread at
+                each step boundary, and once more when every request has left, with the number
+                of requests in the batch; returns the bodies of the requests that join now
+                (possibly none), each called with its request index. It runs under the
+                batcher's lock: it must be quick and must not wait for the batch.
+        """
         if len(bodies) != self.n:
             raise ValueError(f"{self.n} requests, {len(bodies)} bodies")
         threads = [
@@ -90,9 +116,15 @@ class StepBatcher:
             for t in threads:
                 t.start()
             with self.cv:
+                asked = False  # admit was asked at this step boundary
                 while True:
-                    if self._step_ready_locked():
+                    ready = self._step_ready_locked()
+                    if admit is not None and not asked and (ready or not self.active):
+                        asked = True
+                        self._admit_locked(admit, threads)
+                    elif ready:
                         self._run_step_locked()
+                        asked = False
                     elif not self.active:
                         break
                     else:
@@ -109,6 +141,26 @@ class StepBatcher:
             for t in threads:
                 if t.ident is not None:  # started
                     t.join()
+
+    def _admit_locked(
+        self,
+        admit: Callable[[int], Sequence[Callable[[int], None]]],
+        threads: list[threading.Thread],
+    ) -> None:
+        """Start the requests ``admit`` gives as the next request indices (they are members,
+        so the next step waits for their first call)."""
+        threads[:] = [t for t in threads if t.is_alive() or t.ident is None]
+        for body in admit(len(self.active)):
+            index = self.n
+            self.n += 1
+            self.active.add(index)
+            t = threading.Thread(
+                target=self._body,
+                args=(index, functools.partial(body, index)),
+                name=f"batch-request-{index}",
+            )
+            threads.append(t)
+            t.start()
 
     def _body(self, index: int, body: Callable[[], None]) -> None:
         with self.member(index):

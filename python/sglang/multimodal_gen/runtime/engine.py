@@ -316,6 +316,70 @@ class DiffusionEngine:
                 results[i] = list(val) if ok else unpack_error(val)
         return results
 
+    @property
+    def continuous_batching(self) -> bool:
+        """Whether :meth:`generate_continuous` can take requests into a running loop: an engine
+        in one process only. With worker processes every rank would have to learn of a join
+        at the same step (rank 0 deciding, the decision broadcast with the step); that is not
+        built, so such an engine batches whole requests only (:meth:`generate_batch`)."""
+        return isinstance(self._executor, UniProcExecutor)
+
+    def generate_continuous(
+        self,
+        reqs: Sequence[SamplingParams],
+        admit: Callable[[int], Sequence[SamplingParams]],
+        on_done: Callable[[int, Any], None],
+        progress: bool | None = None,
+    ) -> None:
+        """Continuous batching: run ``reqs`` in one denoising loop that takes more requests at
+        its step boundaries and hands each result out as soon as its request finished
+        (``pipelines.batching``); returns when no request is left and ``admit`` gives none.
+
+        Args:
+            admit: ``admit(running) -> requests`` (``running``: requests in the loop now), asked
+                on the engine's thread at every step boundary; the requests it returns join now.
+                It must be quick and must not call the engine.
+            on_done: ``on_done(index, result)``: request ``index`` finished (``reqs`` are
+                0..n-1, admitted requests are numbered on in the order ``admit`` gave them);
+                ``result`` is its outputs (as :meth:`generate`'s) or the exception it failed
+                with (a bad field or an unknown adapter fails that request only). Called from
+                the engine's threads, once per request.
+
+        Raises:
+            ValueError: :attr:`continuous_batching` is false.
+            EngineDeadError: a worker died (requests not yet answered get no ``on_done``).
+        """
+        if not self.continuous_batching:
+            raise ValueError("continuous batching needs an engine in one process (TP 1)")
+        index_of: list[int] = []  # the runner's request index -> the caller's
+        counted = [0]
+
+        def resolved(batch: Sequence[SamplingParams]) -> list[SamplingParams]:
+            ready = []
+            for r in batch:
+                index = counted[0]
+                counted[0] += 1
+                try:
+                    ready.append(self._resolve(r, {}))
+                except errors_mod.SGLangError as e:
+                    on_done(index, e)
+                    continue
+                index_of.append(index)
+            return ready
+
+        def done(i: int, result: tuple) -> None:
+            ok, val = result
+            on_done(index_of[i], list(val) if ok else unpack_error(val))
+
+        first = resolved(reqs)
+        self._call(
+            "generate_batch",
+            reqs=first,
+            progress=progress,
+            admit=lambda running: resolved(admit(running)),
+            on_done=done,
+        )
+
     def _resolve(self, params: SamplingParams | None, fields: dict) -> SamplingParams:
         if params is None:
             params = self.spec.params(**fields)

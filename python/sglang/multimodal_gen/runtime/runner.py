@@ -407,7 +407,12 @@ class ModelRunner:
         return out
 
     def cmd_generate_batch(
-        self, reqs: list[SamplingParams], progress: bool | None = None, selections=None
+        self,
+        reqs: list[SamplingParams],
+        progress: bool | None = None,
+        selections=None,
+        admit: Callable[[int], Sequence[SamplingParams]] | None = None,
+        on_done: Callable[[int, tuple], None] | None = None,
     ):
         """Several requests in one denoising loop (``pipelines.batching``): each keeps its own
         seed, prompts, guidance and adapters; their module calls are batched step by step, every
@@ -416,19 +421,38 @@ class ModelRunner:
 
         Args:
             selections: what rank 0 selected (:meth:`prepare`); ``None``: selected here.
+            admit: continuous batching (one process only: it is a callable): asked at every
+                step boundary with the number of requests running, returns the resolved requests
+                that join the loop now (numbered after ``reqs``, in the order given). Never
+                asked while two experts are offloaded one at a time (``per_expert_offload``:
+                requests at different steps would want different experts on the device at
+                once); the waiting requests then run in the next batch.
+            on_done: ``on_done(index, (ok, payload))`` as soon as request ``index`` (of ``reqs``
+                and then of the admitted ones) has finished, from its request thread, while the
+                others go on.
 
-        Returns one ``(True, outputs)`` or ``(False, packed error)`` per request, in order: one
-        request's failure does not fail the others.
+        Returns one ``(True, outputs)`` or ``(False, packed error)`` per request, in order (the
+        admitted ones after ``reqs``): one request's failure does not fail the others.
         """
         from sglang.multimodal_gen.pipelines.batching import StepBatcher
 
         if selections is None:
             selections = self._selections(reqs)
+        reqs, selections = list(reqs), list(selections)
         out: list = [s if isinstance(s, tuple) else None for s in selections]
+
+        def finish(i: int, result: tuple) -> None:
+            out[i] = result
+            if on_done is not None:
+                on_done(i, result)
+
+        for i, s in enumerate(out):
+            if s is not None:
+                finish(i, s)
         live = [i for i in range(len(reqs)) if out[i] is None]
         batcher = StepBatcher(len(live))
 
-        def run(slot: int, i: int) -> None:
+        def run(i: int, slot: int) -> None:
             try:
                 with blame_lora(reqs[i].lora):
                     images = self.pipeline(
@@ -437,11 +461,31 @@ class ModelRunner:
                         batch=(batcher, slot),
                         **self._call_kwargs(False),
                     )
-                out[i] = (True, images)
+                result = (True, images)
             except BaseException as e:  # reported per request
-                out[i] = (False, pack_error(e))
+                result = (False, pack_error(e))
+            finish(i, result)
 
-        batcher.run([functools.partial(run, slot, i) for slot, i in enumerate(live)])
+        def joining(running: int) -> list:
+            """The bodies of the requests ``admit`` gives now (a refused selection is answered
+            at once and joins nothing)."""
+            bodies = []
+            for params in admit(running):
+                i = len(reqs)
+                reqs.append(params)
+                selections.append(self._selections([params])[0])
+                out.append(None)
+                if isinstance(selections[i], tuple):
+                    finish(i, selections[i])
+                else:
+                    bodies.append(functools.partial(run, i))
+            return bodies
+
+        joins = admit is not None and not self.per_expert_offload
+        batcher.run(
+            [functools.partial(run, i, slot) for slot, i in enumerate(live)],
+            admit=joining if joins else None,
+        )
         return out
 
     def _call_kwargs(self, progress: bool | None) -> dict:
