@@ -346,6 +346,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         order=args.cache_order,
         stop=args.cache_stop,
         target=args.cache_taylor_target,
+        max_cached_steps=args.cache_max_cached_steps,
+        max_continuous_cached_steps=args.cache_max_continuous_cached_steps,
     )  # a bad --cache-* value: one error before loading
     loras = lora_pairs(args.lora_path, args.lora_scale)
     layout = layout_from_args(args)  # contradictory degrees: one error before loading

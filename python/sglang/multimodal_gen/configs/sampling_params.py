@@ -309,8 +309,10 @@ def step_cache_value(value: Any, name: str = "cache"):
             knobs = {
                 k: getattr(value, k)
                 for k in types
-                if getattr(value, k) not in (getattr(preset, k), None)
-                or getattr(value, k) != getattr(base, k)
+                if getattr(value, k) is not None
+                and (
+                    getattr(value, k) != getattr(preset, k) or getattr(value, k) != getattr(base, k)
+                )
             }
     elif isinstance(value, str):
         method, knobs = value, {}
@@ -361,7 +363,11 @@ def step_cache_value(value: Any, name: str = "cache"):
         return StepCacheConfig.of(method, **knobs)
     except ValueError as e:  # its messages name the --cache-* flags: name the request's keys
         message = re.sub(r"--cache-method\b", f"{name}.method", str(e))
-        message = re.sub(r"--cache-(?:taylor-)?([a-z]+)", rf"{name}.\1", message)
+        message = re.sub(
+            r"--cache-(?:taylor-)?([a-z][a-z-]*)",
+            lambda m: f"{name}.{m.group(1).replace('-', '_')}",
+            message,
+        )
         raise bad(message) from None
 
 
@@ -391,9 +397,10 @@ def _check_cache(value: Any, name: str, spec: RequestSpec) -> None:
             f'{name}: "none" or leave it out',
             param=name,
         )
-    if cfg.fn + cfg.bn >= blocks:
+    fn = cfg.head_blocks(blocks)  # the dbcache preset's Fn scales with the blocks
+    if fn + cfg.bn >= blocks:
         raise InvalidRequestError(
-            f"{name}: fn {cfg.fn} + bn {cfg.bn} leave none of this model's {blocks} blocks to "
+            f"{name}: fn {fn} + bn {cfg.bn} leave none of this model's {blocks} blocks to "
             "cache; lower fn or bn",
             param=name,
         )

@@ -128,7 +128,8 @@ class ServerArgs:
         quantization: quantize the floating-point transformer while loading
             (``--quantization``; one of :data:`QUANTIZATIONS`, ``None``: as the checkpoint is).
         cache_method, cache_threshold, cache_fn, cache_bn, cache_warmup, cache_interval,
-            cache_order, cache_stop, cache_taylor_target: step caching of the DiT blocks
+            cache_order, cache_stop, cache_taylor_target, cache_max_cached_steps,
+            cache_max_continuous_cached_steps: step caching of the DiT blocks
             (``--cache-method`` ...; :attr:`step_cache`).
         host, port: where uvicorn listens.
         tp_size: tensor-parallel size (``--tp-size``; see ``configs.parallel`` for how
@@ -225,6 +226,8 @@ class ServerArgs:
     cache_order: int | None = None
     cache_stop: int | None = None
     cache_taylor_target: str | None = None
+    cache_max_cached_steps: int | None = None
+    cache_max_continuous_cached_steps: int | None = None
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
@@ -420,6 +423,8 @@ class ServerArgs:
             self.cache_method, self.cache_threshold, self.cache_fn, self.cache_bn,
             self.cache_warmup, interval=self.cache_interval, order=self.cache_order,
             stop=self.cache_stop, target=self.cache_taylor_target,
+            max_cached_steps=self.cache_max_cached_steps,
+            max_continuous_cached_steps=self.cache_max_continuous_cached_steps,
         )  # fmt: skip
 
     @property
@@ -984,6 +989,20 @@ def add_cache_args(parser) -> None:
         choices=("residual", "output"),
         help="taylorseer: extrapolate the middle blocks' residual (default) or their output",
     )
+    parser.add_argument(
+        "--cache-max-cached-steps",
+        type=int,
+        default=None,
+        help="fbcache / dbcache: at most this many skipped steps per request and CFG branch, "
+        "later ones compute (cache-dit's max_cached_steps; -1: no limit; default: no limit)",
+    )
+    parser.add_argument(
+        "--cache-max-continuous-cached-steps",
+        type=int,
+        default=None,
+        help="fbcache / dbcache: at most this many skipped steps in a row, the next one "
+        "computes (cache-dit's max_continuous_cached_steps; -1: no limit; default: no limit)",
+    )
 
 
 def cache_fields(args) -> dict:
@@ -1000,13 +1019,15 @@ def cache_fields(args) -> dict:
             "cache_order",
             "cache_stop",
             "cache_taylor_target",
+            "cache_max_cached_steps",
+            "cache_max_continuous_cached_steps",
         )
     } | {"cache_method": getattr(args, "cache_method", None) or "none"}
 
 
 def step_cache_config(
     method, threshold=None, fn=None, bn=None, warmup=None, *, interval=None, order=None,
-    stop=None, target=None,
+    stop=None, target=None, max_cached_steps=None, max_continuous_cached_steps=None,
 ):  # fmt: skip
     """The :class:`~sglang.multimodal_gen.layers.step_cache.StepCacheConfig` of the ``--cache-*``
     values, ``None`` for ``none``.
@@ -1019,6 +1040,7 @@ def step_cache_config(
     cfg = StepCacheConfig.of(
         method or "none", threshold, fn, bn, warmup,
         interval=interval, order=order, stop=stop, target=target,
+        max_cached_steps=max_cached_steps, max_continuous_cached_steps=max_continuous_cached_steps,
     )  # fmt: skip
     return cfg if cfg.enabled else None
 

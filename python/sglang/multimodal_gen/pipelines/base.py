@@ -281,9 +281,10 @@ class StagedPipeline:
                         "block (BlockSequence.modulated_input); choose another --cache-method"
                     )
                 n = d.block_sequence().num_blocks
-                if config.fn + config.bn >= n:
+                fn = config.head_blocks(n)  # the dbcache preset's Fn scales with the blocks
+                if fn + config.bn >= n:
                     raise ValueError(
-                        f"--cache-fn {config.fn} + --cache-bn {config.bn} leave none of the "
+                        f"--cache-fn {fn} + --cache-bn {config.bn} leave none of the "
                         f"{n} blocks of denoiser {name!r} to cache"
                     )
         self._set_default_cache(config)

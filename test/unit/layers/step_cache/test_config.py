@@ -10,7 +10,7 @@ from sglang.multimodal_gen.layers.step_cache import CacheRow, RequestCache, Step
 
 def test_presets():
     assert StepCacheConfig.of("fbcache") == StepCacheConfig("fbcache", 0.05, 1, 0, 0)
-    assert StepCacheConfig.of("dbcache") == StepCacheConfig("dbcache", 0.08, 8, 0, 8)
+    assert StepCacheConfig.of("dbcache") == StepCacheConfig("dbcache", 0.08, None, 0, 8)
     ts = StepCacheConfig.of("taylorseer")  # diffusers' TaylorSeerCacheConfig defaults
     assert (ts.fn, ts.bn, ts.warmup, ts.interval, ts.order, ts.stop, ts.target) == (
         0, 0, 3, 5, 1, None, "residual"
@@ -32,6 +32,13 @@ REFUSALS = [
     (("taylorseer",), dict(target="x"), "--cache-taylor-target must be one of residual, output"),
     (("taylorseer",), dict(threshold=0.1), "--cache-threshold does not apply to --cache-method "),
     (("dbcache",), dict(interval=2), "--cache-interval does not apply to --cache-method dbcache"),
+    (("fbcache",), dict(max_cached_steps=-2), "--cache-max-cached-steps must be >= -1, got -2"),
+    (
+        ("dbcache",),
+        dict(max_continuous_cached_steps=-3),
+        "--cache-max-continuous-cached-steps must be >= -1, got -3",
+    ),
+    (("taylorseer",), dict(max_cached_steps=2), "--cache-max-cached-steps does not apply to "),
 ]
 
 
@@ -48,3 +55,14 @@ def test_fn_and_bn_must_leave_a_middle_block():
     ):
         toy.ours(toy.model(), toy.steps(1, 1, 0.1, n=1), torch.ones(1, toy.D),
                  [CacheRow(RequestCache(cfg))])  # fmt: skip
+
+
+def test_step_limits_and_scaled_fn():
+    """cache-dit's step limits: ``-1`` is no limit (``None``); the dbcache preset's ``Fn``
+    scales with the block count, a given ``--cache-fn`` is kept."""
+    cfg = StepCacheConfig.of("fbcache", max_cached_steps=-1, max_continuous_cached_steps=0)
+    assert (cfg.max_cached_steps, cfg.max_continuous_cached_steps) == (None, 0)
+    db = StepCacheConfig.of("dbcache")
+    assert [db.head_blocks(n) for n in (2, 3, 8, 30, 57)] == [1, 1, 2, 7, 8]
+    assert StepCacheConfig.of("dbcache", fn=3).head_blocks(57) == 3
+    assert StepCacheConfig.of("fbcache").head_blocks(57) == 1

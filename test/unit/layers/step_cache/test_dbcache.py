@@ -1,5 +1,6 @@
 """FBCache / DBCache on a toy block sequence against a direct implementation of their rule
-(diffusers 0.42.1 ``hooks/first_block_cache.py``; cache-dit's DBCache for ``Fn``/``Bn``):
+(diffusers 0.42.1 ``hooks/first_block_cache.py``; cache-dit's DBCache for ``Fn``/``Bn`` and its
+step limits):
 ``r_prev`` kept from the last computed step, both streams cached, decisions per request in a
 batch."""
 
@@ -21,13 +22,19 @@ def _reference(m, steps, temb, cfg: StepCacheConfig):
     seq = toy.seq(m, temb)
     n = seq.num_blocks
     prev = res = None
+    cached = continuous = 0  # cache-dit's step limits: skipped calls, in all and in a row
+    limits = cfg.max_cached_steps, cfg.max_continuous_cached_steps
     outs, decisions = [], []
     for k, streams in enumerate(steps):
         head = seq.run_range(streams, 0, cfg.fn)
         r = head[0] - streams[0]
         compute = k < cfg.warmup or prev is None
+        compute = compute or any(
+            lim is not None and n >= lim for n, lim in zip((cached, continuous), limits)
+        )
         if not compute:
             compute = ((r - prev).abs().mean() / prev.abs().mean()).item() > cfg.threshold
+        cached, continuous = (cached, 0) if compute else (cached + 1, continuous + 1)
         if compute:
             mid = seq.run_range(head, cfg.fn, n - cfg.bn)
             res = tuple(a - b for a, b in zip(mid, head))
@@ -91,3 +98,29 @@ def test_each_request_of_a_batch_decides_alone():
             torch.testing.assert_close(s[[0, 2]], w_s, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(s[1:2], w_m, rtol=1e-5, atol=1e-6)
     assert (a.computed, b.computed) == (sum(dec_s), len(batch))
+
+
+@pytest.mark.parametrize(
+    "limits, pattern",
+    [
+        (dict(max_continuous_cached_steps=2), "CSSCSSCS"),
+        (dict(max_cached_steps=3), "CSSSCCCC"),
+        (dict(max_cached_steps=3, max_continuous_cached_steps=1), "CSCSCSCC"),
+        (dict(max_cached_steps=-1, max_continuous_cached_steps=-1), "CSSSSSSS"),  # no limit
+    ],
+)
+def test_step_limits(limits, pattern):
+    """cache-dit's ``max_cached_steps`` / ``max_continuous_cached_steps``: with a threshold every
+    step passes, the limits alone decide which steps compute (C) or are skipped (S)."""
+    cfg = StepCacheConfig.of("fbcache", threshold=10.0, **limits)
+    m = toy.model()
+    temb = torch.tensor([[1.5] * toy.D, [0.7] * toy.D])
+    steps = toy.steps(1, 2, drift=0.04)
+    want, decisions = _reference(m, steps, temb, cfg)
+    assert "".join("C" if d else "S" for d in decisions) == pattern
+    cache = RequestCache(cfg)
+    got = toy.ours(m, steps, temb, [CacheRow(cache)] * 2)
+    for a, b in zip(got, want):
+        for s, t in zip(a, b):
+            torch.testing.assert_close(s, t, rtol=1e-6, atol=1e-6)
+    assert (cache.computed, cache.skipped) == (pattern.count("C"), pattern.count("S"))

@@ -39,11 +39,13 @@ _SCHEDULE_METHODS = ("taylorseer",)
 _TEACACHE = ("teacache",)  # the whole span (Fn = Bn = 0); threshold / warmup: the family's
 _PRESETS = {  # method -> knob defaults
     "fbcache": dict(threshold=0.05, fn=1, bn=0, warmup=0),  # diffusers' FirstBlockCacheConfig
-    "dbcache": dict(threshold=0.08, fn=8, bn=0, warmup=8),  # cache-dit's DBCache (F8B0)
+    "dbcache": dict(threshold=0.08, fn=None, bn=0, warmup=8),  # cache-dit's DBCache (F8B0)
     "taylorseer": dict(fn=0, bn=0, warmup=3, interval=5, order=1, stop=None, target="residual"),
     "teacache": dict(threshold=None, fn=0, bn=0, warmup=None),
 }
 _FLAGS = {  # knob -> (flag, lowest value, methods it applies to)
+    "max_cached_steps": ("--cache-max-cached-steps", -1, _THRESHOLD_METHODS),
+    "max_continuous_cached_steps": ("--cache-max-continuous-cached-steps", -1, _THRESHOLD_METHODS),
     "threshold": ("--cache-threshold", 0, _THRESHOLD_METHODS + _TEACACHE),
     "fn": ("--cache-fn", None, _THRESHOLD_METHODS + _SCHEDULE_METHODS),
     "bn": ("--cache-bn", 0, _THRESHOLD_METHODS + _SCHEDULE_METHODS),
@@ -65,7 +67,8 @@ class StepCacheConfig:
             ``<=`` this. teacache: ``rel_l1_thresh``, skip while the accumulated rescaled
             change stays below it; ``None``: the family's declared value.
         fn: blocks that always run first (``Fn``; >= 1 for fbcache / dbcache, whose head
-            decides; >= 0 for taylorseer).
+            decides; >= 0 for taylorseer); ``None``: scaled to the sequence's block count
+            (:meth:`head_blocks`, the dbcache preset).
         bn: blocks that always run last (``Bn``, >= 0).
         warmup: the first calls of each state that always compute (taylorseer: diffusers'
             ``disable_cache_before_step``; teacache: ``ret_steps``, ``None``: the family's).
@@ -76,17 +79,24 @@ class StepCacheConfig:
             (``disable_cache_after_step``); ``None``: never.
         target: taylorseer: ``"residual"`` (middle output - head output, added to the current
             head output) or ``"output"`` (the middle output itself), per stream.
+        max_cached_steps: fbcache / dbcache: at most this many skipped calls per state, later
+            calls compute (cache-dit's ``max_cached_steps``); ``None`` (``-1`` given): no limit.
+        max_continuous_cached_steps: fbcache / dbcache: at most this many skipped calls in a row
+            per state, the next one computes (cache-dit's ``max_continuous_cached_steps``);
+            ``None`` (``-1`` given): no limit.
     """
 
     method: str = "none"
     threshold: float = 0.05
-    fn: int = 1
+    fn: int | None = 1
     bn: int = 0
     warmup: int = 0
     interval: int = 1
     order: int = 0
     stop: int | None = None
     target: str = "residual"
+    max_cached_steps: int | None = None
+    max_continuous_cached_steps: int | None = None
 
     @classmethod
     def of(
@@ -102,6 +112,8 @@ class StepCacheConfig:
         order: int | None = None,
         stop: int | None = None,
         target: str | None = None,
+        max_cached_steps: int | None = None,
+        max_continuous_cached_steps: int | None = None,
     ) -> StepCacheConfig:
         """The method's preset with the given knobs replaced.
 
@@ -109,8 +121,8 @@ class StepCacheConfig:
             ValueError: an unknown or not yet implemented method (the message names ``flag``),
                 a knob the method does not take, or a value out of range (``threshold < 0``,
                 ``fn < 1`` for fbcache / dbcache or ``< 0`` for taylorseer, ``bn``, ``warmup``,
-                ``order`` or ``stop < 0``, ``interval < 1``, an unknown ``target``; the message
-                names the ``--cache-*`` flag).
+                ``order`` or ``stop < 0``, ``interval < 1``, a step limit ``< -1``, an unknown
+                ``target``; the message names the ``--cache-*`` flag).
         """
         if method not in CACHE_METHODS:
             raise ValueError(
@@ -123,7 +135,8 @@ class StepCacheConfig:
             )
         given = dict(
             threshold=threshold, fn=fn, bn=bn, warmup=warmup, interval=interval, order=order,
-            stop=stop, target=target,
+            stop=stop, target=target, max_cached_steps=max_cached_steps,
+            max_continuous_cached_steps=max_continuous_cached_steps,
         )  # fmt: skip
         if method == "none":
             return cls()
@@ -146,10 +159,23 @@ class StepCacheConfig:
                     )
             elif value is not None and value < low:
                 raise ValueError(f"{flag_name} must be >= {low}, got {value}")
+        for name in ("max_cached_steps", "max_continuous_cached_steps"):
+            if knobs.get(name) == -1:  # cache-dit's "no limit"
+                knobs[name] = None
         cast = {"threshold": float, "target": str}
         return cls(
             method, **{k: (v if v is None else cast.get(k, int)(v)) for k, v in knobs.items()}
         )
+
+    def head_blocks(self, num_blocks: int) -> int:
+        """``Fn`` on a block sequence of ``num_blocks`` blocks: :attr:`fn`, or when it is
+        ``None`` (the dbcache preset) ``max(1, min(8, num_blocks // 4))``: cache-dit's F8 on a
+        DiT of 32 blocks or more (Flux.1 57, Qwen-Image 60, Wan2.2 40), a quarter of the blocks
+        on smaller ones (Z-Image's 30 layers: 7; the demo model's 3: 1), so the preset leaves
+        blocks to cache on every model."""
+        if self.fn is not None:
+            return self.fn
+        return max(1, min(8, num_blocks // 4))
 
     @property
     def enabled(self) -> bool:

@@ -20,9 +20,10 @@ the first ``Fn`` blocks decide as above, the cached residual spans the middle bl
 ``Fn .. L - Bn - 1``, the last ``Bn`` blocks are computed on every step from the (computed or
 approximated) middle output, and the first ``warmup`` calls of a state always compute.
 FBCache is DBCache with ``Fn = 1, Bn = 0, warmup = 0`` (and diffusers' threshold default 0.05);
-the DBCache defaults are cache-dit's (F8B0, 0.08, 8 warmup steps). cache-dit's other knobs
-(``max_cached_steps``, ``max_continuous_cached_steps``, TaylorSeer calibration) are not
-implemented.
+cache-dit's step limits bound what a state may skip: after ``max_cached_steps`` skipped calls
+every later call computes, and after ``max_continuous_cached_steps`` skipped calls in a row the
+next one computes (``None``: no limit; counted per state on the agreed decisions, so every rank
+counts the same). cache-dit's TaylorSeer calibration is not implemented.
 
 The statistic of a request is measured over its own region (its rows, tokens up to its own
 length), so its decisions do not depend on which other requests share the batch. Under tensor
@@ -52,15 +53,24 @@ from sglang.multimodal_gen.layers.step_cache.policy import CachePolicy
 __all__ = ["DBCachePolicy", "DBCacheState"]
 
 
+def _at_limit(count: int, limit: int | None) -> bool:
+    """cache-dit's step limits: ``count`` skipped calls reached ``limit`` (``None``: never)."""
+    return limit is not None and count >= limit
+
+
 @dataclass
 class DBCacheState(CacheState):
     """Attributes:
     prev: ``r_prev``, the head residual region of the last computed call (``[rows, S, D]``).
     residuals: per stream, the middle output - head output region of the last computed call.
+
+    cached: calls skipped so far; continuous: calls skipped since the last computed one.
     """
 
     prev: torch.Tensor | None = None
     residuals: tuple[torch.Tensor, ...] | None = None
+    cached: int = 0
+    continuous: int = 0
 
 
 class DBCachePolicy(CachePolicy):
@@ -80,8 +90,11 @@ class DBCachePolicy(CachePolicy):
             h = regions(head, g)
             cur = h[0] - regions(inputs[:1], g)[0]
             st = g.state
+            cfg = g.cache.config
             fresh = (
-                st.calls < g.cache.config.warmup
+                st.calls < cfg.warmup
+                or _at_limit(st.cached, cfg.max_cached_steps)
+                or _at_limit(st.continuous, cfg.max_continuous_cached_steps)
                 or st.prev is None
                 or st.prev.shape != cur.shape
                 or st.residuals is None
@@ -101,6 +114,13 @@ class DBCachePolicy(CachePolicy):
                 1.0 if fresh > 0 or base == 0 or diff / base > g.cache.config.threshold else 0.0
             )
         agree_to_compute(groups, flags, device)
+        for g in groups:  # the agreed decisions: the same counts on every rank
+            st = g.state
+            if g.compute:
+                st.continuous = 0
+            else:
+                st.cached += 1
+                st.continuous += 1
 
     def approximate(self, g: Group, head: Streams) -> Streams:
         return tuple(res + h for res, h in zip(g.state.residuals, head))

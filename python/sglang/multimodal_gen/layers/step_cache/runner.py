@@ -2,7 +2,8 @@
 
 :func:`cache_rows` installs the runner for one DiT call (an interceptor of
 :meth:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence.run`). For a sequence of ``L``
-blocks and the rows' common ``Fn`` / ``Bn``, the runner
+blocks and the rows' common ``Fn`` / ``Bn`` (``Fn`` resolved against ``L`` by
+:meth:`~sglang.multimodal_gen.layers.step_cache.StepCacheConfig.head_blocks`), the runner
 
 1. runs the head blocks ``0 .. Fn - 1`` on every row;
 2. groups the rows by state and lets each request's policy decide (:data:`POLICIES`; requests
@@ -75,11 +76,11 @@ def _run_cached(seq: BlockSequence, streams: Streams) -> Streams:
         return seq.run_range(streams, 0, seq.num_blocks)
     if len(rows) != n:
         raise ValueError(f"step cache: {len(rows)} cache rows for a call of {n} rows")
-    cfgs = {(row.cache.config.fn, row.cache.config.bn) for row in rows}
+    total = seq.num_blocks
+    cfgs = {(row.cache.config.head_blocks(total), row.cache.config.bn) for row in rows}
     if len(cfgs) != 1:
         raise ValueError(f"step cache: the rows of one call need the same Fn/Bn, got {cfgs}")
     fn, bn = cfgs.pop()
-    total = seq.num_blocks
     if fn + bn >= total:
         raise ValueError(
             f"step cache: Fn={fn} + Bn={bn} leaves no block to cache in a sequence of {total} "
