@@ -2011,6 +2011,51 @@ MUTANTS: list[Mutant] = [
         ("test/unit/layers/test_batch_invariant.py",),
         why="1-3-row conditioning GEMMs run unpadded: a request's image changes in a batch",
     ),
+    # ------------------------------------------------------------------ step-cache limits
+    _m(
+        "step-cache-no-continuous-limit",
+        "layers/step_cache/dbcache.py",
+        "or _at_limit(st.continuous, cfg.max_continuous_cached_steps)",
+        "or False",
+        ("test/unit/layers/step_cache/test_dbcache.py",),
+        ("-k", "step_limits"),
+        why="--cache-max-continuous-cached-steps is ignored: a long run of skipped steps",
+    ),
+    _m(
+        "step-cache-skips-not-counted",
+        "layers/step_cache/dbcache.py",
+        "                st.cached += 1\n",
+        "",
+        ("test/unit/layers/step_cache/test_dbcache.py",),
+        ("-k", "step_limits"),
+        why="--cache-max-cached-steps never reached: every step may be skipped",
+    ),
+    _m(
+        "step-cache-dbcache-fn-not-scaled",
+        "layers/step_cache/config.py",
+        "return max(1, min(8, num_blocks // 4))",
+        "return 8",
+        ("test/unit/layers/step_cache/test_config.py",),
+        why="the dbcache preset (F8) is refused on every model of 9 blocks or fewer",
+    ),
+    _m(
+        "request-cache-method-type-said-missing",
+        "configs/sampling_params.py",
+        "        if method is None:\n",
+        "        if not isinstance(method, str):\n",
+        ("test/integration/caching/test_request_cache.py",),
+        ("-k", "invalid"),
+        why='{"method": 3} is answered "cache.method is required"',
+    ),
+    _m(
+        "request-cache-wrong-json-type-said-string",
+        "entrypoints/schema_errors.py",
+        """    "cache": 'a method name""",
+        """    "cache_": 'a method name""",
+        ("test/integration/caching/test_request_cache.py",),
+        ("-k", "422"),
+        why='cache: 3 is answered "cache must be a string" (an object is fine too)',
+    ),
 ]
 
 

@@ -124,7 +124,18 @@ def test_the_server_may_forbid_a_request_cache(engine, tiny_zimage_dir):
         ({"method": "fbcache", "speed": 2}, "cache has no key 'speed'"),
         ({"method": "none", "fn": 1}, "cache: method 'none' takes no fn"),
         ({"method": "fbcache", "fn": 2}, "fn 2 + bn 0 leave none of this model's 2 blocks"),
-        ("dbcache", "fn 8 + bn 0 leave none of this model's 2 blocks"),  # cache-dit's F8B0
+        # the dbcache preset's Fn scales to the model (here 1); a given Fn 8 is refused
+        ({"method": "dbcache", "fn": 8}, "fn 8 + bn 0 leave none of this model's 2 blocks"),
+        ({"method": 3}, "cache.method must be a string, one of none, fbcache"),
+        (
+            {"method": "fbcache", "max_cached_steps": "2"},
+            "cache.max_cached_steps must be an integer",
+        ),
+        (
+            {"method": "dbcache", "max_continuous_cached_steps": -2},
+            "cache.max_continuous_cached_steps must be >= -1, got -2",
+        ),
+        ({"method": "taylorseer", "max_cached_steps": 2}, "cache.max_cached_steps does not apply"),
         ("{not json", "cache must be a method name or a JSON object"),
     ],
 )
@@ -132,6 +143,20 @@ def test_an_invalid_cache_is_400_naming_it(server, value, words):
     err = assert_envelope(_post(server, {**BODY, "cache": value}), 400, "cache")
     assert err["message"].startswith("cache"), err["message"]
     assert words in err["message"], err["message"]
+
+
+@pytest.mark.parametrize(
+    "value,kind",
+    [(3, "an integer"), (0.5, "a number"), (True, "true"), (["fbcache"], "a list"), ([], "a list")],
+)
+def test_a_cache_of_another_json_type_is_422_naming_it(server, value, kind):
+    """Neither a method name nor an object: a schema error (422) that says what ``cache``
+    takes."""
+    err = assert_envelope(_post(server, {**BODY, "cache": value}), 422, "cache")
+    assert (
+        f'cache must be a method name (a string) or an object {{"method": string, <knob>: '
+        f"value, ...}}, got {kind}" in err["message"]
+    ), err["message"]
 
 
 def test_a_batch_mixing_cached_and_uncached_requests_each_equals_alone(engine, monkeypatch):

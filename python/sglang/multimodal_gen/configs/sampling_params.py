@@ -323,8 +323,13 @@ def step_cache_value(value: Any, name: str = "cache"):
                 f"{name} has no key {shown(unknown[0])}; its keys: method, {', '.join(types)}"
             )
         method = value.get("method")
-        if not isinstance(method, str):
+        if method is None:
             raise bad(f"{name}.method is required: one of {', '.join(IMPLEMENTED_CACHE_METHODS)}")
+        if not isinstance(method, str):
+            raise bad(
+                f"{name}.method must be a string, one of {', '.join(IMPLEMENTED_CACHE_METHODS)}; "
+                f"got {shown(method)}"
+            )
         knobs = {k: value[k] for k in types if value.get(k) is not None}
     else:
         raise bad(

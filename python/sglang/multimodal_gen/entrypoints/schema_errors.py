@@ -40,6 +40,9 @@ _EXPECTED = {
     "target": "a string",
     "strength": "a number or a list of numbers",
     "merge_mode": "a string or null",
+    # a request's step caching: the whole value (the object's keys and types are value rules,
+    # 400 naming cache.<key>)
+    "cache": 'a method name (a string) or an object {"method": string, <knob>: value, ...}',
 }
 #: What one element of a list field takes.
 _ELEMENT = {
