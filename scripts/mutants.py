@@ -2056,6 +2056,48 @@ MUTANTS: list[Mutant] = [
         ("-k", "422"),
         why='cache: 3 is answered "cache must be a string" (an object is fine too)',
     ),
+    # ------------------------------------------------------------------ continuous batching
+    _m(
+        "continuous-join-only-when-drained",
+        "pipelines/batching.py",
+        "if admit is not None and not asked and (ready or not self.active):",
+        "if admit is not None and not asked and not self.active:",
+        ("test/unit/pipelines/test_batching.py",),
+        why="a request arriving during a batch waits for all of it (request-level batching)",
+    ),
+    _m(
+        "continuous-join-ignores-room",
+        "entrypoints/scheduler.py",
+        "while self._queue and len(taken) < self.max_batch_size - running:",
+        "while self._queue and len(taken) < self.max_batch_size:",
+        ("test/unit/entrypoints/test_scheduler.py",),
+        why="joins grow a running loop past --max-batch-size",
+    ),
+    _m(
+        "continuous-join-ignores-settings",
+        "entrypoints/scheduler.py",
+        'if t.kind != "generate" or _join_key(t) != key:',
+        'if t.kind != "generate":',
+        ("test/unit/entrypoints/test_scheduler.py",),
+        why="a generation of another size joins (and overtakes) the running loop",
+    ),
+    _m(
+        "continuous-lone-request-that-shares-no-loop",
+        "entrypoints/scheduler.py",
+        "and _shares_loops(live[0])",
+        "and True",
+        ("test/unit/entrypoints/test_scheduler.py",),
+        why="an LTX-2 two-stage request runs in a loop its pipeline refuses (it fails)",
+    ),
+    _m(
+        "continuous-joiner-without-its-adapters",
+        "runtime/runner.py",
+        "selections.append(self._selections([params])[0])",
+        "selections.append(None)",
+        ("test/integration/batching/test_continuous_batching.py",),
+        ("-k", "every_order"),
+        why="a request that joins a running loop runs without its own lora composition",
+    ),
 ]
 
 

@@ -196,3 +196,25 @@ def test_an_admin_call_waits_for_the_running_loop_to_drain(engine, scheduler):
     assert psnr(_image(got["before"]), alone[1]) >= MIN_PSNR
     assert psnr(_image(got["after"]), after_alone) >= MIN_PSNR
     assert psnr(after_alone, alone[2]) < 35  # the set_lora changed that image
+
+
+def test_step_caching_keeps_each_joining_requests_own_state(engine, scheduler):
+    """Step caching keys its states per request: a cached request that joins a running loop at
+    another step skips the steps it skips alone, and both images are their own."""
+    from sglang.multimodal_gen.outputs import STEP_CACHE_INFO
+
+    cache = {"method": "fbcache", "threshold": 0.68}  # skips some of the 6 steps alone
+    reqs = [_req("a small red fox", 1, 6), _req("a boat at dusk", 2, 6)]
+    reqs = [engine.spec.resolve(r.replace(cache=cache)) for r in reqs]
+    alone = [engine.generate(r)[0] for r in reqs]
+    futs = {}
+    with _Steps(engine) as rec:
+        rec.hooks[(0, 1)] = lambda: futs.update(joiner=scheduler.submit_generation(reqs[1]))
+        futs["first"] = scheduler.submit_generation(reqs[0])
+        got = [futs[k].result(timeout=120)[0] for k in ("first", "joiner")]
+    assert {r for r, _ in rec.events} == {0, 1}  # one loop
+    for a, b in zip(alone, got):
+        assert a.info[STEP_CACHE_INFO] == b.info[STEP_CACHE_INFO]
+        assert psnr(np.asarray(a), np.asarray(b)) >= MIN_PSNR
+    computed = [a.info[STEP_CACHE_INFO]["steps_computed"] for a in alone]
+    assert min(computed) < 6, computed  # the cache really skipped steps

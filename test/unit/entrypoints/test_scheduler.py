@@ -111,9 +111,20 @@ class ContinuousEngine:
                 on_done(row[0], [row[1].prompt])
             r += 1
 
+    def generate(self, params):
+        self.log.append(("generate", [params.prompt]))
+        return [params.prompt]
+
     def set_lora(self, *args, **kwargs):
         self.log.append(("set_lora", []))
         return {"status": "ok"}
+
+
+class _Solo(SamplingParams):
+    """A request whose batch key is its own (as LTX-2 two-stage generation's)."""
+
+    def batch_key(self) -> tuple:
+        return (*super().batch_key(), id(self))
 
 
 def _gen(prompt: str, steps: int = 2, size: int = 64) -> SamplingParams:
@@ -195,3 +206,19 @@ def test_joins_fill_the_batch_up_to_max_batch_size():
     assert max(len(r) for r in engine.rounds) == 2
     # b joins a's loop; c takes a's place when a leaves, d b's
     assert engine.rounds == [["a"], ["a", "b"], ["a", "b"], ["c", "d"], ["c", "d"]], engine.rounds
+
+
+def test_a_request_that_shares_no_loop_runs_alone():
+    """A request whose key is its own (LTX-2 two-stage: its pipeline refuses to run in a batch)
+    goes to ``engine.generate``, not into a continuous loop; nothing joins it."""
+    engine = ContinuousEngine()
+    sched = _continuous(engine)
+    try:
+        solo = sched.submit_generation(
+            _Solo(prompt="solo", height=64, width=64, num_inference_steps=2, seed=1)
+        )
+        assert solo.result(timeout=30) == ["solo"]
+        assert sched.submit_generation(_gen("next")).result(timeout=30) == ["next"]
+    finally:
+        sched.stop(timeout=10)
+    assert engine.log == [("generate", ["solo"]), ("generate_continuous", ["next"])]

@@ -63,6 +63,7 @@ This module does not import FastAPI; it is plain threading and ``concurrent.futu
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -88,7 +89,8 @@ class ServerShuttingDownError(EngineDeadError):
 @dataclass
 class TaskTiming:
     """When a queued task was queued, started and finished (``time.perf_counter``); the
-    scheduler fills it in. A batch's tasks share its start and end."""
+    scheduler fills it in. The tasks of a whole-request batch share its start and end; in a
+    continuous batch each starts when it joins and ends when it is answered."""
 
     queued_at: float | None = None
     started_at: float | None = None
@@ -160,6 +162,14 @@ def _join_key(task: _Task) -> tuple:
     of the DiT call, so the calls still concatenate)."""
     kind, fixed, *rest = _batch_key(task)
     return (kind, tuple(f for f in fixed if f[0] != "num_inference_steps"), *rest)
+
+
+def _shares_loops(task: _Task) -> bool:
+    """Whether the generation can share a denoising loop at all: a request whose key is its own
+    (a copy of it would not batch with it, e.g. LTX-2 two-stage generation, two loops at two
+    sizes) runs alone, through ``engine.generate``."""
+    params = task.args[0]
+    return params.batch_key() == copy.copy(params).batch_key()
 
 
 def _batch_key(task: _Task) -> tuple:
@@ -519,7 +529,12 @@ class Scheduler:
                 live = [t for t in batch if t.future.set_running_or_notify_cancel()]
                 gens = [t.future for t in live if t.kind == "generate"]
                 self.health.task_started(batch[0].kind, gens)
-                if gens and len(gens) == len(live) and self._continuous():
+                if (
+                    gens
+                    and len(gens) == len(live)
+                    and _shares_loops(live[0])
+                    and self._continuous()
+                ):
                     self._run_continuous(live)
                 elif len(live) > 1:
                     self._run_batch(live)
