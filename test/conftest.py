@@ -156,8 +156,14 @@ EXTENDED = {
     # and the accumulator kept after it in test/unit/layers/step_cache/test_teacache.py, the
     # reference parity in test_flux_teacache_matches_reference[thresh-0.45-last-step])
     "integration/caching/test_teacache_parity.py::test_tp2_equals_tp1",
-    "integration/caching/test_teacache_parity.py::test_flux_teacache_matches_reference"
-    "[thresh-0.7]",
+    "integration/caching/test_teacache_parity.py::test_flux_teacache_matches_reference[thresh-0.7]",
+    # TeaCache's declarations of the other families, each under its pipeline (the default tier:
+    # the declaration mechanism on Flux, test_flux_teacache_matches_reference)
+    *(
+        "integration/caching/test_teacache_parity.py::"
+        f"test_families_declare_their_modulated_input[{name}]"
+        for name in ("zimage", "qwen-image", "wan-a14b", "hunyuan-video", "hunyuan-video15", "ltx2")
+    ),
 }
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from fixtures.step_cache_runs import run_requests
 from fixtures.tiny_flux import reference_flux, reference_flux_images
 from fixtures.tiny_models import psnr
@@ -161,3 +162,66 @@ def test_enable_refuses_a_family_without_the_declaration(flux, monkeypatch):
     with pytest.raises(ValueError, match="--cache-method teacache: .*FluxTransformer"):
         flux.enable_step_cache(CACHE)
     assert flux.step_cache is None  # unchanged
+
+
+def _family(name, root):
+    """``(pipeline, request fields)`` of a tiny family model built under ``root``."""
+    video = dict(height=32, width=32, num_frames=5, num_inference_steps=6)
+    if name == "zimage":
+        from fixtures.tiny_models import build_tiny_zimage
+        from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
+
+        pipe = ZImagePipeline.from_pretrained(build_tiny_zimage(root, seed=0))
+        return pipe, dict(height=32, width=32, num_inference_steps=6, negative_prompt="blurry")
+    if name == "qwen-image":
+        from fixtures.tiny_qwen_image import build_tiny_qwen_image
+        from sglang.multimodal_gen.pipelines.qwen_image import QwenImagePipeline
+
+        pipe = QwenImagePipeline.from_pretrained(build_tiny_qwen_image(root))
+        return pipe, dict(height=32, width=32, num_inference_steps=6)
+    if name == "wan-a14b":
+        from fixtures.tiny_wan import build_tiny_wan
+        from sglang.multimodal_gen.pipelines.wan import WanPipeline
+
+        return WanPipeline.from_pretrained(build_tiny_wan(root, layout="a14b")), video
+    if name == "hunyuan-video":
+        from sglang.multimodal_gen.models.families.tiny.hunyuan_video import (
+            build_hunyuan_video_dir,
+        )
+        from sglang.multimodal_gen.pipelines.hunyuan_video import HunyuanVideoPipeline
+
+        return HunyuanVideoPipeline.from_pretrained(build_hunyuan_video_dir(root)), video
+    if name == "hunyuan-video15":
+        from sglang.multimodal_gen.models.families.tiny.hunyuan_video15 import (
+            build_hunyuan_video15_dir,
+        )
+        from sglang.multimodal_gen.pipelines.hunyuan_video15 import HunyuanVideo15Pipeline
+
+        pipe = HunyuanVideo15Pipeline.from_pretrained(build_hunyuan_video15_dir(root))
+        return pipe, dict(video, negative_prompt="blurry")
+    from sglang.multimodal_gen.models.families.tiny.ltx2 import build_ltx2_dir
+    from sglang.multimodal_gen.pipelines.ltx2 import LTX2Pipeline
+
+    return LTX2Pipeline.from_pretrained(build_ltx2_dir(root)), dict(video, num_frames=9)
+
+
+@pytest.mark.parametrize(
+    "name", ["zimage", "qwen-image", "wan-a14b", "hunyuan-video", "hunyuan-video15", "ltx2"]
+)
+def test_families_declare_their_modulated_input(name, tmp_path):
+    """Each family's declaration runs under its pipeline: at threshold 0.3 (warm-up 1) some
+    steps are skipped and some computed (measured on the tiny models: 2-8 of 6-12 branch calls
+    skipped), the output moves but stays finite; at threshold 0 every step computes and the
+    output is the uncached one."""
+    pipe, kw = _family(name, str(tmp_path / "model"))
+    req = [dict(prompt="a lighthouse at dusk", seed=7)]
+    [(plain, _)] = run_requests(pipe, req, False, **kw)
+    pipe.enable_step_cache(StepCacheConfig.of("teacache", threshold=0.3, warmup=1))
+    [(got, cache)] = run_requests(pipe, req, False, **kw)
+    pipe.enable_step_cache(StepCacheConfig.of("teacache", threshold=0.0, warmup=1))
+    [(exact, every)] = run_requests(pipe, req, False, **kw)
+    s = cache.summary()
+    assert s["steps_skipped"] > 0 and s["steps_computed"] > 0, s
+    assert bool((got - plain).abs().max() > 0) and bool(got.isfinite().all())
+    assert every.summary()["steps_skipped"] == 0
+    assert torch.equal(exact, plain)

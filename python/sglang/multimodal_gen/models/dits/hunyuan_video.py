@@ -49,7 +49,7 @@ from sglang.multimodal_gen.configs.hunyuan_video import (
 )
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
-from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage, ModulatedInput
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.mmdit import SingleStreamBlock
 from sglang.multimodal_gen.layers.norm import AdaLayerNormContinuous
@@ -266,7 +266,10 @@ class HunyuanVideoTransformer(nn.Module):
         concatenates and splits in every single block; doing it once around all of them is the
         same arithmetic). Row arguments: ``temb [B, D]``, ``key_mask [B, S_vid + S_txt]`` bool
         or ``None``. Shared: ``rope`` (``(cos, sin)``) and ``n_vid`` (local video tokens).
+        TeaCache's modulated input: dual-stream block 0's ``norm1(video, temb)[0]`` with
+        TeaCache4HunyuanVideo's coefficients and ``rel_l1_thresh`` (0.15: ~2.1x; 0.1: ~1.6x).
         Without arguments: the declaration alone (its block count), not runnable."""
+        first = self.transformer_blocks[0]
         return BlockSequence(
             owner=self,
             stages=(
@@ -282,4 +285,9 @@ class HunyuanVideoTransformer(nn.Module):
                 ),
             ),
             row_args={"temb": temb, "key_mask": key_mask},
+            modulated_input=ModulatedInput(
+                lambda s, a: first.norm1(s[0], a["temb"])[0],
+                (7.33226126e02, -4.01131952e02, 6.75869174e01, -3.14987800e00, 9.61237896e-02),
+                threshold=0.15,
+            ),
         )

@@ -45,7 +45,7 @@ from torch import nn
 from sglang.multimodal_gen.configs.hunyuan_video15 import HunyuanVideo15ArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
-from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage, ModulatedInput
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.norm import AdaLayerNormContinuous
 from sglang.multimodal_gen.models.dits.hunyuan_video import check_hunyuan_video_tp_size
@@ -293,8 +293,11 @@ class HunyuanVideo15Transformer(nn.Module):
         """The blocks as one :class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`
         on the canonical streams ``(video [B, S_vid, D], conditioning [B, S_ctx, D])``. Row
         arguments: ``temb [B, D]``, ``key_mask [B, S_vid + S_ctx]`` bool or ``None``. Shared:
-        ``rope`` (``(cos, sin)``). Without arguments: the declaration alone (its block count),
-        not runnable."""
+        ``rope`` (``(cos, sin)``). TeaCache's modulated input: block 0's ``norm1(video, temb)[0]``
+        (as HunyuanVideo 1.0's; the TeaCache repository publishes no HunyuanVideo 1.5 rescaling:
+        identity, threshold 0.15). Without arguments: the declaration alone (its block count), not
+        runnable."""
+        first = self.transformer_blocks[0]
         return BlockSequence(
             owner=self,
             stages=(
@@ -304,4 +307,5 @@ class HunyuanVideo15Transformer(nn.Module):
                 ),
             ),
             row_args={"temb": temb, "key_mask": key_mask},
+            modulated_input=ModulatedInput(lambda s, a: first.norm1(s[0], a["temb"])[0]),
         )

@@ -56,7 +56,7 @@ from torch import nn
 from sglang.multimodal_gen.configs.ltx2 import LTX2ArchConfig, check_ltx2_tp_size
 from sglang.multimodal_gen.distributed import get_tp_rank, get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
-from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage, ModulatedInput
 from sglang.multimodal_gen.layers.embeddings import TimestepEmbedding
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
@@ -728,6 +728,11 @@ class LTX2Transformer(nn.Module):
                 not isolate_modalities, splits, p,
             )  # fmt: skip
 
+        def modulated(s, a):  # TeaCache: block 0's norm1(video) * (1 + scale_msa) + shift_msa
+            first = self.transformer_blocks[0]
+            shift, scale = _mods(first.scale_shift_table, a["m.temb"], s[0].shape[0])[:2]
+            return first.norm1(s[0]) * (1 + scale) + shift
+
         name = BlockSequence.variant(
             "blocks", isolate_modalities=isolate_modalities, stg=tuple(sorted(stg_blocks))
         )
@@ -736,6 +741,7 @@ class LTX2Transformer(nn.Module):
             stages=(BlockStage(self.transformer_blocks, call),),
             row_args=row_args,
             name=name,
+            modulated_input=ModulatedInput(modulated),  # no published LTX-2 rescaling: identity
         )
 
 

@@ -44,7 +44,7 @@ from sglang.multimodal_gen.configs.qwen_image import QwenImageArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.attention import attention
-from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage, ModulatedInput
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
     QKVParallelLinear,
@@ -444,10 +444,18 @@ class QwenImageTransformer(nn.Module):
         ``None``); ``key_mask [B, S_txt + S_img]`` bool or ``None``; ``cond_index [B, S_img, 1]``
         bool or ``None``; ``control [B, n, S_img, D]`` or ``None``: ControlNet residuals, block
         ``i`` adds ``control[:, i // ceil(L / n)]`` to the image stream (diffusers' interval
-        rule). Shared: ``rope = (img_freqs, txt_freqs)``. Without arguments: the declaration alone
-        (its block count), not runnable."""
+        rule). Shared: ``rope = (img_freqs, txt_freqs)``. TeaCache's modulated input: block 0's
+        modulated image norm ``img_norm1(x) * (1 + scale) + shift`` (no published Qwen-Image
+        rescaling: identity, threshold 0.15). Without arguments: the declaration alone (its block
+        count), not runnable."""
         blocks = self.transformer_blocks
         index = {id(b): i for i, b in enumerate(blocks)}
+
+        def modulated(s, a):
+            first = blocks[0]
+            t = a["temb"] if a["temb_zero"] is None else torch.cat([a["temb"], a["temb_zero"]])
+            params = first.img_mod[1](F.silu(t))[0].chunk(2, dim=-1)[0]
+            return _modulate(first.img_norm1(s[0]), params, a["cond_index"])[0]
 
         def call(blk, s, a):
             t = a["temb"] if a["temb_zero"] is None else torch.cat([a["temb"], a["temb_zero"]])
@@ -467,6 +475,7 @@ class QwenImageTransformer(nn.Module):
                 "cond_index": cond_index,
                 "control": control,
             },  # fmt: skip
+            modulated_input=ModulatedInput(modulated),
         )
 
 

@@ -50,7 +50,7 @@ from sglang.multimodal_gen.configs.wan import WanArchConfig
 from sglang.multimodal_gen.distributed import get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
 from sglang.multimodal_gen.layers.attention import attention, sdpa_bshd
-from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage, ModulatedInput
 from sglang.multimodal_gen.layers.feedforward import GeluTanhFeedForward
 from sglang.multimodal_gen.layers.linear import (
     ColumnParallelLinear,
@@ -76,6 +76,14 @@ __all__ = [
     "WanTransformer",
     "wan_from_diffusers_module",
 ]
+
+#: TeaCache4Wan2.1's ``use_ret_steps`` rescaling of the projected timestep's change
+#: (``np.poly1d`` order) and its "slow" ``rel_l1_thresh``, by DiT width (T2V 1.3B: 1536, T2V
+#: 14B: 5120; Wan2.2 A14B shares the 14B width and takes its values, none being published).
+WAN_TEACACHE = {
+    1536: ((-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02), 0.05),
+    5120: ((-3.03318725e05, 4.90537029e04, -2.65530556e03, 5.87365115e01, -3.15583525e-01), 0.10),
+}
 
 
 # ------------------------------------------------------------------------------- attention
@@ -399,7 +407,11 @@ class WanTransformer(nn.Module):
         on the video stream ``[B, S, D]`` (the text tokens are not a stream: the blocks only read
         them). Row arguments: ``ctx [B, S_txt, D]`` (the embedded text),
         ``tproj [B, 6, D]`` or per token ``[B, S, 6, D]``. Shared: ``rope = (cos, sin)``.
-        Without arguments: the declaration alone (its block count), not runnable."""
+        TeaCache's modulated input: the projected timestep ``tproj`` (TeaCache4Wan2.1's ``e0``,
+        its ``use_ret_steps`` variant: 5 warm-up steps) with that variant's Wan2.1 T2V
+        coefficients by width (1.3B: 1536, 14B and Wan2.2 A14B: 5120; identity for other widths)
+        and its "slow" threshold (1.3B 0.05, 14B 0.10). Without arguments: the declaration alone
+        (its block count), not runnable."""
         return BlockSequence(
             owner=self,
             stages=(
@@ -409,6 +421,12 @@ class WanTransformer(nn.Module):
                 ),
             ),
             row_args={"ctx": ctx, "tproj": tproj},
+            modulated_input=ModulatedInput(
+                lambda s, a: a["tproj"],
+                *WAN_TEACACHE.get(self.cfg.inner_dim, ((1.0, 0.0), 0.15)),
+                warmup=5,
+                per_token=False,
+            ),
         )
 
 

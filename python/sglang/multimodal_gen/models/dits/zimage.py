@@ -37,7 +37,7 @@ from torch import nn
 from sglang.multimodal_gen.configs.zimage import ZImageArchConfig
 from sglang.multimodal_gen.distributed import get_sp_world_size, get_tp_world_size
 from sglang.multimodal_gen.distributed.sequence import SeqSplit, sequence_split
-from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage
+from sglang.multimodal_gen.layers.block_sequence import BlockSequence, BlockStage, ModulatedInput
 from sglang.multimodal_gen.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.layers.norm import RMSNorm
 from sglang.multimodal_gen.layers.rotary import MultiAxisRope
@@ -348,8 +348,16 @@ class ZImageTransformer(nn.Module):
         ``[B, S, dim]`` (the refiners stay outside, as diffusers' caches leave them). Row
         arguments: ``adaln [B, dim]``, RoPE ``ucis [B, S, head_dim / 2]`` complex64, key mask
         ``umask [B, S]`` bool or ``None``; ``lengths``: each row's unified tokens (``None`` under
-        sequence parallelism, where a rank holds chunks of both token kinds). Without arguments:
-        the declaration alone (its block count), not runnable."""
+        sequence parallelism, where a rank holds chunks of both token kinds). TeaCache's modulated
+        input: layer 0's ``attention_norm1(x) * (1 + scale_msa)`` (no published Z-Image rescaling:
+        identity, threshold 0.15). Without arguments: the declaration alone (its block count), not
+        runnable."""
+        first = self.layers[0]
+
+        def modulated(s, a):
+            scale = first.adaLN_modulation[0](a["adaln"])[0].unsqueeze(1).chunk(4, dim=2)[0]
+            return first.attention_norm1(s[0]) * (1.0 + scale)
+
         return BlockSequence(
             owner=self,
             stages=(
@@ -360,6 +368,7 @@ class ZImageTransformer(nn.Module):
             ),
             row_args={"adaln": adaln, "cis": ucis, "mask": umask},
             lengths=lengths,
+            modulated_input=ModulatedInput(modulated),
         )
 
     def _layers_sequence_parallel(self, h, cis, mask, ctx: CaptionContext, adaln, key):
