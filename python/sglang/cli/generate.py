@@ -348,6 +348,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         target=args.cache_taylor_target,
         max_cached_steps=args.cache_max_cached_steps,
         max_continuous_cached_steps=args.cache_max_continuous_cached_steps,
+        max_skip_steps=args.cache_max_skip_steps,
+        retention_ratio=args.cache_retention_ratio,
+        mag_ratios=args.cache_mag_ratios,
     )  # a bad --cache-* value: one error before loading
     loras = lora_pairs(args.lora_path, args.lora_scale)
     layout = layout_from_args(args)  # contradictory degrees: one error before loading

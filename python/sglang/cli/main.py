@@ -1,4 +1,5 @@
-"""The ``sglang`` console script: ``sglang serve ...`` and ``sglang generate ...``.
+"""The ``sglang`` console script: ``sglang serve ...``, ``sglang generate ...`` and ``sglang
+calibrate-cache ...`` (:mod:`sglang.cli.calibrate_cache`: a model's MagCache ratios).
 
 ``generate`` lives in :mod:`sglang.cli.generate` (``add_generate_args(parser)`` and
 ``run_generate(args) -> int``); it is imported only when that subcommand is used, so ``serve``
@@ -37,7 +38,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     from sglang.cli.serve import add_serve_args, run_serve
 
     parser = argparse.ArgumentParser(prog="sglang", description="SGLang diffusion engine")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,calibrate-cache}")
     serve = sub.add_parser(
         "serve",
         help="start the OpenAI-compatible server (/v1/images/generations, /v1/videos, LoRA admin)",
@@ -45,6 +46,15 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     add_serve_args(serve)
     serve.set_defaults(_run=run_serve)
     _add_generate(sub, load=bool(argv) and argv[0] == "generate")
+    from sglang.cli.calibrate_cache import add_calibrate_args, run_calibrate
+
+    calibrate = sub.add_parser(
+        "calibrate-cache",
+        help="measure a model's MagCache ratios (--cache-method magcache) and store them beside "
+        "the model",
+    )
+    add_calibrate_args(calibrate)
+    calibrate.set_defaults(_run=run_calibrate)
     return parser
 
 

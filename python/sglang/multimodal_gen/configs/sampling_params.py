@@ -299,20 +299,23 @@ def step_cache_value(value: Any, name: str = "cache"):
         text = repr(v)
         return text if len(text) <= 60 else text[:57] + "..."
 
-    types = {f.name: str(f.type) for f in fields(StepCacheConfig) if f.name != "method"}
+    types = {  # a server setting (MagCache's ratios file) is no request's knob
+        f.name: str(f.type)
+        for f in fields(StepCacheConfig)
+        if f.name != "method" and not f.metadata.get("server")
+    }
     if isinstance(value, StepCacheConfig):
         method, knobs = value.method, {}
         if value.enabled and method in IMPLEMENTED_CACHE_METHODS:
             # the knobs that differ from the method's preset or the class defaults (those of
             # another method keep the class defaults: not given)
-            preset, base = StepCacheConfig.of(method), StepCacheConfig()
+            # (a knob the preset sets and the method does not take, e.g. magcache's fn = 0,
+            # is no knob given)
+            preset = StepCacheConfig.of(method)
             knobs = {
                 k: getattr(value, k)
                 for k in types
-                if getattr(value, k) is not None
-                and (
-                    getattr(value, k) != getattr(preset, k) or getattr(value, k) != getattr(base, k)
-                )
+                if getattr(value, k) is not None and getattr(value, k) != getattr(preset, k)
             }
     elif isinstance(value, str):
         method, knobs = value, {}

@@ -129,7 +129,8 @@ class ServerArgs:
             (``--quantization``; one of :data:`QUANTIZATIONS`, ``None``: as the checkpoint is).
         cache_method, cache_threshold, cache_fn, cache_bn, cache_warmup, cache_interval,
             cache_order, cache_stop, cache_taylor_target, cache_max_cached_steps,
-            cache_max_continuous_cached_steps: step caching of the DiT blocks
+            cache_max_continuous_cached_steps, cache_max_skip_steps, cache_retention_ratio,
+            cache_mag_ratios: step caching of the DiT blocks
             (``--cache-method`` ...; :attr:`step_cache`).
         host, port: where uvicorn listens.
         tp_size: tensor-parallel size (``--tp-size``; see ``configs.parallel`` for how
@@ -228,6 +229,9 @@ class ServerArgs:
     cache_taylor_target: str | None = None
     cache_max_cached_steps: int | None = None
     cache_max_continuous_cached_steps: int | None = None
+    cache_max_skip_steps: int | None = None
+    cache_retention_ratio: float | None = None
+    cache_mag_ratios: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
@@ -425,6 +429,8 @@ class ServerArgs:
             stop=self.cache_stop, target=self.cache_taylor_target,
             max_cached_steps=self.cache_max_cached_steps,
             max_continuous_cached_steps=self.cache_max_continuous_cached_steps,
+            max_skip_steps=self.cache_max_skip_steps,
+            retention_ratio=self.cache_retention_ratio, mag_ratios=self.cache_mag_ratios,
         )  # fmt: skip
 
     @property
@@ -943,8 +949,9 @@ def add_cache_args(parser) -> None:
         help="step caching of the DiT blocks (default none). fbcache: first-block cache "
         "(diffusers' FirstBlockCacheConfig; DBCache F1B0); dbcache: dual-block cache "
         "(cache-dit's DBCache, F8B0, 8 warmup steps); taylorseer: Taylor-extrapolated middle "
-        "blocks on a fixed schedule (diffusers' TaylorSeerCacheConfig defaults). teacache, "
-        "magcache: not implemented yet (refused)",
+        "blocks on a fixed schedule (diffusers' TaylorSeerCacheConfig defaults). teacache: "
+        "not implemented yet (refused); magcache: whole steps skipped from the "
+        "model's calibrated magnitude ratios (diffusers' MagCacheConfig defaults)",
     )
     parser.add_argument(
         "--cache-threshold",
@@ -1003,6 +1010,27 @@ def add_cache_args(parser) -> None:
         help="fbcache / dbcache: at most this many skipped steps in a row, the next one "
         "computes (cache-dit's max_continuous_cached_steps; -1: no limit; default: no limit)",
     )
+    parser.add_argument(
+        "--cache-max-skip-steps",
+        type=int,
+        default=None,
+        help="magcache: at most this many skipped steps in a row (diffusers' max_skip_steps; "
+        "default 3)",
+    )
+    parser.add_argument(
+        "--cache-retention-ratio",
+        type=float,
+        default=None,
+        help="magcache: this fraction of the first steps always computes (diffusers' "
+        "retention_ratio; default 0.2)",
+    )
+    parser.add_argument(
+        "--cache-mag-ratios",
+        default=None,
+        metavar="FILE",
+        help="magcache: the model's calibrated magnitude ratios (JSON; default: "
+        "magcache_ratios.json beside the model, written by `sglang calibrate-cache`)",
+    )
 
 
 def cache_fields(args) -> dict:
@@ -1021,6 +1049,9 @@ def cache_fields(args) -> dict:
             "cache_taylor_target",
             "cache_max_cached_steps",
             "cache_max_continuous_cached_steps",
+            "cache_max_skip_steps",
+            "cache_retention_ratio",
+            "cache_mag_ratios",
         )
     } | {"cache_method": getattr(args, "cache_method", None) or "none"}
 
@@ -1028,6 +1059,7 @@ def cache_fields(args) -> dict:
 def step_cache_config(
     method, threshold=None, fn=None, bn=None, warmup=None, *, interval=None, order=None,
     stop=None, target=None, max_cached_steps=None, max_continuous_cached_steps=None,
+    max_skip_steps=None, retention_ratio=None, mag_ratios=None,
 ):  # fmt: skip
     """The :class:`~sglang.multimodal_gen.layers.step_cache.StepCacheConfig` of the ``--cache-*``
     values, ``None`` for ``none``.
@@ -1041,6 +1073,7 @@ def step_cache_config(
         method or "none", threshold, fn, bn, warmup,
         interval=interval, order=order, stop=stop, target=target,
         max_cached_steps=max_cached_steps, max_continuous_cached_steps=max_continuous_cached_steps,
+        max_skip_steps=max_skip_steps, retention_ratio=retention_ratio, mag_ratios=mag_ratios,
     )  # fmt: skip
     return cfg if cfg.enabled else None
 

@@ -42,7 +42,13 @@ from tqdm.auto import tqdm
 
 from sglang.multimodal_gen.configs.sampling_params import RequestSpec, SamplingParams
 from sglang.multimodal_gen.distributed import broadcast_tensors_cpu
+from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.layers.step_cache import CacheRow, RequestCache, StepCacheConfig
+from sglang.multimodal_gen.layers.step_cache.mag_ratios import (
+    RATIOS_FILE,
+    MagRatios,
+    calibration_command,
+)
 from sglang.multimodal_gen.models.components import load_component
 from sglang.multimodal_gen.models.loader import WeightOptions, load_denoiser
 from sglang.multimodal_gen.models.model_dir import ModelLoadError, read_json, read_model_index
@@ -130,6 +136,10 @@ class StagedPipeline:
     # Wan: ``cache_context("cond")`` / ``("uncond")``).
     step_cache: StepCacheConfig | None = None
     step_cache_joint_branches: bool = False
+    # The folder the pipeline was loaded from (``from_pretrained``; ``None``: built in memory)
+    # and MagCache's calibrated ratios found for it (``enable_step_cache``; ``None``: none).
+    model_path: str | None = None
+    mag_ratios: MagRatios | None = None
 
     def __init__(
         self,
@@ -252,10 +262,12 @@ class StagedPipeline:
         global_rank = rank
         rank = 0 if tp_rank is None else tp_rank
         size = 1 if tp_size is None else tp_size
-        return cls(
+        pipe = cls(
             family, comps, configs, device=device, tp_rank=rank, tp_size=size,
             pipeline_config=index.config, rank=rank if global_rank is None else global_rank,
         )  # fmt: skip
+        pipe.model_path = model_path  # where step caching finds its calibration (MagCache)
+        return pipe
 
     def enable_step_cache(self, config: StepCacheConfig | None) -> None:
         """Cache the denoisers' blocks across steps for every new request (``None`` or method
@@ -265,8 +277,20 @@ class StagedPipeline:
             ValueError: a denoiser of this family does not declare its blocks
                 (:class:`~sglang.multimodal_gen.layers.block_sequence.BlockSequence`) yet, or
                 (``teacache``) their modulated input, or
-                ``Fn + Bn`` leaves none of its blocks to cache.
+                ``Fn + Bn`` leaves none of its blocks to cache, or ``magcache`` finds no
+                calibrated ratios (``--cache-mag-ratios``, or the file
+                ``sglang calibrate-cache`` writes beside the model).
         """
+        self.mag_ratios = MagRatios.find(
+            self.model_path, config.mag_ratios if config is not None else None
+        )
+        if config is not None and config.method == "magcache" and not config.calibrate:
+            if self.mag_ratios is None:
+                raise ValueError(
+                    "--cache-method magcache needs the model's calibrated magnitude ratios: "
+                    f"pass --cache-mag-ratios FILE, or write {RATIOS_FILE} beside the model "
+                    f"with `{calibration_command(self.model_path)}`"
+                )
         if config is not None and config.enabled:
             for name, d in self.denoisers.items():
                 if not hasattr(d, "block_sequence"):
@@ -606,6 +630,15 @@ class StagedPipeline:
         cache = None
         if cfg is not None and cfg.enabled:
             cache = RequestCache(cfg, num_steps=int(params.num_inference_steps))
+            if cfg.method == "magcache":
+                cache.calibration = self.mag_ratios
+                if self.mag_ratios is None and not cfg.calibrate:
+                    raise InvalidRequestError(
+                        "cache.method 'magcache' needs the model's calibrated ratios, which "
+                        "this server has not loaded (--cache-mag-ratios, or "
+                        f"`{calibration_command()}`)",
+                        param="cache",
+                    )
         return Generation(params=params, generator=generator, lora=lora, batch=batch, cache=cache)
 
     @torch.no_grad()

@@ -22,7 +22,11 @@ def test_presets():
 
 REFUSALS = [
     (("teacache",), dict(fn=1), "--cache-fn does not apply to --cache-method teacache"),
-    (("magcache",), {}, "--cache-method 'magcache' is not implemented yet"),
+    (("magcache",), dict(fn=1), "--cache-fn does not apply to --cache-method magcache"),
+    (("magcache",), dict(max_skip_steps=0), "--cache-max-skip-steps must be >= 1, got 0"),
+    (("magcache",), dict(retention_ratio=1.5), "retention-ratio must be in .0, 1., got 1.5"),
+    (("magcache",), dict(calibrate=1), "--cache-calibrate must be a boolean, got 1"),
+    (("dbcache",), dict(max_skip_steps=2), "--cache-max-skip-steps does not apply to"),
     (("fastcache",), {}, "--cache-method 'fastcache' is unknown"),
     (("dbcache",), dict(fn=0), "--cache-fn must be >= 1, got 0"),
     (("fbcache",), dict(threshold=-1), "--cache-threshold must be >= 0"),

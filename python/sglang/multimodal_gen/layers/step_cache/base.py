@@ -76,6 +76,10 @@ class RequestCache:
         blocks_computed, blocks_skipped: blocks run / skipped over those calls.
         num_steps: the request's denoising steps (``num_inference_steps``; ``None``: unknown),
             for the policies whose rule names the last step (TeaCache forces it).
+        calibration: what the server calibrated for the request's method (MagCache: the model's
+            :class:`~sglang.multimodal_gen.layers.step_cache.mag_ratios.MagRatios`), or ``None``.
+        report: further entries of :meth:`summary` a policy adds (MagCache's calibration mode:
+            ``"mag_ratios"``, the measured ratios per state).
     """
 
     config: StepCacheConfig
@@ -85,17 +89,20 @@ class RequestCache:
     blocks_computed: int = 0
     blocks_skipped: int = 0
     num_steps: int | None = None
+    calibration: Any = None
+    report: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, int | str]:
         """``{"method", "steps_computed", "steps_skipped", "blocks_computed",
         "blocks_skipped"}`` (a step here is one DiT call of one state: one CFG branch when the
-        branches decide alone)."""
+        branches decide alone), with the entries of :attr:`report`."""
         return {
             "method": self.config.method,
             "steps_computed": self.computed,
             "steps_skipped": self.skipped,
             "blocks_computed": self.blocks_computed,
             "blocks_skipped": self.blocks_skipped,
+            **self.report,
         }
 
 

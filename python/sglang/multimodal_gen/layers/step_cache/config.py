@@ -9,6 +9,7 @@ fbcache    0.05      1    0    0      --       --    --   --
 dbcache    0.08      8    0    8      --       --    --   --
 taylorseer --        0    0    3      5        1     None residual
 teacache   family    0    0    family --       --    --   --
+magcache   0.06      0    0    --     --       --    --   --
 ========== ========= ==== ==== ====== ======== ===== ==== ========
 
 ``fbcache`` is diffusers' ``FirstBlockCacheConfig`` default, ``dbcache`` cache-dit's DBCache
@@ -16,20 +17,23 @@ default (F8B0), ``taylorseer`` diffusers' ``TaylorSeerCacheConfig`` default
 (``cache_interval=5``, ``disable_cache_before_step=3``, ``max_order=1``,
 ``disable_cache_after_step=None``), ``teacache`` the family's declared ``rel_l1_thresh`` and
 ``ret_steps`` (:class:`~sglang.multimodal_gen.layers.block_sequence.ModulatedInput`; Flux: 0.6
-and 1, TeaCache4FLUX's script) over the whole block span. A knob of another method
+and 1, TeaCache4FLUX's script) over the whole block span, ``magcache`` diffusers'
+``MagCacheConfig`` default (``threshold=0.06``, ``max_skip_steps=3``, ``retention_ratio=0.2``)
+over the whole block span, with the model's calibrated ratios (``--cache-mag-ratios`` or the file
+beside the model). A knob of another method
 (``--cache-threshold`` with ``taylorseer``, ``--cache-interval`` with ``dbcache``) is refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["CACHE_METHODS", "IMPLEMENTED_CACHE_METHODS", "TAYLOR_TARGETS", "StepCacheConfig"]
 
 #: ``--cache-method`` values of the full contract (``fbcache`` is DBCache's F1B0 preset).
 CACHE_METHODS = ("none", "fbcache", "dbcache", "teacache", "magcache", "taylorseer")
 #: The values implemented so far.
-IMPLEMENTED_CACHE_METHODS = ("none", "fbcache", "dbcache", "taylorseer", "teacache")
+IMPLEMENTED_CACHE_METHODS = ("none", "fbcache", "dbcache", "taylorseer", "teacache", "magcache")
 #: What TaylorSeer extrapolates: the middle blocks' residual (middle output - head output) or
 #: their output itself (diffusers' rule for a hooked module).
 TAYLOR_TARGETS = ("residual", "output")
@@ -37,16 +41,18 @@ TAYLOR_TARGETS = ("residual", "output")
 _THRESHOLD_METHODS = ("fbcache", "dbcache")
 _SCHEDULE_METHODS = ("taylorseer",)
 _TEACACHE = ("teacache",)  # the whole span (Fn = Bn = 0); threshold / warmup: the family's
+_MAGCACHE = ("magcache",)  # the whole span (Fn = Bn = 0), diffusers' MagCacheConfig defaults
 _PRESETS = {  # method -> knob defaults
     "fbcache": dict(threshold=0.05, fn=1, bn=0, warmup=0),  # diffusers' FirstBlockCacheConfig
     "dbcache": dict(threshold=0.08, fn=None, bn=0, warmup=8),  # cache-dit's DBCache (F8B0)
     "taylorseer": dict(fn=0, bn=0, warmup=3, interval=5, order=1, stop=None, target="residual"),
     "teacache": dict(threshold=None, fn=0, bn=0, warmup=None),
+    "magcache": dict(threshold=0.06, fn=0, bn=0, max_skip_steps=3, retention_ratio=0.2),
 }
 _FLAGS = {  # knob -> (flag, lowest value, methods it applies to)
     "max_cached_steps": ("--cache-max-cached-steps", -1, _THRESHOLD_METHODS),
     "max_continuous_cached_steps": ("--cache-max-continuous-cached-steps", -1, _THRESHOLD_METHODS),
-    "threshold": ("--cache-threshold", 0, _THRESHOLD_METHODS + _TEACACHE),
+    "threshold": ("--cache-threshold", 0, _THRESHOLD_METHODS + _TEACACHE + _MAGCACHE),
     "fn": ("--cache-fn", None, _THRESHOLD_METHODS + _SCHEDULE_METHODS),
     "bn": ("--cache-bn", 0, _THRESHOLD_METHODS + _SCHEDULE_METHODS),
     "warmup": ("--cache-warmup", 0, _THRESHOLD_METHODS + _SCHEDULE_METHODS + _TEACACHE),
@@ -54,6 +60,10 @@ _FLAGS = {  # knob -> (flag, lowest value, methods it applies to)
     "order": ("--cache-order", 0, _SCHEDULE_METHODS),
     "stop": ("--cache-stop", 0, _SCHEDULE_METHODS),
     "target": ("--cache-taylor-target", None, _SCHEDULE_METHODS),
+    "max_skip_steps": ("--cache-max-skip-steps", 1, _MAGCACHE),
+    "retention_ratio": ("--cache-retention-ratio", 0, _MAGCACHE),
+    "calibrate": ("--cache-calibrate", None, _MAGCACHE),
+    "mag_ratios": ("--cache-mag-ratios", None, _MAGCACHE),
 }
 
 
@@ -84,6 +94,15 @@ class StepCacheConfig:
         max_continuous_cached_steps: fbcache / dbcache: at most this many skipped calls in a row
             per state, the next one computes (cache-dit's ``max_continuous_cached_steps``);
             ``None`` (``-1`` given): no limit.
+        max_skip_steps: magcache: at most this many skipped calls in a row (diffusers'
+            ``max_skip_steps``, K in the paper; >= 1).
+        retention_ratio: magcache: the first ``int(retention_ratio * num_inference_steps +
+            0.5)`` calls of a state compute (in ``[0, 1]``).
+        calibrate: magcache: compute every call and measure the model's magnitude ratios
+            (reported in the request's cache summary under ``"mag_ratios"``).
+        mag_ratios: magcache: the ratios file the server loads (``--cache-mag-ratios``;
+            ``None``: ``magcache_ratios.json`` beside the model). A server setting: not a
+            request's knob (``metadata["server"]``).
     """
 
     method: str = "none"
@@ -97,6 +116,10 @@ class StepCacheConfig:
     target: str = "residual"
     max_cached_steps: int | None = None
     max_continuous_cached_steps: int | None = None
+    max_skip_steps: int = 3
+    retention_ratio: float = 0.2
+    calibrate: bool = False
+    mag_ratios: str | None = field(default=None, metadata={"server": True})
 
     @classmethod
     def of(
@@ -114,6 +137,10 @@ class StepCacheConfig:
         target: str | None = None,
         max_cached_steps: int | None = None,
         max_continuous_cached_steps: int | None = None,
+        max_skip_steps: int | None = None,
+        retention_ratio: float | None = None,
+        calibrate: bool | None = None,
+        mag_ratios: str | None = None,
     ) -> StepCacheConfig:
         """The method's preset with the given knobs replaced.
 
@@ -137,6 +164,8 @@ class StepCacheConfig:
             threshold=threshold, fn=fn, bn=bn, warmup=warmup, interval=interval, order=order,
             stop=stop, target=target, max_cached_steps=max_cached_steps,
             max_continuous_cached_steps=max_continuous_cached_steps,
+            max_skip_steps=max_skip_steps, retention_ratio=retention_ratio, calibrate=calibrate,
+            mag_ratios=mag_ratios,
         )  # fmt: skip
         if method == "none":
             return cls()
@@ -157,12 +186,22 @@ class StepCacheConfig:
                     raise ValueError(
                         f"{flag_name} must be one of {', '.join(TAYLOR_TARGETS)}, got {value!r}"
                     )
+            elif name in ("calibrate", "mag_ratios"):  # magcache's flag and file
+                if value is not None and not isinstance(
+                    value, (bool if name == "calibrate" else str)
+                ):
+                    raise ValueError(
+                        f"{flag_name} must be a {'boolean' if name == 'calibrate' else 'path'}, got {value!r}"
+                    )
+            elif name == "retention_ratio" and not 0 <= value <= 1:
+                raise ValueError(f"{flag_name} must be in [0, 1], got {value}")
             elif value is not None and value < low:
                 raise ValueError(f"{flag_name} must be >= {low}, got {value}")
         for name in ("max_cached_steps", "max_continuous_cached_steps"):
             if knobs.get(name) == -1:  # cache-dit's "no limit"
                 knobs[name] = None
-        cast = {"threshold": float, "target": str}
+        cast = {"threshold": float, "target": str, "retention_ratio": float, "calibrate": bool}
+        cast["mag_ratios"] = str
         return cls(
             method, **{k: (v if v is None else cast.get(k, int)(v)) for k, v in knobs.items()}
         )

@@ -31,6 +31,7 @@ from sglang.multimodal_gen.layers.step_cache.base import (
     regions,
 )
 from sglang.multimodal_gen.layers.step_cache.dbcache import DBCachePolicy
+from sglang.multimodal_gen.layers.step_cache.magcache import MagCachePolicy
 from sglang.multimodal_gen.layers.step_cache.policy import CachePolicy
 from sglang.multimodal_gen.layers.step_cache.taylorseer import TaylorSeerPolicy
 from sglang.multimodal_gen.layers.step_cache.teacache import TeaCachePolicy
@@ -43,6 +44,7 @@ POLICIES: dict[str, CachePolicy] = {
     "dbcache": DBCachePolicy(),
     "taylorseer": TaylorSeerPolicy(),
     "teacache": TeaCachePolicy(),
+    "magcache": MagCachePolicy(),
 }
 
 _ROWS: contextvars.ContextVar[Sequence[CacheRow] | None] = contextvars.ContextVar(
