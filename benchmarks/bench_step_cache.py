@@ -1,23 +1,40 @@
-"""Step caching on the tiny Flux.1 [dev] and Z-Image models: steps and blocks skipped and the
-image change (PSNR against the uncached image) per cache setting (no timings: the tiny models'
-DiT calls are too short for the block savings to show in them).
+"""Step caching on the tiny Flux.1 [dev] and Z-Image models, ours against diffusers' hooks.
 
-The tiny models have random weights, so their trajectories (and the head-residual ratios the
-thresholds act on) are not those of trained models: the numbers show what each knob does, not
-which threshold suits a real checkpoint. Both models are built with more blocks than the test
-models (Flux 2 dual + 6 single blocks, Z-Image 8 layers) so that DBCache's ``Fn``/``Bn`` have
-room.
+For each method diffusers has a hook for on these models, the same request runs in one process
+through diffusers' pipeline with the hook and through ours with the matched setting, each with its
+own uncached run:
+
+* ``fbcache`` = diffusers' ``FirstBlockCacheConfig(threshold)`` (Flux: ``transformer.
+  enable_cache``; Z-Image, whose diffusers model has no ``enable_cache`` and whose blocks call
+  their hidden states ``x``: the hook applied directly, the name mapped, as
+  ``test/integration/caching/test_fbcache_parity.py`` does);
+* ``taylorseer`` with ``target=output``, ``Fn = Bn = 0`` = diffusers' ``TaylorSeerCacheConfig``
+  (``cache_interval``, ``disable_cache_before_step``, ``max_order``, fp32 factors) with
+  ``cache_identifiers`` naming every transformer block (Flux: ``transformer_blocks.<i>``,
+  ``single_transformer_blocks.<i>``; Z-Image: its main ``layers.<i>``), the computation the two
+  share; our default ``residual`` target runs too (ours only).
+
+Reported per setting: steps computed / skipped (ours: the request's counts; diffusers: counted
+from its hook's decisions), wall time of the pipeline call against the same side's uncached call
+(median of ``--repeats`` interleaved passes), PSNR of each side against its own uncached image,
+and ours against diffusers' (cached). The tiny models have random weights, so their trajectories
+(and the head-residual ratios the thresholds act on) are not those of trained models: the
+thresholds here are the ones that skip some steps on them, not advice for a real checkpoint.
+Both models are built with more blocks than the test models (Flux 2 dual + 6 single blocks,
+Z-Image 8 layers).
 
 Usage::
 
-    python benchmarks/bench_step_cache.py [--steps 16] [--size 64]
+    python benchmarks/bench_step_cache.py [--steps 16] [--size 64] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -30,86 +47,201 @@ from sglang.multimodal_gen.models.families.tiny.zimage import (
 from sglang.multimodal_gen.pipelines.flux import FluxPipeline
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
 
-TAYLORSEER = [
-    ("taylorseer", {}),  # diffusers' defaults: warmup 3, interval 5, order 1, residual
-    ("taylorseer", dict(interval=3)),
-    ("taylorseer", dict(order=2)),
-    ("taylorseer", dict(order=0)),
-    ("taylorseer", dict(target="output")),
-    ("taylorseer", dict(fn=1, bn=1)),
-]
+PROMPT = "a small red fox in the snow"
+TAYLOR = dict(warmup=2, interval=3, order=1)  # diffusers' defaults are 3 / 5 / 1
+#: model -> [(method, our knobs, diffusers' config or None: ours only)]
 SETTINGS = {
-    "flux": [
-        ("none", {}),
-        ("fbcache", dict(threshold=0.3)),
-        ("fbcache", dict(threshold=0.5)),
-        ("fbcache", dict(threshold=0.8)),
-        ("dbcache", dict(threshold=0.5, fn=2, bn=2, warmup=2)),
-        *TAYLORSEER,
-    ],
-    "zimage": [
-        ("none", {}),
-        ("fbcache", dict(threshold=0.6)),
-        ("fbcache", dict(threshold=0.8)),
-        ("fbcache", dict(threshold=1.0)),
-        ("dbcache", dict(threshold=1.0, fn=2, bn=2, warmup=2)),
-        *TAYLORSEER,
-    ],
+    "flux": [("fbcache", dict(threshold=0.5)), ("fbcache", dict(threshold=0.8))],
+    "zimage": [("fbcache", dict(threshold=0.8)), ("fbcache", dict(threshold=1.0))],
+}
+for _name in SETTINGS:
+    SETTINGS[_name] += [
+        ("taylorseer", dict(TAYLOR, target="output")),
+        ("taylorseer", dict(warmup=3, interval=5, order=1, target="output")),
+        ("taylorseer", dict(TAYLOR)),  # our default residual target: ours only
+    ]
+BLOCKS = {  # diffusers' names of the blocks our sequence spans
+    "flux": [r"transformer_blocks\.\d+", r"single_transformer_blocks\.\d+"],
+    "zimage": [r"layers\.\d+"],
 }
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+    return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
 
 
-def run(pipe, kw):
-    """``(pixels, the request's cache summary)``."""
+def _first_image(x) -> np.ndarray:
+    """uint8 ``[H, W, 3]``: the first image of a pipeline's ``np`` output."""
+    x = np.asarray(x)
+    if x.dtype != np.uint8:
+        x = (x * 255).round().astype(np.uint8)
+    return x.reshape(-1, *x.shape[-3:])[0]
+
+
+def ours(pipe, kw, method, knobs):
+    """``(seconds, pixels, (computed, skipped))`` of our pipeline with the setting."""
+    pipe.enable_step_cache(StepCacheConfig.of(method, **knobs) if method != "none" else None)
     gens = []
     new_generation = pipe.new_generation
     pipe.new_generation = lambda *a, **k: gens.append(new_generation(*a, **k)) or gens[-1]
     try:
-        out = pipe("a small red fox in the snow", generator=torch.Generator().manual_seed(42),
-                   output_type="np", **kw)  # fmt: skip
+        t0 = time.perf_counter()
+        out = pipe(PROMPT, generator=torch.Generator().manual_seed(42), output_type="np", **kw)
+        dt = time.perf_counter() - t0
     finally:
         del pipe.new_generation
-    return np.asarray(out), gens[-1].cache.summary() if gens[-1].cache else None
+    s = gens[-1].cache.summary() if gens[-1].cache else None
+    counts = (s["steps_computed"], s["steps_skipped"]) if s else (kw["num_inference_steps"], 0)
+    return dt, _first_image(out), counts
+
+
+def _zimage_block_names() -> None:
+    """diffusers 0.42.1's block hooks fetch ``hidden_states``; Z-Image's blocks call it ``x``
+    (argument 0): register that mapping once."""
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+
+    meta = TransformerBlockMetadata(return_hidden_states_index=0)
+    meta._cached_parameter_indices = {"hidden_states": 0}
+    TransformerBlockRegistry.register(ZImageTransformerBlock, meta)
+
+
+def diffusers_pipe(name, model_dir, method, knobs):
+    """diffusers' pipeline on ``model_dir`` with the hook matching ``(method, knobs)`` (fresh
+    states) and a list the hook's decisions are appended to (True: computed)."""
+    import diffusers
+    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    cls = diffusers.FluxPipeline if name == "flux" else diffusers.ZImagePipeline
+    pipe = cls.from_pretrained(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    t = pipe.transformer
+    if method == "fbcache":
+        config = FirstBlockCacheConfig(threshold=knobs["threshold"])
+    elif method == "taylorseer":
+        config = TaylorSeerCacheConfig(
+            cache_interval=knobs["interval"], disable_cache_before_step=knobs["warmup"],
+            max_order=knobs["order"], taylor_factors_dtype=torch.float32,
+            cache_identifiers=BLOCKS[name],
+        )  # fmt: skip
+    else:
+        return pipe
+    if name == "flux":
+        t.enable_cache(config)
+    else:  # no enable_cache / cache_context on diffusers' Z-Image model: one context per call
+        from diffusers.hooks import apply_first_block_cache, apply_taylorseer_cache
+
+        apply = apply_first_block_cache if method == "fbcache" else apply_taylorseer_cache
+        apply(t, config)
+        _set_cache_context(t, CacheContext("cond"))
+    return pipe
+
+
+def _decision_spy():
+    """Record diffusers' FBCache and TaylorSeer decisions (the first hooked block's, per call)."""
+    import diffusers.hooks.first_block_cache as fbc
+    import diffusers.hooks.taylorseer_cache as tsc
+
+    seen: list[tuple[int, bool]] = []
+    fb = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
+    ts = tsc.TaylorSeerCacheHook._measure_should_compute
+
+    def fb_spy(self, residual):
+        out = fb(self, residual)
+        seen.append((id(self), bool(out)))
+        return out
+
+    def ts_spy(self):
+        out = ts(self)
+        seen.append((id(self), bool(out[0])))
+        return out
+
+    fbc.FBCHeadBlockHook._should_compute_remaining_blocks = fb_spy
+    tsc.TaylorSeerCacheHook._measure_should_compute = ts_spy
+    return seen
+
+
+def theirs(pipe, kw, seen):
+    """``(seconds, pixels, (computed, skipped))`` of diffusers' pipeline (counts from the first
+    hook that decided)."""
+    seen.clear()
+    t0 = time.perf_counter()
+    out = pipe(PROMPT, generator=torch.Generator().manual_seed(42), output_type="np", **kw)
+    dt = time.perf_counter() - t0
+    first = [d for h, d in seen if h == seen[0][0]] if seen else []
+    counts = (sum(first), len(first) - sum(first)) if first else (kw["num_inference_steps"], 0)
+    return dt, _first_image(out.images), counts
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes (median), >= 1")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     root = tempfile.mkdtemp(prefix="bench_step_cache_")
-    pipes = {
-        "flux": FluxPipeline.from_pretrained(build_flux_dir(
-            os.path.join(root, "flux"), transformer=dict(TINY_TRANSFORMER, num_layers=2, num_single_layers=6))),
-        "zimage": ZImagePipeline.from_pretrained(build_zimage_dir(
-            os.path.join(root, "zimage"), transformer=dict(DEFAULT_TRANSFORMER, n_layers=8))),
+    dirs = {
+        "flux": build_flux_dir(os.path.join(root, "flux"),
+                               transformer=dict(TINY_TRANSFORMER, num_layers=2, num_single_layers=6)),
+        "zimage": build_zimage_dir(os.path.join(root, "zimage"),
+                                   transformer=dict(DEFAULT_TRANSFORMER, n_layers=8)),
     }  # fmt: skip
     kws = {
         "flux": dict(guidance_scale=3.5),
         "zimage": dict(guidance_scale=3.5, negative_prompt="blurry"),
     }
-    print("| model | method | knobs | steps computed / skipped | blocks skipped | PSNR dB |")
-    print("|---|---|---|---|---|---:|")
-    for name, pipe in pipes.items():
+    _zimage_block_names()
+    seen = _decision_spy()
+    print(f"tiny models, {args.size}x{args.size}, {args.steps} steps, fp32, CPU; wall: median of "
+          f"{args.repeats} interleaved passes")  # fmt: skip
+    print("| model | method | knobs | steps computed / skipped: ours, diffusers | speed-up: ours, "
+          "diffusers | PSNR vs uncached (dB): ours, diffusers | ours vs diffusers (dB) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name in ("flux", "zimage"):
+        ours_pipe = (FluxPipeline if name == "flux" else ZImagePipeline).from_pretrained(dirs[name])
         kw = dict(kws[name], height=args.size, width=args.size, num_inference_steps=args.steps)
-        base = None
-        for method, knobs in SETTINGS[name]:
-            pipe.enable_step_cache(StepCacheConfig.of(method, **knobs))
-            px, s = run(pipe, kw)
-            base = px if base is None else base
-            if s is None:
-                cs, frac = f"{args.steps} / 0", "0 %"
-            else:
-                cs = f"{s['steps_computed']} / {s['steps_skipped']}"
-                total = s["blocks_computed"] + s["blocks_skipped"]
-                frac = f"{100 * s['blocks_skipped'] / total:.0f} %"
-            knob = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "-"
-            print(f"| {name} | {method} | {knob} | {cs} | {frac} | {psnr(px, base):.1f} |")
+        rows = [("none", {})] + SETTINGS[name]
+        times: dict[tuple[int, str], list[float]] = {}
+        px: dict[tuple[int, str], np.ndarray] = {}
+        counts: dict[tuple[int, str], tuple[int, int]] = {}
+        ours(ours_pipe, kw, "none", {})  # warm-up
+        for r in range(args.repeats):
+            order = list(range(len(rows)))
+            order = order[r % len(order) :] + order[: r % len(order)]
+            for i in order:
+                method, knobs = rows[i]
+                matched = method == "none" or knobs.get("target", "output") == "output"
+                sides = ("ours", "diffusers") if matched else ("ours",)
+                for side in sides:
+                    if side == "ours":
+                        dt, img, c = ours(ours_pipe, kw, method, knobs)
+                    else:
+                        pipe = diffusers_pipe(name, dirs[name], method, knobs)
+                        dt, img, c = theirs(pipe, kw, seen)
+                    times.setdefault((i, side), []).append(dt)
+                    px[i, side], counts[i, side] = img, c
+        t0 = {s: statistics.median(times[0, s]) for s in ("ours", "diffusers")}
+        for i, (method, knobs) in enumerate(rows):
+            has = (i, "diffusers") in times
+            med = {
+                s: statistics.median(times[i, s])
+                for s in ("ours", "diffusers")
+                if has or s == "ours"
+            }
+            c = f"{counts[i, 'ours'][0]} / {counts[i, 'ours'][1]}"
+            c += f", {counts[i, 'diffusers'][0]} / {counts[i, 'diffusers'][1]}" if has else ", --"
+            sp = f"{t0['ours'] / med['ours']:.2f}x" + (
+                f", {t0['diffusers'] / med['diffusers']:.2f}x" if has else ", --"
+            )
+            p = f"{psnr(px[i, 'ours'], px[0, 'ours']):.1f}" + (
+                f", {psnr(px[i, 'diffusers'], px[0, 'diffusers']):.1f}" if has else ", --"
+            )
+            vs = f"{psnr(px[i, 'ours'], px[i, 'diffusers']):.1f}" if has else "--"
+            knob = ", ".join(f"{k} {v}" for k, v in knobs.items()) or "-"
+            print(f"| {name} | {method} | {knob} | {c} | {sp} | {p} | {vs} |", flush=True)
 
 
 if __name__ == "__main__":
