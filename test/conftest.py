@@ -25,6 +25,11 @@ if TEST_ROOT not in sys.path:
 #: each), run by ``scripts/test.sh --all`` (``pytest --extended``) and not by CI's default run,
 #: which must stay under 20 minutes on 2 cores. Node ids without the ``test/`` prefix.
 EXTENDED = {
+    # MagCache on Z-Image (one joint CFG state) and its calibration against diffusers' on Flux
+    # (the rule on Flux: test_flux_magcache_matches_diffusers; the calibration against
+    # diffusers': unit/layers/step_cache/test_magcache.py::test_calibration_measures_diffusers_ratios)
+    "integration/caching/test_magcache_parity.py::test_zimage_magcache_matches_diffusers",
+    "integration/caching/test_magcache_parity.py::test_calibration_measures_diffusers_ratios",
     # TP 2 of ComfyUI FP8 files in the original layout, one scale over a fused q | k | v (TP 2 of
     # per-source scales on fused Flux layers: test_quantized_parity's test_flux_tp2_equals_tp1
     # [nvfp4]; one scale over a fused source at TP 1: this file's other tests)

@@ -104,9 +104,9 @@ CASES = [  # (ratios, knobs, diffusers' knobs, computed steps)
         [True, True, False, False, True, False, False, True, True, True], id="accumulated-error",
     ),
     pytest.param(
-        [1.0] * N, dict(retention_ratio=0.5, max_skip_steps=3),
-        dict(retention_ratio=0.5, max_skip_steps=3),
-        [True] * 5 + [False, False, False, True, False], id="retention",
+        [1.0] * N, dict(retention_ratio=0.25, max_skip_steps=3),
+        dict(retention_ratio=0.25, max_skip_steps=3),
+        [True] * 3 + [False, False, False, True, False, False, False], id="retention",
     ),
     pytest.param(  # 4 calibrated ratios resampled to 10 steps (diffusers' nearest_interp)
         [1.0, 0.99, 0.9, 0.99], dict(threshold=0.05),

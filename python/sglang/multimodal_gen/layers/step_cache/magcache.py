@@ -80,11 +80,8 @@ def mag_step(st: MagCacheState, cached: bool, config: StepCacheConfig, steps: in
     st.acc_ratio = np.float32(st.acc_ratio * scale)
     st.acc_steps += 1
     st.acc_err = np.float32(st.acc_err + abs(np.float32(1.0) - st.acc_ratio))
-    if (
-        cached
-        and st.acc_err <= np.float32(config.threshold)
-        and st.acc_steps <= (config.max_skip_steps)
-    ):
+    small = st.acc_err <= np.float32(config.threshold)
+    if cached and small and st.acc_steps <= config.max_skip_steps:
         return False
     st.acc_ratio, st.acc_err, st.acc_steps = np.float32(1.0), np.float32(0.0), 0
     return True
