@@ -27,6 +27,7 @@ import pytest
 from fixtures.step_cache_runs import run_requests
 from fixtures.tiny_flux import reference_flux, reference_flux_images
 from fixtures.tiny_models import psnr, reference_image, reference_pipeline
+from sglang.multimodal_gen.errors import InvalidRequestError
 from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
 from sglang.multimodal_gen.layers.step_cache.mag_ratios import RATIOS_FILE, MagRatios
 from sglang.multimodal_gen.pipelines.flux import FluxPipeline
@@ -174,6 +175,10 @@ def test_calibrate_command_writes_ratios_that_magcache_loads(tiny_zimage_dir, tm
     ours = ZImagePipeline.from_pretrained(model)
     with pytest.raises(ValueError, match="--cache-mag-ratios FILE, or write magcache_ratios"):
         ours.enable_step_cache(StepCacheConfig.of("magcache"))  # no ratios yet
+    ours.enable_step_cache(None)
+    with pytest.raises(InvalidRequestError, match="'magcache' needs the model's calibrated") as e:
+        ours.new_generation(ours.spec.params(prompt="a fox", cache="magcache"))
+    assert e.value.param == "cache"
     argv = ["calibrate-cache", "--model-path", model, "--steps", str(STEPS), "--height", "32",
             "--width", "32", "--prompt", "a small red fox", "--device", "cpu"]  # fmt: skip
     assert main(argv) == 0

@@ -281,10 +281,16 @@ class StagedPipeline:
                 calibrated ratios (``--cache-mag-ratios``, or the file
                 ``sglang calibrate-cache`` writes beside the model).
         """
-        self.mag_ratios = MagRatios.find(
-            self.model_path, config.mag_ratios if config is not None else None
-        )
-        if config is not None and config.method == "magcache" and not config.calibrate:
+        magcache = config is not None and config.method == "magcache"
+        try:  # also for a server of another method: its requests may ask for magcache
+            self.mag_ratios = MagRatios.find(
+                self.model_path, config.mag_ratios if config is not None else None
+            )
+        except ValueError:
+            if magcache:
+                raise
+            self.mag_ratios = None  # a bad file beside the model: magcache requests are refused
+        if magcache and not config.calibrate:
             if self.mag_ratios is None:
                 raise ValueError(
                     "--cache-method magcache needs the model's calibrated magnitude ratios: "
