@@ -10,11 +10,15 @@ cached from computed steps:
   ``FirstBlockCacheConfig``, cache-dit's DBCache);
 * ``taylorseer`` (:mod:`.taylorseer`): on a fixed schedule, predict the middle residual (or
   output) by a Taylor expansion from finite differences of the computed steps (diffusers'
-  ``TaylorSeerCacheConfig``).
+  ``TaylorSeerCacheConfig``);
+* ``magcache`` (:mod:`.magcache`): skip every block while the accumulated error of the model's
+  calibrated magnitude ratios (:mod:`.mag_ratios`, ``sglang calibrate-cache``) stays small; reuse
+  the residual of the last computed step (diffusers' ``MagCacheConfig``).
 
 Modules: :mod:`.config` (``--cache-method`` and its knobs), :mod:`.base` (requests, rows, states,
 rank agreement), :mod:`.policy` (the interface a method implements), :mod:`.dbcache`,
-:mod:`.taylorseer`, :mod:`.runner` (:func:`cache_rows`, the interceptor running a call).
+:mod:`.taylorseer`, :mod:`.magcache` (with :mod:`.mag_ratios`, the ratios file), :mod:`.runner`
+(:func:`cache_rows`, the interceptor running a call).
 
 Who decides: every state is one *request* (its rows in a call: all its images, and its CFG
 branches together or each branch alone, as the family's pipeline declares; diffusers' Flux runs
