@@ -2163,6 +2163,56 @@ MUTANTS: list[Mutant] = [
         ("-k", "flux_magcache"),
         why="a skipped step returns its input without the cached residual",
     ),
+    # ------------------------------------------------------------------ step_cache/teacache.py
+    _m(
+        "teacache-accumulator-never-reset",
+        "layers/step_cache/teacache.py",
+        "g.state.accumulated = 0.0 if g.compute else acc",
+        "g.state.accumulated = acc",
+        ("test/unit/layers/step_cache/test_teacache.py",),
+        why="the accumulated change keeps growing across computed steps (TeaCache resets it)",
+    ),
+    _m(
+        "teacache-last-step-not-forced",
+        "layers/step_cache/teacache.py",
+        "last = g.cache.num_steps is not None and step == g.cache.num_steps - 1",
+        "last = False",
+        ("test/unit/layers/step_cache/test_teacache.py",),
+        why="the last step may be skipped (the reference always computes it)",
+    ),
+    _m(
+        "teacache-prev-only-first-step",
+        "layers/step_cache/teacache.py",
+        "            st.prev = cur\n",
+        "            st.prev = cur if st.prev is None else st.prev\n",
+        ("test/unit/layers/step_cache/test_teacache.py",),
+        why="m_prev stays at the first step instead of following every step",
+    ),
+    _m(
+        "teacache-no-rescale",
+        "layers/step_cache/teacache.py",
+        "acc = accumulated + rescaled(change, coefficients)",
+        "acc = accumulated + change",
+        ("test/unit/layers/step_cache/test_teacache.py",),
+        why="the raw change accumulates, not the family's rescaled estimate",
+    ),
+    _m(
+        "teacache-skip-without-residual",
+        "layers/step_cache/teacache.py",
+        "return tuple(h + r for h, r in zip(head, g.state.residuals))",
+        "return head",
+        ("test/unit/layers/step_cache/test_teacache.py",),
+        why="a skipped step returns its input without the cached residual",
+    ),
+    _m(
+        "teacache-flux-unmodulated-input",
+        "models/dits/flux.py",
+        'lambda s, a: first.norm1(s[0], a["temb"])[0],',
+        "lambda s, a: s[0],",
+        ("test/integration/caching/test_teacache_parity.py",),
+        ("-k", "modulated_input_is_block0"),
+        why="Flux compares the raw image stream, not block 0's modulated norm (TeaCache4FLUX)",
+    ),
 ]
 
 

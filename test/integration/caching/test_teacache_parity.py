@@ -118,6 +118,22 @@ def test_flux_teacache_matches_reference(flux, tiny_flux_dev_dir, threshold, dec
     assert psnr(plain, expected) < MIN_PSNR  # the cache changed the image
 
 
+def test_flux_modulated_input_is_block0_norm1(flux, tiny_flux_dev_dir):
+    """The Flux declaration computes what TeaCache4FLUX compares: diffusers' dual-stream block
+    0 ``norm1(hidden_states, emb=temb)[0]`` (same weights, random inputs)."""
+    from diffusers import FluxTransformer2DModel
+
+    ref = FluxTransformer2DModel.from_pretrained(tiny_flux_dev_dir, subfolder="transformer")
+    dit = flux.denoisers["transformer"]
+    d = ref.inner_dim
+    g = torch.Generator().manual_seed(5)
+    x, ctx, temb = (torch.randn(*shape, generator=g) for shape in ((2, 6, d), (2, 3, d), (2, d)))
+    got = dit.block_sequence().modulated_input.compute((x, ctx), {"temb": temb})
+    want = ref.transformer_blocks[0].norm1(x, emb=temb)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - x).abs().max() > 0.1  # the modulation changes the input
+
+
 CACHE = StepCacheConfig.of("teacache", threshold=0.45)
 
 
