@@ -950,7 +950,9 @@ def add_cache_args(parser) -> None:
         "(diffusers' FirstBlockCacheConfig; DBCache F1B0); dbcache: dual-block cache "
         "(cache-dit's DBCache, F8B0, 8 warmup steps); taylorseer: Taylor-extrapolated middle "
         "blocks on a fixed schedule (diffusers' TaylorSeerCacheConfig defaults). teacache: "
-        "not implemented yet (refused); magcache: whole steps skipped from the "
+        "every block skipped while the accumulated rescaled change of the first block's "
+        "modulated input stays below the threshold (TeaCache, the family's published "
+        "coefficients); magcache: whole steps skipped from the "
         "model's calibrated magnitude ratios (diffusers' MagCacheConfig defaults)",
     )
     parser.add_argument(
@@ -958,7 +960,8 @@ def add_cache_args(parser) -> None:
         type=float,
         default=None,
         help="skip a step's middle blocks when the first blocks' residual changed by at most "
-        "this (relative L1; default 0.05 fbcache, 0.08 dbcache)",
+        "this (relative L1; default 0.05 fbcache, 0.08 dbcache); teacache: rel_l1_thresh "
+        "(default: the family's, 0.6 on Flux.1)",
     )
     parser.add_argument(
         "--cache-fn", type=int, default=None, help="dbcache: first blocks always computed (Fn)"
@@ -970,7 +973,8 @@ def add_cache_args(parser) -> None:
         "--cache-warmup",
         type=int,
         default=None,
-        help="steps always computed at the start (default 0 fbcache, 8 dbcache, 3 taylorseer)",
+        help="steps always computed at the start (default 0 fbcache, 8 dbcache, 3 taylorseer; "
+        "teacache: the family's ret_steps, 1 on Flux.1)",
     )
     parser.add_argument(
         "--cache-interval",

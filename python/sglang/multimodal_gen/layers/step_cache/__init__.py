@@ -11,13 +11,17 @@ cached from computed steps:
 * ``taylorseer`` (:mod:`.taylorseer`): on a fixed schedule, predict the middle residual (or
   output) by a Taylor expansion from finite differences of the computed steps (diffusers'
   ``TaylorSeerCacheConfig``);
+* ``teacache`` (:mod:`.teacache`): skip every block while the accumulated, rescaled change of the
+  first block's timestep-modulated input (the family's declaration,
+  :class:`~sglang.multimodal_gen.layers.block_sequence.ModulatedInput`) stays below the
+  threshold; reuse the residual of the last computed step (ali-vilab/TeaCache);
 * ``magcache`` (:mod:`.magcache`): skip every block while the accumulated error of the model's
   calibrated magnitude ratios (:mod:`.mag_ratios`, ``sglang calibrate-cache``) stays small; reuse
   the residual of the last computed step (diffusers' ``MagCacheConfig``).
 
 Modules: :mod:`.config` (``--cache-method`` and its knobs), :mod:`.base` (requests, rows, states,
 rank agreement), :mod:`.policy` (the interface a method implements), :mod:`.dbcache`,
-:mod:`.taylorseer`, :mod:`.magcache` (with :mod:`.mag_ratios`, the ratios file), :mod:`.runner`
+:mod:`.taylorseer`, :mod:`.teacache`, :mod:`.magcache` (with :mod:`.mag_ratios`, the ratios file), :mod:`.runner`
 (:func:`cache_rows`, the interceptor running a call).
 
 Who decides: every state is one *request* (its rows in a call: all its images, and its CFG
@@ -27,7 +31,7 @@ denoiser (two-expert models), the block sequence and the LoRA composition of the
 was computed under one adapter composition or expert is never reused under another. What a
 request measures or stores covers its own rows (and tokens up to the longest of its own lengths),
 so its results do not depend on which other requests share the batch. Under tensor and sequence
-parallelism a statistic policy (DBCache) adds its sums over the sequence-parallel shards and
+parallelism a statistic policy (DBCache, TeaCache) adds its sums over the sequence-parallel shards and
 takes the maximum of the compute flags over the TP and SP groups; a schedule policy
 (TaylorSeer) needs no collective, every rank taking the same decisions by construction.
 """
