@@ -34,6 +34,12 @@ def test_serve_flags_set_the_configuration(tmp_path):
         "taylorseer", interval=4, order=2, stop=20, target="output"
     )
     assert (c.step_cache.warmup, c.step_cache.fn) == (3, 0)  # the preset's
+    d = _parse([*model, "--cache-method", "magcache", "--cache-max-skip-steps", "2",
+                "--cache-retention-ratio", "0.3", "--cache-mag-ratios", "r.json"])  # fmt: skip
+    assert d.step_cache == StepCacheConfig.of(
+        "magcache", max_skip_steps=2, retention_ratio=0.3, mag_ratios="r.json"
+    )
+    assert (d.step_cache.threshold, d.step_cache.fn) == (0.06, 0)  # diffusers' MagCacheConfig
 
 
 BAD = [
@@ -42,6 +48,8 @@ BAD = [
     (["--cache-method", "dbcache", "--cache-fn", "0"], "--cache-fn must be >= 1, got 0"),
     (["--cache-method", "fbcache", "--cache-threshold", "-1"], "--cache-threshold must be >= 0"),
     (["--cache-method", "taylorseer", "--cache-interval", "0"], "--cache-interval must be >= 1"),
+    (["--cache-method", "magcache", "--cache-max-skip-steps", "0"], "--cache-max-skip-steps must"),
+    (["--cache-method", "dbcache", "--cache-mag-ratios", "r.json"], "--cache-mag-ratios does not"),
 ]
 
 
