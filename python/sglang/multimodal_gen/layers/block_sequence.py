@@ -1,7 +1,7 @@
 """The repeated blocks of a DiT forward, declared once and run by one shared runner.
 
 A DiT's forward embeds its inputs, runs its transformer blocks one after the other, and projects
-the result. The middle part is what step caches (first-block / dual-block cache, later TeaCache,
+the result. The middle part is what step caches (first-block / dual-block cache, TeaCache,
 MagCache, TaylorSeer) intercept: they run some blocks, compare a statistic with the previous
 denoising step and reuse cached residuals for the others. A family makes its blocks cacheable by
 DECLARING them as a :class:`BlockSequence` and calling :meth:`BlockSequence.run`; no per-family
