@@ -2098,6 +2098,46 @@ MUTANTS: list[Mutant] = [
         ("-k", "every_order"),
         why="a request that joins a running loop runs without its own lora composition",
     ),
+    # ------------------------------------------------------------------ compiled LoRA blocks
+    _m(
+        "lora-compiled-reads-the-mapping",
+        "layers/lora/layer.py",
+        "own = torch.where(rs.use_rows > 0, table.to(active.dtype), active[None]) * present",
+        "own = (table.to(active.dtype) if self.lora_context.mapping is not None "
+        "else active[None]) * present",
+        ("test/unit/layers/lora/test_layer.py",),
+        ("-k", "recompile"),
+        why="the traced forward reads the Python row mapping: a compiled block recompiles "
+        "whenever a request sets or drops one",
+    ),
+    _m(
+        "lora-compiled-python-strength",
+        "layers/lora/layer.py",
+        "present, active, merged = self._lora_plan.unbind(0)",
+        "present, active, merged = self._lora_plan.unbind(0)\n"
+        "        active = active * (1.0 + 0.0 * sum(v for _, v in self._active_local))",
+        ("test/unit/layers/lora/test_layer.py",),
+        ("-k", "recompile"),
+        why="a Python float strength leaks into the graph: every strength change recompiles",
+    ),
+    _m(
+        "lora-compiled-offsets-minus-merged",
+        "layers/lora/layer.py",
+        "s.lora_offset, s.offset_scale, offset_coef)",
+        "s.lora_offset, s.offset_scale, coef)",
+        ("test/integration/compile/test_block_compile.py",),
+        ("-k", "recompile and wan"),
+        why="compiled rows on the merged composition lose their adapters' output offsets",
+    ),
+    _m(
+        "lora-row-strengths-not-restored",
+        "layers/lora/composition.py",
+        "            self.row_strengths.set(previous)\n",
+        "",
+        ("test/unit/layers/lora/test_row_strengths.py", "test/unit/layers/lora/test_layer.py"),
+        ("-k", "rows or recompile"),
+        why="after a request's mapping the compiled blocks keep its rows for later calls",
+    ),
     _m(
         "magcache-retention-rounds-down",
         "layers/step_cache/magcache.py",

@@ -25,6 +25,23 @@ if TEST_ROOT not in sys.path:
 #: each), run by ``scripts/test.sh --all`` (``pytest --extended``) and not by CI's default run,
 #: which must stay under 20 minutes on 2 cores. Node ids without the ``test/`` prefix.
 EXTENDED = {
+    # compiled blocks with LoRA: five families through the 20 LoRA states (the same check on Wan:
+    # test_lora_changes_do_not_recompile[wan]; the mechanism on a toy block:
+    # unit/layers/lora/test_layer.py::test_adapter_and_strength_changes_do_not_recompile),
+    # inductor's code per family (the traced graph's numerics: the CompileCounter cases) and the
+    # TP 2 collectives in the traced block (gloo processes)
+    "integration/compile/test_block_compile.py::test_lora_changes_do_not_recompile[zimage]",
+    "integration/compile/test_block_compile.py::test_lora_changes_do_not_recompile[flux]",
+    "integration/compile/test_block_compile.py::test_lora_changes_do_not_recompile[qwen_image]",
+    "integration/compile/test_block_compile.py::test_lora_changes_do_not_recompile[hunyuan_video]",
+    "integration/compile/test_block_compile.py::test_lora_changes_do_not_recompile[ltx2]",
+    "integration/compile/test_block_compile.py::test_inductor_block_equals_eager[zimage]",
+    "integration/compile/test_block_compile.py::test_inductor_block_equals_eager[flux]",
+    "integration/compile/test_block_compile.py::test_inductor_block_equals_eager[qwen_image]",
+    "integration/compile/test_block_compile.py::test_inductor_block_equals_eager[wan]",
+    "integration/compile/test_block_compile.py::test_inductor_block_equals_eager[hunyuan_video]",
+    "integration/compile/test_block_compile.py::test_inductor_block_equals_eager[ltx2]",
+    "integration/compile/test_block_compile.py::test_tp2_collectives_trace_in_the_block",
     # MagCache on Z-Image (one joint CFG state) and its calibration against diffusers' on Flux
     # (the rule on Flux: test_flux_magcache_matches_diffusers; the calibration against
     # diffusers': unit/layers/step_cache/test_magcache.py::test_calibration_measures_diffusers_ratios)

@@ -25,17 +25,44 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return table[dtype]
 
 
-def compile_blocks(model: torch.nn.Module) -> int:
+def compile_blocks(
+    model: torch.nn.Module, fullgraph: bool = True, backend: str = "inductor"
+) -> int:
     """``torch.compile`` every transformer block of ``model`` in place (the modules of its
-    ``ModuleList``s whose class name ends in ``Block``); returns how many. Blocks, not the whole
-    model: the per-request Python around them (patchify, caption padding) would break the graph
-    anyway, and equal blocks share one compiled graph per input shape."""
+    ``ModuleList``s whose class name ends in ``Block``); returns how many.
+
+    Blocks, not the whole model: the per-request Python around them (patchify, caption padding)
+    would break the graph anyway, and equal blocks share one compiled graph per input shape.
+    ``fullgraph=True``: a block must trace as one graph (a graph break is an error, not a silent
+    fall back to eager between pieces); every family's blocks do, LoRA layers included
+    (:meth:`BaseLayerWithLoRA._forward_traced`), and so do the tensor-parallel collectives.
+
+    Compiles happen lazily, on a block's first call per variant, and do not repeat for:
+
+    * LoRA changes: set / unset / switch adapters, strengths, merge / unmerge, a per-request
+      composition or a batch of rows with different compositions (all reach the graph as tensor
+      values of fixed shapes);
+    * other blocks of the same class (one graph serves them all).
+
+    They do repeat (once each, then cached) for: the first call after the first adapter is stored
+    on the blocks' layers (the graph gains the LoRA delta), an adapter that needs more slots or a
+    larger rank than stored so far (the slot tensors grow), a batch of more than
+    :data:`~sglang.multimodal_gen.layers.lora.row_strengths.ROWS_CAP` rows with distinct
+    compositions, and a new input shape: the first new resolution or batch size recompiles with
+    dynamic sizes (torch's automatic dynamic shapes), later ones reuse that graph.
+
+    Args:
+        model: the DiT (its blocks are compiled in place with ``nn.Module.compile``).
+        fullgraph: refuse graph breaks (default).
+        backend: the ``torch.compile`` backend (``"inductor"``; tests count compiles with
+            ``torch._dynamo.testing.CompileCounter``).
+    """
     n = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.ModuleList):
             for block in mod:
                 if type(block).__name__.endswith("Block"):
-                    block.compile()
+                    block.compile(fullgraph=fullgraph, backend=backend)
                     n += 1
     return n
 

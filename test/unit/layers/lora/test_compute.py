@@ -159,3 +159,57 @@ def test_cuda_bf16_unmerged_and_merged_match_reference(kind):
         torch.testing.assert_close(layer(x.cuda())[0].cpu().double(), want, **tol)
     layer.unmerge()
     assert torch.equal(base.weight, original)
+
+
+# ---------------------------------------------------------------------- per-row form
+def _slot_tensors(gen, s=4, r=3, n_in=12, n_out=10, dtype=torch.float64):
+    a = torch.randn(s, r, n_in, generator=gen, dtype=dtype)
+    b = torch.randn(s, r, n_out, generator=gen, dtype=dtype)
+    c = torch.rand(s, r, generator=gen, dtype=dtype) + 0.5
+    c[1, 2] = 0.0  # a padding column
+    return a, b, c
+
+
+def test_delta_rows_equals_the_gathered_delta_of_each_row():
+    """``add_lora_delta_rows`` with a coefficient per row and slot equals, row by row,
+    ``add_lora_delta`` of that row's composition (the gathered form the eager forward uses);
+    a ``[1, S]`` coefficient applies to every row."""
+    from sglang.multimodal_gen.layers.lora.compute import add_lora_delta, add_lora_delta_rows
+
+    gen = torch.Generator().manual_seed(7)
+    a, b, c = _slot_tensors(gen)
+    x = torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)
+    y = torch.randn(2, 5, 10, generator=gen, dtype=torch.float64)
+    rows = [((0, 1.5), (2, -0.7)), ((3, 0.4),)]
+    coef = torch.zeros(2, 4, dtype=torch.float64)
+    for i, comp in enumerate(rows):
+        for slot, v in comp:
+            coef[i, slot] = v
+    got = add_lora_delta_rows(y, x, a, b, c, coef)
+    for i, comp in enumerate(rows):
+        slots = torch.tensor([s for s, _ in comp])
+        strengths = torch.tensor([v for _, v in comp], dtype=torch.float64)
+        want = add_lora_delta(y[i].clone(), x[i], a, b, c, slots, strengths)
+        torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
+        assert (want - y[i]).abs().max() > 0.1  # a real delta
+    uniform = add_lora_delta_rows(y, x, a, b, c, coef[:1])  # row 0's composition for all
+    slots, strengths = torch.tensor([0, 2]), torch.tensor([1.5, -0.7], dtype=torch.float64)
+    want = add_lora_delta(y[1].clone(), x[1], a, b, c, slots, strengths)
+    torch.testing.assert_close(uniform[1], want, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(uniform[1], got[1])  # the rows really differ
+
+
+def test_offset_delta_rows_equals_the_offset_delta_of_each_row():
+    from sglang.multimodal_gen.layers.lora.compute import add_offset_delta, add_offset_delta_rows
+
+    gen = torch.Generator().manual_seed(8)
+    off = torch.randn(4, 10, generator=gen, dtype=torch.float64)
+    scale = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    y = torch.randn(2, 3, 10, generator=gen, dtype=torch.float64)
+    coef = torch.tensor([[0.5, 2.0, 0.0, -1.0], [0.0, 0.0, 1.25, 0.0]], dtype=torch.float64)
+    got = add_offset_delta_rows(y, off, scale, coef)
+    for i in range(2):
+        slots = torch.arange(4)
+        want = add_offset_delta(y[i].clone(), off, scale, slots, coef[i])
+        torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got[0] - y[0], got[1] - y[1])

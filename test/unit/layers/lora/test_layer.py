@@ -331,14 +331,15 @@ def test_merge_on_layer_that_cannot():
 
 
 # ---------------------------------------------------------------------- under torch.compile
-# A compiled block with LoRA layers: switching adapters, strengths and compositions does not
-# recompile it (adapters and strengths reach the graph as tensors; only the number of adapters
-# in a composition is a shape), and the compiled output equals eager.
+# A compiled block with LoRA layers: switching adapters, strengths, merges and compositions does
+# not recompile it (adapters and strengths reach the graph as tensors of fixed shapes), and the
+# compiled output equals eager.
 #
 # A small DiT-like block (a column-parallel projection, a GELU, a row-parallel projection) is
-# wrapped for LoRA, compiled with ``torch.compile`` (the ``eager`` backend: dynamo's tracing and
-# guards, no code generation), warmed up once per structure (one adapter, two adapters, merged),
-# then driven through 20 changes of the active adapter, its strength and the per-call row mapping.
+# wrapped for LoRA, compiled with ``torch.compile(fullgraph=True)`` (the ``CompileCounter``
+# backend: dynamo's tracing and guards, no code generation), warmed up once (nothing active),
+# then driven through 20 changes of the active adapter, its strength, merged or not, and the
+# per-call row mapping (uniform and mixed rows): one frame in all.
 
 
 class Block(torch.nn.Module):
@@ -384,28 +385,43 @@ def test_adapter_and_strength_changes_do_not_recompile():
     torch._dynamo.reset()
     block = _block()
     counter = CompileCounter()
-    compiled = torch.compile(block, backend=counter)
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
     x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        plain = block(x)
 
     def run(mapping):
         with torch.no_grad(), block.ctx.rows(mapping):
             got, want = compiled(x), block(x)
         assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+        return want
 
-    # warm-up: one adapter, two adapters, nothing (the structures)
-    run(_rows(block, [("a", 1.0)], [("a", 1.0)]))
-    run(_rows(block, [("a", 1.0), ("b", 1.0)], [("a", 1.0), ("b", 1.0)]))
-    run(None)
-    warm = counter.frame_count
+    run(None)  # warm-up: nothing active
+    assert counter.frame_count == 1
     gen = torch.Generator().manual_seed(2)
+    names = ["a", "b", "c", "d"]
     for i in range(20):
-        names = ["a", "b", "c", "d"]
         first = names[i % 4]
         s = float(torch.rand((), generator=gen) * 4 - 2)
         if i % 2:
             pairs = [(first, s)]
         else:
             pairs = [(first, s), (names[(i + 1) % 4], -s / 2)]
-        run(_rows(block, pairs, pairs))
-    assert counter.frame_count == warm, (warm, counter.frame_count)
+        merge = i % 5 == 3
+        for layer in (block.up, block.down):
+            layer.set_active(block.up.composition(pairs if i % 3 else []))
+            if merge and layer.active:
+                layer.merge()
+            elif not merge and layer.merged:
+                layer.unmerge()
+        if i % 4 == 0:
+            mapping = None  # the layers' active composition
+        elif i % 4 == 1:
+            mapping = _rows(block, pairs, pairs)  # uniform
+        else:
+            mapping = _rows(block, pairs, [(names[(i + 2) % 4], 1.5)])  # mixed rows
+        want = run(mapping)
+        if mapping is not None or i % 3:
+            assert (want - plain).abs().max() > 1e-3  # the state matters
+    assert counter.frame_count == 1, counter.frame_count
     torch._dynamo.reset()

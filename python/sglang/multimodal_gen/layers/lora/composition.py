@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from sglang.multimodal_gen.layers.lora.row_strengths import RowStrengths
+
 __all__ = ["Composition", "LoRAContext", "RowGroup", "RowMapping", "lora_context_of"]
 
 
@@ -263,6 +265,8 @@ class LoRAContext:
             the layers' active composition).
         active: the composition the target's layers hold as active (set by the LoRA manager
             when it changes them): a caller whose rows all use it passes no mapping.
+        row_strengths: :attr:`mapping` as fixed-shape tensors (kept up to date by :meth:`rows`),
+            what the layers' compiled forward reads instead of the mapping.
     """
 
     def __init__(self, target: str):
@@ -271,6 +275,7 @@ class LoRAContext:
         # the composition every layer of the target holds as its active one (kept by the LoRA
         # manager): rows of that composition need no mapping
         self.active: Composition = Composition.EMPTY
+        self.row_strengths = RowStrengths()
 
     @contextlib.contextmanager
     def rows(self, mapping: RowMapping | None) -> Iterator[LoRAContext]:
@@ -284,10 +289,12 @@ class LoRAContext:
             raise TypeError(f"LoRAContext.rows takes a RowMapping or None, got {mapping!r}")
         previous = self.mapping
         self.mapping = mapping
+        self.row_strengths.set(mapping)
         try:
             yield self
         finally:
             self.mapping = previous
+            self.row_strengths.set(previous)
 
     def __repr__(self) -> str:
         return f"LoRAContext({self.target!r}, mapping={self.mapping!r})"

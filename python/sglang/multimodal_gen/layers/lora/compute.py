@@ -17,6 +17,13 @@ on a fused q/k/v or gate/up layer hold each shard's ``B`` at that shard's rows a
 elsewhere, so sections of unequal height compose block-diagonally (Punica / S-LoRA's gathered
 form, one pair of GEMMs for ``K`` adapters).
 
+Per-row delta (:func:`add_lora_delta_rows`, the form a compiled block traces): every slot of the
+layer at once with a coefficient per row and slot, ``coef`` ``[n, S]`` (0 for a slot the row does
+not use), so the graph has fixed shapes whatever the compositions are::
+
+    h    = x @ lora_a.reshape(S*R, in_local)^T                        # [n, ..., S*R]
+    y   += (h * (coef[:, :, None] * col_scale).reshape(n, 1.., S*R)) @ lora_b.reshape(S*R, out_local)
+
 Merge: ``W' = W + sum_i s_i c_i B_i A_i`` accumulated in fp32 and rounded once to the weight dtype,
 computed ``chunk_rows`` output rows at a time so the fp32 workspace is bounded
 (:data:`MERGE_CHUNK_BYTES`) and released when the merge returns (Hu et al. 2021, "LoRA", eq. 3).
@@ -38,7 +45,9 @@ __all__ = [
     "MERGE_CHUNK_BYTES",
     "MergeTerm",
     "add_lora_delta",
+    "add_lora_delta_rows",
     "add_offset_delta",
+    "add_offset_delta_rows",
     "merged_weight",
     "workspace_stats",
 ]
@@ -125,6 +134,57 @@ def add_offset_delta(
     off = coef[None, :] @ lora_offset.index_select(0, slots)  # [1, out_local]
     y.add_(off[0].to(y.dtype))
     return y
+
+
+def _per_row(c: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``c`` ``[n, m]`` viewed to broadcast against ``like`` ``[n, ..., m]`` (``[m]`` for a 1-D
+    ``like``, taking row 0)."""
+    if like.dim() < 2:
+        return c[0]
+    return c.reshape(c.shape[0], *([1] * (like.dim() - 2)), c.shape[1])
+
+
+def add_lora_delta_rows(
+    y: torch.Tensor,
+    x_local: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    col_scale: torch.Tensor,
+    coef: torch.Tensor,
+) -> torch.Tensor:
+    """``y + delta`` where row ``i`` of the input gets ``sum_s coef[i, s] * scale_s B_s A_s x``
+    over every slot ``s`` (out of place: a new tensor).
+
+    Args:
+        y: ``[n, ..., out_local]``, the base GEMM's output.
+        x_local: ``[n, ..., in_local]``, the input the base GEMM saw.
+        lora_a: ``[S, R, in_local]``; lora_b: ``[S, R, out_local]``; col_scale: ``[S, R]``.
+        coef: ``[n, S]`` (or ``[1, S]``: the same for every row) in ``col_scale``'s dtype or
+            float32: the strength of each slot for each row, 0 where the row does not use it.
+
+    Fixed shapes: which adapters and which strengths are values of ``coef``, never shapes; the
+    work is that of all ``S * R`` columns (zero-coefficient columns included). ``h * coef`` is
+    computed in the coefficient dtype and rounded once to the compute dtype, as in
+    :func:`add_lora_delta`.
+    """
+    s, r = lora_a.shape[0], lora_a.shape[1]
+    a = lora_a.reshape(s * r, lora_a.shape[2]).to(x_local.dtype)
+    bt = lora_b.reshape(s * r, lora_b.shape[2]).to(y.dtype)
+    c = (coef[:, :, None] * col_scale).reshape(coef.shape[0], s * r)  # [n, S*R]
+    h = torch.matmul(x_local, a.t())  # [n, ..., S*R]
+    h = (h.to(c.dtype) * _per_row(c, h)).to(y.dtype)
+    return y + torch.matmul(h, bt)
+
+
+def add_offset_delta_rows(
+    y: torch.Tensor, lora_offset: torch.Tensor, offset_scale: torch.Tensor, coef: torch.Tensor
+) -> torch.Tensor:
+    """``y + (coef * offset_scale) @ lora_offset`` per row (out of place): the bias deltas of
+    :func:`add_offset_delta` with a coefficient per row and slot, ``coef`` ``[n, S]``,
+    ``lora_offset`` ``[S, out_local]``, ``offset_scale`` ``[S]``. Only the rank that adds the
+    bias calls it."""
+    off = (coef * offset_scale).to(lora_offset.dtype) @ lora_offset  # [n, out_local]
+    return y + _per_row(off, y).to(y.dtype)
 
 
 # ---------------------------------------------------------------------------- merge

@@ -21,6 +21,22 @@ Adapters are stored in slot tensors (``slots.py``); subclasses (``wrappers.py``)
 full ``A`` and ``B`` are cut to this rank. Merge keeps the pre-merge weight as a snapshot that
 unmerge puts back (never subtracts: bit-exact); the parameter is re-pointed rather than written
 (``swap_storage``). LoRA: Hu et al. 2021, eq. 3.
+
+Under ``torch.compile`` the forward is another, traceable path (:meth:`BaseLayerWithLoRA.
+_forward_traced`) that reads only tensors whose shapes do not depend on the compositions: the
+context's :class:`~sglang.multimodal_gen.layers.lora.row_strengths.RowStrengths` (the mapping, one
+row of slot strengths per input row) and the layer's own plan ``[3, S]`` (which slots hold an
+adapter here, the active strengths, the merged strengths), both rewritten in place outside the
+graph when they change. Every row runs the current weight (merged or not) plus the delta of
+``row strengths - merged strengths`` over all ``S`` slots::
+
+    y = x W^T + bias + delta(coef) + offsets(own)
+    own[i, s] = strength(row i, s) * stored(s),    coef = own - merged(s)
+
+so setting, unsetting or switching adapters, strengths, merges and per-row compositions change
+tensor values only: a compiled block does not recompile. Its rows that do not use the merged
+composition get the merged delta subtracted back (the eager path uses the pre-merge weight
+instead): equal to the eager output to rounding, not bit-exact.
 """
 
 from __future__ import annotations
@@ -36,7 +52,9 @@ from sglang.multimodal_gen.layers.lora.composition import Composition, LoRAConte
 from sglang.multimodal_gen.layers.lora.compute import (
     MergeTerm,
     add_lora_delta,
+    add_lora_delta_rows,
     add_offset_delta,
+    add_offset_delta_rows,
     merged_weight,
 )
 from sglang.multimodal_gen.layers.lora.slots import (
@@ -98,6 +116,7 @@ class BaseLayerWithLoRA(nn.Module):
         self.base_layer = base_layer
         self.prefix = base_layer.prefix
         self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
+        self._lora_plan: torch.Tensor | None = None  # [3, S] for the traced forward
         self.lora_context = lora_context or LoRAContext(self.prefix or type(base_layer).__name__)
         self.slots = LoRASlots(
             base_layer.input_size_per_partition, base_layer.output_size_per_partition
@@ -402,6 +421,7 @@ class BaseLayerWithLoRA(nn.Module):
         self._active_local = self.local_composition(self._active)
         if touched:
             self._refresh()
+        self._update_plan()
 
     def set_active(
         self, composition: CompositionLike, cached: torch.Tensor | None = None
@@ -424,8 +444,11 @@ class BaseLayerWithLoRA(nn.Module):
         self._active = comp
         self._active_local = self.local_composition(comp)
         if self._merged_local is not None and self._active_local == self._merged_local:
+            self._update_plan()
             return None  # the weight holds this layer's part already
-        return self._refresh(cached)
+        out = self._refresh(cached)
+        self._update_plan()
+        return out
 
     def _refresh(self, cached: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.merged:
@@ -545,6 +568,7 @@ class BaseLayerWithLoRA(nn.Module):
         self._merged_local = local
         self._merged_offsets = self._has_offset(local)
         self.merges += 1
+        self._update_plan()
         return merged
 
     def unmerge(self) -> None:
@@ -560,6 +584,7 @@ class BaseLayerWithLoRA(nn.Module):
         self._set_weight(snap)
         self._snapshot = None
         self._merged_local = None
+        self._update_plan()
 
     def commit_as_base(self) -> None:
         """Make the current composition part of the base weight: merge it if needed, drop the
@@ -592,6 +617,7 @@ class BaseLayerWithLoRA(nn.Module):
         self._snapshot = None
         self._merged_local = None
         self._active = self._active_local = Composition.EMPTY
+        self._update_plan()
 
     # ------------------------------------------------------------------ forward
     def _exact_weight(self) -> torch.Tensor:
@@ -632,15 +658,15 @@ class BaseLayerWithLoRA(nn.Module):
 
         Rows use the compositions of ``lora_context.mapping`` (``None``: the active one).
 
-        Under ``torch.compile`` the code that reads the mapping and the compositions (Python
-        values: slots, strengths) runs outside the graph (:meth:`_plan`); the graph sees them
-        as tensors, so another adapter or another strength is another tensor value, not another
-        graph (only the number of adapters in a composition is a shape).
+        Under ``torch.compile`` this is :meth:`_forward_traced` (tensors only: another adapter,
+        strength, merge or mapping is another tensor value, not another graph).
 
         Raises:
             ValueError: the mapping has several compositions and the input's leading dimension
-                is not its row count (the message names the module).
+                is not its row count (the message names the module; eager only).
         """
+        if torch.compiler.is_compiling():
+            return self._forward_traced(x)
         if self.lora_context.mapping is None and self._passthrough:
             return self.base_layer(x)
         plan = self._plan()
@@ -669,9 +695,8 @@ class BaseLayerWithLoRA(nn.Module):
             and not (self._merged_offsets)
         )
 
-    @torch.compiler.disable
     def _plan(self):
-        """What the forward does for the current mapping (outside any compiled graph):
+        """What the eager forward does for the current mapping:
         ``None`` (the base layer alone), :data:`_GROUPS` (several compositions: rows by group),
         or ``(weight, slots, strengths, offsets_only)`` for one composition: the weight the
         base GEMM uses (``None``: the current one) and the composition as tensors (``None``:
@@ -719,7 +744,6 @@ class BaseLayerWithLoRA(nn.Module):
         if s.lora_offset is not None and self.base_layer._bias_on_this_rank():
             add_offset_delta(y, s.lora_offset, s.offset_scale, slots, strengths)
 
-    @torch.compiler.disable
     def _forward_groups(
         self, x: torch.Tensor, mapping: RowMapping
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -765,6 +789,82 @@ class BaseLayerWithLoRA(nn.Module):
                 y[group.span[0] : group.span[1]].copy_(yg)
             else:
                 y.index_copy_(0, group.index(y.device), yg)
+        return base.package_output(base.reduce_output(y))
+
+    # ------------------------------------------------------------------ traced forward
+    def _update_plan(self) -> None:
+        """Rewrite the ``[3, S]`` plan the traced forward reads (outside any graph): row 0 is 1
+        for each slot holding an adapter here, row 1 the active composition's strengths here,
+        row 2 the merged composition's (0 when unmerged); in place unless ``S``, the dtype or the
+        device changed. ``None`` while no adapter is stored. Reserves the context's row
+        strengths for ``S`` slots."""
+        s = self.slots
+        if s.lora_a is None:
+            self._lora_plan = None
+            return
+        self._follow()
+        cap, dtype, device = s.capacity, s.col_scale.dtype, s.col_scale.device
+        plan = self._lora_plan
+        with torch.inference_mode(False), torch.no_grad():
+            host = torch.zeros(3, cap, dtype=dtype)  # a normal tensor: written in place later
+            for slot in s.occupied:
+                host[0, slot] = 1.0
+            for slot, v in self._active_local:
+                host[1, slot] = v
+            for slot, v in self._merged_local or ():
+                host[2, slot] = v
+            if plan is None or (plan.shape, plan.dtype, plan.device) != (
+                host.shape,
+                dtype,
+                device,
+            ):
+                self._lora_plan = host.to(device)
+            else:
+                plan.copy_(host)
+        self.lora_context.row_strengths.reserve(cap, device, dtype)
+
+    def _row_coefficients(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(delta, offset)`` coefficients ``[n, S]``: each input row's strength of each slot
+        stored here, minus the merged strength for the delta (the weight holds that part), as
+        is for the offsets (never merged). ``n`` = ``rows`` when the context's row strengths
+        hold that many rows, else 1 (a uniform mapping's row, for an input whose leading
+        dimension is not the batch). Traced: reads tensors only; the branches depend on shapes
+        alone."""
+        present, active, merged = self._lora_plan.unbind(0)
+        rs = self.lora_context.row_strengths
+        if rs.strengths is None:
+            own = (active * present)[None]
+            return own - merged, own
+        table = rs.strengths
+        width = present.shape[0]
+        if table.shape[1] >= width:
+            table = table[:, :width]
+        else:
+            table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
+        table = table[:rows] if rows <= table.shape[0] else table[:1]
+        own = torch.where(rs.use_rows > 0, table.to(active.dtype), active[None]) * present
+        return own - merged, own
+
+    def _forward_traced(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward a compiled graph traces: the base GEMM with the current weight (merged or
+        not) plus, when an adapter is stored here, the per-row delta of
+        :meth:`_row_coefficients` over every slot (:func:`compute.add_lora_delta_rows`; offsets
+        on the rank that adds the bias), then the base layer's collective.
+
+        Reads no Python value that changes with adapters, strengths, merges or mappings: only
+        tensors of fixed shapes. The row mapping's leading-dimension check of the eager forward
+        is not repeated (a mixed mapping's rows are the input's leading dimension, as eager
+        requires)."""
+        base = self.base_layer
+        x_local = base.parallel_input(x)
+        y = base.apply_gemm(x_local, base.gemm_bias())
+        s = self.slots
+        if self._lora_plan is not None and s.lora_a is not None:
+            rows = x_local.shape[0] if x_local.dim() >= 2 else 1
+            coef, offset_coef = self._row_coefficients(rows)
+            y = add_lora_delta_rows(y, x_local, s.lora_a, s.lora_b, s.col_scale, coef)
+            if s.lora_offset is not None and base._bias_on_this_rank():
+                y = add_offset_delta_rows(y, s.lora_offset, s.offset_scale, offset_coef)
         return base.package_output(base.reduce_output(y))
 
     def _delta_on_rows(
