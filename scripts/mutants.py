@@ -2085,7 +2085,7 @@ MUTANTS: list[Mutant] = [
         "continuous-lone-request-that-shares-no-loop",
         "entrypoints/scheduler.py",
         "and _shares_loops(live[0])",
-        "and True",
+        "and live[0] is not None",
         ("test/unit/entrypoints/test_scheduler.py",),
         why="an LTX-2 two-stage request runs in a loop its pipeline refuses (it fails)",
     ),

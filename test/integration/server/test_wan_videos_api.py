@@ -151,7 +151,7 @@ def test_image_endpoint_on_video_model_and_content_before_done(served):
 
 
 def test_video_requests_batched_by_the_scheduler_get_their_own_videos(served):
-    """Two video requests that share a batch (``engine.generate_batch``) each get their own
+    """Two video requests that share a batch (``engine.generate_continuous``) each get their own
     ``Video``, as alone; the image route never reaches the scheduler on a video model (it is
     refused in its handler: ``test_image_endpoint_on_video_model_and_content_before_done``)."""
     _, engine = served
@@ -189,6 +189,10 @@ class _CountingBatches:
     def generate_batch(self, reqs, progress=None):
         self.batches.append(len(reqs))
         return self.engine.generate_batch(reqs, progress)
+
+    def generate_continuous(self, reqs, admit, on_done, progress=None):
+        self.batches.append(len(reqs))  # the requests it starts with (none join here)
+        return self.engine.generate_continuous(reqs, admit, on_done, progress)
 
 
 def test_video_routes_on_an_image_model():

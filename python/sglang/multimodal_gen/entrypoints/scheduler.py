@@ -532,8 +532,8 @@ class Scheduler:
                 if (
                     gens
                     and len(gens) == len(live)
-                    and _shares_loops(live[0])
                     and self._continuous()
+                    and _shares_loops(live[0])
                 ):
                     self._run_continuous(live)
                 elif len(live) > 1:
@@ -553,7 +553,7 @@ class Scheduler:
         at its step boundaries (:meth:`_admit`); each future resolves when its request
         finished."""
         key = _join_key(tasks[0])
-        session: list[_Task] = list(tasks)  # the engine's request index -> task
+        session: list[_Task | None] = list(tasks)  # the engine's request index -> task
         begun: list[float] = [time.perf_counter()] * len(tasks)
         for t in tasks:
             t.started(begun[0])
@@ -569,6 +569,8 @@ class Scheduler:
 
         def on_done(index: int, result: Any) -> None:
             t, end = session[index], time.perf_counter()
+            session[index] = None  # the loop may outlive many requests: keep none of its own
+            self.health.generation_left(t.future)
             t.ended(end)
             run_s = end - begun[index]
             self.health.generation_finished(run_s)
@@ -583,7 +585,7 @@ class Scheduler:
             self.engine.generate_continuous([t.args[0] for t in tasks], admit, on_done)
         except BaseException as e:
             for t in session:
-                if not t.future.done():
+                if t is not None and not t.future.done():
                     t.ended(time.perf_counter())
                     t.future.set_exception(e)
             try:
@@ -594,7 +596,7 @@ class Scheduler:
                 self._mark_dead(getattr(e, "message", None) or type(e).__name__)
             return
         for t in session:  # an engine that skipped one: its caller must not wait forever
-            if not t.future.done():
+            if t is not None and not t.future.done():
                 t.future.set_exception(RuntimeError("the engine returned no result"))
 
     def _admit(self, key: tuple, running: int) -> list[_Task]:

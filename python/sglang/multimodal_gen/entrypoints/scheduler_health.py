@@ -85,6 +85,10 @@ class HealthMonitor:
             self._running_gens[id(f)] = (steps, rows)
         self._progress_at = self._clock()
 
+    def generation_left(self, generation: Future) -> None:
+        """A generation of the running denoising loop was answered while the loop goes on."""
+        self._running_gens.pop(id(generation), None)
+
     def task_finished(self) -> None:
         """The running task finished (with a result or an error)."""
         self._running_gens = {}

@@ -429,10 +429,12 @@ class ModelRunner:
                 once); the waiting requests then run in the next batch.
             on_done: ``on_done(index, (ok, payload))`` as soon as request ``index`` (of ``reqs``
                 and then of the admitted ones) has finished, from its request thread, while the
-                others go on.
+                others go on. The loop then keeps nothing of the request (a loop that others keep
+                joining may run for as long as the server does).
 
         Returns one ``(True, outputs)`` or ``(False, packed error)`` per request, in order (the
-        admitted ones after ``reqs``): one request's failure does not fail the others.
+        admitted ones after ``reqs``; with ``on_done``, ``(ok, None)``): one request's failure
+        does not fail the others.
         """
         from sglang.multimodal_gen.pipelines.batching import StepBatcher
 
@@ -444,6 +446,7 @@ class ModelRunner:
         def finish(i: int, result: tuple) -> None:
             out[i] = result
             if on_done is not None:
+                out[i], reqs[i], selections[i] = (result[0], None), None, None
                 on_done(i, result)
 
         for i, s in enumerate(out):
