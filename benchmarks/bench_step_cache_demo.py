@@ -17,8 +17,9 @@ the prompt's index, the model's own 64x64, ``--steps`` steps):
   ratio to the uncached median.
 
 Targets (the ``meets`` column): PSNR >= 30 dB on every prompt (P), every scene score within 5
-points of the uncached one (S), wall time <= 0.75x uncached (T). A setting the model refuses
-(DBCache's preset Fn 8 on the demo model's 3 blocks) gets a row saying so.
+points of the uncached one (S), wall time <= 0.75x uncached (T). The method presets are those of
+every implemented method (``IMPLEMENTED_CACHE_METHODS``); a setting the engine refuses (its
+request fails, e.g. a method that needs a calibration the model lacks) gets a row saying so.
 
 ``--cli-repeats N`` also times whole ``sglang generate`` runs (a process each, the first prompt)
 for ``none`` and the method presets, interleaved, median of N.
@@ -38,27 +39,28 @@ import tempfile
 import time
 
 import numpy as np
+from sglang.multimodal_gen.layers.step_cache import IMPLEMENTED_CACHE_METHODS
 from sglang.multimodal_gen.models import demo_scenes as ds
 from sglang.multimodal_gen.runtime import DiffusionEngine
 
-# (method, knobs): the presets first, then knob settings tried when a preset misses a target
-SETTINGS: list[tuple[str, dict]] = [
-    ("none", {}),
-    ("fbcache", {}),
-    ("dbcache", {}),
-    ("taylorseer", {}),
-    ("fbcache", dict(threshold=0.2)),
-    ("fbcache", dict(threshold=0.3)),
-    ("dbcache", dict(fn=1, bn=1, warmup=2)),
-    ("dbcache", dict(threshold=0.2, fn=1, bn=0, warmup=4)),
-    ("dbcache", dict(threshold=0.3, fn=1, bn=0, warmup=4)),
-    ("taylorseer", dict(interval=3)),
+# (method, knobs): every implemented method's preset first, then the reference libraries'
+# defaults (diffusers' FirstBlockCacheConfig and TaylorSeerCacheConfig, cache-dit's DBCache
+# with its Fn scaled to the model) and a few knob settings around the presets
+SETTINGS: list[tuple[str, dict]] = [("none", {})] + [
+    (m, {}) for m in IMPLEMENTED_CACHE_METHODS if m != "none"
+]
+SETTINGS += [
+    ("fbcache", dict(threshold=0.05, max_continuous_cached_steps=-1)),  # diffusers' default
+    ("dbcache", dict(threshold=0.08, warmup=8, max_continuous_cached_steps=-1)),  # cache-dit's
+    ("taylorseer", dict(warmup=3, interval=5, order=1)),  # diffusers' default
+    ("fbcache", dict(threshold=0.3, max_continuous_cached_steps=-1)),  # the preset, no limit
     ("taylorseer", dict(order=0)),
-    ("taylorseer", dict(fn=1)),
 ]
 FIELDS = ("color", "shape", "position")
 FLAG = dict(threshold="--cache-threshold", fn="--cache-fn", bn="--cache-bn",
-            warmup="--cache-warmup", interval="--cache-interval", order="--cache-order")  # fmt: skip
+            warmup="--cache-warmup", interval="--cache-interval", order="--cache-order",
+            max_cached_steps="--cache-max-cached-steps",
+            max_continuous_cached_steps="--cache-max-continuous-cached-steps")  # fmt: skip
 
 
 def psnr(a, b) -> float:
@@ -132,8 +134,8 @@ def main() -> None:
                     continue
                 try:
                     dt, imgs, inf = run_setting(engine, scenes, args.steps, *names[i])
-                except Exception as e:  # noqa: BLE001 - a setting the model refuses
-                    refused[i] = str(e).split(";")[0]
+                except Exception as e:  # noqa: BLE001 - a setting the engine refuses
+                    refused[i] = f"{type(e).__name__}: {str(e).split(';')[0]}"
                     continue
                 times[i].append(dt)
                 if i not in images:
@@ -152,7 +154,7 @@ def main() -> None:
         if method == "none":
             knob = ""
         if i in refused:
-            print(f"| `{method}` | {knob} | refused: {refused[i]} |||||||||")
+            print(f"| `{method}` | {knob} | not run: {refused[i]} |||||||||")
             continue
         cs, frac = counts(infos[i], args.steps)
         p = [psnr(a, b) for a, b in zip(images[i], images[0])]

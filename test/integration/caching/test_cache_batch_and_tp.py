@@ -88,7 +88,7 @@ def test_enable_refuses_what_cannot_be_cached(alone):
 
     pipe, _ = alone
     with pytest.raises(ValueError, match="--cache-fn 8 \\+ --cache-bn 0 leave none of the 4"):
-        pipe.enable_step_cache(StepCacheConfig.of("dbcache"))  # cache-dit's F8B0
+        pipe.enable_step_cache(StepCacheConfig.of("dbcache", fn=8))  # cache-dit's F8B0
     assert pipe.step_cache == CACHE  # unchanged
     other = SimpleNamespace(
         denoisers={"transformer": torch.nn.Linear(2, 2)}, family=SimpleNamespace(display_name="Wan")

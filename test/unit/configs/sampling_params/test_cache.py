@@ -41,7 +41,7 @@ def _resolve(spec=SPEC, **fields):
     [
         ("fbcache", StepCacheConfig.of("fbcache")),
         ({"method": "dbcache"}, StepCacheConfig.of("dbcache")),
-        # 0.05 is the class default and fbcache's, not dbcache's 0.08: still this request's
+        # 0.05 is the class default, not dbcache's 0.3: still this request's
         ({"method": "dbcache", "threshold": 0.05, "fn": 2}, StepCacheConfig.of("dbcache", 0.05, 2)),
         (
             StepCacheConfig.of("dbcache", 0.05, 3, 1, 0),

@@ -23,11 +23,11 @@ def test_serve_flags_set_the_configuration(tmp_path):
     model = ["--model-path", str(tmp_path), "--model-type", "diffusion"]
     assert _parse(model).step_cache is None  # default: off
     a = _parse([*model, "--cache-method", "fbcache", "--cache-threshold", "0.12"])
-    assert a.step_cache == StepCacheConfig("fbcache", 0.12, 1, 0, 0)
+    assert a.step_cache == StepCacheConfig("fbcache", 0.12, 1, 0, 0, max_continuous_cached_steps=4)
     assert job_kwargs(a)["step_cache"] == a.step_cache  # what the engine and followers get
     b = _parse([*model, "--cache-method", "dbcache", "--cache-fn", "4", "--cache-bn", "2",
                 "--cache-warmup", "3"])  # fmt: skip
-    assert b.step_cache == StepCacheConfig("dbcache", 0.08, 4, 2, 3)
+    assert b.step_cache == StepCacheConfig("dbcache", 0.3, 4, 2, 3, max_continuous_cached_steps=4)
     c = _parse([*model, "--cache-method", "taylorseer", "--cache-interval", "4", "--cache-order",
                 "2", "--cache-stop", "20", "--cache-taylor-target", "output"])  # fmt: skip
     assert c.step_cache == StepCacheConfig.of(

@@ -9,11 +9,14 @@ from sglang.multimodal_gen.layers.step_cache import CacheRow, RequestCache, Step
 
 
 def test_presets():
-    assert StepCacheConfig.of("fbcache") == StepCacheConfig("fbcache", 0.05, 1, 0, 0)
-    assert StepCacheConfig.of("dbcache") == StepCacheConfig("dbcache", 0.08, None, 0, 8)
-    ts = StepCacheConfig.of("taylorseer")  # diffusers' TaylorSeerCacheConfig defaults
+    # the module docstring says why they depart from diffusers' / cache-dit's defaults
+    fb = StepCacheConfig("fbcache", 0.3, 1, 0, 0, max_continuous_cached_steps=4)
+    assert StepCacheConfig.of("fbcache") == fb
+    db = StepCacheConfig("dbcache", 0.3, None, 0, 2, max_continuous_cached_steps=4)
+    assert StepCacheConfig.of("dbcache") == db
+    ts = StepCacheConfig.of("taylorseer")
     assert (ts.fn, ts.bn, ts.warmup, ts.interval, ts.order, ts.stop, ts.target) == (
-        0, 0, 3, 5, 1, None, "residual"
+        0, 0, 3, 3, 1, None, "residual"
     )  # fmt: skip
     assert StepCacheConfig.of("taylorseer", order=2, interval=3, stop=20, bn=1).order == 2
     assert not StepCacheConfig.of("none").enabled
