@@ -140,6 +140,10 @@ def main() -> None:
                 times[i].append(dt)
                 if i not in images:
                     images[i], infos[i] = imgs, inf
+                    if 0 in images:  # progress (stderr): this setting's change, as it lands
+                        p = [psnr(a, b) for a, b in zip(imgs, images[0])]
+                        print(f"{names[i]}: {counts(inf, args.steps)}, PSNR min {min(p):.1f}, "
+                              f"{dt:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
                 else:  # every pass draws the same pixels: quality from any pass
                     assert all(psnr(a, b) == float("inf") for a, b in zip(imgs, images[i]))
     base_t = statistics.median(times[0])
