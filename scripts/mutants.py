@@ -2253,6 +2253,33 @@ MUTANTS: list[Mutant] = [
         ("-k", "modulated_input_is_block0"),
         why="Flux compares the raw image stream, not block 0's modulated norm (TeaCache4FLUX)",
     ),
+    _m(
+        "step-cache-sp-shards-not-summed",
+        "layers/step_cache/base.py",
+        "        _all_reduce(stats, get_sp_group())\n",
+        "        pass\n",
+        ("test/unit/layers/step_cache/test_base.py",),
+        ("-k", "sequence_parallel"),
+        why="under sequence parallelism each rank decides on its own shard's statistic",
+    ),
+    _m(
+        "teacache-shards-not-summed",
+        "layers/step_cache/teacache.py",
+        "        sum_over_shards(stats, rows)\n",
+        "",
+        ("test/unit/layers/step_cache/test_base.py",),
+        ("-k", "sequence_parallel"),
+        why="TeaCache's change is measured on each sequence-parallel shard alone",
+    ),
+    _m(
+        "dbcache-shards-not-summed",
+        "layers/step_cache/dbcache.py",
+        "        sum_over_shards(stats, rows)\n",
+        "",
+        ("test/unit/layers/step_cache/test_base.py",),
+        ("-k", "sequence_parallel"),
+        why="FBCache's / DBCache's head-residual change is measured on each shard alone",
+    ),
 ]
 
 
