@@ -8,6 +8,13 @@ never compute together. The server's time is the client's: HTTP, queueing, promp
 denoising, decoding, PNG encoding and base64, as a user sees it. Reported: medians and minima,
 their ratio, and the PSNR between the two images (the same weights, prompt and seed).
 
+Where the server's time goes: the server's request log (one ``key=value`` line per request at
+``info``: ``total_s`` from the first byte in to the last byte out, ``queued_s`` in the scheduler's
+queue, ``compute_s`` in the engine) splits each timed request into the engine, the queue, the
+rest of the server (body parsing, thread hand-offs, PNG encoding, base64, the JSON answer) and the
+client side (connection, transfer, the client's JSON parse); medians are printed under the table.
+Inside the engine, ``bench_e2e.py`` times the DiT per step on the same config.
+
 Usage:
     python benchmarks/bench_server_latency.py [--repeats 7] [--steps 8] [--size 256]
         [--serve-args "--float32-matmul-precision medium"]
@@ -19,6 +26,7 @@ import argparse
 import base64
 import io
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -51,8 +59,10 @@ def main(argv=None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = ["sglang", "serve", "--model-path", tmp, "--port", str(port), "--device", "cpu"]
+    log_path = os.path.join(tmp, "server.log")
+    log = open(log_path, "w")
     proc = subprocess.Popen(
-        cmd + shlex.split(args.serve_args), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        cmd + shlex.split(args.serve_args), stdout=log, stderr=subprocess.STDOUT
     )
     prompt, seed = "a benchmark prompt", 0
     kw = dict(height=args.size, width=args.size, num_inference_steps=args.steps)
@@ -61,9 +71,12 @@ def main(argv=None) -> int:
         guidance_scale=0.0, seed=seed, response_format="b64_json",
     )  # fmt: skip
 
+    request_ids: list[str] = []
+
     def server() -> np.ndarray:
         r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=600)
         r.raise_for_status()
+        request_ids.append(r.headers.get("x-request-id", ""))
         png = base64.b64decode(r.json()["data"][0]["b64_json"])
         return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
@@ -89,6 +102,8 @@ def main(argv=None) -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        log.close()
+    timed_ids = request_ids[1:]  # the first was the warm-up
 
     a, b = images["server"].astype(np.float64), images["diffusers"].astype(np.float64)
     mse = float(np.mean((a - b) ** 2))
@@ -104,7 +119,38 @@ def main(argv=None) -> int:
     for label, agg in (("median (s)", statistics.median), ("min (s)", min)):
         s, d = agg(times["server"]), agg(times["diffusers"])
         print(f"| {label} | {s:.3f} | {d:.3f} | {s / d:.3f} |")
+    split = server_split(open(log_path).read(), timed_ids, times["server"])
+    if split:
+        print(
+            "\nserver time, medians (ms): "
+            + ", ".join(f"{k} {v * 1000:.1f}" for k, v in split.items())
+        )
     return 0
+
+
+def server_split(log_text: str, request_ids: list[str], client_s: list[float]) -> dict:
+    """Median seconds per part of a served request: ``engine`` (``compute_s`` of the request
+    log), ``queue`` (``queued_s``), ``server other`` (``total_s`` minus both: parsing, hand-offs,
+    PNG, base64, JSON), ``client side`` (the client's time minus ``total_s``). ``request_ids``
+    (the ``X-Request-Id`` answers) and ``client_s`` are in the same order; ``{}`` when the log
+    has none of the lines (e.g. ``--log-level warning``)."""
+    fields = {}
+    for line in log_text.splitlines():
+        m = re.search(r"request_id=(\S+) .*total_s=(\S+)", line)
+        if m and "compute_s=" in line:
+            kv = dict(re.findall(r"(\w+)=(\S+)", line))
+            fields[m.group(1)] = {k: float(kv[k]) for k in ("total_s", "queued_s", "compute_s")}
+    rows = [(fields[i], c) for i, c in zip(request_ids, client_s) if i in fields]
+    if not rows:
+        return {}
+    med = statistics.median
+    return {
+        "client": med(c for _, c in rows),
+        "engine": med(f["compute_s"] for f, _ in rows),
+        "queue": med(f["queued_s"] for f, _ in rows),
+        "server other": med(f["total_s"] - f["queued_s"] - f["compute_s"] for f, _ in rows),
+        "client side": med(c - f["total_s"] for f, c in rows),
+    }
 
 
 if __name__ == "__main__":

@@ -17,6 +17,22 @@ Usage::
 
 With ``--launch`` and no ``--lora-path``, a random LoRA for the tiny model is written to a
 temporary directory (served with ``--lora-dir``) so the mix includes per-request adapters.
+
+**Against a plain diffusers server** (``--diffusers``, with ``--launch``): the same model directory
+is also served by ``benchmarks/diffusers_server.py`` (diffusers' pipeline behind a FastAPI route
+under a lock, uvicorn on 127.0.0.1), and every level runs on both servers in the same run,
+alternating which goes first, base requests only (the baseline has no per-request LoRA) with the
+guidance written into every request (the model's default unless ``--guidance-scale``)::
+
+    python benchmarks/bench_serving.py --launch --diffusers --no-direct --size 64x64 --steps 4 \
+        --num-requests 64 --arrival closed poisson --rate 8 --rounds 3 --markdown
+
+``--arrival closed``: each of N clients sends its next request when the last one returns.
+``--arrival poisson --rate R``: requests arrive at exponential gaps of mean 1/R s (seeded by
+``--arrival-seed``, the same schedule for both servers) whatever the answers, at most N in flight
+(N = the concurrency level; one that finds all N busy waits in the client, and that wait counts in
+its latency, which is measured from its scheduled arrival). ``--markdown`` prints the comparison
+as a table ready for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -43,8 +60,34 @@ def percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
-def build_requests(n: int, size: str, steps: int, lora_name: str | None, lora_fraction: float):
-    """The fixed request mix: prompt/seed vary; every k-th request names the adapter."""
+def poisson_schedule(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival times (seconds from the start, increasing, the first > 0) of ``n`` requests of a
+    Poisson process of ``rate`` requests per second: cumulative sums of exponential gaps of mean
+    ``1 / rate``, drawn from ``random.Random(seed)`` (the same schedule for the same seed).
+
+    Raises:
+        ValueError: ``rate`` is not positive.
+    """
+    if not rate > 0:
+        raise ValueError(f"--rate must be > 0 requests/s, got {rate}")
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def build_requests(
+    n: int,
+    size: str,
+    steps: int,
+    lora_name: str | None,
+    lora_fraction: float,
+    guidance_scale: float | None = None,
+):
+    """The fixed request mix: prompt/seed vary; every k-th request names the adapter; with
+    ``guidance_scale``, every request carries it (else the server's default applies)."""
     every = int(round(1 / lora_fraction)) if lora_name and lora_fraction > 0 else 0
     out = []
     for i in range(n):
@@ -55,6 +98,8 @@ def build_requests(n: int, size: str, steps: int, lora_name: str | None, lora_fr
             "num_inference_steps": steps,
             "response_format": "b64_json",
         }
+        if guidance_scale is not None:
+            body["guidance_scale"] = guidance_scale
         if every and i % every == every - 1:
             body["lora"] = {"name": lora_name, "scale": 0.8}
         out.append(body)
@@ -80,17 +125,31 @@ def scrape_engine_time(base_url: str, headers: dict) -> tuple[float, float, floa
     )
 
 
-async def run_level(base_url: str, requests: list[dict], concurrency: int, headers: dict) -> dict:
-    """Send ``requests`` with ``concurrency`` workers; return the measured numbers.
+async def run_level(
+    base_url: str,
+    requests: list[dict],
+    concurrency: int,
+    headers: dict,
+    arrivals: list[float] | None = None,
+    metrics: bool = True,
+) -> dict:
+    """Send ``requests`` with ``concurrency`` workers (closed loop), or, with ``arrivals``
+    (seconds from the start, one per request, see :func:`poisson_schedule`), each at its time
+    with at most ``concurrency`` in flight (open loop; latency counted from the arrival time);
+    return the measured numbers.
 
     ``overhead_ms`` is the mean client latency minus the mean time the server reports for the
     same requests inside the engine and in its queue (``/metrics``): the cost of the HTTP path
     (parsing, scheduling hand-off, PNG encoding, base64, transfer, client decode), measured at
     the same moment as the latency itself, so other load on the machine affects both alike.
+    With ``metrics=False`` (a server without ``/metrics``) it is NaN.
     """
     import httpx
 
-    gen0, wait0, n0 = await asyncio.to_thread(scrape_engine_time, base_url, headers)
+    if arrivals is not None:
+        return await _run_open_loop(base_url, requests, concurrency, headers, arrivals)
+    if metrics:
+        gen0, wait0, n0 = await asyncio.to_thread(scrape_engine_time, base_url, headers)
 
     queue: asyncio.Queue = asyncio.Queue()
     for r in requests:
@@ -131,17 +190,63 @@ async def run_level(base_url: str, requests: list[dict], concurrency: int, heade
         "base_p50_s": percentile(base_lat, 50) if base_lat else float("nan"),
         "lora_p50_s": percentile(lora_lat, 50) if lora_lat else float("nan"),
         "wall_s": wall,
-        **_overhead(
-            latencies,
-            (gen0, wait0, n0),
-            await asyncio.to_thread(scrape_engine_time, base_url, headers),
+        **(
+            _overhead(
+                latencies,
+                (gen0, wait0, n0),
+                await asyncio.to_thread(scrape_engine_time, base_url, headers),
+            )
+            if metrics
+            else _overhead([], (), ())
         ),
     }
 
 
+async def _run_open_loop(
+    base_url: str, requests: list[dict], concurrency: int, headers: dict, arrivals: list[float]
+) -> dict:
+    """:func:`run_level` for scheduled arrivals: request ``i`` leaves at ``arrivals[i]`` s after
+    the start, or when one of the ``concurrency`` slots frees up if all are busy then."""
+    import httpx
+
+    latencies: list[float] = []
+    errors: dict[int, int] = {}
+    slots = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
+        t_start = time.perf_counter()
+
+        async def one(body: dict, at: float) -> None:
+            await asyncio.sleep(max(0.0, t_start + at - time.perf_counter()))
+            async with slots:
+                resp = await client.post(f"{base_url}/v1/images/generations", json=body)
+            if resp.status_code == 200:
+                latencies.append(time.perf_counter() - (t_start + at))
+            else:
+                errors[resp.status_code] = errors.get(resp.status_code, 0) + 1
+
+        await asyncio.gather(*(one(b, a) for b, a in zip(requests, arrivals)))
+        wall = time.perf_counter() - t_start
+    nan = float("nan")
+    return {
+        "concurrency": concurrency,
+        "requests": len(requests),
+        "ok": len(latencies),
+        "errors": errors,
+        "images_per_s": len(latencies) / wall,
+        "p50_s": percentile(latencies, 50) if latencies else nan,
+        "p99_s": percentile(latencies, 99) if latencies else nan,
+        "base_p50_s": nan,
+        "lora_p50_s": nan,
+        "wall_s": wall,
+        "engine_mean_s": nan,
+        "overhead_ms": nan,
+    }
+
+
 def _overhead(latencies: list[float], before: tuple, after: tuple) -> dict:
-    count = after[2] - before[2]
-    if not latencies or count <= 0:
+    count = after[2] - before[2] if latencies else 0
+    if count <= 0:
         return {"engine_mean_s": float("nan"), "overhead_ms": float("nan")}
     engine_mean = (after[0] - before[0]) / count
     wait_mean = (after[1] - before[1]) / count
@@ -262,6 +367,51 @@ def _lora_runtime_available() -> bool:
     return True
 
 
+def model_guidance(model_path: str) -> float | None:
+    """The guidance scale ``sglang serve`` uses by default for the model at ``model_path``
+    (``_sglang_defaults.guidance_scale`` in its ``transformer/config.json``), or ``None``."""
+    try:
+        with open(os.path.join(model_path, "transformer", "config.json")) as f:
+            return json.load(f).get("_sglang_defaults", {}).get("guidance_scale")
+    except OSError:
+        return None
+
+
+def launch_diffusers(model_path: str, device: str | None) -> tuple[subprocess.Popen, str]:
+    """Start ``diffusers_server.py`` (next to this file) on a free 127.0.0.1 port; return the
+    process and its URL once ``/health`` answers."""
+    port = free_port()
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, os.path.join(here, "diffusers_server.py"), "--model-path", model_path]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", device or "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return proc, url
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """One row from the rounds of one (server, arrival, clients) cell: the median of each
+    number, errors summed."""
+    row = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            row[key] = statistics.median(r[key] for r in runs)
+    row["errors"] = sum(sum(r["errors"].values()) for r in runs)
+    row["rounds"] = len(runs)
+    return row
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -275,33 +425,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=32, help="requests per level")
     p.add_argument("--size", default="64x64")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--guidance-scale", type=float, default=None,
+                   help="sent with every request (default: the server's; with --diffusers the "
+                        "model's sglang default, so both servers run the same)")  # fmt: skip
     p.add_argument("--lora-path", default=None, help="adapter for the per-request LoRA mix")
     p.add_argument("--lora-fraction", type=float, default=0.5)
     p.add_argument("--no-direct", action="store_true", help="skip the direct-engine baseline")
+    p.add_argument("--diffusers", action="store_true",
+                   help="--launch: also serve the model with diffusers_server.py and measure it "
+                        "in the same run (base requests only)")  # fmt: skip
+    p.add_argument("--arrival", nargs="+", choices=["closed", "poisson"], default=["closed"])
+    p.add_argument("--rate", type=float, default=None, help="poisson: requests per second")
+    p.add_argument("--arrival-seed", type=int, default=0, help="poisson: the schedule's seed")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every cell; report medians")
+    p.add_argument("--markdown", action="store_true", help="print only the docs-ready table")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument(
         "--max-batch-size", type=int, default=None, help="--launch: the server's batch bound"
     )
     p.add_argument("--batch-wait-ms", type=float, default=None, help="--launch: batch window")
+    p.add_argument("--serve-args", default="", help="--launch: extra `sglang serve` flags")
     args = p.parse_args(argv)
     if not args.base_url and not args.launch:
         p.error("give --base-url or --launch")
+    if args.diffusers and not args.launch:
+        p.error("--diffusers needs --launch (both servers must load the same directory)")
+    if "poisson" in args.arrival and not (args.rate and args.rate > 0):
+        p.error("--arrival poisson needs --rate R (requests per second, > 0)")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+
+    import shlex
 
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     tmp = tempfile.mkdtemp(prefix="bench-serving-")
-    proc = None
+    procs: list[subprocess.Popen] = []
     model_path = args.model_path
     if model_path is None:
         from sglang.multimodal_gen.models.default_model import default_model_path
 
         model_path = default_model_path()
     lora_path = args.lora_path
-    use_lora = _lora_runtime_available() or args.base_url is not None
+    use_lora = (_lora_runtime_available() or args.base_url is not None) and not args.diffusers
     if lora_path is None and args.launch and use_lora:
         lora_path = _write_tiny_lora(model_path, tmp)
+    if args.diffusers:
+        lora_path = None  # the diffusers baseline serves the base model only
     lora_dir = os.path.dirname(os.path.abspath(lora_path)) if lora_path else None
+    guidance = args.guidance_scale
+    if guidance is None and args.diffusers:
+        guidance = model_guidance(model_path)
+    say = (lambda *a, **k: None) if args.markdown else print
     try:
         base_url = args.base_url
         if args.launch:
@@ -319,9 +495,15 @@ def main(argv: list[str] | None = None) -> int:
                 cmd += ["--max-batch-size", str(args.max_batch_size)]
             if args.batch_wait_ms is not None:
                 cmd += ["--batch-wait-ms", str(args.batch_wait_ms)]
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            cmd += shlex.split(args.serve_args)
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
             base_url = f"http://127.0.0.1:{port}"
-            wait_healthy(base_url, proc)
+            wait_healthy(base_url, procs[-1])
+        servers = {"sglang": (base_url, headers, True)}
+        if args.diffusers:
+            proc, url = launch_diffusers(model_path, args.device)
+            procs.append(proc)
+            servers["diffusers"] = (url, {}, False)
         lora_name = None
         if lora_path:
             lora_name = "bench"
@@ -330,23 +512,41 @@ def main(argv: list[str] | None = None) -> int:
                 json={"lora_nickname": lora_name, "lora_path": lora_path},
             )  # fmt: skip
             if r.status_code != 200:
-                print(f"set_lora failed ({r.status_code}): {r.text}; benchmarking without LoRA")
+                say(f"set_lora failed ({r.status_code}): {r.text}; benchmarking without LoRA")
                 lora_name = None
             else:
                 httpx.post(f"{base_url}/v1/unset_lora", headers=headers, timeout=300)
         requests = build_requests(
-            args.num_requests, args.size, args.steps, lora_name, args.lora_fraction
+            args.num_requests, args.size, args.steps, lora_name, args.lora_fraction, guidance
         )
-        # warm-up (one of each kind)
-        asyncio.run(run_level(base_url, requests[: 2 if lora_name else 1], 1, headers))
-        results = [asyncio.run(run_level(base_url, requests, c, headers)) for c in args.concurrency]
+        schedule = None
+        if "poisson" in args.arrival:
+            schedule = poisson_schedule(len(requests), args.rate, args.arrival_seed)
+        for url, hdrs, metrics in servers.values():  # warm-up (one of each kind)
+            asyncio.run(run_level(url, requests[: 2 if lora_name else 1], 1, hdrs, None, metrics))
+        cells: dict[tuple[str, str, int], list[dict]] = {}
+        turn = 0
+        for _ in range(args.rounds):
+            for arrival in args.arrival:
+                for c in args.concurrency:
+                    names = list(servers)
+                    if turn % 2:  # alternate which server goes first
+                        names.reverse()
+                    turn += 1
+                    for name in names:
+                        url, hdrs, metrics = servers[name]
+                        arr = schedule if arrival == "poisson" else None
+                        r = asyncio.run(run_level(url, requests, c, hdrs, arr, metrics))
+                        print(
+                            f"  {name} {arrival} {c} clients: {r['images_per_s']:.2f} images/s, "
+                            f"p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s",
+                            file=sys.stderr, flush=True,
+                        )  # fmt: skip
+                        cells.setdefault((name, arrival, c), []).append(r)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for proc in procs:
+            _stop(proc)
+    rows = {key: _median_row(runs) for key, runs in cells.items()}
     direct = None
     if not args.no_direct:
         direct = run_direct(
@@ -354,33 +554,71 @@ def main(argv: list[str] | None = None) -> int:
         )
     shutil.rmtree(tmp, ignore_errors=True)
 
-    mix = f"{args.lora_fraction:.0%} per-request LoRA" if lora_name else "no LoRA (runtime absent)"
-    print(f"\nmodel {os.path.basename(model_path)}, {args.size}, {args.steps} steps, "
-          f"{args.num_requests} requests per level, mix: {mix}\n")  # fmt: skip
-    print(
-        "| path | clients | images/s | p50 (s) | p99 (s) | base p50 (s) | LoRA p50 (s) "
-        "| engine mean (s) | HTTP overhead (ms) | errors |"
+    mix = f"{args.lora_fraction:.0%} per-request LoRA" if lora_name else "base requests only"
+    rate = f", Poisson rate {args.rate}/s seed {args.arrival_seed}" if schedule else ""
+    caption = (
+        f"model {os.path.basename(os.path.normpath(model_path))}, {args.size}, {args.steps} steps, "
+        f"guidance {guidance if guidance is not None else 'server default'}, "
+        f"{args.num_requests} requests per level, {mix}{rate}, "
+        f"median of {args.rounds} round(s)"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
+    if args.markdown and args.diffusers:
+        print(caption + "\n")
+        print(_comparison_table(rows, args.arrival, args.concurrency))
+        return _write_json(args.json, rows, direct)
+    print(f"\n{caption}\n")
+    print(
+        "| server | arrival | clients | images/s | p50 (s) | p99 (s) | base p50 (s) "
+        "| LoRA p50 (s) | engine mean (s) | HTTP overhead (ms) | errors |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (name, arrival, c), r in rows.items():
         print(
-            f"| HTTP | {r['concurrency']} | {r['images_per_s']:.2f} | {r['p50_s']:.3f} | "
+            f"| {name} | {arrival} | {c} | {r['images_per_s']:.2f} | {r['p50_s']:.3f} | "
             f"{r['p99_s']:.3f} | {r['base_p50_s']:.3f} | {r['lora_p50_s']:.3f} | "
-            f"{r['engine_mean_s']:.3f} | {r['overhead_ms']:.1f} | {sum(r['errors'].values())} |"
+            f"{r['engine_mean_s']:.3f} | {r['overhead_ms']:.1f} | {r['errors']} |"
         )
     if direct:
-        print(f"| direct engine | 1 | {direct['images_per_s']:.2f} | {direct['p50_s']:.3f} | "
-              f"{direct['p99_s']:.3f} | {direct['base_p50_s']:.3f} | "
+        print(f"| direct engine | closed | 1 | {direct['images_per_s']:.2f} | "
+              f"{direct['p50_s']:.3f} | {direct['p99_s']:.3f} | {direct['base_p50_s']:.3f} | "
               f"{direct['lora_p50_s']:.3f} | {direct['mean_s']:.3f} | - | 0 |")  # fmt: skip
-        c1 = next((r for r in results if r["concurrency"] == 1), None)
+        c1 = rows.get(("sglang", "closed", 1))
         if c1:
             over = c1["p50_s"] - direct["p50_s"]
             print(f"\nserver p50 at 1 client minus direct p50 (separate runs): {over * 1000:+.1f} ms "
                   f"({over / direct['p50_s']:+.1%}); HTTP overhead measured against the server's "
                   f"own engine time: {c1['overhead_ms']:.1f} ms per request")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"http": results, "direct": direct}, f, indent=2)
+    if args.diffusers:
+        print("\nours vs the diffusers server (same run):\n")
+        print(_comparison_table(rows, args.arrival, args.concurrency))
+    return _write_json(args.json, rows, direct)
+
+
+def _comparison_table(rows: dict, arrivals: list[str], levels: list[int]) -> str:
+    """Markdown: per (arrival, clients), images/s and p50/p99 of both servers and the ratio of
+    images/s (ours / diffusers)."""
+    lines = [
+        "| arrival | clients | images/s: ours | images/s: diffusers | ours / diffusers "
+        "| p50 (s): ours / diffusers | p99 (s): ours / diffusers | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for arrival in arrivals:
+        for c in levels:
+            a, b = rows[("sglang", arrival, c)], rows[("diffusers", arrival, c)]
+            lines.append(
+                f"| {arrival} | {c} | {a['images_per_s']:.2f} | {b['images_per_s']:.2f} | "
+                f"{a['images_per_s'] / b['images_per_s']:.2f}x | {a['p50_s']:.3f} / "
+                f"{b['p50_s']:.3f} | {a['p99_s']:.3f} / {b['p99_s']:.3f} | "
+                f"{a['errors'] + b['errors']} |"
+            )
+    return "\n".join(lines)
+
+
+def _write_json(path: str | None, rows: dict, direct: dict | None) -> int:
+    if path:
+        runs = [{"server": k[0], "arrival": k[1], **v} for k, v in rows.items()]
+        with open(path, "w") as f:
+            json.dump({"runs": runs, "direct": direct}, f, indent=2)
     return 0
 
 
