@@ -12,7 +12,8 @@ own uncached run:
   (``cache_interval``, ``disable_cache_before_step``, ``max_order``, fp32 factors) with
   ``cache_identifiers`` naming every transformer block (Flux: ``transformer_blocks.<i>``,
   ``single_transformer_blocks.<i>``; Z-Image: its main ``layers.<i>``), the computation the two
-  share; our default ``residual`` target runs too (ours only).
+  share; our default ``residual`` target runs too (ours only);
+* ``teacache`` (no diffusers hook): ours only, the family's preset and one threshold.
 
 Reported per setting: steps computed / skipped (ours: the request's counts; diffusers: counted
 from its hook's decisions), wall time of the pipeline call against the same side's uncached call
@@ -60,6 +61,8 @@ for _name in SETTINGS:
         ("taylorseer", dict(TAYLOR, target="output")),
         ("taylorseer", dict(warmup=3, interval=5, order=1, target="output")),
         ("taylorseer", dict(TAYLOR)),  # our default residual target: ours only
+        ("teacache", {}),  # no diffusers hook: ours only (the family's threshold)
+        ("teacache", dict(threshold=0.4)),
     ]
 BLOCKS = {  # diffusers' names of the blocks our sequence spans
     "flux": [r"transformer_blocks\.\d+", r"single_transformer_blocks\.\d+"],
@@ -214,8 +217,8 @@ def main() -> None:
             order = order[r % len(order) :] + order[: r % len(order)]
             for i in order:
                 method, knobs = rows[i]
-                # diffusers has no residual target: that TaylorSeer row runs ours only
-                matched = method != "taylorseer" or knobs.get("target") == "output"
+                # diffusers has no residual target and no TeaCache hook: those rows run ours only
+                matched = method in ("none", "fbcache") or knobs.get("target") == "output"
                 sides = ("ours", "diffusers") if matched else ("ours",)
                 for side in sides:
                     if side == "ours":
