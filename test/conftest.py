@@ -165,8 +165,13 @@ EXTENDED = {
     "[modelopt-fp8]",
     "integration/quantization/test_quantized_lora.py::test_tp2_unmerged_lora_equals_one_process"
     "[modelopt-nvfp4]",
-    # step caching under Ulysses 2 and CFG parallelism (the ranks' agreement at TP 2:
-    # integration/caching/test_cache_batch_and_tp.py::test_tp2_equals_tp1)
+    # every step-cache method under TP 2, Ulysses 2 and CFG parallelism, one two-worker engine
+    # each (the default tier: the same methods through the session's TP 2 engine,
+    # integration/caching/test_cache_parallel_layouts.py::test_tp2_shared_engine_equals_one_process,
+    # and the sequence-parallel sums on a toy sequence,
+    # unit/layers/step_cache/test_base.py::test_sequence_parallel_shards_add_their_sums_before_deciding)
+    "integration/caching/test_cache_parallel_layouts.py::test_parallel_layout_equals_one_process"
+    "[flux-tp2]",
     "integration/caching/test_cache_parallel_layouts.py::test_parallel_layout_equals_one_process"
     "[flux-ulysses2]",
     "integration/caching/test_cache_parallel_layouts.py::test_parallel_layout_equals_one_process"

@@ -1,6 +1,7 @@
 """The bookkeeping every step-cache policy shares, on a toy block sequence: a request's region
 ends at its own length (another request's padding changes nothing), states keyed by LoRA
-composition, branch context and denoiser, the LoRA row mapping narrowed to the computing rows."""
+composition, branch context and denoiser, the LoRA row mapping narrowed to the computing rows,
+and the sequence-parallel shards adding their statistics before deciding (two gloo processes)."""
 
 from __future__ import annotations
 
