@@ -321,8 +321,14 @@ class DiffusionEngine:
         """Whether :meth:`generate_continuous` can take requests into a running loop: an engine
         in one process only. With worker processes every rank would have to learn of a join
         at the same step (rank 0 deciding, the decision broadcast with the step); that is not
-        built, so such an engine batches whole requests only (:meth:`generate_batch`)."""
-        return isinstance(self._executor, UniProcExecutor)
+        built, so such an engine batches whole requests only (:meth:`generate_batch`). Nor can
+        a model whose two experts are offloaded one at a time (``ModelRunner.
+        per_expert_offload``): a continuous loop mixes step counts, so its requests would switch
+        experts at different steps, each parking the expert another one still calls."""
+        ex = self._executor
+        if not isinstance(ex, UniProcExecutor):
+            return False
+        return not getattr(ex.runner, "per_expert_offload", False)
 
     def generate_continuous(
         self,
