@@ -25,6 +25,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return table[dtype]
 
 
+#: Graphs dynamo may compile per block class (its ``recompile_limit``, 8 by default) before it
+#: gives up; with ``fullgraph=True`` giving up is an error (``FailOnRecompileLimitHit``), and a
+#: server reaches 8 quickly: each block class has a graph per input-shape family (Z-Image's
+#: refiners and main blocks see three token counts), before and after LoRA, and batch size 1
+#: apart from larger batches.
+RECOMPILE_LIMIT = 64
+
+
 def compile_blocks(
     model: torch.nn.Module, fullgraph: bool = True, backend: str = "inductor"
 ) -> int:
@@ -51,12 +59,16 @@ def compile_blocks(
     compositions, and a new input shape: the first new resolution or batch size recompiles with
     dynamic sizes (torch's automatic dynamic shapes), later ones reuse that graph.
 
+    Raises dynamo's ``recompile_limit`` (process-wide) to at least :data:`RECOMPILE_LIMIT`.
+
     Args:
         model: the DiT (its blocks are compiled in place with ``nn.Module.compile``).
         fullgraph: refuse graph breaks (default).
         backend: the ``torch.compile`` backend (``"inductor"``; tests count compiles with
             ``torch._dynamo.testing.CompileCounter``).
     """
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     n = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.ModuleList):
