@@ -91,7 +91,9 @@ def test_enable_refuses_what_cannot_be_cached(alone):
         pipe.enable_step_cache(StepCacheConfig.of("dbcache", fn=8))  # cache-dit's F8B0
     assert pipe.step_cache == CACHE  # unchanged
     other = SimpleNamespace(
-        denoisers={"transformer": torch.nn.Linear(2, 2)}, family=SimpleNamespace(display_name="Wan")
+        denoisers={"transformer": torch.nn.Linear(2, 2)},
+        family=SimpleNamespace(display_name="Wan"),
+        model_path=None,
     )
     with pytest.raises(ValueError, match="the Wan denoiser 'transformer' does not support step"):
         FluxPipeline.enable_step_cache(other, CACHE)

@@ -127,6 +127,9 @@ class StagedPipeline:
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer")
     family_name: str = ""
     shifted_schedule: str | None = None
+    # The model directory the pipeline was loaded from (``from_pretrained``; ``None`` for one
+    # built from components): step caching looks for the MagCache ratios file beside it.
+    model_path: str | None = None
     # Called with the denoiser about to run whenever the loop switches denoisers (two-expert
     # models): the runner's per-expert CPU offload keeps only that one on the accelerator.
     on_denoiser_change: Callable[[torch.nn.Module], None] | None = None
