@@ -2298,6 +2298,15 @@ MUTANTS: list[Mutant] = [
         why="a server's ninth graph of a block class (shapes x LoRA x batch 1) fails the request "
         "under fullgraph=True",
     ),
+    _m(
+        "request-cache-no-step-limit-becomes-the-presets",
+        "configs/sampling_params.py",
+        "knobs[k] = -1",
+        "pass",
+        ("test/unit/configs/sampling_params/test_cache.py",),
+        why="--cache-max-continuous-cached-steps -1 (no limit) is resolved back to the fbcache / "
+        "dbcache preset's 4 for every request",
+    ),
 ]
 
 

@@ -311,12 +311,17 @@ def step_cache_value(value: Any, name: str = "cache"):
             # another method keep the class defaults: not given)
             # (a knob the preset sets and the method does not take, e.g. magcache's fn = 0,
             # is no knob given)
+            # a step limit of None is "no limit", given as -1 (None would be "the preset's")
             preset = StepCacheConfig.of(method)
-            knobs = {
-                k: getattr(value, k)
-                for k in types
-                if getattr(value, k) is not None and getattr(value, k) != getattr(preset, k)
-            }
+            knobs = {}
+            for k in types:
+                v = getattr(value, k)
+                if v == getattr(preset, k):
+                    continue
+                if v is not None:
+                    knobs[k] = v
+                elif k in ("max_cached_steps", "max_continuous_cached_steps"):
+                    knobs[k] = -1
     elif isinstance(value, str):
         method, knobs = value, {}
     elif isinstance(value, Mapping):

@@ -59,6 +59,21 @@ def test_each_form_resolves_to_the_config_of_its_knobs(value, expected):
     assert _resolve(cache=value).cache == expected
 
 
+@pytest.mark.parametrize("method", ["fbcache", "dbcache"])
+def test_a_config_without_step_limits_keeps_none_when_resolved(method):
+    """``--cache-max-continuous-cached-steps -1`` (no limit, ``None`` in the config) passes
+    through resolution as ``None``, not as the preset's limit of 4 (``sglang generate`` and a
+    server's default cache are ``StepCacheConfig`` values resolved again per request)."""
+    unlimited = StepCacheConfig.of(
+        method, threshold=0.2, max_cached_steps=-1, max_continuous_cached_steps=-1
+    )
+    assert unlimited.max_continuous_cached_steps is None
+    assert step_cache_value(unlimited) == unlimited
+    spec = dataclasses.replace(SPEC, defaults=SPEC.defaults.replace(cache=unlimited))
+    assert _resolve(spec).cache == unlimited
+    assert _resolve(cache=unlimited).cache == unlimited
+
+
 def test_without_the_field_the_model_default_applies():
     assert _resolve().cache == OFF
     on = StepCacheConfig.of("fbcache", 0.3)
