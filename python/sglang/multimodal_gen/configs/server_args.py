@@ -947,21 +947,22 @@ def add_cache_args(parser) -> None:
         default="none",
         metavar="{" + ",".join(CACHE_METHODS) + "}",
         help="step caching of the DiT blocks (default none). fbcache: first-block cache "
-        "(diffusers' FirstBlockCacheConfig; DBCache F1B0); dbcache: dual-block cache "
-        "(cache-dit's DBCache, F8B0, 8 warmup steps); taylorseer: Taylor-extrapolated middle "
-        "blocks on a fixed schedule (diffusers' TaylorSeerCacheConfig defaults). teacache: "
+        "(diffusers' FirstBlockCacheConfig rule; DBCache F1B0); dbcache: dual-block cache "
+        "(cache-dit's DBCache rule, Fn scaled to the DiT); taylorseer: Taylor-extrapolated "
+        "middle blocks on a fixed schedule (diffusers' TaylorSeerCacheConfig rule); teacache: "
         "every block skipped while the accumulated rescaled change of the first block's "
-        "modulated input stays below the threshold (TeaCache, the family's published "
-        "coefficients); magcache: whole steps skipped from the "
-        "model's calibrated magnitude ratios (diffusers' MagCacheConfig defaults)",
+        "modulated input stays below the threshold (TeaCache, the model's published "
+        "coefficients); magcache: whole steps skipped from the model's calibrated magnitude "
+        "ratios (diffusers' MagCacheConfig rule). Each has a preset; the --cache-* knobs "
+        "replace its values",
     )
     parser.add_argument(
         "--cache-threshold",
         type=float,
         default=None,
-        help="skip a step's middle blocks when the first blocks' residual changed by at most "
-        "this (relative L1; default 0.05 fbcache, 0.08 dbcache); teacache: rel_l1_thresh "
-        "(default: the family's, 0.6 on Flux.1)",
+        help="fbcache / dbcache: skip a step's middle blocks when the first blocks' residual "
+        "changed by at most this (relative L1; default 0.3); teacache: rel_l1_thresh (default: "
+        "the model's declared value); magcache: the accumulated error bound (default 0.2)",
     )
     parser.add_argument(
         "--cache-fn", type=int, default=None, help="dbcache: first blocks always computed (Fn)"
@@ -973,14 +974,14 @@ def add_cache_args(parser) -> None:
         "--cache-warmup",
         type=int,
         default=None,
-        help="steps always computed at the start (default 0 fbcache, 8 dbcache, 3 taylorseer; "
-        "teacache: the family's ret_steps, 1 on Flux.1)",
+        help="steps always computed at the start (default 0 fbcache, 2 dbcache, 3 taylorseer; "
+        "teacache: the model's declared ret_steps)",
     )
     parser.add_argument(
         "--cache-interval",
         type=int,
         default=None,
-        help="taylorseer: one computed step every this many after the warmup (default 5)",
+        help="taylorseer: one computed step every this many after the warmup (default 3)",
     )
     parser.add_argument(
         "--cache-order",
@@ -1012,7 +1013,7 @@ def add_cache_args(parser) -> None:
         type=int,
         default=None,
         help="fbcache / dbcache: at most this many skipped steps in a row, the next one "
-        "computes (cache-dit's max_continuous_cached_steps; -1: no limit; default: no limit)",
+        "computes (cache-dit's max_continuous_cached_steps; -1: no limit; default 4)",
     )
     parser.add_argument(
         "--cache-max-skip-steps",

@@ -39,7 +39,7 @@ def test_serve_flags_set_the_configuration(tmp_path):
     assert d.step_cache == StepCacheConfig.of(
         "magcache", max_skip_steps=2, retention_ratio=0.3, mag_ratios="r.json"
     )
-    assert (d.step_cache.threshold, d.step_cache.fn) == (0.06, 0)  # diffusers' MagCacheConfig
+    assert (d.step_cache.threshold, d.step_cache.fn) == (0.2, 0)  # the magcache preset
 
 
 BAD = [
