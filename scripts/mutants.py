@@ -1952,8 +1952,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "request-cache-fn-bn-bound-off-by-one",
         "configs/sampling_params.py",
-        "if cfg.fn + cfg.bn >= blocks:",
-        "if cfg.fn + cfg.bn > blocks:",
+        "if fn + cfg.bn >= blocks:",
+        "if fn + cfg.bn > blocks:",
         ("test/unit/configs/sampling_params/test_cache.py",),
         why="fn + bn equal to the block count is queued and fails in the DiT call (500, not 400)",
     ),
