@@ -2307,6 +2307,14 @@ MUTANTS: list[Mutant] = [
         why="--cache-max-continuous-cached-steps -1 (no limit) is resolved back to the fbcache / "
         "dbcache preset's 4 for every request",
     ),
+    _m(
+        "step-cache-preset-not-in-the-docstring-table",
+        "layers/step_cache/config.py",
+        '"magcache": dict(threshold=0.2, fn=0',
+        '"magcache": dict(threshold=0.06, fn=0',
+        ("test/unit/layers/step_cache/test_config.py",),
+        why="a preset changes and the module docstring's table still states the old value",
+    ),
 ]
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from fixtures import toy_block_sequence as toy
 from sglang.multimodal_gen.layers.step_cache import CacheRow, RequestCache, StepCacheConfig
+from sglang.multimodal_gen.layers.step_cache.config import _PRESETS, IMPLEMENTED_CACHE_METHODS
 
 
 def test_presets():
@@ -73,3 +76,47 @@ def test_step_limits_and_scaled_fn():
     assert [db.head_blocks(n) for n in (2, 3, 8, 30, 57)] == [1, 1, 2, 7, 8]
     assert StepCacheConfig.of("dbcache", fn=3).head_blocks(57) == 3
     assert StepCacheConfig.of("fbcache").head_blocks(57) == 1
+
+
+def _docstring_table() -> list[dict[str, str]]:
+    """The preset table of the module docstring, read as an rst simple table: the ``=`` borders
+    give the columns, and a cell's text must stay inside its column (else docutils calls the
+    table malformed)."""
+    import sglang.multimodal_gen.layers.step_cache.config as config
+
+    lines = config.__doc__.splitlines()
+    borders = [i for i, ln in enumerate(lines) if ln.startswith("=") and set(ln) <= {"=", " "}]
+    assert len(borders) == 3, "the table has a top, a header and a bottom border"
+    top = lines[borders[0]]
+    assert lines[borders[1]] == top == lines[borders[2]]
+    spans = [(m.start(), m.end()) for m in re.finditer("=+", top)]
+    rows = []
+    for ln in [lines[borders[0] + 1]] + lines[borders[1] + 1 : borders[2]]:
+        gaps = [ln[e:s] for (_, e), (s, _) in zip(spans, spans[1:])] + [ln[spans[-1][1] :]]
+        assert all(not g.strip() for g in gaps), f"a cell leaves its column: {ln!r}"
+        rows.append([ln[s:e].strip() for s, e in spans])
+    head = rows[0]
+    return [dict(zip(head, r)) for r in rows[1:]]
+
+
+def test_the_docstring_preset_table_is_well_formed_and_true():
+    """Every implemented method has a row; each cell is the preset's value (``--``: the method
+    takes no such knob; ``L/4`` / ``family`` / ``None``: the preset leaves it ``None``)."""
+    rows = {r["method"]: r for r in _docstring_table()}
+    assert set(rows) == {m for m in IMPLEMENTED_CACHE_METHODS if m != "none"}
+    columns = dict(
+        threshold="threshold", Fn="fn", Bn="bn", warmup="warmup", interval="interval",
+        order="order", stop="stop", target="target", C="max_continuous_cached_steps",
+    )  # fmt: skip
+    for method, row in rows.items():
+        preset = _PRESETS[method]
+        for col, knob in columns.items():
+            cell = row[col]
+            if cell == "--":
+                assert knob not in preset, (method, col)
+                continue
+            value = preset[knob]
+            if cell in ("L/4", "family", "None"):
+                assert value is None, (method, col)
+            else:
+                assert value == type(value)(cell), (method, col, cell)

@@ -8,9 +8,12 @@ method     threshold Fn   Bn   warmup interval order stop target   C
 fbcache    0.3       1    0    0      --       --    --   --       4
 dbcache    0.3       L/4  0    2      --       --    --   --       4
 taylorseer --        0    0    3      3        1     None residual --
-teacache   family    0    0    family --       --    --   --
-magcache   0.2       0    0    --     --       --    --   --
-========== ========= ==== ==== ====== ======== ===== ==== ========
+teacache   family    0    0    family --       --    --   --       --
+magcache   0.2       0    0    --     --       --    --   --       --
+========== ========= ==== ==== ====== ======== ===== ==== ======== ====
+
+(``L/4``: :meth:`StepCacheConfig.head_blocks`; ``family``: the DiT's declared value; magcache
+also takes ``max_skip_steps`` 3 and ``retention_ratio`` 0.2.)
 
 The fbcache, dbcache and taylorseer presets are chosen to cost little image fidelity at a
 real saving (measured on the embedded demo model, 28 steps: docs/benchmarks.md) and depart from
