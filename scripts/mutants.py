@@ -2315,6 +2315,22 @@ MUTANTS: list[Mutant] = [
         ("test/unit/layers/step_cache/test_config.py",),
         why="a preset changes and the module docstring's table still states the old value",
     ),
+    _m(
+        "models-cache-no-limit-as-null",
+        "layers/step_cache/config.py",
+        'value = -1  # cache-dit\'s "no limit"',
+        "pass",
+        ("test/unit/configs/sampling_params/test_cache.py",),
+        why="/v1/models reports no step limit as null, which a request reads as the preset's 4",
+    ),
+    _m(
+        "models-cache-reports-other-methods-knobs",
+        "layers/step_cache/config.py",
+        "if self.method not in _FLAGS[f.name][2]:  # another method's knob\n                continue",
+        "pass",
+        ("test/unit/configs/sampling_params/test_cache.py",),
+        why="/v1/models' cache carries knobs of other methods, refused when sent back",
+    ),
 ]
 
 

@@ -385,10 +385,11 @@ def step_cache_value(value: Any, name: str = "cache"):
 
 
 def cache_json(value: Any) -> Any:
-    """A ``cache`` value as JSON: a ``StepCacheConfig``'s fields (``{"method": "none"}`` when
-    off), other values as they are."""
-    if hasattr(value, "method") and hasattr(value, "enabled"):
-        return dataclasses.asdict(value) if value.enabled else {"method": "none"}
+    """A ``cache`` value as JSON: a ``StepCacheConfig`` as the request object that resolves to
+    it (``StepCacheConfig.as_request``: the method's own knobs, no server setting, ``-1`` for
+    no step limit; ``{"method": "none"}`` when off), other values as they are."""
+    if hasattr(value, "as_request") and hasattr(value, "enabled"):
+        return value.as_request()
     return value
 
 

@@ -8,6 +8,7 @@ Its value forms (a method name, an object of knobs, a ``StepCacheConfig``) resol
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from sglang.multimodal_gen.configs.sampling_params import (
@@ -80,9 +81,35 @@ def test_without_the_field_the_model_default_applies():
     spec = dataclasses.replace(SPEC, defaults=SPEC.defaults.replace(cache=on))
     assert _resolve(spec).cache == on
     assert _resolve(spec, cache="none").cache == OFF  # a request may turn it off
-    assert cache_json(on) == {**dataclasses.asdict(on)}
+    assert cache_json(on) == {
+        "method": "fbcache", "threshold": 0.3, "fn": 1, "bn": 0, "warmup": 0,
+        "max_cached_steps": -1, "max_continuous_cached_steps": 4,
+    }  # fmt: skip
     assert {p["name"]: p["default"] for p in spec.parameters()}["cache"]["threshold"] == 0.3
     assert cache_json(OFF) == {"method": "none"}
+
+
+SERVER_CACHES = [  # a server's --cache-* settings, knobs away from the presets
+    StepCacheConfig.of("fbcache", 0.2, max_cached_steps=-1, max_continuous_cached_steps=-1),
+    StepCacheConfig.of("dbcache", 0.1, 2, 1, 3, max_cached_steps=9),
+    StepCacheConfig.of("taylorseer", warmup=2, interval=4, order=2, stop=7, target="output"),
+    StepCacheConfig.of("teacache", 0.4, warmup=2),
+    StepCacheConfig.of("magcache", 0.1, max_skip_steps=2, retention_ratio=0.3, mag_ratios="r.json"),
+]
+
+
+@pytest.mark.parametrize("server", SERVER_CACHES, ids=lambda c: c.method)
+def test_the_models_reported_cache_is_accepted_back_as_a_request_cache(server):
+    """``/v1/models``' ``cache`` default (:meth:`RequestSpec.parameters`) sent back as a
+    request's ``cache`` (through JSON) is accepted and resolves to the server's config, less
+    its server setting (``mag_ratios``): no server-only key, no knob of another method, ``-1``
+    for no step limit (``null`` would take the preset's)."""
+    spec = dataclasses.replace(SPEC, defaults=SPEC.defaults.replace(cache=server))
+    reported = {p["name"]: p["default"] for p in spec.parameters()}["cache"]
+    sent = json.loads(json.dumps(reported))
+    assert "mag_ratios" not in sent
+    assert _resolve(cache=sent).cache == dataclasses.replace(server, mag_ratios=None)
+    assert spec.as_dict()["cache"] == reported
 
 
 def test_the_models_blocks_bound_fn_plus_bn():

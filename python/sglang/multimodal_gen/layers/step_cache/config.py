@@ -43,7 +43,7 @@ uncached time), 0.2 skips 14 (0.67x) at >= 46 dB. A knob of another method
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 __all__ = ["CACHE_METHODS", "IMPLEMENTED_CACHE_METHODS", "TAYLOR_TARGETS", "StepCacheConfig"]
 
@@ -223,6 +223,27 @@ class StepCacheConfig:
         return cls(
             method, **{k: (v if v is None else cast.get(k, int)(v)) for k, v in knobs.items()}
         )
+
+    def as_request(self) -> dict:
+        """This config as a request's ``cache`` object (``/v1/models`` reports a server's
+        default this way): ``method`` and the knobs the method takes (its ``--cache-*`` flags'),
+        without the server's settings (``mag_ratios``), a step limit of ``None`` (no limit)
+        spelled ``-1`` as a request spells it (``null`` there takes the preset);
+        ``{"method": "none"}`` when off. Sent back as a request's ``cache``, it resolves to this
+        config less its server settings."""
+        if not self.enabled:
+            return {"method": "none"}
+        out: dict = {"method": self.method}
+        for f in fields(self):
+            if f.name == "method" or f.metadata.get("server"):
+                continue
+            if self.method not in _FLAGS[f.name][2]:  # another method's knob
+                continue
+            value = getattr(self, f.name)
+            if value is None and f.name in ("max_cached_steps", "max_continuous_cached_steps"):
+                value = -1  # cache-dit's "no limit"
+            out[f.name] = value
+        return out
 
     def head_blocks(self, num_blocks: int) -> int:
         """``Fn`` on a block sequence of ``num_blocks`` blocks: :attr:`fn`, or when it is
