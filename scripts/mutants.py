@@ -2331,6 +2331,25 @@ MUTANTS: list[Mutant] = [
         ("test/unit/configs/sampling_params/test_cache.py",),
         why="/v1/models' cache carries knobs of other methods, refused when sent back",
     ),
+    _m(
+        "cache-float-knob-takes-nan",
+        "layers/step_cache/config.py",
+        "not isinstance(value, Real) or not isfinite(value):",
+        "not isinstance(value, Real):",
+        (
+            "test/unit/layers/step_cache/test_config.py",
+            "test/unit/configs/server_args/test_cache_flags.py",
+        ),
+        why="--cache-threshold nan is accepted (sglang generate then names cache.threshold)",
+    ),
+    _m(
+        "cache-int-knob-takes-a-bool",
+        "layers/step_cache/config.py",
+        "if isinstance(value, bool) or not isinstance(value, Integral):",
+        "if not isinstance(value, Integral):",
+        ("test/unit/layers/step_cache/test_config.py",),
+        why="StepCacheConfig.of(..., fn=True) is taken as Fn 1",
+    ),
 ]
 
 

@@ -71,3 +71,26 @@ def test_generate_refuses_before_loading(flags, message, tmp_path, capsys, monke
     assert sglang_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--cache-method", "fbcache", "--cache-threshold", "nan"],
+        ["--cache-method", "teacache", "--cache-threshold", "inf"],
+        ["--cache-method", "magcache", "--cache-retention-ratio", "nan"],
+    ],
+)
+def test_generate_names_the_flag_of_a_non_finite_value(flags, tmp_path, capsys, monkeypatch):
+    """``sglang generate``'s error names the ``--cache-*`` flag, not the request's
+    ``cache.<knob>`` key, and comes before any model is read."""
+    import sglang.multimodal_gen.runtime as runtime
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(runtime, "DiffusionEngine", no_engine)
+    argv = ["generate", "--prompt", "x", "--output-path", str(tmp_path / "o.png"), *flags]
+    assert sglang_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"sglang generate: error: {flags[2]} must be a finite number, got {flags[3]}"]

@@ -50,6 +50,24 @@ REFUSALS = [
     ),
     (("taylorseer",), dict(max_cached_steps=2), "--cache-max-cached-steps does not apply to "),
 ]
+NAN, INF = float("nan"), float("inf")
+# by kind: every float knob refuses NaN, inf and a bool; every int knob a bool and a fraction
+FLOAT_KNOBS = [("fbcache", "threshold"), ("teacache", "threshold"), ("magcache", "threshold"),
+               ("magcache", "retention_ratio")]  # fmt: skip
+INT_KNOBS = [("dbcache", k) for k in ("fn", "bn", "warmup", "max_cached_steps",
+                                      "max_continuous_cached_steps")]  # fmt: skip
+INT_KNOBS += [("taylorseer", k) for k in ("interval", "order", "stop")]
+INT_KNOBS += [("magcache", "max_skip_steps")]
+REFUSALS += [
+    ((m,), {k: v}, f"--cache-{k.replace('_', '-')} must be a finite number, got {v!r}")
+    for m, k in FLOAT_KNOBS
+    for v in (NAN, INF, -INF, True)
+]
+REFUSALS += [
+    ((m,), {k: v}, f"--cache-{k.replace('_', '-')} must be an integer, got {v!r}")
+    for m, k in INT_KNOBS
+    for v in (True, 2.5)
+]
 
 
 @pytest.mark.parametrize("args, knobs, message", REFUSALS)

@@ -44,6 +44,8 @@ uncached time), 0.2 skips 14 (0.67x) at >= 46 dB. A knob of another method
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from math import isfinite
+from numbers import Integral, Real
 
 __all__ = ["CACHE_METHODS", "IMPLEMENTED_CACHE_METHODS", "TAYLOR_TARGETS", "StepCacheConfig"]
 
@@ -67,6 +69,12 @@ _PRESETS = {  # method -> knob defaults
     "teacache": dict(threshold=None, fn=0, bn=0, warmup=None),
     "magcache": dict(threshold=0.2, fn=0, bn=0, max_skip_steps=3, retention_ratio=0.2),
 }
+#: knob -> its number kind (a float knob takes finite real numbers, an int knob integers;
+#: neither takes a bool or NaN / inf)
+_KINDS = dict(
+    threshold=float, retention_ratio=float, fn=int, bn=int, warmup=int, interval=int, order=int,
+    stop=int, max_cached_steps=int, max_continuous_cached_steps=int, max_skip_steps=int,
+)  # fmt: skip
 _FLAGS = {  # knob -> (flag, lowest value, methods it applies to)
     "max_cached_steps": ("--cache-max-cached-steps", -1, _THRESHOLD_METHODS),
     "max_continuous_cached_steps": ("--cache-max-continuous-cached-steps", -1, _THRESHOLD_METHODS),
@@ -167,7 +175,8 @@ class StepCacheConfig:
                 a knob the method does not take, or a value out of range (``threshold < 0``,
                 ``fn < 1`` for fbcache / dbcache or ``< 0`` for taylorseer, ``bn``, ``warmup``,
                 ``order`` or ``stop < 0``, ``interval < 1``, a step limit ``< -1``, an unknown
-                ``target``; the message names the ``--cache-*`` flag).
+                ``target``; a float knob that is not a finite number (NaN, inf, a bool), an int
+                knob that is not an integer; the message names the ``--cache-*`` flag).
         """
         if method not in CACHE_METHODS:
             raise ValueError(
@@ -197,6 +206,13 @@ class StepCacheConfig:
             knobs[name] = value
         for name, value in knobs.items():
             flag_name, low, _ = _FLAGS[name]
+            kind = _KINDS.get(name)
+            if value is not None and kind is float:  # bool is an int: neither kind takes it
+                if isinstance(value, bool) or not isinstance(value, Real) or not isfinite(value):
+                    raise ValueError(f"{flag_name} must be a finite number, got {value!r}")
+            elif value is not None and kind is int:
+                if isinstance(value, bool) or not isinstance(value, Integral):
+                    raise ValueError(f"{flag_name} must be an integer, got {value!r}")
             if name == "fn":
                 low = 1 if method in _THRESHOLD_METHODS else 0
             if name == "target":
