@@ -2350,6 +2350,22 @@ MUTANTS: list[Mutant] = [
         ("test/unit/layers/step_cache/test_config.py",),
         why="StepCacheConfig.of(..., fn=True) is taken as Fn 1",
     ),
+    _m(
+        "mag-ratios-steps-takes-a-bool",
+        "layers/step_cache/mag_ratios.py",
+        "if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:",
+        "if not isinstance(steps, int) or steps < 1:",
+        ("test/unit/layers/step_cache/test_mag_ratios.py",),
+        why='a ratios file with "num_inference_steps": true is read as calibrated for 1 step',
+    ),
+    _m(
+        "mag-ratios-file-of-a-list",
+        "layers/step_cache/mag_ratios.py",
+        "if not isinstance(data, dict):",
+        "if data is None:",
+        ("test/unit/layers/step_cache/test_mag_ratios.py",),
+        why="a ratios file holding a JSON list fails with a TypeError naming neither file nor field",
+    ),
 ]
 
 

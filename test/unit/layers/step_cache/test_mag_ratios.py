@@ -55,7 +55,31 @@ def test_average_and_round_trip(tmp_path):
         ({"ratios": {"a": [1.0]}}, "missing field 'num_inference_steps'"),
         ({"num_inference_steps": 2, "ratios": {"a": [1.0, -1.0]}}, "not a finite ratio > 0"),
         ({"num_inference_steps": 2, "ratios": {"a": [1.0, "x"]}}, "not a number"),
-        ({"num_inference_steps": 2, "ratios": {}}, "non-empty ratios"),
+        ({"num_inference_steps": 2, "ratios": {}}, "ratios must be a non-empty object"),
+        # each field by kind, named
+        ([1.0, 2.0], "the file holds a JSON list, not an object"),
+        ("3", "the file holds a JSON number, not an object"),
+        (
+            {"num_inference_steps": True, "ratios": {"a": [1.0]}},
+            "num_inference_steps must be an integer >= 1, got true",
+        ),  # fmt: skip
+        ({"num_inference_steps": 2.0, "ratios": {"a": [1.0]}}, "num_inference_steps must be"),
+        ({"num_inference_steps": "2", "ratios": {"a": [1.0]}}, "num_inference_steps must be"),
+        ({"num_inference_steps": 0, "ratios": {"a": [1.0]}}, "num_inference_steps must be"),
+        ({"num_inference_steps": 2}, "missing field 'ratios'"),
+        (
+            {"num_inference_steps": 2, "ratios": [[1.0]]},
+            "ratios must be a non-empty object of lists, got list",
+        ),  # fmt: skip
+        (
+            {"num_inference_steps": 2, "ratios": {"a": 1.0}},
+            "ratios\\['a'\\] must be a non-empty list, got number",
+        ),  # fmt: skip
+        ({"num_inference_steps": 2, "ratios": {"a": [True]}}, "holds true, not a number"),
+        (
+            {"method": "teacache", "num_inference_steps": 2, "ratios": {"a": [1.0]}},
+            'method must be "magcache"',
+        ),  # fmt: skip
     ],
 )
 def test_a_bad_file_is_refused_naming_it(tmp_path, content, message):

@@ -38,6 +38,19 @@ def calibration_command(model_dir: str | None = None) -> str:
     return "sglang calibrate-cache" + (f" --model-path {model_dir}" if model_dir else "")
 
 
+def _json_kind(value) -> str:
+    """The JSON name of ``value``'s type (for messages)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, dict):
+        return "empty object" if not value else "object"
+    if isinstance(value, list):
+        return "empty list" if not value else "list"
+    return "string" if isinstance(value, str) else "number"
+
+
 def nearest_interp(ratios: list[float], length: int) -> list[float]:
     """``ratios`` resampled to ``length`` entries by the nearest source index (diffusers'
     ``hooks.mag_cache.nearest_interp``): entry ``i`` is ``ratios[round(i * (n - 1) /
@@ -132,29 +145,45 @@ class MagRatios:
         """Read a ratios file.
 
         Raises:
-            ValueError: not a ratios file (unreadable JSON, a missing or malformed field, a ratio
-                that is not a finite positive number); the message names the path.
+            ValueError: not a ratios file, each field checked by kind: unreadable JSON, JSON
+                that is not an object, a missing field, ``method`` that is not ``"magcache"``,
+                ``num_inference_steps`` that is not an integer >= 1 (a bool is refused),
+                ``ratios`` that is not a non-empty object of non-empty lists, a ratio that is not
+                a finite number > 0 (a bool is refused); the message names the path and the
+                field.
         """
         try:
             with open(path) as f:
                 data = json.load(f)
-            steps = data["num_inference_steps"]
-            raw = data["ratios"]
-            if not isinstance(steps, int) or steps < 1 or not isinstance(raw, dict) or not raw:
-                raise ValueError("num_inference_steps >= 1 and a non-empty ratios object needed")
-            ratios = {}
-            for k, v in raw.items():
-                if not isinstance(v, list) or not v:
-                    raise ValueError(f"ratios[{k!r}] must be a non-empty list")
-                for x in v:
-                    if isinstance(x, bool) or not isinstance(x, (int, float)):
-                        raise ValueError(f"ratios[{k!r}] holds {x!r}, not a number")
-                    if not math.isfinite(x) or x <= 0:
-                        raise ValueError(f"ratios[{k!r}] holds {x!r}, not a finite ratio > 0")
-                ratios[str(k)] = tuple(float(x) for x in v)
-        except (OSError, KeyError, TypeError, ValueError) as e:
-            detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-            raise ValueError(f"{path}: not a MagCache ratios file ({detail})") from None
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a MagCache ratios file ({e})") from None
+
+        def bad(detail: str) -> ValueError:
+            return ValueError(f"{path}: not a MagCache ratios file ({detail})")
+
+        if not isinstance(data, dict):
+            raise bad(f"the file holds a JSON {_json_kind(data)}, not an object")
+        for name in ("num_inference_steps", "ratios"):
+            if name not in data:
+                raise bad(f"missing field '{name}'")
+        if "method" in data and data["method"] != "magcache":
+            raise bad(f'method must be "magcache", got {data["method"]!r}')
+        steps = data["num_inference_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise bad(f"num_inference_steps must be an integer >= 1, got {json.dumps(steps)}")
+        raw = data["ratios"]
+        if not isinstance(raw, dict) or not raw:
+            raise bad(f"ratios must be a non-empty object of lists, got {_json_kind(raw)}")
+        ratios = {}
+        for k, v in raw.items():
+            if not isinstance(v, list) or not v:
+                raise bad(f"ratios[{k!r}] must be a non-empty list, got {_json_kind(v)}")
+            for x in v:
+                if isinstance(x, bool) or not isinstance(x, (int, float)):
+                    raise bad(f"ratios[{k!r}] holds {json.dumps(x)}, not a number")
+                if not math.isfinite(x) or x <= 0:
+                    raise bad(f"ratios[{k!r}] holds {x!r}, not a finite ratio > 0")
+            ratios[str(k)] = tuple(float(x) for x in v)
         return cls(steps, ratios, path)
 
     @classmethod
