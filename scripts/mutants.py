@@ -2366,6 +2366,15 @@ MUTANTS: list[Mutant] = [
         ("test/unit/layers/step_cache/test_mag_ratios.py",),
         why="a ratios file holding a JSON list fails with a TypeError naming neither file nor field",
     ),
+    _m(
+        "calibrate-cache-writes-into-the-package",
+        "../cli/calibrate_cache.py",
+        "if args.model_path is None and args.output is None:",
+        "if False:",
+        ("test/unit/cli/test_calibrate_cache.py",),
+        why="sglang calibrate-cache without --model-path overwrites the demo model's ratios file "
+        "inside the installed package",
+    ),
 ]
 
 

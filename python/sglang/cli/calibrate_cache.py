@@ -11,7 +11,8 @@ Runs one uncached request per prompt with ``cache={"method": "magcache", "calibr
 ``magcache_ratios.json`` into the model directory (or ``--output``). ``sglang serve`` and
 ``sglang generate`` with ``--cache-method magcache`` then load that file by themselves;
 ``--cache-mag-ratios FILE`` names another one. Without ``--model-path`` the embedded demo model is
-calibrated. Prints the file's path. Exit codes and the one-line errors are those of
+calibrated, and ``--output`` is required (its directory is part of the installed package, which
+ships the demo's file: exit 2 without it). Prints the file's path. Exit codes and the one-line errors are those of
 :mod:`sglang.cli.errors`.
 """
 
@@ -34,7 +35,8 @@ def add_calibrate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument(
         "--model-path",
         default=None,
-        help="diffusers-format model directory (default: the embedded demo model)",
+        help="diffusers-format model directory (default: the embedded demo model, which then "
+        "needs --output)",
     )
     parser.add_argument(
         "--steps",
@@ -59,7 +61,9 @@ def add_calibrate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--output",
         default=None,
         metavar="FILE",
-        help="where to write the ratios (default: magcache_ratios.json in the model directory)",
+        help="where to write the ratios (default: magcache_ratios.json in the --model-path "
+        "directory; required without --model-path, as the embedded demo model's directory is "
+        "part of the installed package)",
     )
     parser.add_argument("--device", default=None, help="execution device (default: auto)")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: the model's)")
@@ -83,6 +87,11 @@ def _run(args: argparse.Namespace) -> int:
     from sglang.multimodal_gen.outputs import STEP_CACHE_INFO
     from sglang.multimodal_gen.runtime import DiffusionEngine
 
+    if args.model_path is None and args.output is None:  # never write into the package
+        raise ValueError(
+            "--output is required without --model-path: the embedded demo model's directory is "
+            "part of the installed package (which ships its magcache_ratios.json)"
+        )
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     prompts = args.prompt or list(DEFAULT_PROMPTS)
