@@ -2375,6 +2375,15 @@ MUTANTS: list[Mutant] = [
         why="sglang calibrate-cache without --model-path overwrites the demo model's ratios file "
         "inside the installed package",
     ),
+    _m(
+        "health-generation-left-without-the-lock",
+        "entrypoints/scheduler_health.py",
+        "with self._lock:\n            self._running_gens.pop(id(generation), None)",
+        "if True:\n            self._running_gens.pop(id(generation), None)",
+        ("test/unit/entrypoints/test_scheduler_health.py",),
+        why="the engine's compute thread updates the monitor in the middle of the scheduler's "
+        "event: a finished generation is still counted as running",
+    ),
 ]
 
 

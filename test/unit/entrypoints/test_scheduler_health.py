@@ -176,6 +176,31 @@ def _wait(cond, what, timeout=10.0):
         time.sleep(0.01)
 
 
+def test_events_from_two_threads_do_not_interleave():
+    """Continuous batching: a finishing request's ``generation_left`` comes from the engine's
+    compute thread while the scheduler's thread may be inside another event. Here it is sent
+    while ``generations_joined`` of the same future is half done (reading the step count): it
+    must wait for that event to end, so the left generation is not counted as running after."""
+    f, other = Future(), Future()
+    joining = threading.Event()
+    left = threading.Thread(target=lambda: monitor.generation_left(f))
+
+    def steps():  # inside generations_joined: the other thread's event runs or waits now
+        if joining.is_set() and left.ident is None:
+            left.start()
+            left.join(timeout=0.3)  # returns at once unless the monitor makes it wait
+        return 5
+
+    monitor = HealthMonitor(10.0, steps=steps, clock=Clock())
+    monitor.task_started("generate", [other])
+    joining.set()
+    monitor.generations_joined([f], rows=2)
+    left.join(timeout=5)
+    assert not left.is_alive()
+    assert monitor.steps_done_for(f) is None  # it left after it joined
+    assert monitor.steps_done_for(other) == 0.0
+
+
 def test_scheduler_tells_its_monitor():
     engine = FakeEngine()
     sched = Scheduler(engine, 1, stall_timeout_s=0.2, idle_check_s=0.05)

@@ -11,14 +11,19 @@ Progress is a task starting or ending, or a denoising step ending (when the engi
 so a long generation is not taken for a hung call; work arriving while nothing was pending starts
 the stall clock afresh.
 
-Each field is written by one event at a time (the scheduler calls the events from its thread, or
-under its lock) and read from any thread (the HTTP handlers); every update is one assignment.
+Events come from more than one thread: the scheduler's loop, and in continuous batching the
+``on_done`` callback of a finishing request (``generation_left`` / ``generation_finished``), which
+the engine calls from its compute thread outside the scheduler's lock; answers are asked from the
+HTTP handlers' threads. Every event and every answer runs under the monitor's own lock (a re-entrant one, as
+answers call one another), so each sees and leaves the fields consistent: an event never
+interleaves with another or with an answer.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -60,114 +65,131 @@ class HealthMonitor:
         self._avg_generation_s: float | None = None
         self._dead_reason: str | None = None
         self._shutting_down = False
+        self._lock = threading.RLock()  # every event and answer (module docstring)
 
     # ------------------------------------------------------------------ events
     def queue_changed(self, queued: int, waiting_generations: int) -> None:
         """The queue now holds ``queued`` tasks, ``waiting_generations`` of them generations.
         Work arriving while nothing was pending starts the stall clock."""
-        if queued and not self._queued and self._running is None:
-            self._progress_at = self._clock()
-        self._queued, self._waiting_generations = queued, waiting_generations
+        with self._lock:
+            if queued and not self._queued and self._running is None:
+                self._progress_at = self._clock()
+            self._queued, self._waiting_generations = queued, waiting_generations
 
     def task_started(self, kind: str, generations: Sequence[Future] = ()) -> None:
         """A task of ``kind`` (``"generate"`` or an engine method) started; ``generations`` are
         the futures of the generations it runs (a batch shares one denoising loop)."""
-        steps = self._engine_steps()
-        self._running_gens = {id(f): (steps, len(generations)) for f in generations}
-        self._running = kind
-        self._progress_at = self._clock()
+        with self._lock:
+            steps = self._engine_steps()
+            self._running_gens = {id(f): (steps, len(generations)) for f in generations}
+            self._running = kind
+            self._progress_at = self._clock()
 
     def generations_joined(self, generations: Sequence[Future], rows: int) -> None:
         """``generations`` joined the running denoising loop (continuous batching), which now
         runs ``rows`` generations."""
-        steps = self._engine_steps()
-        for f in generations:
-            self._running_gens[id(f)] = (steps, rows)
-        self._progress_at = self._clock()
+        with self._lock:
+            steps = self._engine_steps()
+            for f in generations:
+                self._running_gens[id(f)] = (steps, rows)
+            self._progress_at = self._clock()
 
     def generation_left(self, generation: Future) -> None:
         """A generation of the running denoising loop was answered while the loop goes on."""
-        self._running_gens.pop(id(generation), None)
+        with self._lock:
+            self._running_gens.pop(id(generation), None)
 
     def task_finished(self) -> None:
         """The running task finished (with a result or an error)."""
-        self._running_gens = {}
-        self._running = None
-        self._progress_at = self._clock()
+        with self._lock:
+            self._running_gens = {}
+            self._running = None
+            self._progress_at = self._clock()
 
     def generation_finished(self, run_s: float) -> None:
         """A generation (or a batch of them) took ``run_s`` seconds of engine time."""
-        avg = self._avg_generation_s
-        self._avg_generation_s = run_s if avg is None else 0.8 * avg + 0.2 * run_s
+        with self._lock:
+            avg = self._avg_generation_s
+            self._avg_generation_s = run_s if avg is None else 0.8 * avg + 0.2 * run_s
 
     def engine_died(self, reason: str) -> bool:
         """The engine cannot serve any more. Returns whether this is the first such news (the
         first reason is kept)."""
-        if self._dead_reason is not None:
-            return False
-        self._dead_reason = reason
-        return True
+        with self._lock:
+            if self._dead_reason is not None:
+                return False
+            self._dead_reason = reason
+            return True
 
     def shutdown_began(self) -> None:
         """The server accepts no new work from now on."""
-        self._shutting_down = True
+        with self._lock:
+            self._shutting_down = True
 
     # ------------------------------------------------------------------ answers
     @property
     def dead_reason(self) -> str | None:
         """Why the engine is dead, or ``None``."""
-        return self._dead_reason
+        with self._lock:
+            return self._dead_reason
 
     @property
     def pending(self) -> bool:
         """Whether a task runs or waits."""
-        return self._running is not None or self._queued > 0
+        with self._lock:
+            return self._running is not None or self._queued > 0
 
     def stalled_s(self) -> float:
         """Seconds without progress while work is pending; 0 when nothing is pending. A step
         the engine finished since the last look counts as progress now."""
-        if not self.pending:
-            return 0.0
-        self._note_engine_steps()
-        return max(0.0, self._clock() - self._progress_at)
+        with self._lock:
+            if not self.pending:
+                return 0.0
+            self._note_engine_steps()
+            return max(0.0, self._clock() - self._progress_at)
 
     def stalled(self) -> bool:
         """Whether :meth:`stalled_s` is past the stall timeout."""
-        return self.stall_timeout_s is not None and self.stalled_s() > self.stall_timeout_s
+        with self._lock:
+            return self.stall_timeout_s is not None and self.stalled_s() > self.stall_timeout_s
 
     def healthy(self) -> bool:
         """Not dead, not shutting down, not stalled (the engine's own liveness is asked by the
         scheduler, which reports a death through :meth:`engine_died`)."""
-        return self._dead_reason is None and not self._shutting_down and not self.stalled()
+        with self._lock:
+            return self._dead_reason is None and not self._shutting_down and not self.stalled()
 
     def unhealthy_reason(self) -> str | None:
         """Why :meth:`healthy` is false (``None`` when it is not)."""
-        if self._dead_reason is not None:
-            return self._dead_reason
-        if self._shutting_down:
-            return "the server is shutting down"
-        if self.stalled():
-            return (
-                f"the engine has made no progress for {self.stalled_s():.0f} s while work is "
-                f"pending (running: {self._running or 'nothing'}; {self._queued} waiting)"
-            )
-        return None
+        with self._lock:
+            if self._dead_reason is not None:
+                return self._dead_reason
+            if self._shutting_down:
+                return "the server is shutting down"
+            if self.stalled():
+                return (
+                    f"the engine has made no progress for {self.stalled_s():.0f} s while work is "
+                    f"pending (running: {self._running or 'nothing'}; {self._queued} waiting)"
+                )
+            return None
 
     def retry_after_s(self) -> int:
         """A guess of when a slot frees up: the mean generation time x waiting generations,
         clamped to 1..60 s."""
-        avg = self._avg_generation_s or 1.0
-        return int(min(60, max(1, math.ceil(avg * max(1, self._waiting_generations)))))
+        with self._lock:
+            avg = self._avg_generation_s or 1.0
+            return int(min(60, max(1, math.ceil(avg * max(1, self._waiting_generations)))))
 
     def steps_done_for(self, future: Future) -> float | None:
         """Denoising steps a running generation has finished (``None``: not running, or the
         engine does not count steps). The rows of a batch step together, so each gets its
         share of the engine's count (a video job's ``progress``)."""
-        start, rows = self._running_gens.get(id(future), (None, 1))
-        if start is None:
-            return None
-        now = self._engine_steps()
-        return None if now is None else max(0, now - start) / rows
+        with self._lock:
+            start, rows = self._running_gens.get(id(future), (None, 1))
+            if start is None:
+                return None
+            now = self._engine_steps()
+            return None if now is None else max(0, now - start) / rows
 
     # ------------------------------------------------------------------ internals
     def _engine_steps(self) -> int | None:
