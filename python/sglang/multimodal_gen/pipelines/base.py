@@ -714,6 +714,8 @@ class StagedPipeline:
         scheduler, timesteps = self.prepare_timesteps(g, latents)
         check_schedule(scheduler, timesteps, p.num_inference_steps)
         latents, timesteps = self.condition_latents(g, cond, latents, scheduler, timesteps)
+        if g.cache is not None:  # image-to-image at strength < 1 runs the last steps only
+            g.cache.num_steps = len(timesteps)
         show = sys.stderr.isatty() if progress is None else progress
         plan = [self.select_denoiser(i, t, g) for i, t in enumerate(timesteps)]
         names = {id(m): n for n, m in self.denoisers.items()}

@@ -74,8 +74,16 @@ class RequestCache:
         states: keyed by ``(sequence name, id(denoiser), branch context, LoRA composition)``.
         computed, skipped: DiT calls (per state) whose middle blocks ran / were skipped.
         blocks_computed, blocks_skipped: blocks run / skipped over those calls.
-        num_steps: the request's denoising steps (``num_inference_steps``; ``None``: unknown),
-            for the policies whose rule names the last step (TeaCache forces it).
+        num_steps: the request's denoising steps, for the policies whose rule names the last
+            step (TeaCache forces it) or the step count (MagCache's retention and resampled
+            ratios): ``num_inference_steps`` when the generation starts, then the steps the loop
+            runs once its timesteps are final (:meth:`~sglang.multimodal_gen.pipelines.base.
+            StagedPipeline.__call__`; image-to-image at ``strength`` < 1 runs fewer); ``None``:
+            unknown. The policies count DiT calls of a state against it: a sampler that calls
+            the DiT more than once per step (LTX-2's res_2s: two calls, three in a last step to
+            0) makes more calls than steps, so TeaCache's forced call is call ``num_steps - 1``,
+            not the last one, and MagCache's ratios (resampled to ``num_steps``) run out before
+            the calls do (``1.0`` past the list).
         calibration: what the server calibrated for the request's method (MagCache: the model's
             :class:`~sglang.multimodal_gen.layers.step_cache.mag_ratios.MagRatios`), or ``None``.
         report: further entries of :meth:`summary` a policy adds (MagCache's calibration mode:
