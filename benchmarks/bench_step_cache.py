@@ -13,6 +13,11 @@ own uncached run:
   ``cache_identifiers`` naming every transformer block (Flux: ``transformer_blocks.<i>``,
   ``single_transformer_blocks.<i>``; Z-Image: its main ``layers.<i>``), the computation the two
   share; our default ``residual`` target runs too (ours only);
+* ``magcache`` = diffusers' ``MagCacheConfig(threshold, mag_ratios, num_inference_steps)``
+  (other knobs at the defaults both share: ``max_skip_steps=3``, ``retention_ratio=0.2``), the
+  ratios measured once per model by our calibration mode (``magcache`` with ``calibrate=True``,
+  the uncached request's ratios, untimed) and handed to both sides: ours as a ratios file
+  (``mag_ratios``), diffusers' as the list;
 * ``teacache`` (no diffusers hook): ours only, the family's preset and one threshold.
 
 Reported per setting: steps computed / skipped (ours: the request's counts; diffusers: counted
@@ -32,6 +37,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -40,6 +46,7 @@ import time
 import numpy as np
 import torch
 from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
+from sglang.multimodal_gen.layers.step_cache.mag_ratios import MagRatios
 from sglang.multimodal_gen.models.families.tiny.flux import TINY_TRANSFORMER, build_flux_dir
 from sglang.multimodal_gen.models.families.tiny.zimage import (
     DEFAULT_TRANSFORMER,
@@ -56,11 +63,14 @@ SETTINGS = {
     "flux": [("fbcache", dict(threshold=t, **NO_LIMIT)) for t in (0.3, 0.5)],
     "zimage": [("fbcache", dict(threshold=t, **NO_LIMIT)) for t in (0.8, 1.0)],
 }
+#: model -> MagCache thresholds (the ratios file is added once calibrated: ``calibrate``)
+MAG_THRESHOLDS = {"flux": (0.06, 0.2), "zimage": (0.04, 0.2)}  # 0.2: our preset
 for _name in SETTINGS:
     SETTINGS[_name] += [
         ("taylorseer", dict(TAYLOR, target="output")),
         ("taylorseer", dict(warmup=3, interval=5, order=1, target="output")),
         ("taylorseer", dict(TAYLOR)),  # our default residual target: ours only
+        *(("magcache", dict(threshold=t)) for t in MAG_THRESHOLDS[_name]),
         ("teacache", {}),  # no diffusers hook: ours only (the family's threshold)
         ("teacache", dict(threshold=0.4)),
     ]
@@ -100,6 +110,31 @@ def ours(pipe, kw, method, knobs):
     return dt, _first_image(out), counts
 
 
+def calibrate(pipe, kw, path: str) -> list[float]:
+    """Our calibration run of ``pipe`` (``magcache`` with ``calibrate=True``: every step
+    computed) on the benchmark's request; its ratios are saved to ``path`` (the file ``magcache``
+    reads) and returned (one per step: the models have one state, Flux ``blocks/0/cond``,
+    Z-Image's batched CFG ``blocks/0/joint``).
+
+    Raises:
+        RuntimeError: the summary holds no ratios or more than one list.
+    """
+    pipe.enable_step_cache(StepCacheConfig.of("magcache", calibrate=True))
+    gens = []
+    new_generation = pipe.new_generation
+    pipe.new_generation = lambda *a, **k: gens.append(new_generation(*a, **k)) or gens[-1]
+    try:
+        pipe(PROMPT, generator=torch.Generator().manual_seed(42), output_type="np", **kw)
+    finally:
+        del pipe.new_generation
+    measured = gens[-1].cache.summary().get("mag_ratios") or {}
+    if len(measured) != 1:
+        raise RuntimeError(f"calibration: expected one list of ratios, got {list(measured)}")
+    [(key, ratios)] = measured.items()
+    MagRatios(kw["num_inference_steps"], {key: tuple(ratios)}).save(path)
+    return list(ratios)
+
+
 def _zimage_block_names() -> None:
     """diffusers 0.42.1's block hooks fetch ``hidden_states``; Z-Image's blocks call it ``x``
     (argument 0): register that mapping once."""
@@ -115,7 +150,7 @@ def diffusers_pipe(name, model_dir, method, knobs):
     """diffusers' pipeline on ``model_dir`` with the hook matching ``(method, knobs)`` (fresh
     states) and a list the hook's decisions are appended to (True: computed)."""
     import diffusers
-    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
     from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
     cls = diffusers.FluxPipeline if name == "flux" else diffusers.ZImagePipeline
@@ -130,27 +165,41 @@ def diffusers_pipe(name, model_dir, method, knobs):
             max_order=knobs["order"], taylor_factors_dtype=torch.float32,
             cache_identifiers=BLOCKS[name],
         )  # fmt: skip
+    elif method == "magcache":
+        with open(knobs["mag_ratios"]) as f:
+            saved = json.load(f)
+        [ratios] = saved["ratios"].values()
+        config = MagCacheConfig(threshold=knobs["threshold"], mag_ratios=ratios,
+                                num_inference_steps=saved["num_inference_steps"])  # fmt: skip
     else:
         return pipe
     if name == "flux":
         t.enable_cache(config)
     else:  # no enable_cache / cache_context on diffusers' Z-Image model: one context per call
-        from diffusers.hooks import apply_first_block_cache, apply_taylorseer_cache
+        from diffusers.hooks import (
+            apply_first_block_cache,
+            apply_mag_cache,
+            apply_taylorseer_cache,
+        )
 
-        apply = apply_first_block_cache if method == "fbcache" else apply_taylorseer_cache
+        apply = {"fbcache": apply_first_block_cache, "taylorseer": apply_taylorseer_cache,
+                 "magcache": apply_mag_cache}[method]  # fmt: skip
         apply(t, config)
         _set_cache_context(t, CacheContext("cond"))
     return pipe
 
 
 def _decision_spy():
-    """Record diffusers' FBCache and TaylorSeer decisions (the first hooked block's, per call)."""
+    """Record diffusers' FBCache, TaylorSeer and MagCache decisions (the first hooked block's,
+    per call)."""
     import diffusers.hooks.first_block_cache as fbc
+    import diffusers.hooks.mag_cache as mc
     import diffusers.hooks.taylorseer_cache as tsc
 
     seen: list[tuple[int, bool]] = []
     fb = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
     ts = tsc.TaylorSeerCacheHook._measure_should_compute
+    mag = mc.MagCacheHeadHook.new_forward
 
     def fb_spy(self, residual):
         out = fb(self, residual)
@@ -162,7 +211,13 @@ def _decision_spy():
         seen.append((id(self), bool(out[0])))
         return out
 
+    def mag_spy(self, module, *args, **kwargs):
+        out = mag(self, module, *args, **kwargs)
+        seen.append((id(self), bool(self.state_manager.get_state().should_compute)))
+        return out
+
     fbc.FBCHeadBlockHook._should_compute_remaining_blocks = fb_spy
+    mc.MagCacheHeadHook.new_forward = mag_spy
     tsc.TaylorSeerCacheHook._measure_should_compute = ts_spy
     return seen
 
@@ -204,10 +259,17 @@ def main() -> None:
     print("| model | method | knobs | steps computed / skipped: ours, diffusers | speed-up: ours, "
           "diffusers | PSNR vs uncached (dB): ours, diffusers | ours vs diffusers (dB) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
+    notes: list[str] = []  # printed after the table
     for name in ("flux", "zimage"):
         ours_pipe = (FluxPipeline if name == "flux" else ZImagePipeline).from_pretrained(dirs[name])
         kw = dict(kws[name], height=args.size, width=args.size, num_inference_steps=args.steps)
-        rows = [("none", {})] + SETTINGS[name]
+        path = os.path.join(root, f"{name}_magcache_ratios.json")
+        ratios = calibrate(ours_pipe, kw, path)
+        notes.append(f"{name} magcache ratios (ours, calibrated): "
+                     f"{', '.join(f'{r:.4f}' for r in ratios)}")  # fmt: skip
+        rows = [("none", {})] + [
+            (m, dict(k, mag_ratios=path) if m == "magcache" else k) for m, k in SETTINGS[name]
+        ]
         times: dict[tuple[int, str], list[float]] = {}
         px: dict[tuple[int, str], np.ndarray] = {}
         counts: dict[tuple[int, str], tuple[int, int]] = {}
@@ -218,7 +280,9 @@ def main() -> None:
             for i in order:
                 method, knobs = rows[i]
                 # diffusers has no residual target and no TeaCache hook: those rows run ours only
-                matched = method in ("none", "fbcache") or knobs.get("target") == "output"
+                matched = (
+                    method in ("none", "fbcache", "magcache") or knobs.get("target") == "output"
+                )
                 sides = ("ours", "diffusers") if matched else ("ours",)
                 for side in sides:
                     if side == "ours":
@@ -245,9 +309,10 @@ def main() -> None:
                 f", {psnr(px[i, 'diffusers'], px[0, 'diffusers']):.1f}" if has else ", --"
             )
             vs = f"{psnr(px[i, 'ours'], px[i, 'diffusers']):.1f}" if has else "--"
-            shown = {k: v for k, v in knobs.items() if k not in NO_LIMIT}
+            shown = {k: v for k, v in knobs.items() if k not in NO_LIMIT and k != "mag_ratios"}
             knob = ", ".join(f"{k} {v}" for k, v in shown.items()) or "-"
             print(f"| {name} | {method} | {knob} | {c} | {sp} | {p} | {vs} |", flush=True)
+    print("\n".join(notes))
 
 
 if __name__ == "__main__":
