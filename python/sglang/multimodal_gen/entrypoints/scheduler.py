@@ -444,6 +444,22 @@ class Scheduler:
             self._fail_all_locked(EngineDeadError(f"the engine is not available: {reason}"))
             self._cond.notify_all()
 
+    def _engine_alive(self) -> bool:
+        """``engine.is_alive()``; ``False`` when it raises."""
+        try:
+            return bool(self.engine.is_alive())
+        except Exception:
+            return False
+
+    def _mark_dead_if_down(self, e: BaseException, reason: str) -> None:
+        """After an engine call raised ``e``: mark the engine dead when ``e`` is an
+        :class:`EngineDeadError` (its message as the reason) or the engine says it is not alive
+        (``reason``)."""
+        if isinstance(e, EngineDeadError):
+            self._mark_dead(e.message)
+        elif not self._engine_alive():
+            self._mark_dead(reason)
+
     def _fail_all_locked(self, exc: Exception) -> None:
         while self._queue:
             task = self._queue.popleft()
@@ -516,11 +532,7 @@ class Scheduler:
             if batch is None:
                 if self._stop:
                     break
-                try:
-                    alive = bool(self.engine.is_alive())
-                except Exception:
-                    alive = False
-                if not alive:
+                if not self._engine_alive():
                     self._mark_dead("the engine reported that it is not alive")
                     break
                 continue
@@ -588,12 +600,7 @@ class Scheduler:
                 if t is not None and not t.future.done():
                     t.ended(time.perf_counter())
                     t.future.set_exception(e)
-            try:
-                alive = not isinstance(e, EngineDeadError) and bool(self.engine.is_alive())
-            except Exception:
-                alive = False
-            if not alive:
-                self._mark_dead(getattr(e, "message", None) or type(e).__name__)
+            self._mark_dead_if_down(e, getattr(e, "message", None) or type(e).__name__)
             return
         for t in session:  # an engine that skipped one: its caller must not wait forever
             if t is not None and not t.future.done():
@@ -639,12 +646,7 @@ class Scheduler:
             for t in tasks:
                 t.ended(time.perf_counter())
                 t.future.set_exception(e)
-            try:
-                alive = not isinstance(e, EngineDeadError) and bool(self.engine.is_alive())
-            except Exception:
-                alive = False
-            if not alive:
-                self._mark_dead(getattr(e, "message", None) or type(e).__name__)
+            self._mark_dead_if_down(e, getattr(e, "message", None) or type(e).__name__)
             return
         run_s = time.perf_counter() - start
         self.health.generation_finished(run_s)
@@ -673,15 +675,7 @@ class Scheduler:
         except BaseException as e:  # delivered to the waiting handler, which maps it
             task.ended(time.perf_counter())
             task.future.set_exception(e)
-            if isinstance(e, EngineDeadError):
-                self._mark_dead(e.message)
-            else:
-                try:
-                    alive = bool(self.engine.is_alive())
-                except Exception:
-                    alive = False
-                if not alive:
-                    self._mark_dead(f"{type(e).__name__} while running {task.kind}")
+            self._mark_dead_if_down(e, f"{type(e).__name__} while running {task.kind}")
             return
         end = time.perf_counter()
         task.ended(end)
