@@ -1,6 +1,6 @@
-"""TaylorSeer on the tiny Flux.1 [dev] and Z-Image: our pipeline equals diffusers' pipeline with diffusers'
-``TaylorSeerCacheConfig`` hook (diffusers 0.42.1) where the two do the same computation, and
-batched requests equal each alone.
+"""TaylorSeer on the tiny Flux.1 [dev] and Z-Image: our pipeline equals diffusers' pipeline with
+diffusers' ``TaylorSeerCacheConfig`` hook (diffusers 0.42.1) where the two do the same
+computation, and batched requests equal each alone.
 
 The same computation: our ``target="output"`` with ``Fn = Bn = 0`` extrapolates the output
 streams of the whole block sequence; diffusers with ``cache_identifiers`` naming every
