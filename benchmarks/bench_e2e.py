@@ -61,6 +61,7 @@ Usage:
     python benchmarks/bench_e2e.py [--family zimage|flux|wan|qwen-image|ltx2|hunyuan-video] [--gpu] [--repeats 5] [--steps N]
         [--size PX] [--compile] [--matmul-precision highest|high|medium]
         [--attention-backend auto|flash|efficient|cudnn|math]
+        [--cpu-gemm-backend auto|onednn|onednn-packed|blas]
 """
 
 from __future__ import annotations
@@ -616,6 +617,13 @@ def main(argv=None) -> int:
         default="auto",
         help="the SDPA kernel of our attention (--attention-backend of serve); diffusers: auto",
     )
+    ap.add_argument(
+        "--cpu-gemm-backend",
+        choices=("auto", "onednn", "onednn-packed", "blas"),
+        default="auto",
+        help="the CPU kernel of our linear layers (--cpu-gemm-backend of serve); diffusers: "
+        "F.linear (the BLAS for fp32)",
+    )
     args = ap.parse_args(argv)
     if args.family == "flux":
         cfg = dict(FLUX_GPU_CFG if args.gpu else FLUX_CPU_CFG)
@@ -652,6 +660,9 @@ def main(argv=None) -> int:
     from sglang.multimodal_gen.layers.attention import set_attention_backend
 
     set_attention_backend(args.attention_backend, cfg["device"])  # our attention() only
+    from sglang.multimodal_gen.layers.cpu_gemm import set_cpu_gemm_backend
+
+    print(f"cpu gemm backend: {set_cpu_gemm_backend(args.cpu_gemm_backend)}", file=sys.stderr)
     if args.compile:
         from sglang.multimodal_gen.runtime.placement import compile_blocks
 

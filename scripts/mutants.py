@@ -2006,7 +2006,7 @@ MUTANTS: list[Mutant] = [
     _m(
         "batch-invariant-short-inputs-unpadded",
         "layers/batch_invariant.py",
-        "return rows, head if head >= MIN_CPU_GEMM_ROWS else 0",
+        "return rows, head if head >= minimum else 0",
         "return rows, rows",
         ("test/unit/layers/test_batch_invariant.py",),
         why="1-3-row conditioning GEMMs run unpadded: a request's image changes in a batch",
@@ -2392,6 +2392,42 @@ MUTANTS: list[Mutant] = [
         ("test/integration/caching/test_cache_image_to_image.py",),
         why="image-to-image at strength 0.5: TeaCache waits for step n - 1, which never runs, "
         "so the last step run is skipped",
+    ),
+    # ------------------------------------------------------------------ CPU GEMM backend
+    _m(
+        "cpu-gemm-onednn-single-row-unpadded",
+        "layers/cpu_gemm.py",
+        'ROW_RULES = {"onednn": (1, 2), "onednn-packed": (1, 2), "blas": (4, 4)}',
+        'ROW_RULES = {"onednn": (1, 1), "onednn-packed": (1, 1), "blas": (4, 4)}',
+        ("test/unit/layers/test_batch_invariant.py",),
+        why="oneDNN's 1-row GEMV rounds differently: a request's conditioning changes in a batch",
+    ),
+    _m(
+        "cpu-gemm-packed-ignores-in-place-writes",
+        "layers/cpu_gemm.py",
+        "key = (weight.data_ptr(), weight._version)",
+        "key = (weight.data_ptr(), 0)",
+        ("test/unit/layers/test_cpu_gemm.py",),
+        ("-k", "packed_copy"),
+        why="a LoRA merged in place runs on the stale packed copy of the old weight",
+    ),
+    _m(
+        "cpu-gemm-load-keeps-packed-copy",
+        "layers/quantization/base.py",
+        "        self.packed.clear()\n        layer.load_output_rows(",
+        "        layer.load_output_rows(",
+        ("test/unit/layers/test_cpu_gemm.py",),
+        ("-k", "packed_copy"),
+        why="reloaded weights (written through .data) keep running on the old packed copy",
+    ),
+    _m(
+        "cpu-gemm-onednn-under-autograd",
+        "layers/cpu_gemm.py",
+        "        and not (\n            torch.is_grad_enabled()",
+        "        and (\n            torch.is_grad_enabled()",
+        ("test/unit/layers/test_cpu_gemm.py",),
+        ("-k", "record_gradients or exact_fp32"),
+        why="GEMMs that need gradients go to an operator without autograd",
     ),
 ]
 

@@ -374,6 +374,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         enable_torch_compile=args.enable_torch_compile,
         float32_matmul_precision=args.float32_matmul_precision,
+        cpu_gemm_backend=args.cpu_gemm_backend,
     )
     if run_follower_node(**job, **multinode):
         return 0  # a node without rank 0: it followed node 0, which wrote the output

@@ -13,7 +13,8 @@ from PIL import Image
 from sglang.multimodal_gen.image_inputs import InputImage
 from sglang.multimodal_gen.pipelines.zimage import ZImagePipeline
 
-# Measured (fp32, CPU): image-to-image identical pixels (inf dB); inpainting under CFG 84.8 dB
+# Measured (fp32, CPU): image-to-image identical pixels with `--cpu-gemm-backend blas` (inf dB;
+# 87.8 dB with the default oneDNN GEMM, which sums in another order); inpainting under CFG 84.8 dB
 # (the starting latents are bit-identical; the DiT's float order under CFG moves the latents by
 # ~1e-6 against the reference, as it does in image-to-image, and here tips a few pixels by one
 # level; inpainting without CFG: inf dB).
@@ -57,9 +58,9 @@ def test_image_to_image_matches_diffusers(zimage):
     assert got.shape == expected.shape == (1, 48, 64, 3)
     assert expected.std() > 10
     assert psnr(got, expected) >= MIN_PSNR
-    # the default strength is the reference's (0.6)
+    # the default strength is the reference's (0.6): the same pixels as strength=0.6
     assert ours.spec.defaults.strength == 0.6
-    assert psnr(_ours(ours, 5, image=img, **KW), expected) == float("inf")
+    assert psnr(_ours(ours, 5, image=img, **KW), got) == float("inf")
     # text alone, another image, another strength: far below
     assert psnr(_ours(ours, 5, **KW), expected) < FAR
     assert psnr(_ours(ours, 5, image=scene(64, 48, 2), strength=0.6, **KW), expected) < FAR

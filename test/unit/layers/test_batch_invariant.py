@@ -1,4 +1,5 @@
-"""A row's output does not depend on how many rows share the GEMM (CPU).
+"""A row's output does not depend on how many rows share the GEMM (CPU), under both CPU GEMM
+backends (oneDNN, the default, rounds a single row differently; the BLAS as below).
 
 The CPU BLAS rounds a row differently depending on the GEMM's row count (measured on an AMD EPYC
 VM at 2 threads: 1-3, 5-7 and 9-11 rows differ from the same rows of a 64-row GEMM by up to
@@ -7,19 +8,31 @@ VM at 2 threads: 1-3, 5-7 and 9-11 rows differ from the same rows of a 64-row GE
 change when its request joins a batch. ``layers.batch_invariant.linear_rows_invariant`` (used by
 ``ParallelLinear.apply_gemm`` and the LoRA paths) runs an input as its largest multiple of 4
 rows plus a zero-padded remainder (short inputs: padded whole to a multiple of 4, at least
-``MIN_CPU_GEMM_ROWS``). Reference: ``F.linear`` on 40 rows (a multiple of
-4, the form every input is reduced to), compared bit for bit.
+``MIN_CPU_GEMM_ROWS``). Reference: the backend's GEMM on 40 rows (a multiple of 4, the form
+every input is reduced to), compared bit for bit.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from sglang.multimodal_gen.layers import cpu_gemm
 from sglang.multimodal_gen.layers.batch_invariant import MIN_CPU_GEMM_ROWS
+from sglang.multimodal_gen.layers.cpu_gemm import cpu_linear
 from sglang.multimodal_gen.layers.linear import ColumnParallelLinear, ReplicatedLinear
 
+BACKENDS = ["onednn", "blas"] if cpu_gemm.onednn_available() else ["blas"]
 
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    before = cpu_gemm.cpu_gemm_backend()
+    cpu_gemm.set_cpu_gemm_backend(request.param)
+    yield request.param
+    cpu_gemm.set_cpu_gemm_backend(before)
+
+
+@pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("cls", [ReplicatedLinear, ColumnParallelLinear])
 @pytest.mark.parametrize("k,n", [(32, 96), (256, 1024), (1024, 384)])
 def test_short_inputs_equal_the_rows_of_a_tall_gemm(cls, k, n):
@@ -29,8 +42,8 @@ def test_short_inputs_equal_the_rows_of_a_tall_gemm(cls, k, n):
         layer.weight.copy_(torch.randn(n, k, generator=g))
         layer.bias.copy_(torch.randn(n, generator=g))
     x = torch.randn(40, k, generator=g)
-    tall = F.linear(x, layer.weight, layer.bias)
     with torch.no_grad():
+        tall = cpu_linear(x, layer.weight, layer.bias)
         for rows in (1, 2, 3, 5, 9, 15, 17, 18, 19, 21, 27):
             out, _ = layer(x[:rows])
             assert torch.equal(out, tall[:rows]), (rows, float((out - tall[:rows]).abs().max()))
@@ -38,6 +51,7 @@ def test_short_inputs_equal_the_rows_of_a_tall_gemm(cls, k, n):
             assert out3.shape == (rows, 1, n) and torch.equal(out3[:, 0], tall[:rows])
 
 
+@pytest.mark.usefixtures("backend")
 def test_lora_terms_of_short_inputs_equal_the_rows_of_a_tall_batch():
     """The LoRA GEMMs get the same padding: a layer fed one vector per image (Flux LoRAs often
     target the adaLN ``norm1.linear``) gives each image the same bits alone and in a batch,
@@ -69,9 +83,11 @@ def test_lora_terms_of_short_inputs_equal_the_rows_of_a_tall_batch():
             assert torch.equal(out, tall_rows[:rows]), rows
 
 
+@pytest.mark.usefixtures("backend")
 def test_rows_stay_invariant_when_the_blas_splits_rows_over_many_threads():
     """At 16 threads the BLAS also rounds 17-19 and 25-27 rows differently (measured); the
-    multiple-of-4 split keeps them equal to the rows of a taller GEMM."""
+    multiple-of-4 split keeps them equal to the rows of a taller GEMM (oneDNN: from 2 rows on
+    at any thread count, measured)."""
     layer = ReplicatedLinear(256, 1536, bias=True)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -82,7 +98,7 @@ def test_rows_stay_invariant_when_the_blas_splits_rows_over_many_threads():
     torch.set_num_threads(16)
     try:
         with torch.no_grad():
-            tall = F.linear(x, layer.weight, layer.bias)
+            tall = cpu_linear(x, layer.weight, layer.bias)
             for rows in (1, 2, 3, 6, 17, 18, 19, 25, 26, 27, 37):
                 out, _ = layer(x[:rows])
                 assert torch.equal(out, tall[:rows]), rows

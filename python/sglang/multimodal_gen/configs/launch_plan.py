@@ -270,5 +270,6 @@ def fingerprint(plan: LaunchPlan, runner_kwargs: Mapping, backend: str) -> dict:
         "attention_backend": runner_kwargs.get("attention_backend", "auto"),
         "enable_torch_compile": bool(runner_kwargs.get("enable_torch_compile")),
         "float32_matmul_precision": runner_kwargs.get("float32_matmul_precision", "highest"),
+        "cpu_gemm_backend": runner_kwargs.get("cpu_gemm_backend", "auto"),
         "weights": _weights_fingerprint(runner_kwargs.get("weights")),
     }

@@ -68,8 +68,11 @@ def check_float32_matmul_precision(value: str, name: str = "--float32-matmul-pre
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
-    """``--attention-backend``, ``--enable-torch-compile`` (SGLang's names) and
-    ``--float32-matmul-precision`` (``torch.set_float32_matmul_precision``'s values)."""
+    """``--attention-backend``, ``--enable-torch-compile`` (SGLang's names),
+    ``--float32-matmul-precision`` (``torch.set_float32_matmul_precision``'s values) and
+    ``--cpu-gemm-backend`` (``layers.cpu_gemm``)."""
+    from sglang.multimodal_gen.layers.cpu_gemm import CPU_GEMM_BACKENDS
+
     g = parser.add_argument_group("kernels")
     g.add_argument(
         "--attention-backend",
@@ -89,6 +92,15 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
         help="float32 GEMMs in every engine process: highest (full fp32, the default), high "
         "(TF32 where the hardware has it), medium (bfloat16 inputs, fp32 accumulation: AMX/"
         "AVX512-BF16 CPUs, GPUs); changes the numbers slightly (docs/benchmarks.md)",
+    )
+    g.add_argument(
+        "--cpu-gemm-backend",
+        default="auto",
+        choices=CPU_GEMM_BACKENDS,
+        help="fp32 linear layers on the CPU: onednn (oneDNN on the stored weights), "
+        "onednn-packed (on a pre-packed copy: fastest, a second copy of the weights), blas "
+        "(PyTorch's F.linear), auto (onednn on x86-64 where PyTorch has oneDNN, else blas); "
+        "exact fp32 in every case",
     )
 
 

@@ -196,6 +196,8 @@ class ServerArgs:
         enable_torch_compile: ``torch.compile`` the DiT blocks (``--enable-torch-compile``).
         float32_matmul_precision: ``torch.set_float32_matmul_precision`` in every engine process
             (``--float32-matmul-precision``: highest, high, medium).
+        cpu_gemm_backend: the kernel of fp32 linear layers on the CPU (``--cpu-gemm-backend``:
+            auto, onednn, onednn-packed, blas).
         lora_merge_cache_gb: bound of the LoRA merge cache per rank in GiB (``None``: 1).
         max_loaded_lora_gb: bound of the loaded LoRA adapters per rank in GiB (``None``: 8).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks CUDA when available.
@@ -269,6 +271,7 @@ class ServerArgs:
     attention_backend: str = "auto"
     enable_torch_compile: bool = False
     float32_matmul_precision: str = "highest"
+    cpu_gemm_backend: str = "auto"
     device: str | None = None
     dtype: str | None = None
     served_model_name: str | None = None
@@ -368,6 +371,9 @@ class ServerArgs:
         from sglang.multimodal_gen.configs.parallel import check_float32_matmul_precision
 
         check_float32_matmul_precision(self.float32_matmul_precision)
+        from sglang.multimodal_gen.layers.cpu_gemm import check_cpu_gemm_backend
+
+        check_cpu_gemm_backend(self.cpu_gemm_backend)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if isinstance(self.api_key, (list, tuple)):
@@ -774,6 +780,7 @@ class ServerArgs:
             attention_backend=args.attention_backend,
             enable_torch_compile=bool(args.enable_torch_compile),
             float32_matmul_precision=args.float32_matmul_precision,
+            cpu_gemm_backend=getattr(args, "cpu_gemm_backend", "auto"),
             device=args.device,
             dtype=args.dtype,
             served_model_name=args.served_model_name,

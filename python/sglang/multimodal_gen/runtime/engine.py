@@ -23,6 +23,7 @@ from sglang.multimodal_gen.configs.sampling_params import RequestSpec, SamplingP
 from sglang.multimodal_gen.engine_ops import get_op
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.layers.attention import check_attention_backend
+from sglang.multimodal_gen.layers.cpu_gemm import check_cpu_gemm_backend
 from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
 from sglang.multimodal_gen.lora.requests import SetLoRAArgs, normalize_set_lora
 from sglang.multimodal_gen.runtime.error_transport import unpack_error
@@ -90,6 +91,8 @@ class DiffusionEngine:
         enable_torch_compile: ``torch.compile`` the DiT blocks (opt-in; compile time on first use).
         float32_matmul_precision: ``torch.set_float32_matmul_precision`` in the engine's
             processes (``highest``, ``high``, ``medium``); with TP 1 that is the calling process.
+        cpu_gemm_backend: the kernel of fp32 linear layers on the CPU in the engine's processes
+            (``auto``, ``onednn``, ``onednn-packed``, ``blas``: ``layers.cpu_gemm``).
         dit_cpu_offload: on CUDA keep the DiT weights in pinned host memory between calls
             (moved to the GPU for each call); ignored, with one log line, without a GPU.
         nnodes, node_rank, dist_init_addr, dist_timeout_s: multi-node launch (``--nnodes``,
@@ -127,6 +130,7 @@ class DiffusionEngine:
         attention_backend: str = "auto",
         enable_torch_compile: bool = False,
         float32_matmul_precision: str = "highest",
+        cpu_gemm_backend: str = "auto",
         nnodes: int = 1,
         node_rank: int = 0,
         dist_init_addr: str | None = None,
@@ -165,6 +169,7 @@ class DiffusionEngine:
         # so are bad kernel settings (the workers would refuse them only once started)
         check_attention_backend(attention_backend, device)
         check_float32_matmul_precision(float32_matmul_precision, "float32_matmul_precision")
+        check_cpu_gemm_backend(cpu_gemm_backend)
         self.device = device
         if dit_cpu_offload and torch.device(device).type != "cuda":
             logger.info("dit_cpu_offload has no effect without a GPU; ignored")
@@ -181,6 +186,7 @@ class DiffusionEngine:
             attention_backend=attention_backend,
             enable_torch_compile=bool(enable_torch_compile),
             float32_matmul_precision=float32_matmul_precision,
+            cpu_gemm_backend=cpu_gemm_backend,
             lora_merge_cache_gb=lora_merge_cache_gb,
             max_loaded_lora_gb=max_loaded_lora_gb,
             weights=weights,

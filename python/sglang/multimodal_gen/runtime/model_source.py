@@ -45,6 +45,7 @@ def job_kwargs(server_args) -> dict:
         attention_backend=server_args.attention_backend,
         enable_torch_compile=server_args.enable_torch_compile,
         float32_matmul_precision=getattr(server_args, "float32_matmul_precision", "highest"),
+        cpu_gemm_backend=getattr(server_args, "cpu_gemm_backend", "auto"),
     )
 
 

@@ -217,6 +217,7 @@ def run_follower_node(
     attention_backend: str = "auto",
     enable_torch_compile: bool = False,
     float32_matmul_precision: str = "highest",
+    cpu_gemm_backend: str = "auto",
     revision: str | None = None,
     transformer_path: str | None = None,
     transformer_weights_path: str | None = None,
@@ -260,8 +261,8 @@ def run_follower_node(
         model_path=model_path, dtype=dtype, lora_dirs=(), generator_device=None,
         dit_cpu_offload=bool(dit_cpu_offload), attention_backend=attention_backend,
         enable_torch_compile=bool(enable_torch_compile), device=device, layout=layout,
-        float32_matmul_precision=float32_matmul_precision, weights=weights,
-        step_cache=step_cache,
+        float32_matmul_precision=float32_matmul_precision, cpu_gemm_backend=cpu_gemm_backend,
+        weights=weights, step_cache=step_cache,
     )  # fmt: skip
     run_follower(plan, kwargs)
     return True

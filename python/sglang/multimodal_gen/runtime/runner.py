@@ -29,6 +29,7 @@ from sglang.multimodal_gen.configs.sampling_params import SamplingParams
 from sglang.multimodal_gen.distributed.parallel_state import ParallelLayout
 from sglang.multimodal_gen.engine_ops import LORA_CHANGE_OPS, get_op
 from sglang.multimodal_gen.errors import SGLangError
+from sglang.multimodal_gen.layers import cpu_gemm
 from sglang.multimodal_gen.layers.attention import set_attention_backend
 from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
 from sglang.multimodal_gen.lora.staging import UNCHANGED
@@ -106,6 +107,9 @@ class ModelRunner:
             first generation of each shape (and after a LoRA change) pays the compile time.
         float32_matmul_precision: ``torch.set_float32_matmul_precision`` for this process
             (``highest``, ``high``, ``medium``), set before the model is built.
+        cpu_gemm_backend: the kernel of fp32 linear layers on the CPU for this process
+            (``layers.cpu_gemm.set_cpu_gemm_backend``: ``auto``, ``onednn``,
+            ``onednn-packed``, ``blas``).
         dit_cpu_offload: on CUDA, keep the DiT weights in pinned host memory between commands
             (:class:`DiTOffloader`); ignored on other devices.
         lora_merge_cache_gb, max_loaded_lora_gb: LoRA memory bounds (:func:`build_lora_manager`).
@@ -129,6 +133,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         enable_torch_compile: bool = False,
         float32_matmul_precision: str = "highest",
+        cpu_gemm_backend: str = "auto",
         layout: ParallelLayout | None = None,
         lora_merge_cache_gb: float | None = None,
         max_loaded_lora_gb: float | None = None,
@@ -141,6 +146,7 @@ class ModelRunner:
         check_float32_matmul_precision(float32_matmul_precision, "float32_matmul_precision")
         # process-wide (torch has no narrower scope); worker processes each set their own
         torch.set_float32_matmul_precision(float32_matmul_precision)
+        cpu_gemm.set_cpu_gemm_backend(cpu_gemm_backend)  # process-wide as well
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.rank = tp_rank if rank is None else rank
@@ -236,6 +242,7 @@ class ModelRunner:
             # how the primary transformer's weights are stored ("modelopt fp8", "online fp8"...)
             "quantization": getattr(self.pipeline.transformer, "quantization", None),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cpu_gemm_backend": cpu_gemm.cpu_gemm_backend(),
             "lora_targets": list(self.lora_manager.target_names),
         }
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from sglang.multimodal_gen.layers.batch_invariant import linear_rows_invariant
+from sglang.multimodal_gen.layers.cpu_gemm import PackedWeight
 
 # the layer (layers.linear.ParallelLinear) imports this module: it is typed structurally here
 LinearLayer = nn.Module  # a layers.linear.ParallelLinear
@@ -108,7 +109,14 @@ class QuantizationMethod:
 
 class UnquantizedLinearMethod(QuantizationMethod):
     """A floating-point weight ``[out_local, in_local]`` in the layer's ``params_dtype``; the GEMM
-    is :func:`~sglang.multimodal_gen.layers.batch_invariant.linear_rows_invariant`."""
+    is :func:`~sglang.multimodal_gen.layers.batch_invariant.linear_rows_invariant`.
+
+    Each layer's method owns the oneDNN-packed copy of its weight that ``--cpu-gemm-backend
+    onednn-packed`` runs on (:class:`~sglang.multimodal_gen.layers.cpu_gemm.PackedWeight`: made
+    on first use, remade when the weight changes, dropped on every load)."""
+
+    def __init__(self) -> None:
+        self.packed = PackedWeight()
 
     def create_weights(self, layer, device):
         layer.weight = nn.Parameter(
@@ -135,14 +143,19 @@ class UnquantizedLinearMethod(QuantizationMethod):
                 "layer; is the checkpoint's quantization_config missing or does its 'ignore' "
                 "list name this module?)"
             )
+        self.packed.clear()
         layer.load_output_rows(param, loaded, shard_id, pre_sharded, col_unit=1, what="weight")
+
+    def process_weights_after_loading(self, layer):
+        self.packed.clear()
+        super().process_weights_after_loading(layer)
 
     def dequantize(self, layer, dtype):
         w = layer.weight
         return w if w.dtype == dtype else w.to(dtype)
 
     def apply(self, layer, x, bias):
-        return linear_rows_invariant(x, layer.weight, bias)
+        return linear_rows_invariant(x, layer.weight, bias, self.packed)
 
     def compute_dtype(self, layer):
         return layer.weight.dtype
