@@ -2060,8 +2060,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "continuous-join-only-when-drained",
         "pipelines/batching.py",
-        "if admit is not None and not asked and (ready or not self.active):",
-        "if admit is not None and not asked and not self.active:",
+        "        if not ready:\n            return False\n",
+        "        if True:\n            return False\n",
         ("test/unit/pipelines/test_batching.py",),
         why="a request arriving during a batch waits for all of it (request-level batching)",
     ),
@@ -2092,8 +2092,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "continuous-joiner-without-its-adapters",
         "runtime/runner.py",
-        "selections.append(self._selections([params])[0])",
-        "selections.append(None)",
+        "params, selection, cond = item, self._selections([item])[0], None",
+        "params, selection, cond = item, None, None",
         ("test/integration/batching/test_continuous_batching.py",),
         ("-k", "every_order"),
         why="a request that joins a running loop runs without its own lora composition",
@@ -2283,7 +2283,7 @@ MUTANTS: list[Mutant] = [
     _m(
         "continuous-with-experts-offloaded-one-at-a-time",
         "runtime/engine.py",
-        'return not getattr(ex.runner, "per_expert_offload", False)',
+        'return not self._executor.info.get("per_expert_offload", False)',
         "return True",
         ("test/unit/runtime/test_engine.py",),
         why="Wan2.2 A14B with --dit-cpu-offload runs requests of different step counts in one "
@@ -2428,6 +2428,33 @@ MUTANTS: list[Mutant] = [
         ("test/unit/layers/test_cpu_gemm.py",),
         ("-k", "record_gradients or exact_fp32"),
         why="GEMMs that need gradients go to an operator without autograd",
+    ),
+    # ------------------------------------------------------------------ continuous batching, TP
+    _m(
+        "continuous-tp-admit-at-rank0-only-boundaries",
+        "pipelines/batching.py",
+        "        return self.shared is None or any(",
+        "        return True or any(",
+        ("test/integration/batching/test_continuous_batching_tp.py",),
+        why="ranks ask for joins at different boundaries (rank 0's encode/decode steps): they "
+        "admit at different steps and the collectives diverge",
+    ),
+    _m(
+        "continuous-tp-joiner-encodes-inside-the-loop",
+        "runtime/runner.py",
+        "conditioning=conds.pop(i, None),",
+        "conditioning=None,",
+        ("test/integration/batching/test_continuous_batching_tp.py",),
+        why="rank 0 encodes a joining prompt in a step shared with the others' DiT collectives, "
+        "which the other ranks cannot run before the prompt's broadcast",
+    ),
+    _m(
+        "continuous-tp-each-rank-selects",
+        "runtime/worker.py",
+        "items.append((params, sel, cond))",
+        "items.append(params)",
+        ("test/integration/batching/test_continuous_batching_tp.py",),
+        why="every rank selects a joining request's adapters itself (rank 0 must, and send them)",
     ),
 ]
 

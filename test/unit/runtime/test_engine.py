@@ -1,4 +1,5 @@
-"""``runtime/engine.py``: when an engine offers continuous batching.
+"""``runtime/engine.py``: when an engine offers continuous batching (in one process and with
+worker processes alike).
 
 A continuous loop (``DiffusionEngine.generate_continuous``) takes requests of different step
 counts (the scheduler's join key leaves ``num_inference_steps`` out). A two-expert model whose
@@ -11,8 +12,6 @@ The engines here are built without a model: only the executor kind and the runne
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from sglang.multimodal_gen.runtime.engine import DiffusionEngine
 from sglang.multimodal_gen.runtime.executors import MultiprocExecutor, UniProcExecutor
@@ -21,7 +20,7 @@ from sglang.multimodal_gen.runtime.executors import MultiprocExecutor, UniProcEx
 def _engine(executor_cls, per_expert_offload: bool) -> DiffusionEngine:
     engine = object.__new__(DiffusionEngine)
     executor = object.__new__(executor_cls)
-    executor.runner = SimpleNamespace(per_expert_offload=per_expert_offload)
+    executor.info = {"per_expert_offload": per_expert_offload}  # the runner's model info
     engine._executor = executor
     return engine
 
@@ -31,10 +30,9 @@ def _engine(executor_cls, per_expert_offload: bool) -> DiffusionEngine:
     [
         (UniProcExecutor, False, True),  # one process, experts resident: joins and mixed steps
         (UniProcExecutor, True, False),  # experts offloaded one at a time: whole batches only
-        (MultiprocExecutor, False, False),  # worker processes: whole batches only
+        (MultiprocExecutor, False, True),  # worker processes: rank 0 decides, broadcasts
+        (MultiprocExecutor, True, False),
     ],
 )
-def test_continuous_batching_needs_one_process_and_resident_experts(
-    executor_cls, per_expert_offload, expected
-):
+def test_continuous_batching_needs_resident_experts(executor_cls, per_expert_offload, expected):
     assert _engine(executor_cls, per_expert_offload).continuous_batching is expected

@@ -575,6 +575,22 @@ class StagedPipeline:
             raise ValueError("the model directory has no scheduler")
         return type(sched).from_config(copy.deepcopy(dict(sched.config)))
 
+    def encode_for_join(self, params: SamplingParams, lora: Any = None) -> Any:
+        """Rank 0: the conditioning of a request that joins a running batch of several ranks
+        (its prompt encoding and input images, as :meth:`__call__` makes them, outside the
+        batch's rendezvous), or :class:`EncodingFailed`. Sent to every rank with the request
+        (``conditioning``), so joining costs no call on rank 0 alone inside the running loop:
+        such a call would share a step with the others' DiT calls, whose collectives the other
+        ranks could not run until they got the joining request's conditioning."""
+        g = self.new_generation(params, None, lora, None)
+        try:
+            cond = self._encode(g)
+            if g.params.image:
+                cond = {**cond, **self.encode_images(g)}
+            return cond
+        except Exception as e:
+            return EncodingFailed(f"{type(e).__name__}: {e}")
+
     def broadcast_conditioning(self, cond: dict[str, Any] | None) -> dict[str, Any]:
         """Rank 0's conditioning on every rank (on this rank's device; identity in one process)."""
         return broadcast_tensors_cpu(cond, src=0, device=self.device)
@@ -661,6 +677,7 @@ class StagedPipeline:
         output_type: str = "pil",
         progress: bool | None = None,
         step_callback: Callable[[int, float], None] | None = None,
+        conditioning: dict[str, Any] | EncodingFailed | None = None,
         **fields: Any,
     ):
         """Generate ``num_outputs_per_prompt`` images (or videos) for one request.
@@ -679,6 +696,9 @@ class StagedPipeline:
                 pixel types.
             progress: tqdm bar over steps (default: when stderr is a terminal).
             step_callback: ``fn(step_index, seconds)`` after each step.
+            conditioning: rank 0's :meth:`encode_for_join` of this request, already on every
+                rank (a request joining a running batch of several ranks); ``None``: rank 0
+                encodes here and broadcasts.
             fields: request fields when ``params`` is a prompt string.
 
         Raises:
@@ -694,8 +714,8 @@ class StagedPipeline:
         g = self.new_generation(params, generator, lora, batch)
         p = g.params
 
-        cond, failure = None, None
-        if self.rank == 0:
+        cond, failure = conditioning, None
+        if self.rank == 0 and conditioning is None:
             try:
                 cond = self._encode(g)
                 if p.image:
@@ -704,7 +724,8 @@ class StagedPipeline:
                 failure, cond = e, EncodingFailed(f"{type(e).__name__}: {e}")
         # in a batch the broadcasts (collectives) take turns in request order on every rank
         with g.batch[0].prologue(g.batch[1]) if g.batch else contextlib.nullcontext():
-            cond = self.broadcast_conditioning(cond)
+            if conditioning is None:
+                cond = self.broadcast_conditioning(cond)
         if failure is not None:
             raise failure
         if isinstance(cond, EncodingFailed):

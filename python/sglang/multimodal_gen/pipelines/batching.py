@@ -76,9 +76,14 @@ class StepBatcher:
 
     Args:
         n: requests in the batch (request ``i`` is ``bodies[i]`` of :meth:`run`).
+        shared: with several ranks, the modules every rank calls (the denoisers): ``admit`` is
+            then asked only at the step boundaries where one of them is called (and when no
+            request is left), the boundaries every rank has in the same order; rank 0's own
+            calls (text encoding, decoding) make boundaries of their own that the other ranks
+            do not have. ``None`` (one process): at every boundary.
     """
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, shared: Sequence[Any] | None = None):
         lock = threading.Lock()
         self.cv = threading.Condition(lock)  # request threads: their call is done, turns
         self.ready = threading.Condition(lock)  # the executor: a step is complete
@@ -88,6 +93,7 @@ class StepBatcher:
         self.turn = 0  # the request whose prologue may run now
         self.prologued: set[int] = set()
         self.broken = False  # the executor left (interrupted): every wait and call fails
+        self.shared = None if shared is None else {id(m) for m in shared}
 
     def run(
         self,
@@ -119,7 +125,7 @@ class StepBatcher:
                 asked = False  # admit was asked at this step boundary
                 while True:
                     ready = self._step_ready_locked()
-                    if admit is not None and not asked and (ready or not self.active):
+                    if admit is not None and not asked and self._admits_now_locked(ready):
                         asked = True
                         self._admit_locked(admit, threads)
                     elif ready:
@@ -141,6 +147,16 @@ class StepBatcher:
             for t in threads:
                 if t.ident is not None:  # started
                     t.join()
+
+    def _admits_now_locked(self, ready: bool) -> bool:
+        """Whether this is a boundary where ``admit`` is asked (see ``shared``)."""
+        if not self.active:
+            return True
+        if not ready:
+            return False
+        return self.shared is None or any(
+            id(c.denoiser) in self.shared for c in self.pending.values()
+        )
 
     def _admit_locked(
         self,

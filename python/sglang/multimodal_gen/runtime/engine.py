@@ -324,17 +324,15 @@ class DiffusionEngine:
 
     @property
     def continuous_batching(self) -> bool:
-        """Whether :meth:`generate_continuous` can take requests into a running loop: an engine
-        in one process only. With worker processes every rank would have to learn of a join
-        at the same step (rank 0 deciding, the decision broadcast with the step); that is not
-        built, so such an engine batches whole requests only (:meth:`generate_batch`). Nor can
-        a model whose two experts are offloaded one at a time (``ModelRunner.
-        per_expert_offload``): a continuous loop mixes step counts, so its requests would switch
-        experts at different steps, each parking the expert another one still calls."""
-        ex = self._executor
-        if not isinstance(ex, UniProcExecutor):
-            return False
-        return not getattr(ex.runner, "per_expert_offload", False)
+        """Whether :meth:`generate_continuous` can take requests into a running loop: in one
+        process, and with worker processes (TP / SP / CFG ranks, on one node or several: rank 0
+        asks for joins at every step boundary and broadcasts them, so every rank admits the
+        same requests at the same step; :class:`~.worker.ContinuousLink`). Not a model whose
+        two experts are offloaded one at a time (``ModelRunner.per_expert_offload``, reported
+        in :attr:`model_info`): a continuous loop mixes step counts, so its requests would
+        switch experts at different steps, each parking the expert another one still calls;
+        such an engine batches whole requests only (:meth:`generate_batch`)."""
+        return not self._executor.info.get("per_expert_offload", False)
 
     def generate_continuous(
         self,
@@ -362,7 +360,9 @@ class DiffusionEngine:
             EngineDeadError: a worker died (requests not yet answered get no ``on_done``).
         """
         if not self.continuous_batching:
-            raise ValueError("continuous batching needs an engine in one process (TP 1)")
+            raise ValueError(
+                "continuous batching needs the DiT experts resident (no per-expert offload)"
+            )
         index_of: list[int] = []  # the runner's request index -> the caller's
         counted = [0]
 

@@ -17,7 +17,11 @@ One interface (:class:`Executor`), two executors (vLLM's names):
   when it fails on any rank, the ranks where it succeeded roll it back
   (:meth:`ModelRunner.execute` with ``agree``); if a rollback itself fails, the workers stop (the
   executor is dead) rather than serve from diverged weights. While idle, rank 0 broadcasts a
-  no-op every ``heartbeat_s`` so the other ranks' collectives never time out.
+  no-op every ``heartbeat_s`` so the other ranks' collectives never time out. A continuous
+  ``generate_batch`` (its ``admit`` / ``on_done`` callables stay in this process) is sent marked
+  ``continuous``; while it runs, rank 0 asks for joining requests at every step boundary and
+  reports each finished request, and :meth:`MultiprocExecutor.execute` answers and forwards
+  those messages (:class:`~sglang.multimodal_gen.runtime.worker.ContinuousLink`).
 
 Both are called by one caller at a time (the engine serializes its calls).
 """
@@ -180,16 +184,23 @@ class MultiprocExecutor:
         if self._closed:
             raise EngineDeadError("the engine has been shut down")
         self._in_call = True
+        admit, on_done = kwargs.pop("admit", None), kwargs.pop("on_done", None)
+        if admit is not None or on_done is not None:
+            kwargs = dict(kwargs, continuous=True)
+        sent = False
         try:
-            self.workers.cmd_q.put((op, kwargs))
             try:
-                _, ok, payload = self._wait_result()
-                while self._stale_results:  # answers of calls whose callers were interrupted
+                # first the answers of calls whose callers were interrupted (a continuous one
+                # still asking for joins gets none; its reports are dropped)
+                while self._stale_results:
+                    self._next_result(None, None)
                     self._stale_results -= 1
-                    _, ok, payload = self._wait_result()
+                self.workers.cmd_q.put((op, kwargs))
+                sent = True
+                _, ok, payload = self._next_result(admit, on_done)
             except (KeyboardInterrupt, SystemExit):
                 # the workers still finish this command: its answer is not the next call's
-                self._stale_results += 1
+                self._stale_results += int(sent)
                 raise
         finally:
             self._in_call = False
@@ -200,6 +211,27 @@ class MultiprocExecutor:
         if isinstance(exc, EngineDeadError):  # the workers stopped (LoRA state lost)
             self._dead = True
         raise exc
+
+    def _next_result(self, admit, on_done):
+        """The next ``("result", ok, payload)``, answering a continuous loop's ``admit``
+        questions (``admit(running)``'s requests, or none when it raised: the loop goes on) and
+        forwarding its ``done`` reports to ``on_done(index, (ok, payload))`` meanwhile."""
+        while True:
+            kind, ok, payload = self._wait_result()
+            if kind == "admit":
+                reqs = []
+                if admit is not None:
+                    try:
+                        reqs = list(admit(payload))
+                    except Exception:
+                        logger.exception("continuous batching: admit failed; nothing joins")
+                self.workers.cmd_q.put(("admitted", reqs))
+            elif kind == "done":
+                if on_done is not None:
+                    index, result = payload
+                    on_done(index, (ok, result))
+            else:
+                return kind, ok, payload
 
     def is_alive(self) -> bool:
         if self._closed or self._dead:

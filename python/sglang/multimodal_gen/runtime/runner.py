@@ -243,6 +243,8 @@ class ModelRunner:
             "quantization": getattr(self.pipeline.transformer, "quantization", None),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "cpu_gemm_backend": cpu_gemm.cpu_gemm_backend(),
+            # two experts offloaded one at a time: no continuous batching (engine)
+            "per_expert_offload": bool(self.per_expert_offload),
             "lora_targets": list(self.lora_manager.target_names),
         }
 
@@ -428,9 +430,14 @@ class ModelRunner:
 
         Args:
             selections: what rank 0 selected (:meth:`prepare`); ``None``: selected here.
-            admit: continuous batching (one process only: it is a callable): asked at every
-                step boundary with the number of requests running, returns the resolved requests
-                that join the loop now (numbered after ``reqs``, in the order given). Never
+            admit: continuous batching (a callable): asked at every step boundary with the
+                number of requests running, returns the resolved requests that join the loop now
+                (numbered after ``reqs``, in the order given), each a ``SamplingParams`` (its
+                adapters selected here) or a ``(params, selection, conditioning)`` triple from
+                rank 0 (a worker's :class:`~sglang.multimodal_gen.runtime.worker.ContinuousLink`:
+                the adapters selected as :meth:`prepare` does, the prompt encoded by
+                ``pipeline.encode_for_join``). With several ranks it is asked only at the
+                boundaries every rank has (``StepBatcher(shared=...)``). Never
                 asked while two experts are offloaded one at a time (``per_expert_offload``:
                 requests at different steps would want different experts on the device at
                 once); the waiting requests then run in the next batch.
@@ -460,7 +467,10 @@ class ModelRunner:
             if s is not None:
                 finish(i, s)
         live = [i for i in range(len(reqs)) if out[i] is None]
-        batcher = StepBatcher(len(live))
+        # with several ranks, joins happen at the boundaries every rank has (the DiT calls)
+        shared = list(self.pipeline.denoisers.values()) if self.layout.world_size > 1 else None
+        batcher = StepBatcher(len(live), shared=shared)
+        conds: dict[int, Any] = {}  # joined requests' conditioning from rank 0
 
         def run(i: int, slot: int) -> None:
             try:
@@ -469,6 +479,7 @@ class ModelRunner:
                         reqs[i],
                         lora=selections[i],
                         batch=(batcher, slot),
+                        conditioning=conds.pop(i, None),
                         **self._call_kwargs(False),
                     )
                 result = (True, images)
@@ -480,10 +491,16 @@ class ModelRunner:
             """The bodies of the requests ``admit`` gives now (a refused selection is answered
             at once and joins nothing)."""
             bodies = []
-            for params in admit(running):
+            for item in admit(running):
+                if isinstance(item, tuple):  # from rank 0: selection (None: no adapters), cond
+                    params, selection, cond = item
+                else:
+                    params, selection, cond = item, self._selections([item])[0], None
                 i = len(reqs)
                 reqs.append(params)
-                selections.append(self._selections([params])[0])
+                selections.append(selection)
+                if cond is not None:
+                    conds[i] = cond
                 out.append(None)
                 if isinstance(selections[i], tuple):
                     finish(i, selections[i])

@@ -5,6 +5,13 @@ then loops: rank 0 takes the next command from the engine's queue (or a no-op he
 idle), reads the LoRA files it names, broadcasts it on the CPU control group, every rank executes
 it, and the outcomes are gathered so that an error on any rank reaches the caller with its type.
 Errors cross the process boundary as plain dicts (:mod:`.error_transport`).
+
+Continuous batching (a ``generate_batch`` command marked ``continuous``): at every step boundary of
+the loop rank 0 asks the engine for the requests that join now (``("admit", True, running)`` on
+the result queue, answered ``("admitted", requests)`` on the command queue), selects their
+adapters and broadcasts them, so every rank admits the same requests at the same step
+(:class:`ContinuousLink`); each finished request's result goes to the engine at once
+(``("done", ok, (index, payload))``), before the command's own ``("result", ...)``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from sglang.multimodal_gen.runtime.error_transport import first_error, pack_erro
 from sglang.multimodal_gen.runtime.runner import ModelRunner
 
 __all__ = [
+    "ContinuousLink",
     "exit_with_parent",
     "quiet_library_progress_bars",
     "tp_worker_main",
@@ -162,16 +170,69 @@ def tp_worker_main(
         shutdown_worker()
 
 
+class ContinuousLink:
+    """The ``admit`` and ``on_done`` of one continuous ``generate_batch`` on one rank
+    (:meth:`ModelRunner.cmd_generate_batch`), called on the loop's executor thread.
+
+    Rank 0 asks the engine (the result queue out, the command queue back) and broadcasts what
+    it got with rank 0's adapter selections; the other ranks receive the broadcast, so every rank
+    admits the same requests at the same step boundary (the loop asks once per boundary on
+    every rank: the boundaries follow the requests, which are the same everywhere). A message
+    other than ``admitted`` on the command queue (``shutdown``, or the next command of an engine
+    whose caller was interrupted) admits nothing and is kept in :attr:`held` for the command
+    loop to run next.
+
+    Attributes:
+        held: the command that arrived instead of an answer (``None``: none).
+    """
+
+    def __init__(self, rank: int, runner, cmd_q, res_q, broadcast):
+        self.rank, self.runner = rank, runner
+        self.cmd_q, self.res_q, self.broadcast = cmd_q, res_q, broadcast
+        self.held = None
+
+    def admit(self, running: int) -> list:
+        """The ``(params, selection, conditioning)`` triples that join now, the same on every
+        rank: rank 0 selects the adapters and encodes the prompt
+        (``pipeline.encode_for_join``; a refused selection is not encoded)."""
+        items = None
+        if self.rank == 0:
+            items = []
+            if self.held is None:
+                self.res_q.put(("admit", True, running))
+                msg = self.cmd_q.get()
+                if msg[0] == "admitted":
+                    reqs = list(msg[1])
+                    for params, sel in zip(reqs, self.runner._selections(reqs)):
+                        refused = isinstance(sel, tuple)
+                        cond = (
+                            None if refused else self.runner.pipeline.encode_for_join(params, sel)
+                        )
+                        items.append((params, sel, cond))
+                else:
+                    self.held = msg
+        return self.broadcast(items)
+
+    def on_done(self, index: int, result: tuple) -> None:
+        """Request ``index`` finished: rank 0 sends its ``(ok, payload)`` to the engine."""
+        if self.rank == 0:
+            self.res_q.put(("done", result[0], (index, result[1])))
+
+
 def _follow_commands(rank, runner, cmd_q, res_q, heartbeat_s, gather):
     """The command loop of every rank; returns ``None`` after ``shutdown``, or the
     ``(rank, error)`` that stopped the workers (a failed LoRA rollback)."""
     from sglang.multimodal_gen.distributed import broadcast_object
+    from sglang.multimodal_gen.distributed.communication import broadcast_tensors_cpu
 
+    held = None  # a command that arrived during a continuous loop (ContinuousLink.held)
     while True:
         cmd = None
         if rank == 0:
             try:
-                cmd = cmd_q.get(timeout=heartbeat_s)
+                cmd, held = (
+                    (held, None) if held is not None else (cmd_q.get(timeout=heartbeat_s), None)
+                )
             except queue_mod.Empty:
                 cmd = ("noop", {})
             if cmd is not None and cmd[0] not in ("noop", "shutdown"):
@@ -184,6 +245,14 @@ def _follow_commands(rank, runner, cmd_q, res_q, heartbeat_s, gather):
         if cmd is None or cmd[0] == "shutdown":
             return None
         op, kwargs = cmd
+        link = None
+        if kwargs.get("continuous"):
+            device = runner.pipeline.device
+            link = ContinuousLink(
+                rank, runner, cmd_q, res_q, lambda o, d=device: broadcast_tensors_cpu(o, 0, d)
+            )
+            kwargs = dict(kwargs, admit=link.admit, on_done=link.on_done)
+            del kwargs["continuous"]
         decided: list = []
 
         def agree(exc, decided=decided):
@@ -213,6 +282,8 @@ def _follow_commands(rank, runner, cmd_q, res_q, heartbeat_s, gather):
                     )
                 ),
             )
+        if link is not None:
+            held = link.held
         if rank == 0 and op != "noop":
             res_q.put(("result", failed is None, failed if failed else out))
         if broken:

@@ -1,0 +1,85 @@
+"""Continuous batching with worker processes: TP 2 (two gloo workers, the shared
+``zimage_tp2_engine``).
+
+Rank 0 asks the engine for joining requests at every step boundary and broadcasts them with its
+adapter selections, so both ranks admit the same request at the same step (rank 1 of the shared
+engine refuses to select adapters itself: a join selected there would fail). The arrival is made
+at an exact point of the running loop with rank 0's step gate (``fixtures.tp_engine.step_gate``):
+the long request stops after its first step, the short one is queued, then the loop goes on.
+References: each request alone through ``engine.generate`` on the same engine (bar 45 dB as in
+``test_continuous_batching.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from fixtures.tiny_models import psnr
+from fixtures.tp_engine import step_gate
+from sglang.multimodal_gen.entrypoints.scheduler import Scheduler
+from sglang.multimodal_gen.runtime import SamplingParams
+
+MIN_PSNR = 45.0
+
+
+def _req(prompt, seed, steps, lora=None):
+    return SamplingParams(prompt=prompt, negative_prompt="blurry", seed=seed, height=32, width=32,
+                          num_inference_steps=steps, guidance_scale=3.0, lora=lora)  # fmt: skip
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def gate():
+    path = step_gate(os.getpid())
+    path.mkdir(exist_ok=True)
+    for name in ("arm", "reached", "go"):
+        (path / name).unlink(missing_ok=True)
+    yield path
+    (path / "go").touch()  # never leave rank 0 waiting
+    (path / "arm").unlink(missing_ok=True)
+
+
+def test_a_request_arriving_mid_batch_joins_the_tp_loop_and_leaves_first(
+    zimage_tp2_engine, gate, tiny_zimage_loras
+):
+    engine = zimage_tp2_engine
+    assert engine.continuous_batching
+    engine.set_lora(["a", "b"], list(tiny_zimage_loras))
+    engine.unset_lora()
+    long, short = _req("a red fox", 1, 8), _req("a boat at dusk", 2, 2, lora=[("a", 0.8)])
+    alone = [np.asarray(engine.generate(r)[0]) for r in (long, short)]
+    assert psnr(alone[0], alone[1]) < 35  # the two really differ
+    sched = Scheduler(engine, max_queue_size=8, max_batch_size=4)
+    sched.start()
+    try:
+        steps = engine._executor.steps_done
+        start = steps()
+        done_at: dict = {}
+        (gate / "arm").touch()
+        fut_long = sched.submit_generation(long)
+        fut_long.add_done_callback(lambda f: done_at.setdefault("long", steps() - start))
+        _wait_for(lambda: (gate / "reached").exists() or fut_long.done(), "the first step")
+        assert not fut_long.done(), fut_long.exception()
+        fut_short = sched.submit_generation(short)
+        fut_short.add_done_callback(lambda f: done_at.setdefault("short", steps() - start))
+        _wait_for(lambda: sched.queue_depth == 1, "the short request in the queue")
+        (gate / "go").touch()
+        got_short = np.asarray(fut_short.result(timeout=60)[0])
+        got_long = np.asarray(fut_long.result(timeout=60)[0])
+    finally:
+        (gate / "go").touch()
+        sched.stop(timeout=60)
+    # the short request (2 steps) joined the running loop: answered while the long one had
+    # steps left (request batching would have started it after the long one's 8 steps)
+    assert done_at["short"] < 10 and done_at["short"] < done_at["long"], done_at
+    assert psnr(got_long, alone[0]) >= MIN_PSNR
+    assert psnr(got_short, alone[1]) >= MIN_PSNR
