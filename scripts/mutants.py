@@ -1855,8 +1855,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "linear-cast-converts-quantized-storage",
         "layers/linear.py",
-        '        if self.quant_method.name == "unquantized":\n            return super()._apply(fn, recurse)',
-        "        if True:\n            return super()._apply(fn, recurse)",
+        '        if self.quant_method.name == "unquantized":\n            out = super()._apply(fn, recurse)',
+        "        if True:\n            out = super()._apply(fn, recurse)",
         ("test/unit/layers/linear/test_quantized_storage.py",),
         why="model.to(bf16) casts an FP8 weight and its fp32 scales: the layer is no longer quantized",
     ),
@@ -2421,6 +2421,25 @@ MUTANTS: list[Mutant] = [
         why="reloaded weights (written through .data) keep running on the old packed copy",
     ),
     _m(
+        "cpu-gemm-lora-swap-not-told",
+        "layers/lora/layer.py",
+        "            self.base_layer.weight_changed()  # no version counter moved\n",
+        "",
+        ("test/unit/layers/test_cpu_gemm.py",),
+        ("-k", "lora_merges"),
+        why="a LoRA merge swaps its weight in through .data: a packed copy of the previous weight "
+        "at a reused address would serve the new composition",
+    ),
+    _m(
+        "cpu-gemm-weight-changed-keeps-copy",
+        "layers/quantization/base.py",
+        "    def weight_changed(self, layer):\n        self.packed.clear()",
+        "    def weight_changed(self, layer):\n        pass",
+        ("test/unit/layers/test_cpu_gemm.py",),
+        ("-k", "old_address"),
+        why="a weight swapped in at the old address runs on the old packed copy",
+    ),
+    _m(
         "cpu-gemm-onednn-under-autograd",
         "layers/cpu_gemm.py",
         "        and not (\n            torch.is_grad_enabled()",
@@ -2447,6 +2466,16 @@ MUTANTS: list[Mutant] = [
         ("test/integration/batching/test_continuous_batching_tp.py",),
         why="rank 0 encodes a joining prompt in a step shared with the others' DiT collectives, "
         "which the other ranks cannot run before the prompt's broadcast",
+    ),
+    _m(
+        "continuous-tp-joiner-error-retyped",
+        "pipelines/base.py",
+        "            if cond.error is not None:  # rank 0",
+        "            if False:  # rank 0",
+        ("test/integration/batching/test_continuous_batching_tp.py",),
+        ("-k", "fail_alone"),
+        why="a joiner whose prompt the encoder rejects gets a RuntimeError (HTTP 500) instead of "
+        "the encoder's own error, as it would alone",
     ),
     _m(
         "continuous-tp-each-rank-selects",

@@ -25,6 +25,12 @@ if TEST_ROOT not in sys.path:
 #: each), run by ``scripts/test.sh --all`` (``pytest --extended``) and not by CI's default run,
 #: which must stay under 20 minutes on 2 cores. Node ids without the ``test/`` prefix.
 EXTENDED = {
+    # continuous batching under Ulysses 2 and CFG parallel 2 (engines of their own; the same
+    # rank-0 admission under TP 2 on the shared engine: [tp2])
+    "integration/batching/test_continuous_batching_tp.py::"
+    "test_a_request_arriving_mid_batch_joins_the_running_loop_and_leaves_first[ulysses2]",
+    "integration/batching/test_continuous_batching_tp.py::"
+    "test_a_request_arriving_mid_batch_joins_the_running_loop_and_leaves_first[cfg2]",
     # compiled blocks with LoRA: five families through the 20 LoRA states (the same check on Wan:
     # test_lora_changes_do_not_recompile[wan]; the mechanism on a toy block:
     # unit/layers/lora/test_layer.py::test_adapter_and_strength_changes_do_not_recompile),

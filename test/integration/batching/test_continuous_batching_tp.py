@@ -1,5 +1,5 @@
 """Continuous batching with worker processes: TP 2 (two gloo workers, the shared
-``zimage_tp2_engine``).
+``zimage_tp2_engine``), Ulysses 2 and CFG parallel 2 (engines of their own, extended tier).
 
 Rank 0 asks the engine for joining requests at every step boundary and broadcasts them with its
 adapter selections, so both ranks admit the same request at the same step (rank 1 of the shared
@@ -37,6 +37,23 @@ def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
+@pytest.fixture(params=["tp2", "ulysses2", "cfg2"])
+def parallel_engine(request, tiny_zimage_dir):
+    """A two-rank engine with the worker hook ``strict_ranks`` (its step gate, and rank 1
+    refusing to select adapters); TP 2 is the session's shared engine."""
+    if request.param == "tp2":
+        yield request.getfixturevalue("zimage_tp2_engine")
+        return
+    from fixtures.tp_engine import strict_ranks
+    from sglang.multimodal_gen.runtime import DiffusionEngine
+
+    layout = dict(ulysses_degree=2) if request.param == "ulysses2" else dict(cfg_degree=2)
+    with DiffusionEngine(
+        tiny_zimage_dir, device="cpu", _worker_setup=strict_ranks, **layout
+    ) as engine:
+        yield engine
+
+
 @pytest.fixture
 def gate():
     path = step_gate(os.getpid())
@@ -48,10 +65,10 @@ def gate():
     (path / "arm").unlink(missing_ok=True)
 
 
-def test_a_request_arriving_mid_batch_joins_the_tp_loop_and_leaves_first(
-    zimage_tp2_engine, gate, tiny_zimage_loras
+def test_a_request_arriving_mid_batch_joins_the_running_loop_and_leaves_first(
+    parallel_engine, gate, tiny_zimage_loras
 ):
-    engine = zimage_tp2_engine
+    engine = parallel_engine
     assert engine.continuous_batching
     engine.set_lora(["a", "b"], list(tiny_zimage_loras))
     engine.unset_lora()
@@ -83,3 +100,39 @@ def test_a_request_arriving_mid_batch_joins_the_tp_loop_and_leaves_first(
     assert done_at["short"] < 10 and done_at["short"] < done_at["long"], done_at
     assert psnr(got_long, alone[0]) >= MIN_PSNR
     assert psnr(got_short, alone[1]) >= MIN_PSNR
+
+
+def test_joiners_that_fail_fail_alone_with_their_own_error(zimage_tp2_engine):
+    """Under TP 2, requests joining at the first boundary (``generate_continuous`` directly:
+    the scheduler would not let a request with another ``cache`` join) that fail on rank 0 before
+    they run: a prompt rank 0's encoder rejects, a ``cache`` the server cannot honour (MagCache
+    without calibrated ratios: refused when the generation is set up). Each fails with the error
+    it gives alone, the running request finishes with its own image, and the engine serves on
+    (no rank left waiting in a broadcast)."""
+    from fixtures.tp_engine import BAD
+
+    engine = zimage_tp2_engine
+    long = _req("a red fox", 1, 4)
+    bad = [
+        _req(f"a {BAD} prompt", 2, 2),
+        SamplingParams(prompt="a boat", seed=3, height=32, width=32, num_inference_steps=2,
+                       cache={"method": "magcache"}),
+    ]  # fmt: skip
+    alone_errors = []
+    for r in bad:
+        with pytest.raises(Exception) as info:
+            engine.generate(r)
+        alone_errors.append(info.value)
+    alone_long = np.asarray(engine.generate(long)[0])
+    asked, results = [], {}
+
+    def admit(running):
+        asked.append(running)
+        return bad if len(asked) == 1 else []
+
+    engine.generate_continuous([long], admit, lambda i, r: results.__setitem__(i, r))
+    assert sorted(results) == [0, 1, 2], results
+    for err, alone in zip((results[1], results[2]), alone_errors):
+        assert type(err) is type(alone) and str(err) == str(alone), (err, alone)
+    assert psnr(np.asarray(results[0][0]), alone_long) >= MIN_PSNR
+    assert np.asarray(engine.generate(_req("a boat", 3, 2))[0]).shape == (32, 32, 3)

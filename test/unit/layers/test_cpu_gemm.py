@@ -172,3 +172,87 @@ def test_the_flag_reaches_server_args_and_refuses_bad_values():
     assert parser.parse_args(["--cpu-gemm-backend", "blas"]).cpu_gemm_backend == "blas"
     with pytest.raises(SystemExit):
         parser.parse_args(["--cpu-gemm-backend", "mkl"])
+
+
+@needs_onednn
+def test_lora_merges_and_switches_drop_the_packed_copy(backend):
+    """A merge points the weight at the merged tensor through ``.data`` (no version counter
+    moves, and the merged tensor may reuse the address of one freed just before): the layer is
+    told (``ParallelLinear.weight_changed``), so every forward after a merge, an unmerge or a
+    switch to another merged adapter runs on the weight it holds (fp64 reference)."""
+    from fixtures.lora_layers import (
+        IN,
+        build_layer,
+        dense_reference,
+        full_weights,
+        load,
+        random_adapter,
+    )
+    from sglang.multimodal_gen.layers.lora import wrap_with_lora
+
+    backend("onednn-packed")
+    w, b = full_weights("replicated", 8)
+    layer = wrap_with_lora(load(build_layer("replicated"), w, b))
+    adapters = {n: random_adapter("replicated", s, ranks=(4,)) for n, s in (("a", 9), ("b", 10))}
+    for name, weights in adapters.items():
+        layer.add_adapter(name, weights)
+    told = []
+    changed = layer.base_layer.weight_changed
+    layer.base_layer.weight_changed = lambda: (told.append(1), changed())
+    x = torch.randn(6, IN, generator=torch.Generator().manual_seed(11))
+    for active in ([("a", 0.8)], [("b", 1.2)], [], [("a", -0.5), ("b", 0.7)], [("a", 0.8)]):
+        with torch.no_grad():
+            layer.set_active(active)
+            before = len(told)
+            layer.merge()
+            y, _ = layer(x)
+            layer.unmerge()
+            y_unmerged, _ = layer(x)
+        if active:  # a merge and an unmerge swapped storage: the layer was told each time
+            assert len(told) - before == 2, active
+        ref = dense_reference("replicated", w, b, x, [(adapters[n], s) for n, s in active])
+        assert _rel_err(y, ref) < 1e-5, active
+        assert _rel_err(y_unmerged, ref) < 1e-5, active
+
+
+@needs_onednn
+def test_a_weight_swapped_in_at_the_old_address_is_packed_again(backend):
+    """``weight_changed`` after a ``.data`` swap: the new tensor here is the old storage
+    rewritten through another alias (what a merged weight allocated where the previous one was
+    freed looks like: same address, the parameter's version counter unchanged)."""
+    backend("onednn-packed")
+    g = torch.Generator().manual_seed(12)
+    layer = ReplicatedLinear(32, 48, bias=False)
+    buf = torch.randn(48, 32, generator=g)
+    x = torch.randn(5, 32, generator=g)
+    with torch.no_grad():
+        layer.weight.data = buf
+        layer.weight_changed()
+        layer(x)  # packs buf
+        buf.copy_(torch.randn(48, 32, generator=g))  # the parameter's counter does not move
+        layer.weight.data = buf
+        layer.weight_changed()
+        y, _ = layer(x)
+    assert _rel_err(y, x.double() @ buf.double().T) < 5e-6
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", ["onednn", "onednn-packed"])
+def test_odd_layouts_equal_f_linear(backend, name):
+    """Whatever oneDNN cannot take as it is runs ``F.linear``: a strided, 0-d or expanded bias,
+    a weight with no output rows; inference-tensor weights (no version counter) run unpacked."""
+    backend(name)
+    g = torch.Generator().manual_seed(13)
+    x, w = torch.randn(7, 24, generator=g), torch.randn(10, 24, generator=g)
+    b2 = torch.randn(20, generator=g)
+    for bias in (b2[::2], torch.tensor(0.5), torch.tensor([0.25]).expand(10)):
+        torch.testing.assert_close(cpu_linear(x, w, bias), F.linear(x, w, bias))
+    assert cpu_linear(x, w[:0]).shape == (7, 0)
+    with torch.inference_mode():
+        w_inf = torch.randn(10, 24, generator=g)
+    p = PackedWeight()
+    assert p.get(w_inf) is w_inf and not p.packed
+    with torch.inference_mode():
+        layer = ReplicatedLinear(24, 10, bias=True)
+        y, _ = layer(x)
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)

@@ -58,9 +58,15 @@ ROW_RULES = {"onednn": (1, 2), "onednn-packed": (1, 2), "blas": (4, 4)}
 
 
 def onednn_available() -> bool:
-    """Whether this PyTorch build has oneDNN (``torch.backends.mkldnn``) on an x86-64 CPU."""
+    """Whether this PyTorch build has oneDNN (``torch.backends.mkldnn``) with its linear
+    operators, on an x86-64 CPU."""
     machine = platform.machine().lower()
-    return torch.backends.mkldnn.is_available() and machine in ("x86_64", "amd64")
+    return (
+        torch.backends.mkldnn.is_available()
+        and machine in ("x86_64", "amd64")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def check_cpu_gemm_backend(name: str) -> str:
@@ -114,13 +120,15 @@ class PackedWeight:
     layer's weight method.
 
     The copy is made on first use and remade when the weight is another tensor, points at other
-    storage (a LoRA merge swapping the merged weight in) or was written in place (its version
-    counter moved: ``copy_``, ``add_``); :meth:`clear` drops it (the loader calls it, as writes
-    through ``.data`` do not move the counter). It is never saved, copied or pickled: a copy of
-    the owner starts empty.
+    storage, or was written in place (its version counter moved: ``copy_``, ``add_``);
+    :meth:`clear` drops it. Writes and swaps through ``.data`` move no counter, and a swapped-in
+    tensor may sit at the address of one freed just before, so whoever does them clears it: the
+    loader, and a LoRA merge swapping its merged weight in
+    (``ParallelLinear.weight_changed``). It is never saved, copied or pickled: a copy of the
+    owner starts empty.
     """
 
-    __slots__ = ("_packed", "_ref", "_key")
+    __slots__ = ("_packed", "_ref", "_source", "_key")
 
     def __init__(self) -> None:
         self.clear()
@@ -129,14 +137,21 @@ class PackedWeight:
         """Forget the packed copy (the next :meth:`get` packs again)."""
         self._packed: torch.Tensor | None = None
         self._ref = None
+        self._source: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        """The packed form of ``weight`` (``[out, in]`` fp32 on the CPU), packing when stale."""
+        """The packed form of ``weight`` (``[out, in]`` fp32 on the CPU), packing when stale;
+        ``weight`` itself when it is an inference tensor (those keep no version counter, so a
+        write could not be seen: they run unpacked)."""
+        if weight.is_inference():
+            return weight
         key = (weight.data_ptr(), weight._version)
         if self._packed is None or self._ref() is not weight or self._key != key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-            self._ref, self._key = weakref.ref(weight), key
+            # the source storage is held until the next pack or clear: a tensor swapped in
+            # unannounced can then never sit at its address and pass for it
+            self._ref, self._source, self._key = weakref.ref(weight), weight.detach(), key
         return self._packed
 
     @property
@@ -179,8 +194,16 @@ def _uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and weight.dim() == 2
+        and weight.shape[0] > 0
         and x.shape[-1] > 0
-        and (bias is None or bias.dtype == torch.float32)
+        and (
+            bias is None
+            or (
+                bias.dtype == torch.float32
+                and bias.shape == weight.shape[:1]
+                and bias.is_contiguous()
+            )
+        )
         and _full_fp32_precision()
         and not (
             torch.is_grad_enabled()

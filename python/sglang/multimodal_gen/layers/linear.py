@@ -332,7 +332,9 @@ class ParallelLinear(nn.Module):
         A cast changes the compute dtype (``params_dtype``) and the bias instead; unquantized
         layers follow ``fn`` as usual."""
         if self.quant_method.name == "unquantized":
-            return super()._apply(fn, recurse)
+            out = super()._apply(fn, recurse)
+            self.weight_changed()  # moved or cast through .data: nothing derived stays valid
+            return out
         probe = fn(torch.empty(0, dtype=self.params_dtype, device=self.weight.device))
         stores = (self._parameters, self._buffers)
         orders = [list(store) for store in stores]
@@ -359,6 +361,14 @@ class ParallelLinear(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Let the quantization method finish its tensors once the checkpoint is loaded."""
         self.quant_method.process_weights_after_loading(self)
+
+    def weight_changed(self) -> None:
+        """Say that the weight was replaced or written outside the loaders (a LoRA merge
+        swapping the merged weight in through ``.data``): the method drops what it derived from
+        the old one (the CPU GEMM's packed copy). In-place writes need no call (the version
+        counter tells), a ``.data`` swap does: it moves no counter, and the new storage may
+        reuse the old one's address."""
+        self.quant_method.weight_changed(self)
 
     @property
     def dtype(self) -> torch.dtype:

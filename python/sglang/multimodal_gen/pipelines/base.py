@@ -581,15 +581,17 @@ class StagedPipeline:
         batch's rendezvous), or :class:`EncodingFailed`. Sent to every rank with the request
         (``conditioning``), so joining costs no call on rank 0 alone inside the running loop:
         such a call would share a step with the others' DiT calls, whose collectives the other
-        ranks could not run until they got the joining request's conditioning."""
-        g = self.new_generation(params, None, lora, None)
+        ranks could not run until they got the joining request's conditioning. Never raises:
+        a failure (a bad field, a prompt the encoder rejects) is the :class:`EncodingFailed`
+        every rank fails the request with (rank 0 with the exception itself)."""
         try:
+            g = self.new_generation(params, None, lora, None)
             cond = self._encode(g)
             if g.params.image:
                 cond = {**cond, **self.encode_images(g)}
             return cond
         except Exception as e:
-            return EncodingFailed(f"{type(e).__name__}: {e}")
+            return EncodingFailed(f"{type(e).__name__}: {e}", error=e)
 
     def broadcast_conditioning(self, cond: dict[str, Any] | None) -> dict[str, Any]:
         """Rank 0's conditioning on every rank (on this rank's device; identity in one process)."""
@@ -729,6 +731,8 @@ class StagedPipeline:
         if failure is not None:
             raise failure
         if isinstance(cond, EncodingFailed):
+            if cond.error is not None:  # rank 0, a joining request: the encoder's own error
+                raise cond.error
             raise RuntimeError(f"rank 0 could not encode the prompt: {cond.message}")
         cond = self.prepare_conditioning(g, cond)
         latents = self.prepare_latents(g, cond)

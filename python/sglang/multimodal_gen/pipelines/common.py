@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -90,9 +90,19 @@ def check_schedule(scheduler: Any, timesteps: torch.Tensor, num_inference_steps:
 @dataclass(frozen=True)
 class EncodingFailed:
     """What rank 0 broadcasts instead of the conditioning when encoding a request failed, so
-    that every rank fails that request (and leaves the broadcast) instead of waiting forever."""
+    that every rank fails that request (and leaves the broadcast) instead of waiting forever.
+
+    Attributes:
+        message: ``"Type: text"`` of the error, for the other ranks.
+        error: the exception itself, on rank 0 only (not sent: a copy arrives without it), so
+            rank 0 fails the request with it (its type decides the HTTP status).
+    """
 
     message: str
+    error: BaseException | None = field(default=None, compare=False)
+
+    def __reduce__(self):
+        return (EncodingFailed, (self.message,))
 
 
 @functools.cache

@@ -380,8 +380,9 @@ class DiffusionEngine:
             return ready
 
         def done(i: int, result: tuple) -> None:
-            ok, val = result
-            on_done(index_of[i], list(val) if ok else unpack_error(val))
+            ok, val = result[:2]  # worker processes add the reporting rank
+            rank = result[2] if len(result) > 2 else None
+            on_done(index_of[i], list(val) if ok else unpack_error(val, rank))
 
         first = resolved(reqs)
         self._call(

@@ -215,21 +215,26 @@ class MultiprocExecutor:
     def _next_result(self, admit, on_done):
         """The next ``("result", ok, payload)``, answering a continuous loop's ``admit``
         questions (``admit(running)``'s requests, or none when it raised: the loop goes on) and
-        forwarding its ``done`` reports to ``on_done(index, (ok, payload))`` meanwhile."""
+        forwarding its ``done`` reports to ``on_done(index, (ok, payload, 0))`` meanwhile (rank 0
+        reports: an error's message is prefixed ``rank 0:`` as a command's)."""
         while True:
             kind, ok, payload = self._wait_result()
-            if kind == "admit":
-                reqs = []
-                if admit is not None:
-                    try:
+            if kind == "admit":  # answered in every case: rank 0 waits for it
+                reqs: list = []
+                try:
+                    if admit is not None:
                         reqs = list(admit(payload))
-                    except Exception:
-                        logger.exception("continuous batching: admit failed; nothing joins")
-                self.workers.cmd_q.put(("admitted", reqs))
+                except Exception:
+                    logger.exception("continuous batching: admit failed; nothing joins")
+                finally:
+                    self.workers.cmd_q.put(("admitted", reqs))
             elif kind == "done":
                 if on_done is not None:
                     index, result = payload
-                    on_done(index, (ok, result))
+                    try:  # rank 0's outcome (an error says so, as a command's does)
+                        on_done(index, (ok, result, 0))
+                    except Exception:
+                        logger.exception("continuous batching: on_done(%d) failed", index)
             else:
                 return kind, ok, payload
 

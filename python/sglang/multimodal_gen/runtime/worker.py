@@ -16,6 +16,7 @@ adapters and broadcasts them, so every rank admits the same requests at the same
 
 from __future__ import annotations
 
+import logging
 import queue as queue_mod
 
 import torch
@@ -23,6 +24,8 @@ import torch
 from sglang.multimodal_gen.errors import EngineDeadError
 from sglang.multimodal_gen.runtime.error_transport import first_error, pack_error
 from sglang.multimodal_gen.runtime.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ContinuousLink",
@@ -186,32 +189,56 @@ class ContinuousLink:
         held: the command that arrived instead of an answer (``None``: none).
     """
 
-    def __init__(self, rank: int, runner, cmd_q, res_q, broadcast):
+    def __init__(self, rank: int, runner, cmd_q, res_q, broadcast, answer_timeout_s: float):
         self.rank, self.runner = rank, runner
         self.cmd_q, self.res_q, self.broadcast = cmd_q, res_q, broadcast
+        self.answer_timeout_s = answer_timeout_s
         self.held = None
+        self.awaiting = False  # a question the engine has not answered yet
 
     def admit(self, running: int) -> list:
         """The ``(params, selection, conditioning)`` triples that join now, the same on every
         rank: rank 0 selects the adapters and encodes the prompt
-        (``pipeline.encode_for_join``; a refused selection is not encoded)."""
+        (``pipeline.encode_for_join``; a refused selection is not encoded, a failed encoding
+        fails the request on every rank). Rank 0 always reaches the broadcast: an answer that
+        does not come within ``answer_timeout_s`` (an engine caller interrupted mid-loop) admits
+        nothing now and is read at the next boundary (an interrupted engine answers it with no
+        requests when it is next called)."""
         items = None
         if self.rank == 0:
             items = []
-            if self.held is None:
-                self.res_q.put(("admit", True, running))
-                msg = self.cmd_q.get()
-                if msg[0] == "admitted":
+            try:
+                msg = self._answer(running)
+                if msg is not None and msg[0] == "admitted":
                     reqs = list(msg[1])
                     for params, sel in zip(reqs, self.runner._selections(reqs)):
-                        refused = isinstance(sel, tuple)
-                        cond = (
-                            None if refused else self.runner.pipeline.encode_for_join(params, sel)
-                        )
+                        cond = None
+                        if not isinstance(sel, tuple):  # not refused: encode
+                            try:
+                                cond = self.runner.pipeline.encode_for_join(params, sel)
+                            except Exception as e:  # answered as refused, never dropped
+                                sel = (False, pack_error(e))
                         items.append((params, sel, cond))
-                else:
+                elif msg is not None:
                     self.held = msg
+            except Exception:  # never leave the other ranks waiting in the broadcast
+                logger.exception("continuous batching: admitting failed; nothing joins now")
         return self.broadcast(items)
+
+    def _answer(self, running: int):
+        """The engine's answer to this boundary's question (``None``: none in time, or a
+        command is held)."""
+        if self.held is not None:
+            return None
+        if not self.awaiting:
+            self.res_q.put(("admit", True, running))
+            self.awaiting = True
+        try:
+            msg = self.cmd_q.get(timeout=self.answer_timeout_s)
+        except queue_mod.Empty:
+            return None
+        self.awaiting = False
+        return msg
 
     def on_done(self, index: int, result: tuple) -> None:
         """Request ``index`` finished: rank 0 sends its ``(ok, payload)`` to the engine."""
@@ -235,6 +262,10 @@ def _follow_commands(rank, runner, cmd_q, res_q, heartbeat_s, gather):
                 )
             except queue_mod.Empty:
                 cmd = ("noop", {})
+            if cmd is not None and cmd[0] == "admitted":  # a late answer to a loop that ended
+                if cmd[1]:
+                    logger.warning("%d requests admitted after their loop ended", len(cmd[1]))
+                continue
             if cmd is not None and cmd[0] not in ("noop", "shutdown"):
                 try:  # set_lora: read the files once, here, and send their contents
                     cmd = (cmd[0], runner.prepare(*cmd))
@@ -249,7 +280,12 @@ def _follow_commands(rank, runner, cmd_q, res_q, heartbeat_s, gather):
         if kwargs.get("continuous"):
             device = runner.pipeline.device
             link = ContinuousLink(
-                rank, runner, cmd_q, res_q, lambda o, d=device: broadcast_tensors_cpu(o, 0, d)
+                rank,
+                runner,
+                cmd_q,
+                res_q,
+                lambda o, d=device: broadcast_tensors_cpu(o, 0, d),
+                answer_timeout_s=heartbeat_s,
             )
             kwargs = dict(kwargs, admit=link.admit, on_done=link.on_done)
             del kwargs["continuous"]

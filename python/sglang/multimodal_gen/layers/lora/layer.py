@@ -509,6 +509,7 @@ class BaseLayerWithLoRA(nn.Module):
         if self._can_swap(value):
             with torch.no_grad():
                 self.base_layer.weight.data = value
+            self.base_layer.weight_changed()  # no version counter moved
         else:
             with torch.inference_mode():  # in-place updates of inference and normal tensors
                 self.base_layer.weight.copy_(value)

@@ -82,6 +82,10 @@ class QuantizationMethod:
         """Finish the weights once every tensor is loaded (e.g. reduce per-shard activation
         scales to the one the GEMM uses). Default: nothing."""
 
+    def weight_changed(self, layer: LinearLayer) -> None:
+        """The layer's weight was replaced or written outside :meth:`load`
+        (:meth:`ParallelLinear.weight_changed`). Default: nothing derived to drop."""
+
     def dequantize(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         """The local weight ``[out_local, in_local]`` in ``dtype`` (fp32 products rounded once)."""
         raise NotImplementedError
@@ -149,6 +153,9 @@ class UnquantizedLinearMethod(QuantizationMethod):
     def process_weights_after_loading(self, layer):
         self.packed.clear()
         super().process_weights_after_loading(layer)
+
+    def weight_changed(self, layer):
+        self.packed.clear()
 
     def dequantize(self, layer, dtype):
         w = layer.weight
