@@ -2478,6 +2478,39 @@ MUTANTS: list[Mutant] = [
         "the encoder's own error, as it would alone",
     ),
     _m(
+        "continuous-tp-rank0-calls-split-groups",
+        "pipelines/batching.py",
+        "            calls.sort(key=lambda c: id(c.denoiser) not in self.shared)\n",
+        "",
+        ("test/integration/batching/test_continuous_batching_tp.py",),
+        ("-k", "cannot_be_resolved"),
+        why="rank 0's decode of a finished request splits the others' DiT group on rank 0 alone: "
+        "the ranks run collectives of different sizes (gloo aborts)",
+    ),
+    _m(
+        "continuous-late-answer-unanswered",
+        "runtime/engine.py",
+        "            if i not in answered:\n",
+        "            if False:\n",
+        ("test/integration/batching/test_continuous_batching_tp.py",),
+        ("-k", "too_late"),
+        why="a request admitted after its loop ended is never answered (its client waits forever)",
+    ),
+    _m(
+        "continuous-unresolvable-joiner-shifts-numbers",
+        "runtime/engine.py",
+        "                try:  # any failure is this request's alone (the others keep their numbers)\n"
+        "                    ready.append(self._resolve(r, {}))\n"
+        "                except Exception as e:",
+        "                try:  # any failure is this request's alone (the others keep their numbers)\n"
+        "                    ready.append(self._resolve(r, {}))\n"
+        "                except errors_mod.SGLangError as e:",
+        ("test/integration/batching/test_continuous_batching_tp.py",),
+        ("-k", "cannot_be_resolved"),
+        why="a joiner that cannot be resolved leaves its number taken: the next joiner's image goes "
+        "to another request",
+    ),
+    _m(
         "continuous-tp-each-rank-selects",
         "runtime/worker.py",
         "items.append((params, sel, cond))",

@@ -136,3 +136,50 @@ def test_joiners_that_fail_fail_alone_with_their_own_error(zimage_tp2_engine):
         assert type(err) is type(alone) and str(err) == str(alone), (err, alone)
     assert psnr(np.asarray(results[0][0]), alone_long) >= MIN_PSNR
     assert np.asarray(engine.generate(_req("a boat", 3, 2))[0]).shape == (32, 32, 3)
+
+
+def test_a_request_that_cannot_be_resolved_fails_alone_and_the_next_keeps_its_number(
+    zimage_tp2_engine,
+):
+    """``admit`` gives a good request and something that is not a request, then another good
+    one: the bad one fails alone and each good one gets its own image (no other request's
+    result under its number)."""
+    engine = zimage_tp2_engine
+    long, first, second = _req("a red fox", 1, 4), _req("a boat", 2, 2), _req("a lighthouse", 3, 2)
+    alone = {
+        k: np.asarray(engine.generate(r)[0]) for k, r in (("first", first), ("second", second))
+    }
+    assert psnr(alone["first"], alone["second"]) < 35
+    asked, results = [], {}
+
+    def admit(running):
+        asked.append(running)
+        return {1: [first, object()], 2: [second]}.get(len(asked), [])
+
+    engine.generate_continuous([long], admit, lambda i, r: results.__setitem__(i, r))
+    assert sorted(results) == [0, 1, 2, 3], results
+    assert isinstance(results[2], Exception)
+    assert psnr(np.asarray(results[1][0]), alone["first"]) >= MIN_PSNR
+    assert psnr(np.asarray(results[3][0]), alone["second"]) >= MIN_PSNR
+
+
+def test_an_answer_too_late_for_the_last_boundary_still_answers_its_requests(tiny_zimage_dir):
+    """With worker processes rank 0 waits ``heartbeat_s`` for ``admit``'s answer; an answer
+    later than that for the loop's last boundary finds the loop gone, and its request is
+    answered with an error instead of never."""
+    from sglang.multimodal_gen.errors import SGLangError
+    from sglang.multimodal_gen.runtime import DiffusionEngine
+
+    with DiffusionEngine(tiny_zimage_dir, tp_size=2, device="cpu", heartbeat_s=1.0) as engine:
+        late, results = _req("a boat", 2, 2), {}
+
+        def admit(running):
+            if running:
+                return []
+            time.sleep(2.5)  # past heartbeat_s
+            return [late]
+
+        engine.generate_continuous([_req("a red fox", 1, 2)], admit, results.__setitem__)
+        assert sorted(results) == [0, 1], results
+        assert isinstance(results[1], SGLangError) and "too late" in str(results[1])
+        assert np.asarray(engine.generate(late)[0]).shape == (32, 32, 3)  # still serving

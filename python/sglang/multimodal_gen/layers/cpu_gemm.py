@@ -145,6 +145,7 @@ class PackedWeight:
         ``weight`` itself when it is an inference tensor (those keep no version counter, so a
         write could not be seen: they run unpacked)."""
         if weight.is_inference():
+            self.clear()
             return weight
         key = (weight.data_ptr(), weight._version)
         if self._packed is None or self._ref() is not weight or self._key != key:

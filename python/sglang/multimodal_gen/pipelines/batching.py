@@ -246,6 +246,11 @@ class StepBatcher:
 
     def _run_step_locked(self) -> None:
         calls = [self.pending[i] for i in sorted(self.pending)]
+        if self.shared is not None:
+            # the calls every rank makes first, among themselves: a rank-0-only call (a
+            # decode) between two of them would split their group on rank 0 alone, and the
+            # ranks would run collectives of different sizes
+            calls.sort(key=lambda c: id(c.denoiser) not in self.shared)
         self.pending = {}
         try:
             for group in _groups(calls):

@@ -348,7 +348,10 @@ class DiffusionEngine:
         Args:
             admit: ``admit(running) -> requests`` (``running``: requests in the loop now), asked
                 on the engine's thread at every step boundary; the requests it returns join now.
-                It must be quick and must not call the engine.
+                It must be quick and must not call the engine (with worker processes rank 0
+                waits ``heartbeat_s`` for its answer: a later one joins at the next boundary,
+                or, at the loop's last boundary, fails its requests with ``SGLangError``). A
+                request it gives that cannot be resolved fails alone.
             on_done: ``on_done(index, result)``: request ``index`` finished (``reqs`` are
                 0..n-1, admitted requests are numbered on in the order ``admit`` gave them);
                 ``result`` is its outputs (as :meth:`generate`'s) or the exception it failed
@@ -364,6 +367,7 @@ class DiffusionEngine:
                 "continuous batching needs the DiT experts resident (no per-expert offload)"
             )
         index_of: list[int] = []  # the runner's request index -> the caller's
+        answered: set[int] = set()  # runner indices
         counted = [0]
 
         def resolved(batch: Sequence[SamplingParams]) -> list[SamplingParams]:
@@ -371,15 +375,16 @@ class DiffusionEngine:
             for r in batch:
                 index = counted[0]
                 counted[0] += 1
-                try:
+                try:  # any failure is this request's alone (the others keep their numbers)
                     ready.append(self._resolve(r, {}))
-                except errors_mod.SGLangError as e:
+                except Exception as e:
                     on_done(index, e)
                     continue
                 index_of.append(index)
             return ready
 
         def done(i: int, result: tuple) -> None:
+            answered.add(i)
             ok, val = result[:2]  # worker processes add the reporting rank
             rank = result[2] if len(result) > 2 else None
             on_done(index_of[i], list(val) if ok else unpack_error(val, rank))
@@ -392,6 +397,18 @@ class DiffusionEngine:
             admit=lambda running: resolved(admit(running)),
             on_done=done,
         )
+        # every request taken from `admit` is answered once: with worker processes rank 0
+        # stops waiting for an answer after heartbeat_s, and one that comes later for the
+        # loop's last boundary finds the loop gone (an `admit` that slow breaks its contract)
+        for i, index in enumerate(index_of):
+            if i not in answered:
+                on_done(
+                    index,
+                    errors_mod.SGLangError(
+                        "the request was admitted after its continuous batch had ended "
+                        "(admit answered too late); submit it again"
+                    ),
+                )
 
     def _resolve(self, params: SamplingParams | None, fields: dict) -> SamplingParams:
         if params is None:

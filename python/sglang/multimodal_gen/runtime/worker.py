@@ -209,20 +209,21 @@ class ContinuousLink:
             items = []
             try:
                 msg = self._answer(running)
-                if msg is not None and msg[0] == "admitted":
-                    reqs = list(msg[1])
-                    for params, sel in zip(reqs, self.runner._selections(reqs)):
-                        cond = None
-                        if not isinstance(sel, tuple):  # not refused: encode
-                            try:
-                                cond = self.runner.pipeline.encode_for_join(params, sel)
-                            except Exception as e:  # answered as refused, never dropped
-                                sel = (False, pack_error(e))
-                        items.append((params, sel, cond))
-                elif msg is not None:
-                    self.held = msg
             except Exception:  # never leave the other ranks waiting in the broadcast
-                logger.exception("continuous batching: admitting failed; nothing joins now")
+                logger.exception("continuous batching: no answer from the engine; none join")
+                msg = None
+            if msg is not None and msg[0] == "admitted":
+                for params in msg[1]:  # each one joins or is answered as refused, never dropped
+                    sel, cond = None, None
+                    try:
+                        sel = self.runner._selections([params])[0]
+                        if not isinstance(sel, tuple):  # not refused: encode
+                            cond = self.runner.pipeline.encode_for_join(params, sel)
+                    except Exception as e:
+                        sel, cond = (False, pack_error(e)), None
+                    items.append((params, sel, cond))
+            elif msg is not None:
+                self.held = msg
         return self.broadcast(items)
 
     def _answer(self, running: int):
