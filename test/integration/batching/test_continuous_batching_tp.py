@@ -183,3 +183,36 @@ def test_an_answer_too_late_for_the_last_boundary_still_answers_its_requests(tin
         assert sorted(results) == [0, 1], results
         assert isinstance(results[1], SGLangError) and "too late" in str(results[1])
         assert np.asarray(engine.generate(late)[0]).shape == (32, 32, 3)  # still serving
+
+
+def test_every_order_of_mixed_joins_gives_each_request_its_own_image(
+    zimage_tp2_engine, tiny_zimage_loras
+):
+    """Three requests with other seeds, step counts (4, 3, 2) and LoRA compositions (none, ``a``,
+    ``a + b``), in every order: the first starts the loop, the second joins at the first step
+    boundary, the third at the second; they finish at different steps, so rank 0's decodes
+    fall between the others' DiT calls (``generate_continuous`` directly: exact boundaries)."""
+    import itertools
+
+    engine = zimage_tp2_engine
+    engine.set_lora(["a", "b"], list(tiny_zimage_loras))
+    engine.unset_lora()
+    reqs = [
+        _req("a red fox", 1, 4),
+        _req("a lighthouse over a calm sea", 2, 3, lora=[("a", 0.8)]),
+        _req("a boat", 3, 2, lora=[("a", 1.3), ("b", 0.7)]),
+    ]
+    alone = [np.asarray(engine.generate(r)[0]) for r in reqs]
+    for x, y in itertools.combinations(alone, 2):
+        assert psnr(x, y) < 35
+    for order in itertools.permutations(range(3)):
+        asked, results = [], {}
+
+        def admit(running, order=order, asked=asked):
+            asked.append(running)
+            return {1: [reqs[order[1]]], 2: [reqs[order[2]]]}.get(len(asked), [])
+
+        engine.generate_continuous([reqs[order[0]]], admit, results.__setitem__)
+        assert sorted(results) == [0, 1, 2], (order, results)
+        for k, i in enumerate(order):
+            assert psnr(np.asarray(results[k][0]), alone[i]) >= MIN_PSNR, (order, i)
