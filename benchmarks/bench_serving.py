@@ -180,16 +180,9 @@ async def run_level(
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t_start
     return {
-        "concurrency": concurrency,
-        "requests": len(requests),
-        "ok": len(latencies),
-        "errors": errors,
-        "images_per_s": len(latencies) / wall,
-        "p50_s": percentile(latencies, 50) if latencies else float("nan"),
-        "p99_s": percentile(latencies, 99) if latencies else float("nan"),
-        "base_p50_s": percentile(base_lat, 50) if base_lat else float("nan"),
-        "lora_p50_s": percentile(lora_lat, 50) if lora_lat else float("nan"),
-        "wall_s": wall,
+        **_level_result(concurrency, requests, latencies, errors, wall),
+        "base_p50_s": _p(base_lat, 50),
+        "lora_p50_s": _p(lora_lat, 50),
         **(
             _overhead(
                 latencies,
@@ -199,6 +192,27 @@ async def run_level(
             if metrics
             else _overhead([], (), ())
         ),
+    }
+
+
+def _p(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (NaN when there are none)."""
+    return percentile(values, q) if values else float("nan")
+
+
+def _level_result(
+    concurrency: int, requests: list, latencies: list[float], errors: dict, wall: float
+) -> dict:
+    """The fields every level reports (closed loop and scheduled arrivals alike)."""
+    return {
+        "concurrency": concurrency,
+        "requests": len(requests),
+        "ok": len(latencies),
+        "errors": errors,
+        "images_per_s": len(latencies) / wall,
+        "p50_s": _p(latencies, 50),
+        "p99_s": _p(latencies, 99),
+        "wall_s": wall,
     }
 
 
@@ -227,20 +241,11 @@ async def _run_open_loop(
 
         await asyncio.gather(*(one(b, a) for b, a in zip(requests, arrivals)))
         wall = time.perf_counter() - t_start
-    nan = float("nan")
     return {
-        "concurrency": concurrency,
-        "requests": len(requests),
-        "ok": len(latencies),
-        "errors": errors,
-        "images_per_s": len(latencies) / wall,
-        "p50_s": percentile(latencies, 50) if latencies else nan,
-        "p99_s": percentile(latencies, 99) if latencies else nan,
-        "base_p50_s": nan,
-        "lora_p50_s": nan,
-        "wall_s": wall,
-        "engine_mean_s": nan,
-        "overhead_ms": nan,
+        **_level_result(concurrency, requests, latencies, errors, wall),
+        "base_p50_s": float("nan"),
+        "lora_p50_s": float("nan"),
+        **_overhead([], (), ()),
     }
 
 

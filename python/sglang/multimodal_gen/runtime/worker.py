@@ -257,12 +257,13 @@ def _follow_commands(rank, runner, cmd_q, res_q, heartbeat_s, gather):
     while True:
         cmd = None
         if rank == 0:
-            try:
-                cmd, held = (
-                    (held, None) if held is not None else (cmd_q.get(timeout=heartbeat_s), None)
-                )
-            except queue_mod.Empty:
-                cmd = ("noop", {})
+            if held is not None:
+                cmd, held = held, None
+            else:
+                try:
+                    cmd = cmd_q.get(timeout=heartbeat_s)
+                except queue_mod.Empty:
+                    cmd = ("noop", {})
             if cmd is not None and cmd[0] == "admitted":  # a late answer to a loop that ended
                 if cmd[1]:
                     logger.warning("%d requests admitted after their loop ended", len(cmd[1]))

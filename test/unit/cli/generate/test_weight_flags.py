@@ -4,7 +4,7 @@ naming the flag, exit 2."""
 from __future__ import annotations
 
 import pytest
-from sglang.cli.main import main as sglang_main
+from fixtures.cli import generate_errors
 
 
 @pytest.mark.parametrize(
@@ -18,14 +18,6 @@ from sglang.cli.main import main as sglang_main
     ],
 )
 def test_bad_weight_flags_exit_2_before_loading(flags, message, tmp_path, capsys, monkeypatch):
-    import sglang.multimodal_gen.runtime as runtime
-
-    def no_engine(*a, **k):
-        raise AssertionError("the engine was built")
-
-    monkeypatch.setattr(runtime, "DiffusionEngine", no_engine)
-    argv = ["generate", "--prompt", "x", "--output-path", str(tmp_path / "o.png"), *flags]
-    assert sglang_main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = generate_errors(flags, tmp_path, capsys, monkeypatch)
     assert err == [f"sglang generate: error: {err[0].split('error: ', 1)[1]}"]
     assert message in err[0]

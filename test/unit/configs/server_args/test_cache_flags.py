@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from sglang.cli.main import main as sglang_main
+from fixtures.cli import generate_errors
 from sglang.multimodal_gen.configs.server_args import ServerArgs
 from sglang.multimodal_gen.layers.step_cache import StepCacheConfig
 from sglang.multimodal_gen.runtime.model_source import job_kwargs
@@ -61,15 +61,7 @@ def test_serve_refuses(flags, message, tmp_path):
 
 @pytest.mark.parametrize("flags, message", BAD[:3])
 def test_generate_refuses_before_loading(flags, message, tmp_path, capsys, monkeypatch):
-    import sglang.multimodal_gen.runtime as runtime
-
-    def no_engine(*a, **k):
-        raise AssertionError("the engine was built")
-
-    monkeypatch.setattr(runtime, "DiffusionEngine", no_engine)
-    argv = ["generate", "--prompt", "x", "--output-path", str(tmp_path / "o.png"), *flags]
-    assert sglang_main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = generate_errors(flags, tmp_path, capsys, monkeypatch)
     assert len(err) == 1 and message in err[0]
 
 
@@ -84,13 +76,5 @@ def test_generate_refuses_before_loading(flags, message, tmp_path, capsys, monke
 def test_generate_names_the_flag_of_a_non_finite_value(flags, tmp_path, capsys, monkeypatch):
     """``sglang generate``'s error names the ``--cache-*`` flag, not the request's
     ``cache.<knob>`` key, and comes before any model is read."""
-    import sglang.multimodal_gen.runtime as runtime
-
-    def no_engine(*a, **k):
-        raise AssertionError("the engine was built")
-
-    monkeypatch.setattr(runtime, "DiffusionEngine", no_engine)
-    argv = ["generate", "--prompt", "x", "--output-path", str(tmp_path / "o.png"), *flags]
-    assert sglang_main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = generate_errors(flags, tmp_path, capsys, monkeypatch)
     assert err == [f"sglang generate: error: {flags[2]} must be a finite number, got {flags[3]}"]
